@@ -1,0 +1,80 @@
+"""Attention over one layer's stored entries: dense (flash / SDPA / eager) and the scoring window.
+
+Shapes (batch 1): query [H, T, d] with H = kv_heads * groups; the layer's storage already holds
+the T new entries as its last T entries. Query head h belongs to KV head h // groups (the layout
+transformers' repeat_kv assumes).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+try:  # optional: only on CUDA machines with the gpu extra
+    from flash_attn import flash_attn_func as _flash_attn_func
+except Exception:  # noqa: BLE001 - any import failure means "not available"
+    _flash_attn_func = None
+
+
+def flash_available() -> bool:
+    return _flash_attn_func is not None
+
+
+def pick_backend(use_flash_attention: bool, device: torch.device, dtype: torch.dtype) -> str:
+    """'flash' (CUDA + flash-attn + fp16/bf16), 'sdpa', or 'eager' when flash is turned off."""
+    if not use_flash_attention:
+        return "eager"
+    if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and flash_available():
+        return "flash"
+    return "sdpa"
+
+
+def causal_visibility(t: int, s: int, device) -> torch.Tensor:
+    """Bool [t, s]: query i (the (s-t+i)-th entry) sees every stored entry up to itself."""
+    cols = torch.arange(s, device=device)
+    rows = torch.arange(t, device=device) + (s - t)
+    return cols[None, :] <= rows[:, None]
+
+
+def dense_attention(query, keys, values, log_counts, scaling: float, backend: str):
+    """query [H,T,d]; keys/values [h,S,d]; log_counts [h,S] or None. Returns [H,T,d]."""
+    h, s, d = keys.shape
+    big_h, t, _ = query.shape
+    groups = big_h // h
+    if backend == "flash" and log_counts is None:
+        out = _flash_attn_func(query.transpose(0, 1)[None], keys.transpose(0, 1)[None],
+                               values.transpose(0, 1)[None], softmax_scale=scaling, causal=True)
+        return out[0].transpose(0, 1)
+    if backend == "eager":
+        probs = attention_probs(query, keys, log_counts, scaling)  # [h, G, T, S]
+        return torch.matmul(probs.to(values.dtype), values[:, None]).reshape(big_h, t, d)
+    q = query.view(h, groups, t, d)
+    k = keys[:, None].expand(h, groups, s, d)
+    v = values[:, None].expand(h, groups, s, d)
+    if log_counts is None and t == s:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling)
+    elif log_counts is None:
+        mask = causal_visibility(t, s, query.device) if t > 1 else None
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
+    else:
+        bias = log_counts.to(query.dtype)[:, None, None, :].expand(h, 1, t, s)
+        if t > 1:
+            bias = bias.masked_fill(~causal_visibility(t, s, query.device), float("-inf"))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scaling)
+    return out.reshape(big_h, t, d)
+
+
+def attention_probs(query, keys, log_counts, scaling: float, *, last: int | None = None):
+    """Softmax weights of the last `last` queries (all when None): [h, G, w, S], float32."""
+    h, s, d = keys.shape
+    big_h, t, _ = query.shape
+    groups = big_h // h
+    w = t if last is None else min(last, t)
+    q = query.view(h, groups, t, d)[:, :, t - w:]
+    logits = torch.matmul(q.float(), keys.float()[:, None].transpose(-1, -2)) * scaling  # [h,G,w,S]
+    if log_counts is not None:
+        logits = logits + log_counts[:, None, None, :]
+    if t > 1:
+        visible = causal_visibility(t, s, query.device)[t - w:]
+        logits = logits.masked_fill(~visible, float("-inf"))
+    return torch.softmax(logits, dim=-1)

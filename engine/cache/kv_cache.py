@@ -1,0 +1,290 @@
+"""DSV41Cache: the compressing KV cache of one chat session (all layers).
+
+The engine drives it around each model forward:
+    cache.begin_forward(n_tokens, score_window)   positions = tokens seen so far
+    ... model forward; each attention layer calls cache.attend(...) ...
+    cache.end_forward()
+and compacts it at the points DESIGN.md fixes (end of a turn's prefill, over the prefill headroom,
+every few decode steps). Positions are never derived from the stored length.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from . import ced, csa2
+from .attention import attention_probs, dense_attention
+from .storage import LayerKV
+
+CSA2_RECALL_EVERY = 64  # decode steps between sampled recall measurements (one layer each)
+
+
+@dataclass
+class CacheSettings:
+    kv_cache_ratio: float = 0.5
+    ced_decay: float = 0.99
+    ced_threshold: float = 0.1
+    ced_mode: str = "merge"
+    ced_sink_tokens: int = 4
+    ced_recent_tokens: int = 64
+    ced_policy: str = "ced"
+    csa2_topk: int = 256
+    csa2_rank: int | None = None
+    kv_int8: bool = False
+    compact_every: int = 16
+    score_window: int = 32
+
+    @classmethod
+    def from_config(cls, config) -> CacheSettings:
+        return cls(
+            kv_cache_ratio=config.kv_cache_ratio, ced_decay=config.ced_decay, ced_threshold=config.ced_threshold,
+            ced_mode=config.ced_mode, ced_sink_tokens=config.ced_sink_tokens,
+            ced_recent_tokens=config.ced_recent_tokens, ced_policy=config.ced_policy, csa2_topk=config.csa2_topk,
+            csa2_rank=config.csa2_rank, kv_int8=config.kv_cache_dtype == "int8",
+        )
+
+    @property
+    def compressing(self) -> bool:
+        return self.kv_cache_ratio < 1.0
+
+
+@dataclass
+class CacheStats:
+    tokens_seen: int
+    stored_per_layer: list[int]
+    merged_per_layer: list[int]
+    stored_bytes: int
+    uncompressed_bytes: int
+    compactions: int
+    compaction_seconds: float
+    csa2_recall: float | None
+    csa2_steps: int
+    budget: int
+
+    @property
+    def stored(self) -> int:
+        return max(self.stored_per_layer, default=0)
+
+    @property
+    def compression_ratio(self) -> float:
+        return self.stored_bytes / self.uncompressed_bytes if self.uncompressed_bytes else 1.0
+
+
+@dataclass
+class _Forward:
+    tokens: int = 0
+    positions: torch.Tensor | None = None
+    score_window: int = 0
+    prefill: bool = True
+    start_lengths: tuple[int, ...] = ()
+
+
+@dataclass
+class DSV41Cache:
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+    settings: CacheSettings
+    backend: str = "sdpa"
+    initial_capacity: int = 256
+    kv_bytes_per_element: int = field(init=False)
+
+    def __post_init__(self):
+        self.device = torch.device(self.device)
+        self.kv_bytes_per_element = torch.empty((), dtype=self.dtype).element_size()
+        self.reset()
+
+    # ------------------------------------------------------------------ lifecycle
+    def reset(self) -> None:
+        self.layers = [
+            LayerKV(self.kv_heads, self.head_dim, self.dtype, self.device, int8=self.settings.kv_int8,
+                    initial_capacity=self.initial_capacity)
+            for _ in range(self.num_layers)
+        ]
+        self.seen = 0
+        self.compactions = 0
+        self.compaction_seconds = 0.0
+        self.decode_steps = 0
+        self._recall: list[float] = []
+        self._csa2_steps = 0
+        self._fwd = _Forward()
+        self._rng = random.Random(0)
+        self._torch_rng = torch.Generator().manual_seed(0)
+
+    @property
+    def stored(self) -> int:
+        return self.layers[0].length if self.layers else 0
+
+    def budget(self, seen: int | None = None) -> int:
+        s = self.settings
+        return ced.budget_for(self.seen if seen is None else seen, s.kv_cache_ratio, s.ced_sink_tokens,
+                              s.ced_recent_tokens)
+
+    # ------------------------------------------------------------------ forward protocol
+    def begin_forward(self, tokens: int, *, score_window: int | None = None, prefill: bool | None = None) -> torch.Tensor:
+        """Start a forward over `tokens` new tokens; returns their position ids [1, tokens]."""
+        positions = torch.arange(self.seen, self.seen + tokens, device=self.device)
+        window = self.settings.score_window if score_window is None else score_window
+        self._fwd = _Forward(tokens, positions, window, tokens > 1 if prefill is None else prefill,
+                             tuple(layer.length for layer in self.layers))
+        return positions[None]
+
+    def abort_forward(self) -> None:
+        """Undo a forward that failed part-way (OOM, error): drop what some layers appended."""
+        for layer, length in zip(self.layers, self._fwd.start_lengths):
+            layer.length = min(layer.length, length)
+        self._fwd = _Forward()
+
+    def end_forward(self) -> None:
+        self.seen += self._fwd.tokens
+        if not self._fwd.prefill:
+            self.decode_steps += 1
+        self._fwd = _Forward()
+
+    def attend(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               scaling: float) -> torch.Tensor:
+        """query [1, H, T, d], key/value [1, h, T, d] (RoPE applied) -> output [1, T, H, d]."""
+        layer = self.layers[layer_idx]
+        fwd = self._fwd
+        start = layer.length
+        layer.append(key[0], value[0], fwd.positions)
+        csa2.project_new(layer, key[0], start)
+        q = query[0]
+        s = self.settings
+        scoring = s.compressing and s.ced_policy in ("ced", "h2o", "snapkv")
+        log_counts = layer.log_counts[:, : layer.length] if layer.merged_any else None
+        t = q.shape[1]
+        if t == 1 and self._sparse_ready(layer):
+            out = self._sparse_decode(layer, q, scaling, scoring)
+        elif t == 1:
+            keys, values = layer.read_keys(), layer.read_values()
+            probs = attention_probs(q, keys, log_counts, scaling)  # [h, G, 1, S]
+            out = torch.matmul(probs.to(values.dtype), values[:, None]).reshape(q.shape)
+            if scoring:
+                ced.observe(layer, s.ced_policy, s.ced_decay, probs.sum(dim=(1, 2)), 1, prefill=False)
+        else:
+            keys, values = layer.read_keys(), layer.read_values()
+            out = dense_attention(q, keys, values, log_counts, scaling, self.backend)
+            if scoring and fwd.score_window > 0:
+                probs = attention_probs(q, keys, log_counts, scaling, last=fwd.score_window)
+                ced.observe(layer, s.ced_policy, s.ced_decay, probs.sum(dim=(1, 2)), t, prefill=True)
+        return out.transpose(0, 1)[None]
+
+    # ------------------------------------------------------------------ CSA2
+    def _sparse_ready(self, layer: LayerKV) -> bool:
+        s = self.settings
+        return (s.csa2_topk > 0 and layer.projected_keys is not None
+                and layer.length > s.csa2_topk + s.ced_sink_tokens + s.ced_recent_tokens)
+
+    def _sparse_decode(self, layer: LayerKV, q: torch.Tensor, scaling: float, scoring: bool) -> torch.Tensor:
+        s = self.settings
+        index, top = csa2.screen(layer, q, s.csa2_topk, s.ced_sink_tokens, s.ced_recent_tokens)
+        keys, values = layer.read_keys(index), layer.read_values(index)
+        log_counts = torch.gather(layer.log_counts, 1, index) if layer.merged_any else None
+        probs = attention_probs(q, keys, log_counts, scaling)
+        out = torch.matmul(probs.to(values.dtype), values[:, None]).reshape(q.shape)
+        if scoring:
+            ced.observe(layer, s.ced_policy, s.ced_decay, probs.sum(dim=(1, 2)), 1, index, prefill=False)
+        if layer is self.layers[0]:
+            self._csa2_steps += 1
+            if self._csa2_steps % CSA2_RECALL_EVERY == 1:
+                probe = self.layers[self._rng.randrange(len(self.layers))]
+                if probe is layer:
+                    self._recall.append(csa2.exact_topk_recall(layer, q, top, s.ced_sink_tokens, s.ced_recent_tokens))
+        return out
+
+    def fit_sparse(self) -> None:
+        """Fit the CSA2 screening projection on what is stored (after a prefill or a compaction)."""
+        s = self.settings
+        if s.csa2_topk <= 0:
+            for layer in self.layers:
+                layer.projected_keys = None
+            return
+        rank = s.csa2_rank or max(1, self.head_dim // 8)
+        for layer in self.layers:
+            csa2.fit(layer, rank)
+
+    def measure_recall(self, query_by_layer: dict[int, torch.Tensor]) -> float:
+        """Recall@k of screening vs exact top-k for given decode queries [H,1,d] per layer (benchmarks)."""
+        s = self.settings
+        values = []
+        for idx, q in query_by_layer.items():
+            layer = self.layers[idx]
+            if self._sparse_ready(layer):
+                _, top = csa2.screen(layer, q, s.csa2_topk, s.ced_sink_tokens, s.ced_recent_tokens)
+                values.append(csa2.exact_topk_recall(layer, q, top, s.ced_sink_tokens, s.ced_recent_tokens))
+        return sum(values) / len(values) if values else float("nan")
+
+    # ------------------------------------------------------------------ compaction
+    def compact(self, target: int | None = None, *, threshold: bool = True) -> int:
+        """Compact every layer down to `target` entries (default: the budget). Returns entries dropped per head."""
+        s = self.settings
+        if not s.compressing:
+            return 0
+        target = self.budget() if target is None else target
+        started = time.perf_counter()
+        dropped = 0
+        use_threshold = s.ced_threshold if threshold and s.ced_policy in ("ced", "h2o", "snapkv") else 0.0
+        for layer in self.layers:
+            rank = ced.ranking(layer, s.ced_policy, self._torch_rng)
+            plan = ced.plan_compaction(rank, target, sink=s.ced_sink_tokens, recent=s.ced_recent_tokens,
+                                       threshold=use_threshold)
+            if plan is None:
+                continue
+            if s.ced_mode == "merge":
+                ced.merge_into_kept(layer, plan)
+            layer.keep(plan.keep)
+            dropped = max(dropped, plan.drop.shape[1])
+        if dropped:
+            self.compactions += 1
+        self.compaction_seconds += time.perf_counter() - started
+        return dropped
+
+    def maybe_compact_decode(self) -> int:
+        s = self.settings
+        if s.compressing and self.decode_steps and self.decode_steps % s.compact_every == 0 and self.stored > self.budget():
+            return self.compact()
+        return 0
+
+    def shrink(self, spare_tokens: int = 256) -> None:
+        for layer in self.layers:
+            layer.shrink_to_fit(spare_tokens)
+
+    # ------------------------------------------------------------------ reporting
+    def nbytes(self) -> int:
+        return sum(layer.nbytes() for layer in self.layers)
+
+    def uncompressed_bytes(self, seen: int | None = None) -> int:
+        seen = self.seen if seen is None else seen
+        return seen * self.num_layers * 2 * self.kv_heads * self.head_dim * self.kv_bytes_per_element
+
+    def stored_kv_bytes(self) -> int:
+        """Bytes held by stored entries (incl. side caches), without spare capacity."""
+        return sum(layer.used_bytes() for layer in self.layers)
+
+    def bytes_per_token(self) -> int:
+        """KV bytes one stored token costs across all layers (with INT8 scales)."""
+        per = 1 + 4 / self.head_dim if self.settings.kv_int8 else self.kv_bytes_per_element
+        return int(math.ceil(self.num_layers * 2 * self.kv_heads * self.head_dim * per))
+
+    def stats(self) -> CacheStats:
+        recall = sum(self._recall) / len(self._recall) if self._recall else None
+        return CacheStats(
+            tokens_seen=self.seen,
+            stored_per_layer=[layer.length for layer in self.layers],
+            merged_per_layer=[layer.merged_tokens for layer in self.layers],
+            stored_bytes=self.stored_kv_bytes(),
+            uncompressed_bytes=self.uncompressed_bytes(),
+            compactions=self.compactions,
+            compaction_seconds=self.compaction_seconds,
+            csa2_recall=recall,
+            csa2_steps=self._csa2_steps,
+            budget=self.budget(),
+        )

@@ -1,0 +1,162 @@
+"""Per-layer KV storage in blocks, with importance scores, merge counts and optional INT8.
+
+Layout (per layer, batch size 1 — a chat app serves one conversation at a time):
+    keys, values   [kv_heads, capacity, head_dim]   one contiguous block per KV head
+    positions      [kv_heads, capacity]             RoPE position each entry was encoded at
+    scores         [kv_heads, capacity]  float32    CED importance (decayed accumulated attention)
+    log_counts     [kv_heads, capacity]  float32    log(n): n tokens folded into the slot (merge mode)
+Every head holds the same number of entries (`length`), so tensors stay rectangular and a
+compaction really frees memory. Entries stay in position order; sinks are the first entries and
+the recent window the last ones of every head.
+
+Capacity grows block by block (never a cat per token) and shrinks after a compaction.
+INT8 mode stores keys/values as int8 with one float scale per token and head; only what is read
+is dequantized.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+BLOCK_TOKENS = 256
+
+
+class LayerKV:
+    def __init__(self, kv_heads: int, head_dim: int, dtype: torch.dtype, device, *, int8: bool = False,
+                 initial_capacity: int = BLOCK_TOKENS):
+        self.kv_heads, self.head_dim = kv_heads, head_dim
+        self.dtype, self.device, self.int8 = dtype, torch.device(device), int8
+        self.length = 0
+        self.merged_any = False
+        self.merged_tokens = 0  # tokens folded into other slots (merge mode), for statistics
+        self._alloc(_round_up(max(initial_capacity, 1)))
+
+    # ------------------------------------------------------------------ allocation
+    def _alloc(self, capacity: int) -> None:
+        h, d, dev = self.kv_heads, self.head_dim, self.device
+        store_dtype = torch.int8 if self.int8 else self.dtype
+        self.keys = torch.zeros(h, capacity, d, dtype=store_dtype, device=dev)
+        self.values = torch.zeros(h, capacity, d, dtype=store_dtype, device=dev)
+        if self.int8:
+            self.key_scales = torch.zeros(h, capacity, 1, dtype=torch.float32, device=dev)
+            self.value_scales = torch.zeros(h, capacity, 1, dtype=torch.float32, device=dev)
+        self.positions = torch.zeros(h, capacity, dtype=torch.int32, device=dev)
+        self.scores = torch.zeros(h, capacity, dtype=torch.float32, device=dev)
+        self.log_counts = torch.zeros(h, capacity, dtype=torch.float32, device=dev)
+        self.projected_keys = None  # CSA2 side cache [h, capacity, r], set by CSA2.fit
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[1]
+
+    def _tensors(self) -> list[str]:
+        names = ["keys", "values", "positions", "scores", "log_counts"]
+        if self.int8:
+            names += ["key_scales", "value_scales"]
+        if self.projected_keys is not None:
+            names.append("projected_keys")
+        return names
+
+    def resize(self, capacity: int) -> None:
+        """Reallocate to `capacity` (rounded up to whole blocks), keeping the first `length` entries."""
+        capacity = _round_up(max(capacity, self.length, 1))
+        if capacity == self.capacity:
+            return
+        n = self.length
+        for name in self._tensors():
+            old = getattr(self, name)
+            new = old.new_zeros((old.shape[0], capacity, *old.shape[2:]))
+            new[:, :n] = old[:, :n]
+            setattr(self, name, new)
+
+    def ensure_capacity(self, needed: int) -> None:
+        if needed > self.capacity:
+            # Grow by at least a quarter so long prefills do not reallocate every block.
+            self.resize(max(needed, self.capacity + self.capacity // 4))
+
+    def shrink_to_fit(self, spare_tokens: int = BLOCK_TOKENS) -> None:
+        if self.capacity - self.length > spare_tokens + BLOCK_TOKENS:
+            self.resize(self.length + spare_tokens)
+
+    # ------------------------------------------------------------------ writes
+    def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        """keys, values: [kv_heads, T, head_dim]; positions: [T] (same for every head)."""
+        t = keys.shape[1]
+        start, end = self.length, self.length + t
+        self.ensure_capacity(end)
+        if self.int8:
+            q, s = quantize_int8(keys)
+            self.keys[:, start:end], self.key_scales[:, start:end] = q, s
+            q, s = quantize_int8(values)
+            self.values[:, start:end], self.value_scales[:, start:end] = q, s
+        else:
+            self.keys[:, start:end] = keys
+            self.values[:, start:end] = values
+        self.positions[:, start:end] = positions.to(self.device, torch.int32)
+        self.scores[:, start:end] = 0.0
+        self.log_counts[:, start:end] = 0.0
+        self.length = end
+
+    # ------------------------------------------------------------------ reads
+    def read_keys(self, index: torch.Tensor | None = None) -> torch.Tensor:
+        """All stored keys [h, S, d], or the entries at `index` [h, k] (gathered, then dequantized)."""
+        return self._read(self.keys, self.key_scales if self.int8 else None, index)
+
+    def read_values(self, index: torch.Tensor | None = None) -> torch.Tensor:
+        return self._read(self.values, self.value_scales if self.int8 else None, index)
+
+    def _read(self, data, scales, index):
+        n = self.length
+        if index is None:
+            out = data[:, :n]
+            if scales is not None:
+                out = out.to(self.dtype) * scales[:, :n].to(self.dtype)
+            return out
+        out = _gather_rows(data, index)
+        if scales is not None:
+            out = out.to(self.dtype) * _gather_rows(scales, index).to(self.dtype)
+        return out
+
+    # ------------------------------------------------------------------ bookkeeping
+    def nbytes(self) -> int:
+        return sum(getattr(self, n).numel() * getattr(self, n).element_size() for n in self._tensors())
+
+    def used_bytes(self) -> int:
+        """Bytes the stored entries occupy (K, V, scales, positions, scores, counts, CSA2 side cache),
+        without spare capacity."""
+        total = 0
+        for name in self._tensors():
+            t = getattr(self, name)
+            total += t.element_size() * t[:, :1].numel() * self.length
+        return total
+
+    def keep(self, index: torch.Tensor) -> None:
+        """Keep only the entries at `index` [h, k] (ascending per head) in place; k is the new length."""
+        k = index.shape[1]
+        for name in self._tensors():
+            t = getattr(self, name)
+            kept = _gather_rows(t[:, : self.length], index)
+            t[:, :k] = kept
+        self.length = k
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8: x [h, T, d] -> (q int8 [h, T, d], scale float32 [h, T, 1])."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1, keepdim=True).clamp_min(1e-8) / 127.0
+    q = torch.round(xf / scale).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def _gather_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """t [h, N, ...], index [h, k] -> [h, k, ...]."""
+    if t.dim() == 2:
+        return torch.gather(t, 1, index)
+    expand = index.view(*index.shape, *([1] * (t.dim() - 2))).expand(-1, -1, *t.shape[2:])
+    return torch.gather(t, 1, expand)
+
+
+def _round_up(n: int) -> int:
+    return int(math.ceil(n / BLOCK_TOKENS) * BLOCK_TOKENS)

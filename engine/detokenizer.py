@@ -1,0 +1,44 @@
+"""Incremental detokenizer: text deltas that never split a UTF-8 character (Chinese, emoji)."""
+
+from __future__ import annotations
+
+REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Decode a growing token list into text deltas.
+
+    Decodes a short window [prefix, end) and emits only what extends the window's earlier text;
+    a trailing U+FFFD means a multi-byte character is still incomplete, so nothing is emitted yet.
+    """
+
+    def __init__(self, tokenizer, *, skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special = skip_special_tokens
+        self.ids: list[int] = []
+        self._prefix = 0
+        self._read = 0
+        self.text = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special, clean_up_tokenization_spaces=False)
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        before = self._decode(self.ids[self._prefix:self._read])
+        after = self._decode(self.ids[self._prefix:])
+        if len(after) > len(before) and not after.endswith(REPLACEMENT):
+            delta = after[len(before):]
+            self._prefix, self._read = self._read, len(self.ids)
+            self.text += delta
+            return delta
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is still held back (an incomplete character at the very end decodes as U+FFFD)."""
+        before = self._decode(self.ids[self._prefix:self._read])
+        after = self._decode(self.ids[self._prefix:])
+        delta = after[len(before):] if after.startswith(before) else ""
+        self._prefix = self._read = len(self.ids)
+        self.text += delta
+        return delta

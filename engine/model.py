@@ -1,0 +1,250 @@
+"""DSV41Model: the seed's API over a HF causal LM and the DS-V4.1 cache.
+
+    model = DSV41Model.from_pretrained(DSV41Config(...))
+    model.warmup(sample_inputs=["你好", "请介绍一下你自己"])
+    for event in model.chat_session().send("Summarise this", documents=["paper.pdf"]): ...
+    model.print_memory_usage()
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import psutil
+
+from . import loader
+from . import memory as memory_mod
+from .cache import CacheSettings, DSV41Cache
+from .cache import adapter
+from .cache.attention import pick_backend
+from .config import CACHE_KNOBS, DSV41Config
+from .errors import ConfigError
+from .events import Done, Event, TokenText
+from .memory import MemoryReport
+from .sampling import GenerationSettings
+from .session import ChatSession
+
+log = logging.getLogger(__name__)
+
+AUTO_HEADROOM_FRACTION = 0.5  # of free memory a document turn may fill before compacting mid-stream
+
+
+@dataclass(frozen=True)
+class LoadInfo:
+    source_kind: str
+    display_name: str
+    folder: str
+    resolve_seconds: float  # includes a first-time GGUF conversion
+    load_seconds: float
+    device: str
+    dtype: str
+    weight_quant: str
+    attention_backend: str
+
+
+@dataclass(frozen=True)
+class ReconfigureResult:
+    action: str  # "compacted" | "rebuilt" | "deferred" | "unchanged"
+    before: MemoryReport | None
+    after: MemoryReport | None
+
+
+class DSV41Model:
+    def __init__(self, config: DSV41Config, hf_model, tokenizer, info: LoadInfo, baseline_rss: int):
+        self.config = config
+        self.hf_model = hf_model
+        self.tokenizer = tokenizer
+        self.info = info
+        self.device = next(hf_model.parameters()).device
+        self.dtype = next(p.dtype for p in hf_model.parameters() if p.is_floating_point())
+        self._baseline_rss = baseline_rss
+        self.weights_bytes = memory_mod.module_bytes(hf_model)
+        self.num_layers, self.kv_heads, self.head_dim = adapter.kv_geometry(hf_model)
+        self.eos_ids = _eos_ids(hf_model, tokenizer)
+        self._sessions: weakref.WeakSet[ChatSession] = weakref.WeakSet()
+        self._active: ChatSession | None = None
+        self._pending: dict | None = None
+        self._lock = threading.Lock()
+        self.generation_defaults = GenerationSettings()
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_pretrained(cls, config: DSV41Config | None = None, *, progress=None, **overrides) -> DSV41Model:
+        """Load the model named by config.model_path. `progress(message, fraction)` gets loading steps."""
+        config = (config or DSV41Config()).replace(**overrides) if overrides else (config or DSV41Config())
+        baseline_rss = psutil.Process().memory_info().rss
+        started = time.perf_counter()
+        source = loader.resolve_source(config.model_path, progress=progress)
+        resolved = time.perf_counter()
+        device = loader.pick_device(config.device_map)
+        dtype = loader.pick_dtype(config.dtype, device)
+        if progress:
+            progress(f"Loading {source.display_name}…", 0.5)
+        hf_model, tokenizer = loader.load_model(
+            source.path, dtype=dtype, device=device, device_map=config.device_map, weight_quant=config.weight_quant,
+            trust_remote_code=config.trust_remote_code, allow_pickled_weights=config.allow_pickled_weights)
+        adapter.install(hf_model)
+        backend = pick_backend(config.use_flash_attention, next(hf_model.parameters()).device, dtype)
+        info = LoadInfo(source.kind, source.display_name, str(source.path), resolved - started,
+                        time.perf_counter() - resolved, str(next(hf_model.parameters()).device),
+                        str(dtype).replace("torch.", ""), config.weight_quant, backend)
+        if progress:
+            progress("Model ready", 1.0)
+        return cls(config, hf_model, tokenizer, info, baseline_rss)
+
+    # ------------------------------------------------------------------ derived settings
+    @property
+    def max_positions(self) -> int:
+        return adapter.max_positions(self.hf_model) or self.config.max_seq_len
+
+    @property
+    def context_limit(self) -> int:
+        return min(self.config.max_seq_len, self.max_positions)
+
+    @property
+    def prefill_chunk(self) -> int:
+        if self.config.prefill_chunk:
+            return self.config.prefill_chunk
+        return 2048 if self.device.type == "cuda" else 512
+
+    def cache_settings(self) -> CacheSettings:
+        return CacheSettings.from_config(self.config)
+
+    def new_cache(self) -> DSV41Cache:
+        settings = self.cache_settings()
+        initial = max(256, int(self.config.max_seq_len * self.config.kv_cache_ratio))
+        return DSV41Cache(self.num_layers, self.kv_heads, self.head_dim, self.dtype, self.device, settings,
+                          backend=self.info.attention_backend, initial_capacity=initial)
+
+    def kv_bytes_per_token(self) -> int:
+        return self.new_cache_probe().bytes_per_token()
+
+    def new_cache_probe(self) -> DSV41Cache:
+        return DSV41Cache(self.num_layers, self.kv_heads, self.head_dim, self.dtype, self.device,
+                          self.cache_settings(), initial_capacity=1)
+
+    def headroom_tokens(self, cache: DSV41Cache) -> int | None:
+        """How many entries a document turn may hold before compacting while it streams in."""
+        headroom = self.config.prefill_headroom
+        per_token = cache.bytes_per_token()
+        if isinstance(headroom, int):
+            return headroom
+        if isinstance(headroom, float):
+            return max(int(headroom * 1024**3 / per_token), 1)
+        free = self.memory_report(cache).free
+        return max(int(free * AUTO_HEADROOM_FRACTION / per_token), 1)
+
+    def generation_settings(self, **overrides) -> GenerationSettings:
+        if "stop" in overrides and isinstance(overrides["stop"], str):
+            overrides["stop"] = (overrides["stop"],)
+        if overrides.get("max_new_tokens") is None:
+            overrides.pop("max_new_tokens", None)
+        from dataclasses import replace
+
+        return replace(self.generation_defaults, **overrides)
+
+    # ------------------------------------------------------------------ the seed's API
+    def chat_session(self, system_prompt: str | None = None) -> ChatSession:
+        session = ChatSession(self, system_prompt)
+        self._sessions.add(session)
+        self._active = session
+        return session
+
+    def stream(self, prompt: str, *, documents=(), system_prompt: str | None = None, cancel=None,
+               **settings) -> Iterator[Event]:
+        """One-shot streamed generation in a fresh session."""
+        session = self.chat_session(system_prompt)
+        return session.send(prompt, documents, cancel=cancel, **settings)
+
+    def generate(self, prompt: str, *, documents=(), system_prompt: str | None = None, **settings) -> str:
+        """One-shot generation; returns the reply text."""
+        text = ""
+        for event in self.stream(prompt, documents=documents, system_prompt=system_prompt, **settings):
+            if isinstance(event, Done):
+                text = event.text
+        return text
+
+    def warmup(self, sample_inputs=("你好", "请介绍一下你自己"), max_new_tokens: int = 4) -> list[float]:
+        """Run short generations so kernels and allocators are initialised; returns each TTFT in seconds."""
+        ttfts = []
+        for text in sample_inputs:
+            session = ChatSession(self)
+            for event in session.send(text, max_new_tokens=max_new_tokens, greedy=True):
+                if isinstance(event, Done) and event.stats:
+                    ttfts.append(event.stats.ttft_s)
+        return ttfts
+
+    def memory_report(self, cache: DSV41Cache | None = None) -> MemoryReport:
+        cache = cache if cache is not None else (self._active.cache if self._active else None)
+        kv = cache.stored_kv_bytes() if cache else 0
+        kv_full = cache.uncompressed_bytes() if cache else 0
+        return memory_mod.measure(
+            str(self.device), self.weights_bytes, kv, kv_full, baseline_rss=self._baseline_rss,
+            tokens_seen=cache.seen if cache else 0, kv_stored_tokens=cache.stored if cache else 0,
+            kv_reserved=cache.nbytes() if cache else 0)
+
+    def print_memory_usage(self, cache: DSV41Cache | None = None) -> MemoryReport:
+        report = self.memory_report(cache)
+        print(report.format_seed())
+        return report
+
+    # ------------------------------------------------------------------ reconfigure
+    def reconfigure(self, session: ChatSession | None = None, progress=None, **knobs) -> ReconfigureResult:
+        """Change cache knobs between turns. During a reply the change is deferred to the end of the turn."""
+        bad = [k for k in knobs if k not in CACHE_KNOBS]
+        if bad:
+            raise ConfigError(bad[0], knobs[bad[0]], "a cache knob (" + ", ".join(sorted(CACHE_KNOBS)) + "); "
+                              "other fields need a reload with DSV41Model.from_pretrained")
+        new_config = self.config.replace(**knobs)  # validates
+        if any(s.busy for s in self._sessions):
+            self._pending = {**(self._pending or {}), **knobs}
+            return ReconfigureResult("deferred", None, None)
+        if new_config == self.config:
+            return ReconfigureResult("unchanged", None, None)
+        self.config = new_config
+        target = session or self._active
+        before = self.memory_report(target.cache) if target else None
+        action = "compacted"
+        for live in list(self._sessions):
+            done = live.apply_settings(self.cache_settings(), progress if live is target else None)
+            if live is target:
+                action = done
+        after = self.memory_report(target.cache) if target else None
+        return ReconfigureResult(action, before, after)
+
+    @property
+    def pending_knobs(self) -> dict | None:
+        return dict(self._pending) if self._pending else None
+
+    def _turn_finished(self, session: ChatSession) -> None:
+        self._active = session
+        if self._pending and not any(s.busy for s in self._sessions):
+            knobs, self._pending = self._pending, None
+            self.reconfigure(session, **knobs)
+
+
+def collect_text(events) -> str:
+    """Join the TokenText deltas of an event stream."""
+    return "".join(e.text for e in events if isinstance(e, TokenText))
+
+
+def _eos_ids(hf_model, tokenizer) -> frozenset[int]:
+    ids = set()
+    for source in (getattr(hf_model, "generation_config", None), hf_model.config):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if isinstance(v, int))
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    for token in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "</s>"):
+        tid = tokenizer.convert_tokens_to_ids(token)
+        if isinstance(tid, int) and tid != tokenizer.unk_token_id and tid >= 0:
+            ids.add(tid)
+    return frozenset(ids)
