@@ -35,10 +35,10 @@ class IncrementalDetokenizer:
         return ""
 
     def flush(self) -> str:
-        """Whatever is still held back (an incomplete character at the very end decodes as U+FFFD)."""
+        """Whatever is still held back, less a trailing incomplete character (the reply was cut mid-character)."""
         before = self._decode(self.ids[self._prefix:self._read])
         after = self._decode(self.ids[self._prefix:])
-        delta = after[len(before):] if after.startswith(before) else ""
+        delta = after[len(before):].rstrip(REPLACEMENT) if after.startswith(before) else ""
         self._prefix = self._read = len(self.ids)
         self.text += delta
         return delta

@@ -200,6 +200,7 @@ class DSV41Cache:
                     self._recall.append(csa2.exact_topk_recall(layer, q, top, s.ced_sink_tokens, s.ced_recent_tokens))
         return out
 
+    @torch.inference_mode()
     def fit_sparse(self) -> None:
         """Fit the CSA2 screening projection on what is stored (after a prefill or a compaction)."""
         s = self.settings
@@ -209,8 +210,12 @@ class DSV41Cache:
             return
         rank = s.csa2_rank or max(1, self.head_dim // 8)
         for layer in self.layers:
-            csa2.fit(layer, rank)
+            if layer.length > s.csa2_topk + s.ced_sink_tokens + s.ced_recent_tokens:
+                csa2.fit(layer, rank)
+            else:  # short cache: dense attention, no side cache to pay for
+                layer.projected_keys = None
 
+    @torch.inference_mode()
     def measure_recall(self, query_by_layer: dict[int, torch.Tensor]) -> float:
         """Recall@k of screening vs exact top-k for given decode queries [H,1,d] per layer (benchmarks)."""
         s = self.settings
@@ -223,6 +228,7 @@ class DSV41Cache:
         return sum(values) / len(values) if values else float("nan")
 
     # ------------------------------------------------------------------ compaction
+    @torch.inference_mode()
     def compact(self, target: int | None = None, *, threshold: bool = True) -> int:
         """Compact every layer down to `target` entries (default: the budget). Returns entries dropped per head."""
         s = self.settings
@@ -253,6 +259,7 @@ class DSV41Cache:
             return self.compact()
         return 0
 
+    @torch.inference_mode()
     def shrink(self, spare_tokens: int = 256) -> None:
         for layer in self.layers:
             layer.shrink_to_fit(spare_tokens)

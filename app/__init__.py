@@ -1,0 +1,6 @@
+"""DS-V4.1 Chat desktop app (PySide6).
+
+The GUI thread never imports torch or the engine: one worker thread (app.worker) owns the model and
+the chat sessions; documents are parsed on a thread pool (app.documents). Everything the GUI needs
+from the engine arrives as plain data on signals.
+"""

@@ -1,0 +1,114 @@
+"""Attaching documents: parse on a thread pool (never the GUI thread), then judge whether they fit.
+
+Parsing goes through engine.documents.load_document, which is pure Python; it runs on
+QThreadPool threads and reports back by queued signals.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+from PySide6.QtCore import QObject, QRunnable, QThreadPool, Signal
+
+from .protocol import AttachedDocument
+
+_keys = itertools.count(1)
+
+
+class _ParseSignals(QObject):
+    parsed = Signal(str, object)  # request key, AttachedDocument
+    failed = Signal(str, str, str)  # request key, path, message
+
+
+class _ParseJob(QRunnable):
+    def __init__(self, key: str, path: str, signals: _ParseSignals):
+        super().__init__()
+        self.key, self.path, self.signals = key, path, signals
+
+    def run(self) -> None:
+        try:
+            from engine.documents import load_document
+
+            doc = load_document(self.path)
+        except Exception as exc:  # noqa: BLE001 - DocumentError carries the user's message; others too
+            message = str(exc) if type(exc).__name__ == "DocumentError" else f"{self.path}: {type(exc).__name__}: {exc}"
+            self.signals.failed.emit(self.key, self.path, message)
+            return
+        self.signals.parsed.emit(self.key, AttachedDocument(self.key, doc.name, doc.path, doc.kind, doc.text,
+                                                            doc.pages, doc.chars))
+
+
+class DocumentLoader(QObject):
+    """Parses files off the GUI thread. `load(path)` returns the key its result will carry."""
+
+    parsed = Signal(str, object)
+    failed = Signal(str, str, str)
+
+    def __init__(self, parent: QObject | None = None):
+        super().__init__(parent)
+        self.pool = QThreadPool(self)
+        self.pool.setMaxThreadCount(2)
+        self._signals = _ParseSignals(self)
+        self._signals.parsed.connect(self._on_parsed)
+        self._signals.failed.connect(self._on_failed)
+        self.pending: set[str] = set()
+
+    def load(self, path: str) -> str:
+        key = f"doc-{next(_keys)}"
+        self.pending.add(key)
+        self.pool.start(_ParseJob(key, path, self._signals))
+        return key
+
+    def _on_parsed(self, key: str, doc: AttachedDocument) -> None:
+        self.pending.discard(key)
+        self.parsed.emit(key, doc)
+
+    def _on_failed(self, key: str, path: str, message: str) -> None:
+        self.pending.discard(key)
+        self.failed.emit(key, path, message)
+
+    def wait(self, timeout_ms: int = 30_000) -> bool:
+        return self.pool.waitForDone(timeout_ms)
+
+
+@dataclass(frozen=True)
+class FitAssessment:
+    kv_bytes: int  # what this document's entries take in the cache after compaction at the current settings
+    fits: bool
+    warning: str | None  # says which knob would make it fit
+
+
+def assess_fit(tokens: int, *, tokens_before: int, context_limit: int, max_positions: int, bytes_per_token: int,
+               kv_cache_ratio: float, free_bytes: int | None, prefill_headroom, kv_dtype: str) -> FitAssessment:
+    """Judge one document that comes after `tokens_before` tokens (system, history, earlier documents)."""
+    kv_bytes = int(tokens * kv_cache_ratio * bytes_per_token)
+    needed = tokens_before + tokens
+    if needed >= context_limit:
+        if max_positions and needed < max_positions:
+            knob = (f"Raise max_seq_len in the model panel to at least {_round_up(needed + 512)} "
+                    f"(the model reads up to {max_positions:,}) and reload")
+        else:
+            knob = f"Attach an excerpt: the model reads at most {max(max_positions, context_limit):,} tokens"
+        return FitAssessment(kv_bytes, False, f"Will not fit the context: needs ~{needed:,} of {context_limit:,} "
+                                              f"tokens. {knob}, or start a new chat.")
+    if free_bytes:
+        stored_after = int(needed * kv_cache_ratio * bytes_per_token)
+        if stored_after > 0.9 * free_bytes:
+            target = 0.9 * free_bytes / max(needed * bytes_per_token, 1)
+            if target >= 0.1:
+                knob = f"lower Cache ratio to {math.floor(target * 20) / 20:.2f}"
+            elif kv_dtype != "int8":
+                knob = "set KV dtype to INT8 and lower Cache ratio"
+            else:
+                knob = "pick a smaller document or free memory"
+            return FitAssessment(kv_bytes, False, f"Will not fit in free memory at the current settings: {knob}.")
+        if isinstance(prefill_headroom, int) and min(tokens, prefill_headroom) * bytes_per_token > 0.9 * free_bytes:
+            return FitAssessment(kv_bytes, False, "The prefill headroom would not fit in free memory: "
+                                                  "lower Prefill headroom (or set it to Auto).")
+    return FitAssessment(kv_bytes, True, None)
+
+
+def _round_up(n: int, step: int = 1024) -> int:
+    return int(math.ceil(n / step) * step)

@@ -1,0 +1,100 @@
+"""Entry point (python -m app, dsv41-chat): the QApplication, icon and style sheet, the error hook."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import traceback
+
+from PySide6.QtCore import QObject, Qt, Signal
+from PySide6.QtGui import QFont, QIcon
+from PySide6.QtWidgets import QApplication, QMessageBox
+
+from .paths import resource
+
+log = logging.getLogger("app")
+
+
+class ErrorHook(QObject):
+    """Any unhandled exception (GUI thread or another) reaches one dialog; the app keeps running."""
+
+    raised = Signal(str, str)
+
+    def __init__(self, window=None):
+        super().__init__()
+        self.window = window
+        self.raised.connect(self._show, Qt.ConnectionType.QueuedConnection)
+        self._previous = sys.excepthook, threading.excepthook
+
+    def install(self) -> None:
+        sys.excepthook = self._hook
+        threading.excepthook = lambda args: self._hook(args.exc_type, args.exc_value, args.exc_traceback)
+
+    def uninstall(self) -> None:
+        sys.excepthook, threading.excepthook = self._previous
+
+    def _hook(self, exc_type, exc, tb) -> None:
+        if issubclass(exc_type, KeyboardInterrupt):
+            QApplication.quit()
+            return
+        details = "".join(traceback.format_exception(exc_type, exc, tb))
+        log.error("unhandled exception:\n%s", details)
+        self.raised.emit(f"{exc_type.__name__}: {exc}", details)
+
+    def _show(self, summary: str, details: str) -> None:
+        if self.window is not None and hasattr(self.window, "inform"):
+            box = self.window.inform("Unexpected error", f"{summary}\n\nThe app keeps running; "
+                                     "what you were doing may not have finished.")
+            box.setDetailedText(details)
+        else:
+            QMessageBox.critical(None, "Unexpected error", summary)
+
+
+def app_icon() -> QIcon:
+    icon = QIcon()
+    for name in ("icon.svg", "icon-256.png", "icon-64.png"):
+        path = resource(name)
+        if path is not None:
+            icon.addFile(str(path))
+    return icon
+
+
+def style_sheet() -> str:
+    path = resource("style.qss")
+    return path.read_text(encoding="utf-8") if path is not None else ""
+
+
+def make_application(argv: list[str] | None = None) -> QApplication:
+    app = QApplication.instance() or QApplication(argv if argv is not None else sys.argv)
+    app.setApplicationName("DS-V4.1 Chat")
+    app.setOrganizationName("ds-v41-chat")
+    app.setDesktopFileName("ds-v41-chat")
+    app.setWindowIcon(app_icon())
+    app.setStyle("Fusion")
+    font = QFont(app.font())
+    # A CJK fallback after the UI font, so Chinese renders even where the UI font lacks it.
+    font.setFamilies([font.family(), "Noto Sans CJK SC", "Noto Sans SC", "Microsoft YaHei", "PingFang SC"])
+    app.setFont(font)
+    app.setStyleSheet(style_sheet())
+    return app
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = make_application(argv)
+    from .window import MainWindow
+
+    hook = ErrorHook()
+    hook.install()
+    window = MainWindow(autoload=True)
+    hook.window = window
+    window.show()
+    try:
+        return app.exec()
+    finally:
+        hook.uninstall()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""Plain data passed between the GUI thread and the engine worker (no Qt, no engine imports).
+
+The GUI never holds engine objects it did not receive on a signal; the worker turns these into engine
+calls on its own thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class AttachedDocument:
+    """A parsed file ready to be attached to a turn (mirrors engine.documents.Document, plus a key)."""
+
+    key: str  # unique per attachment in this app run; token counts come back under it
+    name: str
+    path: str
+    kind: str
+    text: str
+    pages: int | None
+    chars: int
+
+    @property
+    def estimated_tokens(self) -> int:
+        return max(self.chars // 4, 1)
+
+
+@dataclass(frozen=True)
+class HistoryTurn:
+    """One finished exchange of a conversation, as the engine should see it again."""
+
+    prompt: str
+    documents: tuple[AttachedDocument, ...]
+    reply: str
+    model_content: str | None = None  # the user message exactly as the engine stored it, when known
+
+
+@dataclass(frozen=True)
+class GenerationOptions:
+    max_new_tokens: int = 512
+    temperature: float = 0.7
+    greedy: bool = False
+    seed: int | None = None
+
+
+@dataclass
+class TurnRequest:
+    turn_id: int
+    conversation_id: int
+    history: tuple[HistoryTurn, ...]
+    prompt: str
+    documents: tuple[AttachedDocument, ...]
+    generation: GenerationOptions
+    cancel: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass(frozen=True)
+class TurnOutcome:
+    """How a turn ended. Always sent exactly once per TurnRequest."""
+
+    turn_id: int
+    reason: str  # engine Done.reason, or "refused" when the turn never started
+    text: str
+    stats: object | None = None  # engine TurnStats
+    error: str | None = None
+    error_kind: str | None = None  # "oom" | "error" | "overflow" | "document" | "busy" | "no_model"
+    model_content: str | None = None
+    overflow: dict | None = None  # {"needed", "limit", "parts"} for a context overflow
+
+
+@dataclass(frozen=True)
+class UsageRequest:
+    conversation_id: int | None
+    history: tuple[HistoryTurn, ...]
+    prompt: str
+    documents: tuple[AttachedDocument, ...]
+
+
+@dataclass(frozen=True)
+class ContextFigures:
+    """Token counts for the context bar (system / history / documents / prompt against the limit)."""
+
+    system: int
+    history: int
+    documents: int
+    prompt: int
+    limit: int
+
+    @property
+    def total(self) -> int:
+        return self.system + self.history + self.documents + self.prompt
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the GUI needs to know about the loaded model, refreshed after every reconfigure."""
+
+    display_name: str
+    source: str
+    device: str
+    dtype: str
+    weight_quant: str
+    attention_backend: str
+    context_limit: int
+    max_positions: int
+    kv_bytes_per_token: int
+    config: dict
+    load_seconds: float = 0.0

@@ -1,0 +1,72 @@
+"""Settings kept across starts (window geometry, last model, knobs), behind an enum of keys."""
+
+from __future__ import annotations
+
+import enum
+import json
+
+from PySide6.QtCore import QSettings
+
+from . import knobs as K
+from .paths import settings_path
+from .protocol import GenerationOptions
+
+
+class Key(enum.Enum):
+    GEOMETRY = "window/geometry"
+    WINDOW_STATE = "window/state"
+    SPLITTER = "window/splitter"
+    MODEL = "model/options"  # JSON: model_path, weight_quant, device_map, max_seq_len
+    RECENT_MODELS = "model/recent"  # JSON list
+    KNOBS = "knobs/values"  # JSON
+    GENERATION = "generation/options"  # JSON
+    LAST_CONVERSATION = "chat/last_conversation"
+
+
+class Settings:
+    def __init__(self, path=None):
+        self.qsettings = QSettings(str(path or settings_path()), QSettings.Format.IniFormat)
+
+    def value(self, key: Key, default=None):
+        return self.qsettings.value(key.value, default)
+
+    def set(self, key: Key, value) -> None:
+        self.qsettings.setValue(key.value, value)
+
+    def json(self, key: Key, default):
+        raw = self.qsettings.value(key.value)
+        if not raw:
+            return default
+        try:
+            return json.loads(raw)
+        except (TypeError, ValueError):
+            return default
+
+    def set_json(self, key: Key, value) -> None:
+        self.qsettings.setValue(key.value, json.dumps(value))
+
+    # ------------------------------------------------------------------ typed helpers
+    def model_options(self) -> dict:
+        options = self.json(Key.MODEL, {})
+        return options if isinstance(options, dict) else {}
+
+    def knobs(self) -> dict:
+        stored = self.json(Key.KNOBS, {})
+        return K.sanitize(stored if isinstance(stored, dict) else {})
+
+    def generation(self) -> GenerationOptions:
+        stored = self.json(Key.GENERATION, {})
+        try:
+            return GenerationOptions(**{k: v for k, v in stored.items() if k in GenerationOptions.__dataclass_fields__})
+        except (TypeError, AttributeError):
+            return GenerationOptions()
+
+    def last_conversation(self) -> int | None:
+        value = self.value(Key.LAST_CONVERSATION)
+        try:
+            return int(value) if value not in (None, "") else None
+        except (TypeError, ValueError):
+            return None
+
+    def sync(self) -> None:
+        self.qsettings.sync()

@@ -1,0 +1,321 @@
+"""Conversations in SQLite (WAL) under the user data dir.
+
+A reply row is written when the turn starts and updated while it streams, so a crash or a kill loses
+nothing that was already saved; rows left "streaming" by a crash are marked "interrupted" at the next
+start. Each reply keeps its figures (TTFT, tok/s, tokens, compression) and the model, quantization
+and knob settings it was made with, for export.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .paths import database_path
+from .protocol import AttachedDocument, HistoryTurn
+
+SCHEMA_VERSION = 1
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS conversations (
+    id INTEGER PRIMARY KEY,
+    title TEXT NOT NULL,
+    created REAL NOT NULL,
+    updated REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS messages (
+    id INTEGER PRIMARY KEY,
+    conversation_id INTEGER NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+    role TEXT NOT NULL CHECK (role IN ('user', 'assistant')),
+    content TEXT NOT NULL DEFAULT '',
+    model_content TEXT,
+    status TEXT NOT NULL DEFAULT 'done',
+    error TEXT,
+    stats_json TEXT,
+    settings_json TEXT,
+    created REAL NOT NULL,
+    updated REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS messages_by_conversation ON messages(conversation_id, id);
+CREATE TABLE IF NOT EXISTS attachments (
+    id INTEGER PRIMARY KEY,
+    message_id INTEGER NOT NULL REFERENCES messages(id) ON DELETE CASCADE,
+    name TEXT NOT NULL,
+    path TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    pages INTEGER,
+    chars INTEGER NOT NULL,
+    tokens INTEGER,
+    text TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS attachments_by_message ON attachments(message_id);
+"""
+
+# Statuses of an assistant row.
+STREAMING, DONE, STOPPED, ERROR, INTERRUPTED = "streaming", "done", "stopped", "error", "interrupted"
+
+
+@dataclass(frozen=True)
+class Conversation:
+    id: int
+    title: str
+    created: float
+    updated: float
+
+
+@dataclass(frozen=True)
+class AttachmentInfo:
+    id: int
+    name: str
+    kind: str
+    pages: int | None
+    chars: int
+    tokens: int | None
+
+
+@dataclass(frozen=True)
+class Message:
+    id: int
+    conversation_id: int
+    role: str
+    content: str
+    status: str
+    created: float
+    model_content: str | None = None
+    error: str | None = None
+    stats: dict | None = None
+    settings: dict | None = None
+    attachments: tuple[AttachmentInfo, ...] = field(default=())
+
+
+class ConversationStore:
+    def __init__(self, path: Path | str | None = None):
+        self.path = Path(path) if path is not None else database_path()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.db = sqlite3.connect(str(self.path), timeout=5.0)
+        self.db.row_factory = sqlite3.Row
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: a killed process loses no commit
+        self.db.execute("PRAGMA foreign_keys=ON")
+        with self.db:
+            self.db.executescript(SCHEMA)
+            self.db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+        self.recovered = self._recover_interrupted()
+
+    def close(self) -> None:
+        self.db.close()
+
+    def _recover_interrupted(self) -> int:
+        with self.db:
+            cur = self.db.execute("UPDATE messages SET status=? WHERE status=?", (INTERRUPTED, STREAMING))
+        return cur.rowcount
+
+    # ------------------------------------------------------------------ conversations
+    def conversations(self, search: str = "") -> list[Conversation]:
+        if search.strip():
+            like = f"%{_escape_like(search.strip())}%"
+            rows = self.db.execute(
+                "SELECT * FROM conversations c WHERE c.title LIKE ? ESCAPE '\\' OR EXISTS "
+                "(SELECT 1 FROM messages m WHERE m.conversation_id=c.id AND m.content LIKE ? ESCAPE '\\') "
+                "ORDER BY updated DESC, id DESC", (like, like))
+        else:
+            rows = self.db.execute("SELECT * FROM conversations ORDER BY updated DESC, id DESC")
+        return [Conversation(r["id"], r["title"], r["created"], r["updated"]) for r in rows]
+
+    def conversation(self, conversation_id: int) -> Conversation | None:
+        r = self.db.execute("SELECT * FROM conversations WHERE id=?", (conversation_id,)).fetchone()
+        return Conversation(r["id"], r["title"], r["created"], r["updated"]) if r else None
+
+    def create_conversation(self, title: str = "New chat") -> int:
+        now = time.time()
+        with self.db:
+            cur = self.db.execute("INSERT INTO conversations(title, created, updated) VALUES (?, ?, ?)",
+                                  (title, now, now))
+        return int(cur.lastrowid)
+
+    def rename(self, conversation_id: int, title: str) -> None:
+        title = " ".join(title.split()) or "Untitled"
+        with self.db:
+            self.db.execute("UPDATE conversations SET title=? WHERE id=?", (title, conversation_id))
+
+    def delete(self, conversation_id: int) -> None:
+        with self.db:
+            self.db.execute("DELETE FROM conversations WHERE id=?", (conversation_id,))
+
+    def _touch(self, conversation_id: int, now: float) -> None:
+        self.db.execute("UPDATE conversations SET updated=? WHERE id=?", (now, conversation_id))
+
+    # ------------------------------------------------------------------ messages
+    def messages(self, conversation_id: int) -> list[Message]:
+        rows = self.db.execute("SELECT * FROM messages WHERE conversation_id=? ORDER BY id", (conversation_id,))
+        out = []
+        for r in rows.fetchall():
+            out.append(Message(
+                r["id"], r["conversation_id"], r["role"], r["content"], r["status"], r["created"],
+                r["model_content"], r["error"], _loads(r["stats_json"]), _loads(r["settings_json"]),
+                self._attachment_infos(r["id"]) if r["role"] == "user" else ()))
+        return out
+
+    def message(self, message_id: int) -> Message | None:
+        r = self.db.execute("SELECT conversation_id FROM messages WHERE id=?", (message_id,)).fetchone()
+        if r is None:
+            return None
+        return next((m for m in self.messages(r["conversation_id"]) if m.id == message_id), None)
+
+    def add_user_message(self, conversation_id: int, prompt: str, documents=()) -> int:
+        now = time.time()
+        with self.db:
+            cur = self.db.execute(
+                "INSERT INTO messages(conversation_id, role, content, status, created, updated) "
+                "VALUES (?, 'user', ?, ?, ?, ?)", (conversation_id, prompt, DONE, now, now))
+            message_id = int(cur.lastrowid)
+            for doc, tokens in documents:
+                self.db.execute(
+                    "INSERT INTO attachments(message_id, name, path, kind, pages, chars, tokens, text) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    (message_id, doc.name, doc.path, doc.kind, doc.pages, doc.chars, tokens, doc.text))
+            self._touch(conversation_id, now)
+        return message_id
+
+    def set_model_content(self, message_id: int, content: str) -> None:
+        with self.db:
+            self.db.execute("UPDATE messages SET model_content=? WHERE id=?", (content, message_id))
+
+    def add_reply(self, conversation_id: int, settings: dict | None = None) -> int:
+        now = time.time()
+        with self.db:
+            cur = self.db.execute(
+                "INSERT INTO messages(conversation_id, role, content, status, settings_json, created, updated) "
+                "VALUES (?, 'assistant', '', ?, ?, ?, ?)",
+                (conversation_id, STREAMING, _dumps(settings), now, now))
+            self._touch(conversation_id, now)
+        return int(cur.lastrowid)
+
+    def update_reply(self, message_id: int, text: str) -> None:
+        with self.db:
+            self.db.execute("UPDATE messages SET content=?, updated=? WHERE id=?", (text, time.time(), message_id))
+
+    def finish_reply(self, message_id: int, text: str, status: str, *, stats: dict | None = None,
+                     error: str | None = None) -> None:
+        with self.db:
+            self.db.execute(
+                "UPDATE messages SET content=?, status=?, stats_json=?, error=?, updated=? WHERE id=?",
+                (text, status, _dumps(stats), error, time.time(), message_id))
+
+    def delete_messages_from(self, message_id: int) -> None:
+        """Delete this message and every later one of its conversation (regenerate, edit-and-resend)."""
+        r = self.db.execute("SELECT conversation_id FROM messages WHERE id=?", (message_id,)).fetchone()
+        if r is None:
+            return
+        with self.db:
+            self.db.execute("DELETE FROM messages WHERE conversation_id=? AND id>=?", (r["conversation_id"], message_id))
+
+    # ------------------------------------------------------------------ attachments
+    def _attachment_infos(self, message_id: int) -> tuple[AttachmentInfo, ...]:
+        rows = self.db.execute("SELECT id, name, kind, pages, chars, tokens FROM attachments WHERE message_id=? "
+                               "ORDER BY id", (message_id,))
+        return tuple(AttachmentInfo(r["id"], r["name"], r["kind"], r["pages"], r["chars"], r["tokens"]) for r in rows)
+
+    def attachments(self, message_id: int) -> tuple[AttachedDocument, ...]:
+        rows = self.db.execute("SELECT * FROM attachments WHERE message_id=? ORDER BY id", (message_id,))
+        return tuple(AttachedDocument(f"db-{r['id']}", r["name"], r["path"], r["kind"], r["text"], r["pages"],
+                                      r["chars"]) for r in rows)
+
+    # ------------------------------------------------------------------ what the engine sees again
+    def history(self, conversation_id: int, before_message_id: int | None = None) -> tuple[HistoryTurn, ...]:
+        """Finished exchanges (a user message followed by a non-empty reply), oldest first."""
+        turns = []
+        pending_user: Message | None = None
+        for m in self.messages(conversation_id):
+            if before_message_id is not None and m.id >= before_message_id:
+                break
+            if m.role == "user":
+                pending_user = m
+            elif pending_user is not None:
+                if m.content:
+                    turns.append(HistoryTurn(pending_user.content, self.attachments(pending_user.id), m.content,
+                                             pending_user.model_content))
+                pending_user = None
+        return tuple(turns)
+
+    # ------------------------------------------------------------------ export
+    def export_json(self, conversation_id: int) -> dict:
+        conv = self.conversation(conversation_id)
+        if conv is None:
+            raise KeyError(conversation_id)
+        messages = []
+        for m in self.messages(conversation_id):
+            item = {"role": m.role, "content": m.content, "created": _iso(m.created), "status": m.status}
+            if m.attachments:
+                item["attachments"] = [{"name": a.name, "kind": a.kind, "pages": a.pages, "chars": a.chars,
+                                        "tokens": a.tokens} for a in m.attachments]
+            if m.role == "assistant":
+                item["stats"] = m.stats
+                item["settings"] = m.settings
+                if m.error:
+                    item["error"] = m.error
+            messages.append(item)
+        return {"format": "ds-v41-chat/conversation", "version": SCHEMA_VERSION, "title": conv.title,
+                "created": _iso(conv.created), "updated": _iso(conv.updated), "messages": messages}
+
+    def export_markdown(self, conversation_id: int) -> str:
+        data = self.export_json(conversation_id)
+        lines = [f"# {data['title']}", "", f"*Exported from DS-V4.1 Chat — created {data['created']}*", ""]
+        for m in data["messages"]:
+            if m["role"] == "user":
+                lines += ["## You", ""]
+                for a in m.get("attachments", []):
+                    pages = f", {a['pages']} pages" if a.get("pages") else ""
+                    lines.append(f"> 📎 {a['name']} ({a['chars']:,} characters{pages})")
+                if m.get("attachments"):
+                    lines.append("")
+                lines += [m["content"], ""]
+            else:
+                lines += ["## Assistant", "", m["content"] or "*(no text)*", ""]
+                footer = reply_footer(m.get("stats"), m.get("status"))
+                if footer:
+                    lines += [f"*{footer}*", ""]
+                settings = m.get("settings") or {}
+                if settings:
+                    knobs = settings.get("knobs", {})
+                    knob_text = ", ".join(f"{k}={v}" for k, v in knobs.items())
+                    lines += [f"<sub>{settings.get('model', '?')} · weights {settings.get('weight_quant', '?')} · "
+                              f"{settings.get('device', '?')}" + (f" · {knob_text}" if knob_text else "") + "</sub>",
+                              ""]
+                if m.get("error"):
+                    lines += [f"> ⚠ {m['error']}", ""]
+        return "\n".join(lines).rstrip() + "\n"
+
+
+def reply_footer(stats: dict | None, status: str | None = None) -> str:
+    """'TTFT 0.42 s · 21.3 tok/s · 128 tokens · KV ×0.50' (the per-reply footer)."""
+    parts = []
+    if stats:
+        parts.append(f"TTFT {stats.get('ttft_s', 0):.2f} s")
+        parts.append(f"{stats.get('decode_tok_s', 0):.1f} tok/s")
+        parts.append(f"{stats.get('decode_tokens', 0)} tokens")
+        ratio = stats.get("compression_ratio")
+        if ratio is not None:
+            parts.append(f"KV ×{ratio:.2f}")
+    if status in (STOPPED, INTERRUPTED, ERROR):
+        parts.append({"stopped": "stopped", "interrupted": "interrupted", "error": "ended by an error"}[status])
+    return " · ".join(parts)
+
+
+def _escape_like(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+
+
+def _dumps(value) -> str | None:
+    return json.dumps(value, ensure_ascii=False) if value is not None else None
+
+
+def _loads(text: str | None):
+    return json.loads(text) if text else None
+
+
+def _iso(ts: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))

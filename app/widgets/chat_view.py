@@ -1,0 +1,251 @@
+"""The chat transcript: one bubble per message, Markdown with code blocks (each with a copy link)."""
+
+from __future__ import annotations
+
+import math
+import re
+
+from PySide6.QtCore import QUrl, Qt
+from PySide6.QtGui import QColor, QGuiApplication, QTextCursor, QTextFormat
+from PySide6.QtWidgets import (
+    QFrame,
+    QHBoxLayout,
+    QLabel,
+    QPushButton,
+    QScrollArea,
+    QSizePolicy,
+    QTextBrowser,
+    QVBoxLayout,
+    QWidget,
+)
+
+_FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
+COPY_SCHEME = "copy"
+
+
+def code_blocks(markdown: str) -> list[tuple[str, int, bool]]:
+    """Fenced code blocks as (code, index of the closing line, closed?)."""
+    blocks, lines = [], markdown.split("\n")
+    opening, body = None, []
+    for i, line in enumerate(lines):
+        match = _FENCE.match(line)
+        if opening is None:
+            if match:
+                opening, body = match.group(1), []
+        elif match and match.group(1)[0] == opening[0] and len(match.group(1)) >= len(opening) \
+                and not line.strip()[len(match.group(1)):].strip():
+            blocks.append(("\n".join(body), i, True))
+            opening = None
+        else:
+            body.append(line)
+    if opening is not None:
+        blocks.append(("\n".join(body), len(lines) - 1, False))
+    return blocks
+
+
+def with_copy_links(markdown: str) -> str:
+    """Put a '⧉ Copy code' link under every closed code block."""
+    lines = markdown.split("\n")
+    for index, (_, closing, closed) in reversed(list(enumerate(code_blocks(markdown)))):
+        if closed:
+            lines.insert(closing + 1, f"\n[⧉ Copy code]({COPY_SCHEME}:{index})\n")
+    return "\n".join(lines)
+
+
+class MarkdownView(QTextBrowser):
+    """A read-only text view as tall as its content (the transcript scrolls, not each bubble)."""
+
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.setVerticalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.setFrameShape(QFrame.Shape.NoFrame)
+        self.setOpenLinks(False)
+        self.setOpenExternalLinks(False)
+        self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
+        self.setTextInteractionFlags(Qt.TextInteractionFlag.TextBrowserInteraction)
+        self.document().setDocumentMargin(2)
+        self.document().documentLayout().documentSizeChanged.connect(self._fit)
+        self.anchorClicked.connect(self._on_anchor)
+        self._markdown = ""
+        self.setFixedHeight(24)
+
+    def set_markdown(self, text: str) -> None:
+        self._markdown = text
+        self.setMarkdown(with_copy_links(text))
+        self._style_code_blocks()
+        self._fit()
+
+    def set_plain(self, text: str) -> None:
+        self._markdown = ""
+        self.setPlainText(text)
+        self._fit()
+
+    def _style_code_blocks(self) -> None:
+        """Shade fenced code and let long lines wrap (the bubble never scrolls sideways)."""
+        doc = self.document()
+        shade = QColor(self.palette().alternateBase().color())
+        block = doc.begin()
+        while block.isValid():
+            fmt = block.blockFormat()
+            if fmt.hasProperty(QTextFormat.Property.BlockCodeFence) or fmt.nonBreakableLines():
+                fmt.setNonBreakableLines(False)
+                fmt.setBackground(shade)
+                cursor = QTextCursor(block)
+                cursor.setBlockFormat(fmt)
+            block = block.next()
+
+    def _fit(self, *_args) -> None:
+        height = math.ceil(self.document().size().height()) + 2 * self.frameWidth() + 2
+        if height != self.height():
+            self.setFixedHeight(height)
+
+    def resizeEvent(self, event) -> None:  # noqa: N802 - Qt override
+        super().resizeEvent(event)
+        self._fit()
+
+    def _on_anchor(self, url: QUrl) -> None:
+        if url.scheme() == COPY_SCHEME:
+            blocks = code_blocks(self._markdown)
+            index = int(url.path() or 0)
+            if 0 <= index < len(blocks):
+                QGuiApplication.clipboard().setText(blocks[index][0])
+        elif url.scheme() in ("http", "https", "mailto"):
+            from PySide6.QtGui import QDesktopServices
+
+            QDesktopServices.openUrl(url)
+
+
+class MessageBubble(QFrame):
+    """One message: who, the text, attachments, and (for replies) progress and the figures footer."""
+
+    def __init__(self, role: str, text: str = "", *, message_id: int | None = None, attachments=(),
+                 footer: str = "", error: str | None = None, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.role, self.message_id = role, message_id
+        self.setObjectName("userBubble" if role == "user" else "assistantBubble")
+        self.setFrameShape(QFrame.Shape.StyledPanel)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(10, 6, 10, 6)
+        layout.setSpacing(3)
+        head = QHBoxLayout()
+        who = QLabel("You" if role == "user" else "Assistant")
+        who.setObjectName("bubbleRole")
+        head.addWidget(who)
+        head.addStretch(1)
+        self.copy_button = QPushButton("Copy")
+        self.copy_button.setObjectName("bubbleCopy")
+        self.copy_button.setFlat(True)
+        self.copy_button.setCursor(Qt.CursorShape.PointingHandCursor)
+        self.copy_button.clicked.connect(self.copy_text)
+        head.addWidget(self.copy_button)
+        layout.addLayout(head)
+        for info in attachments:
+            pages = f" · {info.pages} pages" if info.pages else ""
+            tokens = f" · ~{info.tokens:,} tokens" if info.tokens else ""
+            chip = QLabel(f"📎 {info.name}{pages} · {info.chars:,} chars{tokens}")
+            chip.setObjectName("bubbleAttachment")
+            layout.addWidget(chip)
+        self.progress = QLabel("")
+        self.progress.setObjectName("bubbleProgress")
+        self.progress.hide()
+        layout.addWidget(self.progress)
+        self.view = MarkdownView(self)
+        layout.addWidget(self.view)
+        self.error_label = QLabel("")
+        self.error_label.setObjectName("bubbleError")
+        self.error_label.setWordWrap(True)
+        self.error_label.hide()
+        layout.addWidget(self.error_label)
+        self.footer = QLabel(footer)
+        self.footer.setObjectName("bubbleFooter")
+        self.footer.setVisible(bool(footer))
+        layout.addWidget(self.footer)
+        self.text = ""
+        self.set_text(text)
+        if error:
+            self.set_error(error)
+
+    def set_text(self, text: str) -> None:
+        self.text = text
+        if self.role == "user":
+            self.view.set_plain(text)
+        else:
+            self.view.set_markdown(text)
+
+    def append(self, chunk: str) -> None:
+        self.progress.hide()
+        self.set_text(self.text + chunk)
+
+    def set_progress(self, message: str) -> None:
+        self.progress.setText(message)
+        self.progress.setVisible(bool(message))
+
+    def set_footer(self, text: str) -> None:
+        self.footer.setText(text)
+        self.footer.setVisible(bool(text))
+
+    def set_error(self, message: str) -> None:
+        self.error_label.setText("⚠ " + message)
+        self.error_label.setVisible(bool(message))
+
+    def copy_text(self) -> None:
+        QGuiApplication.clipboard().setText(self.text)
+
+
+class ChatView(QScrollArea):
+    """The transcript. Follows the newest text while the user is at the bottom."""
+
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.setObjectName("chatView")
+        self.setWidgetResizable(True)
+        self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self._inner = QWidget()
+        self._inner.setObjectName("chatInner")
+        self._layout = QVBoxLayout(self._inner)
+        self._layout.setContentsMargins(12, 12, 12, 12)
+        self._layout.setSpacing(10)
+        self._placeholder = QLabel("Ask anything, or drop a PDF, Word, Markdown or source file here "
+                                   "and ask about it.")
+        self._placeholder.setObjectName("chatPlaceholder")
+        self._placeholder.setAlignment(Qt.AlignmentFlag.AlignCenter)
+        self._placeholder.setWordWrap(True)
+        self._layout.addWidget(self._placeholder)
+        self._layout.addStretch(1)
+        self.setWidget(self._inner)
+        self.bubbles: list[MessageBubble] = []
+        self._follow = True
+        bar = self.verticalScrollBar()
+        bar.valueChanged.connect(self._on_scrolled)
+        bar.rangeChanged.connect(self._on_range)
+
+    def clear(self) -> None:
+        for bubble in self.bubbles:
+            self._layout.removeWidget(bubble)
+            bubble.deleteLater()
+        self.bubbles.clear()
+        self._placeholder.show()
+        self._follow = True
+
+    def add(self, bubble: MessageBubble) -> MessageBubble:
+        self._placeholder.hide()
+        self._layout.insertWidget(self._layout.count() - 1, bubble)
+        self.bubbles.append(bubble)
+        self._follow = True
+        return bubble
+
+    def remove(self, bubble: MessageBubble) -> None:
+        if bubble in self.bubbles:
+            self.bubbles.remove(bubble)
+            self._layout.removeWidget(bubble)
+            bubble.deleteLater()
+        self._placeholder.setVisible(not self.bubbles)
+
+    def _on_scrolled(self, value: int) -> None:
+        bar = self.verticalScrollBar()
+        self._follow = value >= bar.maximum() - 40
+
+    def _on_range(self, _minimum: int, maximum: int) -> None:
+        if self._follow:
+            self.verticalScrollBar().setValue(maximum)

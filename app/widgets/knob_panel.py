@@ -1,0 +1,204 @@
+"""Compression knobs (sliders with their values), presets, and the generation options."""
+
+from __future__ import annotations
+
+from PySide6.QtCore import Qt, QTimer, Signal
+from PySide6.QtWidgets import (
+    QCheckBox,
+    QComboBox,
+    QDoubleSpinBox,
+    QFormLayout,
+    QGridLayout,
+    QGroupBox,
+    QHBoxLayout,
+    QLabel,
+    QPushButton,
+    QSlider,
+    QSpinBox,
+    QVBoxLayout,
+    QWidget,
+)
+
+from .. import knobs as K
+from ..format import fmt_bytes
+from ..protocol import GenerationOptions
+
+DEBOUNCE_MS = 300
+
+
+class KnobPanel(QGroupBox):
+    knobs_changed = Signal(dict)  # debounced; the window applies now or marks pending
+
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__("Compression", parent)
+        self.setObjectName("knobPanel")
+        layout = QVBoxLayout(self)
+        layout.setSpacing(4)
+        presets = QGridLayout()
+        presets.setSpacing(4)
+        self.preset_buttons: dict[str, QPushButton] = {}
+        for i, name in enumerate(K.PRESETS):
+            button = QPushButton(name)
+            button.setObjectName("presetButton")
+            button.setToolTip(", ".join(f"{k}={v}" for k, v in K.PRESETS[name].items()))
+            button.clicked.connect(lambda _c=False, n=name: self.apply_preset(n))
+            presets.addWidget(button, i // 2, i % 2)
+            self.preset_buttons[name] = button
+        layout.addLayout(presets)
+
+        grid = QGridLayout()
+        grid.setHorizontalSpacing(6)
+        grid.setVerticalSpacing(2)
+        self.sliders: dict[str, QSlider] = {}
+        self.value_labels: dict[str, QLabel] = {}
+        for row, spec in enumerate(K.SLIDERS):
+            name_label = QLabel(spec.label)
+            name_label.setToolTip(spec.tip)
+            slider = QSlider(Qt.Orientation.Horizontal)
+            slider.setRange(0, spec.ticks)
+            slider.setToolTip(spec.tip)
+            slider.setObjectName(f"knob_{spec.name}")
+            value = QLabel("")
+            value.setMinimumWidth(44)
+            value.setAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
+            slider.valueChanged.connect(lambda _v, s=spec: self._on_slider(s))
+            grid.addWidget(name_label, row, 0)
+            grid.addWidget(slider, row, 1)
+            grid.addWidget(value, row, 2)
+            self.sliders[spec.name] = slider
+            self.value_labels[spec.name] = value
+        grid.setColumnStretch(1, 1)
+        layout.addLayout(grid)
+
+        form = QFormLayout()
+        form.setSpacing(3)
+        self.mode = QComboBox()
+        for value, label in K.CED_MODES:
+            self.mode.addItem(label, value)
+        self.kv_dtype = QComboBox()
+        for value, label in K.KV_DTYPES:
+            self.kv_dtype.addItem(label, value)
+        self.headroom = QComboBox()
+        for value in K.HEADROOM_STEPS:
+            self.headroom.addItem(K.headroom_label(value), value)
+        self.headroom.setToolTip("How much of a document may be read before the cache compacts while it streams in; "
+                                 "compaction after the question is read keeps what the question needs.")
+        for combo in (self.mode, self.kv_dtype, self.headroom):
+            combo.currentIndexChanged.connect(self._changed)
+        form.addRow("Merge / evict", self.mode)
+        form.addRow("KV dtype", self.kv_dtype)
+        form.addRow("Prefill headroom", self.headroom)
+        layout.addLayout(form)
+
+        self.status = QLabel("")
+        self.status.setObjectName("knobStatus")
+        self.status.setWordWrap(True)
+        layout.addWidget(self.status)
+
+        gen = QGroupBox("Reply")
+        gen_form = QFormLayout(gen)
+        gen_form.setSpacing(3)
+        self.max_tokens = QSpinBox()
+        self.max_tokens.setRange(1, 8192)
+        self.max_tokens.setValue(512)
+        self.temperature = QDoubleSpinBox()
+        self.temperature.setRange(0.0, 2.0)
+        self.temperature.setSingleStep(0.05)
+        self.temperature.setValue(0.7)
+        self.greedy = QCheckBox("Greedy (deterministic)")
+        row = QHBoxLayout()
+        row.addWidget(self.temperature)
+        row.addWidget(self.greedy)
+        gen_form.addRow("Max new tokens", self.max_tokens)
+        gen_form.addRow("Temperature", row)
+        layout.addWidget(gen)
+
+        self._debounce = QTimer(self, singleShot=True, interval=DEBOUNCE_MS)
+        self._debounce.timeout.connect(lambda: self.knobs_changed.emit(self.values()))
+        self._quiet = False
+        self.set_values(K.DEFAULTS)
+
+    # ------------------------------------------------------------------ values
+    def values(self) -> dict:
+        out = {spec.name: spec.from_tick(self.sliders[spec.name].value()) for spec in K.SLIDERS}
+        out["ced_mode"] = self.mode.currentData()
+        out["kv_cache_dtype"] = self.kv_dtype.currentData()
+        out["prefill_headroom"] = self.headroom.currentData()
+        return out
+
+    def set_values(self, values: dict, *, notify: bool = False) -> None:
+        values = K.sanitize({**self.values(), **values} if self.sliders and self.mode.count() else values)
+        self._quiet = True
+        for spec in K.SLIDERS:
+            self.sliders[spec.name].setValue(spec.to_tick(values[spec.name]))
+            self._show_value(spec)
+        self.mode.setCurrentIndex(max(self.mode.findData(values["ced_mode"]), 0))
+        self.kv_dtype.setCurrentIndex(max(self.kv_dtype.findData(values["kv_cache_dtype"]), 0))
+        self.headroom.setCurrentIndex(max(self.headroom.findData(values["prefill_headroom"]), 0))
+        self._quiet = False
+        if notify:
+            self._changed()
+
+    def apply_preset(self, name: str) -> None:
+        self.set_values(K.PRESETS[name], notify=True)
+        self.status.setText(f"Preset “{name}”")
+
+    def generation(self) -> GenerationOptions:
+        return GenerationOptions(max_new_tokens=self.max_tokens.value(), temperature=self.temperature.value(),
+                                 greedy=self.greedy.isChecked())
+
+    def set_generation(self, options: GenerationOptions) -> None:
+        self.max_tokens.setValue(options.max_new_tokens)
+        self.temperature.setValue(options.temperature)
+        self.greedy.setChecked(options.greedy)
+
+    # ------------------------------------------------------------------ feedback
+    def show_pending(self, knobs: dict) -> None:
+        self.status.setText("⏳ Pending — applies after this reply: " + _describe(knobs))
+        self.status.setProperty("state", "pending")
+        self._restyle()
+
+    def show_applying(self) -> None:
+        self.status.setText("Applying…")
+        self.status.setProperty("state", "")
+        self._restyle()
+
+    def show_result(self, action: str, before, after) -> None:
+        words = {"compacted": "Compacted the live cache", "rebuilt": "Rebuilt the cache from the transcript",
+                 "deferred": "Deferred to the end of the reply", "unchanged": "No change"}
+        text = words.get(action, action)
+        if before is not None and after is not None:
+            text += (f": KV {fmt_bytes(before.kv_stored)} → {fmt_bytes(after.kv_stored)}"
+                     f" (engine {fmt_bytes(before.used_by_engine)} → {fmt_bytes(after.used_by_engine)})")
+        self.status.setText("✓ " + text)
+        self.status.setProperty("state", "applied")
+        self._restyle()
+
+    def show_error(self, message: str) -> None:
+        self.status.setText("⚠ " + message)
+        self.status.setProperty("state", "error")
+        self._restyle()
+
+    def _restyle(self) -> None:
+        self.status.style().unpolish(self.status)
+        self.status.style().polish(self.status)
+
+    def _show_value(self, spec) -> None:
+        value = spec.from_tick(self.sliders[spec.name].value())
+        if spec.name == "csa2_topk" and value == 0:
+            text = "dense"
+        else:
+            text = f"{value:.{spec.decimals}f}" if spec.decimals else str(value)
+        self.value_labels[spec.name].setText(text)
+
+    def _on_slider(self, spec) -> None:
+        self._show_value(spec)
+        self._changed()
+
+    def _changed(self, *_args) -> None:
+        if not self._quiet:
+            self._debounce.start()
+
+
+def _describe(knobs: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in knobs.items())

@@ -1,0 +1,126 @@
+"""Which model to run: default / a folder / a .gguf file / a hub id; weights; device; context; load progress."""
+
+from __future__ import annotations
+
+from PySide6.QtCore import Signal
+from PySide6.QtWidgets import (
+    QComboBox,
+    QFileDialog,
+    QHBoxLayout,
+    QLabel,
+    QProgressBar,
+    QPushButton,
+    QSpinBox,
+    QWidget,
+)
+
+WEIGHTS = (("none", "None (full precision)"), ("int8", "INT8"), ("int4", "INT4"))
+DEVICES = (("auto", "Auto"), ("cpu", "CPU"), ("cuda", "GPU (CUDA)"))
+DEFAULT_SOURCE = "default"
+
+
+class ModelPanel(QWidget):
+    load_requested = Signal(dict)  # DSV41Config fields that need a (re)load
+
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.setObjectName("modelPanel")
+        row = QHBoxLayout(self)
+        row.setContentsMargins(8, 4, 8, 4)
+        row.setSpacing(6)
+        row.addWidget(QLabel("Model"))
+        self.source = QComboBox()
+        self.source.setEditable(True)
+        self.source.setMinimumWidth(220)
+        self.source.addItem(DEFAULT_SOURCE)
+        self.source.setToolTip("'default' (SmolLM2-135M-Instruct, bundled), a model folder, a .gguf file, "
+                               "or a Hugging Face hub id such as HuggingFaceTB/SmolLM2-360M-Instruct")
+        self.source.lineEdit().setPlaceholderText("default, a folder, a .gguf file or a hub id")
+        row.addWidget(self.source, 2)
+        self.folder_button = QPushButton("Folder…")
+        self.folder_button.clicked.connect(self._pick_folder)
+        self.gguf_button = QPushButton(".gguf…")
+        self.gguf_button.clicked.connect(self._pick_gguf)
+        row.addWidget(self.folder_button)
+        row.addWidget(self.gguf_button)
+        row.addWidget(QLabel("Weights"))
+        self.weights = QComboBox()
+        for value, label in WEIGHTS:
+            self.weights.addItem(label, value)
+        row.addWidget(self.weights)
+        row.addWidget(QLabel("Device"))
+        self.device = QComboBox()
+        for value, label in DEVICES:
+            self.device.addItem(label, value)
+        row.addWidget(self.device)
+        row.addWidget(QLabel("Context"))
+        self.max_seq_len = QSpinBox()
+        self.max_seq_len.setRange(256, 1 << 20)
+        self.max_seq_len.setSingleStep(1024)
+        self.max_seq_len.setValue(8192)
+        self.max_seq_len.setSuffix(" tok")
+        self.max_seq_len.setToolTip("max_seq_len: the most tokens a conversation may hold (capped by the model)")
+        row.addWidget(self.max_seq_len)
+        self.load_button = QPushButton("Load")
+        self.load_button.setObjectName("loadButton")
+        self.load_button.clicked.connect(self.request_load)
+        row.addWidget(self.load_button)
+        self.progress = QProgressBar()
+        self.progress.setRange(0, 100)
+        self.progress.setMaximumWidth(160)
+        self.progress.setTextVisible(True)
+        self.progress.hide()
+        row.addWidget(self.progress)
+        self.status = QLabel("No model")
+        self.status.setObjectName("modelStatus")
+        row.addWidget(self.status, 1)
+
+    # ------------------------------------------------------------------ values
+    def options(self) -> dict:
+        return {"model_path": self.source.currentText().strip() or DEFAULT_SOURCE,
+                "weight_quant": self.weights.currentData(), "device_map": self.device.currentData(),
+                "max_seq_len": self.max_seq_len.value()}
+
+    def set_options(self, options: dict) -> None:
+        source = options.get("model_path") or DEFAULT_SOURCE
+        if self.source.findText(source) < 0:
+            self.source.addItem(source)
+        self.source.setCurrentText(source)
+        self.weights.setCurrentIndex(max(self.weights.findData(options.get("weight_quant", "none")), 0))
+        self.device.setCurrentIndex(max(self.device.findData(options.get("device_map", "auto")), 0))
+        if isinstance(options.get("max_seq_len"), int):
+            self.max_seq_len.setValue(options["max_seq_len"])
+
+    def request_load(self) -> None:
+        self.load_requested.emit(self.options())
+
+    # ------------------------------------------------------------------ state
+    def show_loading(self, message: str, fraction: float) -> None:
+        self.progress.show()
+        self.progress.setValue(int(round(100 * max(0.0, min(fraction, 1.0)))))
+        self.status.setText(message)
+        self.load_button.setEnabled(False)
+
+    def show_loaded(self, facts) -> None:
+        self.progress.hide()
+        self.load_button.setEnabled(True)
+        self.status.setText(f"{facts.display_name} · {facts.device} · {facts.dtype} · weights {facts.weight_quant}"
+                            f" · {facts.attention_backend} · {facts.context_limit:,} tokens")
+        self.status.setToolTip(f"Loaded in {facts.load_seconds:.1f} s from {facts.source}")
+
+    def show_failed(self, message: str) -> None:
+        self.progress.hide()
+        self.load_button.setEnabled(True)
+        self.status.setText("Load failed — " + message.split(". ")[0][:90])
+        self.status.setToolTip(message)
+
+    # ------------------------------------------------------------------ pickers
+    def _pick_folder(self) -> None:
+        folder = QFileDialog.getExistingDirectory(self, "Pick a model folder (config.json + .safetensors)")
+        if folder:
+            self.source.setCurrentText(folder)
+
+    def _pick_gguf(self) -> None:
+        path, _ = QFileDialog.getOpenFileName(self, "Pick a GGUF model file", "", "GGUF models (*.gguf)")
+        if path:
+            self.source.setCurrentText(path)

@@ -1,0 +1,701 @@
+"""The main window: conversations | chat + documents + composer | memory + knobs, model bar on top.
+
+It wires the parts together; turns live in app.turns, the engine in app.worker (its own thread),
+document parsing in app.documents (a thread pool), storage in app.store.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+from PySide6.QtCore import Qt, QTimer, Signal
+from PySide6.QtGui import QAction, QKeySequence
+from PySide6.QtWidgets import (
+    QFileDialog,
+    QHBoxLayout,
+    QLabel,
+    QMainWindow,
+    QMessageBox,
+    QPushButton,
+    QScrollArea,
+    QSplitter,
+    QVBoxLayout,
+    QWidget,
+)
+
+from . import knobs as K
+from .documents import DocumentLoader, assess_fit
+from .protocol import AttachedDocument, ContextFigures, UsageRequest
+from .settings import Key, Settings
+from .store import ConversationStore, reply_footer
+from .turns import TurnController
+from .widgets.chat_view import ChatView, MessageBubble
+from .widgets.composer import Composer
+from .widgets.conversation_list import ConversationList
+from .widgets.document_chips import DocumentChips
+from .widgets.knob_panel import KnobPanel
+from .widgets.memory_panel import MemoryPanel
+from .widgets.model_panel import ModelPanel
+from .worker import EngineClient
+
+log = logging.getLogger(__name__)
+
+MEMORY_REFRESH_MS = 1000
+USAGE_DEBOUNCE_MS = 400
+NEW_CHAT_TITLE = "New chat"
+LOAD_HELP = {
+    "missing": "Check the path, or pick 'default'.",
+    "offline": "Download the model folder on a machine that is online and pick the folder here, or use 'default'.",
+    "corrupt": "Download the model again.",
+    "unsupported": "Pick a model folder (config.json + .safetensors) or a .gguf file.",
+    "unsupported_architecture": "Pick a Llama, Mistral, Qwen2 or Qwen3 model.",
+    "remote_code": "Only models that run without their own Python code are supported.",
+    "oom": "Pick INT8 or INT4 weights, a smaller model, or the CPU.",
+    "config": "Fix the value named in the message.",
+}
+
+
+class MainWindow(QMainWindow):
+    message_shown = Signal(str, str)  # title, text — every dialog also goes here (tests, status bar)
+
+    def __init__(self, model_factory=None, *, autoload: bool = True, store: ConversationStore | None = None,
+                 settings: Settings | None = None):
+        super().__init__()
+        self.setWindowTitle("DS-V4.1 Chat")
+        self.setAcceptDrops(True)
+        self.settings = settings or Settings()
+        self.store = store or ConversationStore()
+        self.client = EngineClient(model_factory, self)
+        self.loader = DocumentLoader(self)
+        self.facts = None  # ModelFacts of the loaded model
+        self.report = None  # latest MemoryReport
+        self.figures: ContextFigures | None = None
+        self.conversation_id: int | None = None
+        self.attached: OrderedDict[str, AttachedDocument | None] = OrderedDict()  # None while parsing
+        self.doc_tokens: dict[str, int] = {}
+        self.editing_message_id: int | None = None
+        self.pending_knobs: dict | None = None
+        self.loading = False
+        self._after_load = None  # a callable to run once the next load succeeds (OOM retry)
+        self._memory_requested = False
+        self.open_dialogs: list[QMessageBox] = []
+        self.shown_messages: list[tuple[str, str]] = []
+
+        self._build()
+        self.turns = TurnController(self.store, self.client, self.chat, self)
+        self._connect()
+        self._restore_settings()
+        self._reload_conversations(select=self.settings.last_conversation())
+        self._update_actions()
+        if self.store.recovered:
+            self.statusBar().showMessage(f"{self.store.recovered} reply(ies) were interrupted last time; "
+                                         "what was shown is kept.", 8000)
+        if autoload:
+            QTimer.singleShot(0, self.model_panel.request_load)
+
+    # ------------------------------------------------------------------ layout
+    def _build(self) -> None:
+        self.model_panel = ModelPanel()
+        self.conversations = ConversationList()
+        self.chat = ChatView()
+        self.chips = DocumentChips()
+        self.composer = Composer()
+        self.edit_banner = QLabel("")
+        self.edit_banner.setObjectName("editBanner")
+        self.edit_banner.hide()
+        self.attach_button = QPushButton("📎 Attach…")
+        self.send_button = QPushButton("Send")
+        self.send_button.setObjectName("sendButton")
+        self.stop_button = QPushButton("■ Stop")
+        self.stop_button.setObjectName("stopButton")
+        self.regenerate_button = QPushButton("↻ Regenerate")
+        self.edit_button = QPushButton("✎ Edit last")
+        self.memory_panel = MemoryPanel()
+        self.knob_panel = KnobPanel()
+
+        center = QWidget()
+        center_layout = QVBoxLayout(center)
+        center_layout.setContentsMargins(0, 0, 0, 6)
+        center_layout.setSpacing(4)
+        center_layout.addWidget(self.chat, 1)
+        bottom = QVBoxLayout()
+        bottom.setContentsMargins(8, 0, 8, 0)
+        bottom.setSpacing(4)
+        bottom.addWidget(self.edit_banner)
+        bottom.addWidget(self.chips)
+        bottom.addWidget(self.composer)
+        buttons = QHBoxLayout()
+        for button in (self.attach_button, self.edit_button, self.regenerate_button):
+            buttons.addWidget(button)
+        buttons.addStretch(1)
+        buttons.addWidget(self.stop_button)
+        buttons.addWidget(self.send_button)
+        bottom.addLayout(buttons)
+        center_layout.addLayout(bottom)
+
+        side = QWidget()
+        side_layout = QVBoxLayout(side)
+        side_layout.setContentsMargins(4, 4, 4, 4)
+        side_layout.addWidget(self.memory_panel)
+        side_layout.addWidget(self.knob_panel)
+        side_layout.addStretch(1)
+        side_scroll = QScrollArea()
+        side_scroll.setObjectName("sidePanel")
+        side_scroll.setWidgetResizable(True)
+        side_scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        side_scroll.setWidget(side)
+        side_scroll.setMinimumWidth(330)
+
+        self.splitter = QSplitter(Qt.Orientation.Horizontal)
+        self.splitter.addWidget(self.conversations)
+        self.splitter.addWidget(center)
+        self.splitter.addWidget(side_scroll)
+        self.splitter.setStretchFactor(1, 1)
+        self.splitter.setSizes([220, 640, 360])
+        root = QWidget()
+        root_layout = QVBoxLayout(root)
+        root_layout.setContentsMargins(0, 0, 0, 0)
+        root_layout.setSpacing(0)
+        root_layout.addWidget(self.model_panel)
+        root_layout.addWidget(self.splitter, 1)
+        self.setCentralWidget(root)
+        self.resize(1280, 800)
+
+        new_action = QAction("New chat", self, shortcut=QKeySequence.StandardKey.New)
+        new_action.triggered.connect(self.new_conversation)
+        self.addAction(new_action)
+
+    def _connect(self) -> None:
+        worker = self.client.worker
+        worker.load_progress.connect(self.model_panel.show_loading)
+        worker.loaded.connect(self._on_loaded)
+        worker.load_failed.connect(self._on_load_failed)
+        worker.memory.connect(self._on_memory)
+        worker.usage.connect(self._on_usage)
+        worker.reconfigured.connect(self._on_reconfigured)
+        worker.reconfigure_failed.connect(self._on_reconfigure_failed)
+        worker.document_tokens.connect(self._on_document_tokens)
+        worker.prefill_progress.connect(self._on_rebuild_progress)
+        worker.error.connect(lambda message: self.inform("Engine error", message))
+        self.turns.started.connect(self._update_actions)
+        self.turns.finished.connect(self._on_turn_finished)
+        self.turns.refused.connect(self._on_turn_refused)
+
+        self.model_panel.load_requested.connect(self.load_model)
+        self.conversations.selected.connect(self.show_conversation)
+        self.conversations.new_requested.connect(self.new_conversation)
+        self.conversations.delete_requested.connect(self.delete_conversation)
+        self.conversations.renamed.connect(self._on_renamed)
+        self.conversations.export_requested.connect(self.export_conversation)
+        self.conversations.search_changed.connect(lambda: self._reload_conversations(select=self.conversation_id))
+
+        self.composer.submitted.connect(self.send)
+        self.composer.files_dropped.connect(self.attach_files)
+        self.composer.escape_pressed.connect(self.cancel_edit)
+        self.composer.textChanged.connect(self._schedule_usage)
+        self.send_button.clicked.connect(self.send)
+        self.stop_button.clicked.connect(self.stop)
+        self.regenerate_button.clicked.connect(self.regenerate)
+        self.edit_button.clicked.connect(self.edit_last)
+        self.attach_button.clicked.connect(self._pick_files)
+        self.chips.remove_requested.connect(self.remove_document)
+        self.loader.parsed.connect(self._on_document_parsed)
+        self.loader.failed.connect(self._on_document_failed)
+        self.knob_panel.knobs_changed.connect(self._on_knobs_changed)
+
+        self.memory_timer = QTimer(self, interval=MEMORY_REFRESH_MS)
+        self.memory_timer.timeout.connect(self._request_memory)
+        self.memory_timer.start()
+        self.usage_timer = QTimer(self, singleShot=True, interval=USAGE_DEBOUNCE_MS)
+        self.usage_timer.timeout.connect(self._request_usage)
+
+    # ------------------------------------------------------------------ messages
+    def inform(self, title: str, text: str, *, icon=QMessageBox.Icon.Warning, buttons=None) -> QMessageBox:
+        """A window-modal message that does not block the event loop (the worker keeps streaming)."""
+        log.info("%s: %s", title, text)
+        self.shown_messages.append((title, text))
+        self.message_shown.emit(title, text)
+        self.statusBar().showMessage(f"{title}: {text}", 10000)
+        box = QMessageBox(icon, title, text, QMessageBox.StandardButton.NoButton, self)
+        box.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        for label, role, callback in buttons or [("OK", QMessageBox.ButtonRole.AcceptRole, None)]:
+            button = box.addButton(label, role)
+            if callback is not None:
+                button.clicked.connect(callback)
+        box.finished.connect(lambda _r, b=box: self.open_dialogs.remove(b) if b in self.open_dialogs else None)
+        box.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
+        self.open_dialogs.append(box)
+        box.open()
+        return box
+
+    def confirm(self, title: str, text: str) -> bool:
+        """A yes/no question (tests replace this)."""
+        answer = QMessageBox.question(self, title, text)
+        return answer == QMessageBox.StandardButton.Yes
+
+    # ------------------------------------------------------------------ model
+    def load_model(self, options: dict) -> None:
+        if self.turns.busy:
+            self.inform("Model change refused", "A reply is being generated. Stop it (■ Stop) or wait for it to "
+                        "finish, then load the other model.")
+            return
+        self.loading = True
+        self.facts = None
+        self.model_panel.show_loading("Starting…", 0.0)
+        self._update_actions()
+        self.settings.set_json(Key.MODEL, options)
+        self.client.load_model.emit({**options, **self.knob_panel.values()})
+
+    def _on_loaded(self, facts) -> None:
+        self.loading = False
+        self.facts = facts
+        self.model_panel.show_loaded(facts)
+        self.statusBar().showMessage(f"{facts.display_name} ready ({facts.load_seconds:.1f} s)", 5000)
+        self._update_actions()
+        for key, doc in self.attached.items():
+            if doc is not None:
+                self.client.count_document.emit(doc)
+        self._schedule_usage()
+        self._refresh_chips()
+        if self._after_load is not None:
+            callback, self._after_load = self._after_load, None
+            callback()
+
+    def _on_load_failed(self, message: str, reason: str) -> None:
+        self.loading = False
+        self.facts = None
+        self._after_load = None
+        self.model_panel.show_failed(message)
+        self._update_actions()
+        help_text = LOAD_HELP.get(reason, "Try the default model, or check the model's files.")
+        self.inform("Could not load the model", f"{message}\n\nWhat to do: {help_text}")
+
+    # ------------------------------------------------------------------ knobs
+    def _on_knobs_changed(self, knobs: dict) -> None:
+        self.settings.set_json(Key.KNOBS, knobs)
+        self._refresh_chips()
+        if self.facts is None:
+            return  # used at the next load
+        if self.turns.busy:
+            self.pending_knobs = knobs
+            self.knob_panel.show_pending(self._changed_knobs(knobs))
+            return
+        self._apply_knobs(knobs)
+
+    def _changed_knobs(self, knobs: dict) -> dict:
+        config = self.facts.config if self.facts else {}
+        return {k: v for k, v in knobs.items() if config.get(k) != v} or knobs
+
+    def _apply_knobs(self, knobs: dict) -> None:
+        self.knob_panel.show_applying()
+        self.client.reconfigure.emit(knobs)
+
+    def _on_reconfigured(self, result, facts) -> None:
+        self.facts = facts
+        self.knob_panel.show_result(result.action, result.before, result.after)
+        if result.after is not None:
+            self._on_memory(result.after)
+        self._refresh_chips()
+        self._schedule_usage()
+
+    def _on_reconfigure_failed(self, message: str) -> None:
+        self.knob_panel.show_error(message)
+        self.inform("Knob not applied", message)
+
+    def _on_rebuild_progress(self, turn_id: int, done: int, total: int) -> None:
+        if turn_id == -1 and total:
+            self.knob_panel.status.setText(f"Rebuilding the cache: {done:,} / {total:,} tokens…")
+
+    # ------------------------------------------------------------------ memory and context
+    def _request_memory(self) -> None:
+        if self.facts is not None and not self.turns.busy and not self._memory_requested:
+            self._memory_requested = True
+            self.client.report_memory.emit(self.conversation_id)
+
+    def _on_memory(self, report) -> None:
+        self._memory_requested = False
+        self.report = report
+        self.memory_panel.show_report(report)
+        self._refresh_chips()
+
+    def _schedule_usage(self) -> None:
+        self.usage_timer.start()
+
+    def _request_usage(self) -> None:
+        if self.facts is None or self.turns.busy:
+            return
+        history = self.store.history(self.conversation_id) if self.conversation_id is not None else ()
+        if self.editing_message_id is not None:
+            history = self.store.history(self.conversation_id, before_message_id=self.editing_message_id)
+        docs = tuple(d for d in self.attached.values() if d is not None)
+        self.client.count_usage.emit(UsageRequest(self.conversation_id, history, self.composer.toPlainText(), docs))
+
+    def _on_usage(self, figures: ContextFigures) -> None:
+        self.figures = figures
+        self.memory_panel.show_context(figures)
+        self._refresh_chips()
+
+    # ------------------------------------------------------------------ documents
+    def _pick_files(self) -> None:
+        paths, _ = QFileDialog.getOpenFileNames(
+            self, "Attach documents", "",
+            "Documents (*.txt *.md *.markdown *.pdf *.docx *.py *.js *.ts *.c *.cpp *.h *.java *.go *.rs *.json "
+            "*.yaml *.yml *.toml *.html *.css *.sql *.sh *.csv);;All files (*)")
+        if paths:
+            self.attach_files(paths)
+
+    def attach_files(self, paths: list[str]) -> None:
+        for path in paths:
+            key = self.loader.load(path)
+            self.attached[key] = None
+            self.chips.add_pending(key, path)
+        self._update_actions()
+
+    def _on_document_parsed(self, key: str, doc: AttachedDocument) -> None:
+        if key not in self.attached:
+            return  # removed while it was being read
+        self.attached[key] = doc
+        self.chips.chips[key].show_document(doc)
+        if self.facts is not None:
+            self.client.count_document.emit(doc)
+        self._refresh_chips()
+        self._schedule_usage()
+        self._update_actions()
+
+    def _on_document_failed(self, key: str, path: str, message: str) -> None:
+        self.attached.pop(key, None)
+        self.chips.remove(key)
+        self._update_actions()
+        self.inform("Could not attach the file", message)
+
+    def _on_document_tokens(self, key: str, tokens: int) -> None:
+        self.doc_tokens[key] = tokens
+        self._refresh_chips()
+
+    def remove_document(self, key: str) -> None:
+        self.attached.pop(key, None)
+        self.chips.remove(key)
+        self._schedule_usage()
+        self._update_actions()
+
+    def _refresh_chips(self) -> None:
+        knobs = self.knob_panel.values()
+        before = (self.figures.system + self.figures.history + self.figures.prompt) if self.figures else 0
+        for key, doc in self.attached.items():
+            chip = self.chips.chips.get(key)
+            if doc is None or chip is None:
+                continue
+            counted = key in self.doc_tokens
+            tokens = self.doc_tokens.get(key, doc.estimated_tokens)
+            if self.facts is None:
+                chip.show_figures(tokens, counted, None, None, None)
+                continue
+            fit = assess_fit(tokens, tokens_before=before, context_limit=self.facts.context_limit,
+                             max_positions=self.facts.max_positions, bytes_per_token=self.facts.kv_bytes_per_token,
+                             kv_cache_ratio=knobs["kv_cache_ratio"], free_bytes=self.report.free if self.report else None,
+                             prefill_headroom=knobs["prefill_headroom"], kv_dtype=knobs["kv_cache_dtype"])
+            chip.show_figures(tokens, counted, fit.kv_bytes, knobs["kv_cache_ratio"], fit.warning)
+            before += tokens
+
+    # ------------------------------------------------------------------ conversations
+    def _reload_conversations(self, select: int | None = None) -> None:
+        conversations = self.store.conversations(self.conversations.search.text())
+        ids = [c.id for c in conversations]
+        target = select if select in ids else (self.conversation_id if self.conversation_id in ids else None)
+        self.conversations.populate(conversations, target)
+        if target is not None and target != self.conversation_id:
+            self.show_conversation(target)
+        elif target is None and self.conversation_id is None and ids and not self.conversations.search.text():
+            self.show_conversation(ids[0])
+            self.conversations.select(ids[0])
+
+    def show_conversation(self, conversation_id: int | None) -> None:
+        if conversation_id is not None and self.store.conversation(conversation_id) is None:
+            conversation_id = None
+        self.cancel_edit()
+        self.conversation_id = conversation_id
+        self.settings.set(Key.LAST_CONVERSATION, conversation_id if conversation_id is not None else "")
+        self.turns.save_now()
+        self.chat.clear()
+        if conversation_id is not None:
+            for m in self.store.messages(conversation_id):
+                bubble = MessageBubble(m.role, m.content, message_id=m.id, attachments=m.attachments,
+                                       footer=reply_footer(m.stats, m.status) if m.role == "assistant" else "",
+                                       error=m.error)
+                self.chat.add(bubble)
+        self.turns.rebind(self.chat.bubbles)
+        if self.turns.active is not None and self.turns.active.bubble is not None:
+            self.turns.active.bubble.set_text(self.turns.active.text)
+        self._update_actions()
+        self._schedule_usage()
+
+    def new_conversation(self) -> None:
+        self.conversation_id = None
+        self.conversations.list.clearSelection()
+        self.conversations.list.setCurrentItem(None)
+        self.show_conversation(None)
+        self.composer.setFocus()
+
+    def delete_conversation(self, conversation_id: int) -> None:
+        if self.turns.active is not None and self.turns.active.conversation_id == conversation_id:
+            self.inform("Delete refused", "This chat is still generating a reply. Stop it first.")
+            return
+        conv = self.store.conversation(conversation_id)
+        if conv is None or not self.confirm("Delete chat", f"Delete “{conv.title}” and all its messages?"):
+            return
+        self.store.delete(conversation_id)
+        self.client.forget_conversation.emit(conversation_id)
+        if self.conversation_id == conversation_id:
+            self.conversation_id = None
+            self.show_conversation(None)
+        self._reload_conversations()
+
+    def _on_renamed(self, conversation_id: int, title: str) -> None:
+        self.store.rename(conversation_id, title)
+        conv = self.store.conversation(conversation_id)
+        if conv is not None:
+            self.conversations.set_title(conversation_id, conv.title)
+
+    def export_conversation(self, conversation_id: int, fmt: str, path: str | None = None) -> str | None:
+        conv = self.store.conversation(conversation_id)
+        if conv is None:
+            return None
+        if path is None:
+            suggested = "".join(c if c.isalnum() or c in " -_" else "_" for c in conv.title).strip() or "chat"
+            filters = "Markdown (*.md)" if fmt == "md" else "JSON (*.json)"
+            path, _ = QFileDialog.getSaveFileName(self, "Export chat", f"{suggested}.{fmt}", filters)
+            if not path:
+                return None
+        try:
+            if fmt == "md":
+                Path(path).write_text(self.store.export_markdown(conversation_id), encoding="utf-8")
+            else:
+                Path(path).write_text(json.dumps(self.store.export_json(conversation_id), ensure_ascii=False,
+                                                 indent=2), encoding="utf-8")
+        except OSError as exc:
+            self.inform("Export failed", f"Could not write {path}: {exc.strerror or exc}")
+            return None
+        self.statusBar().showMessage(f"Exported to {path}", 5000)
+        return path
+
+    # ------------------------------------------------------------------ turns
+    def send(self) -> None:
+        prompt = self.composer.toPlainText().strip()
+        if self.turns.busy or not prompt:
+            return
+        if self.facts is None:
+            why = "The model is still loading; send again when it is ready." if self.loading else \
+                "No model is loaded. Pick one in the model bar and press Load."
+            self.inform("No model", why)
+            return
+        if any(doc is None for doc in self.attached.values()):
+            self.inform("Still reading documents", "Wait until the attached documents are read, then send.")
+            return
+        documents = tuple(self.attached.values())
+        if self.conversation_id is None:
+            self.conversation_id = self.store.create_conversation(_title_from(prompt))
+            self.settings.set(Key.LAST_CONVERSATION, self.conversation_id)
+            self._reload_conversations(select=self.conversation_id)
+        if self.editing_message_id is not None:
+            history = self.store.history(self.conversation_id, before_message_id=self.editing_message_id)
+            self.store.delete_messages_from(self.editing_message_id)
+            self._set_editing(None)
+            self.show_conversation(self.conversation_id)
+        else:
+            history = self.store.history(self.conversation_id)
+        self.composer.clear()
+        self.attached.clear()
+        self.chips.clear()
+        self._start_turn(prompt, documents, history)
+
+    def _start_turn(self, prompt: str, documents, history) -> None:
+        self.turns.start(self.conversation_id, prompt, documents, dict(self.doc_tokens),
+                         self.knob_panel.generation(), self._reply_settings(), history)
+        self.settings.set_json(Key.GENERATION, self.knob_panel.generation().__dict__)
+        self._update_actions()
+
+    def _reply_settings(self) -> dict:
+        facts = self.facts
+        knobs = {k: facts.config.get(k) for k in K.KNOB_NAMES} if facts else {}
+        return {"model": facts.display_name, "source": facts.source, "weight_quant": facts.weight_quant,
+                "device": facts.device, "dtype": facts.dtype, "attention": facts.attention_backend,
+                "max_seq_len": facts.config.get("max_seq_len"), "knobs": knobs,
+                "generation": self.knob_panel.generation().__dict__}
+
+    def stop(self) -> None:
+        self.turns.stop()
+        self.stop_button.setEnabled(False)
+
+    def _last_user_message(self):
+        if self.conversation_id is None:
+            return None
+        return next((m for m in reversed(self.store.messages(self.conversation_id)) if m.role == "user"), None)
+
+    def regenerate(self) -> None:
+        if self.turns.busy or self.facts is None:
+            return
+        user = self._last_user_message()
+        if user is None:
+            return
+        documents = self.store.attachments(user.id)
+        history = self.store.history(self.conversation_id, before_message_id=user.id)
+        self.store.delete_messages_from(user.id)
+        self.show_conversation(self.conversation_id)
+        self._start_turn(user.content, documents, history)
+
+    def edit_last(self) -> None:
+        if self.turns.busy:
+            return
+        user = self._last_user_message()
+        if user is None:
+            return
+        self.composer.setPlainText(user.content)
+        self.attached.clear()
+        self.chips.clear()
+        for doc in self.store.attachments(user.id):
+            self.attached[doc.key] = doc
+            self.chips.add_pending(doc.key, doc.path).show_document(doc)
+            if self.facts is not None:
+                self.client.count_document.emit(doc)
+        self._set_editing(user.id)
+        self._refresh_chips()
+        self.composer.setFocus()
+
+    def cancel_edit(self) -> None:
+        if self.editing_message_id is not None:
+            self._set_editing(None)
+            self.composer.clear()
+            self.attached.clear()
+            self.chips.clear()
+
+    def _set_editing(self, message_id: int | None) -> None:
+        self.editing_message_id = message_id
+        self.edit_banner.setText("✎ Editing your last message: Send replaces it and its reply · Esc cancels")
+        self.edit_banner.setVisible(message_id is not None)
+        self._schedule_usage()
+
+    def _on_turn_finished(self, outcome, turn) -> None:
+        self._update_actions()
+        self._reload_conversations(select=self.conversation_id)
+        if outcome.error_kind == "oom":
+            self._offer_oom_retry(outcome.error)
+        elif outcome.error:
+            self.inform("The reply ended with an error", outcome.error)
+        if self.pending_knobs is not None:
+            knobs, self.pending_knobs = self.pending_knobs, None
+            self._apply_knobs(knobs)
+        self._schedule_usage()
+
+    def _on_turn_refused(self, outcome, turn) -> None:
+        # Nothing happened: put the question and its documents back so the user can adjust and resend.
+        if turn.conversation_id == self.conversation_id and not self.composer.toPlainText().strip():
+            self.composer.setPlainText(turn.prompt)
+            for doc in turn.documents:
+                if doc.key not in self.attached:
+                    self.attached[doc.key] = doc
+                    self.chips.add_pending(doc.key, doc.path).show_document(doc)
+            self._refresh_chips()
+        if not self.store.messages(turn.conversation_id) and self.store.conversation(turn.conversation_id):
+            self.store.delete(turn.conversation_id)
+            if self.conversation_id == turn.conversation_id:
+                self.conversation_id = None
+            self._reload_conversations()
+        self._update_actions()
+        titles = {"overflow": "Does not fit the context", "document": "Could not read a document",
+                  "no_model": "No model", "busy": "Busy"}
+        self.inform(titles.get(outcome.error_kind, "Could not send"), outcome.error or "The engine refused the turn.")
+        self._schedule_usage()
+
+    def _offer_oom_retry(self, message: str) -> None:
+        def compress_and_retry():
+            knobs = self.knob_panel.values()
+            harder = {**knobs, "kv_cache_ratio": max(round(knobs["kv_cache_ratio"] / 2, 2), 0.1),
+                      "ced_threshold": min(round(knobs["ced_threshold"] + 0.1, 2), 0.5), "kv_cache_dtype": "int8"}
+            self.knob_panel.set_values(harder)
+            self.settings.set_json(Key.KNOBS, self.knob_panel.values())
+            self._apply_knobs(self.knob_panel.values())
+            self.regenerate()
+
+        def shorter_context_and_retry():
+            current = self.facts.context_limit if self.facts else self.model_panel.max_seq_len.value()
+            self.model_panel.max_seq_len.setValue(max(current // 2, 1024))
+            self._after_load = self.regenerate
+            self.load_model(self.model_panel.options())
+
+        self.inform("Out of memory", f"{message}\n\nThe partial reply is kept.", buttons=[
+            ("Compress harder and retry", QMessageBox.ButtonRole.AcceptRole, compress_and_retry),
+            ("Lower max_seq_len and retry", QMessageBox.ButtonRole.AcceptRole, shorter_context_and_retry),
+            ("Keep the partial reply", QMessageBox.ButtonRole.RejectRole, None)])
+
+    def _update_actions(self) -> None:
+        busy = self.turns.busy if hasattr(self, "turns") else False
+        ready = self.facts is not None
+        has_messages = bool(self.chat.bubbles)
+        self.send_button.setEnabled(not busy and ready)
+        self.stop_button.setEnabled(busy)
+        self.regenerate_button.setEnabled(not busy and ready and has_messages)
+        self.edit_button.setEnabled(not busy and has_messages)
+        self.model_panel.load_button.setEnabled(not busy and not self.loading)
+        if busy:
+            self.send_button.setToolTip("A reply is being generated")
+        elif not ready:
+            self.send_button.setToolTip("Loading the model…" if self.loading else "Load a model first")
+        else:
+            self.send_button.setToolTip("Send (Enter)")
+
+    # ------------------------------------------------------------------ drag and drop
+    def dragEnterEvent(self, event) -> None:  # noqa: N802 - Qt override
+        if event.mimeData().hasUrls():
+            event.acceptProposedAction()
+
+    def dragMoveEvent(self, event) -> None:  # noqa: N802 - Qt override
+        if event.mimeData().hasUrls():
+            event.acceptProposedAction()
+
+    def dropEvent(self, event) -> None:  # noqa: N802 - Qt override
+        paths = [url.toLocalFile() for url in event.mimeData().urls() if url.isLocalFile()]
+        if paths:
+            event.acceptProposedAction()
+            self.attach_files(paths)
+
+    # ------------------------------------------------------------------ settings and shutdown
+    def _restore_settings(self) -> None:
+        geometry = self.settings.value(Key.GEOMETRY)
+        if geometry:
+            self.restoreGeometry(geometry)
+        splitter = self.settings.value(Key.SPLITTER)
+        if splitter:
+            self.splitter.restoreState(splitter)
+        self.model_panel.set_options(self.settings.model_options())
+        self.knob_panel.set_values(self.settings.knobs())
+        self.knob_panel.set_generation(self.settings.generation())
+
+    def save_settings(self) -> None:
+        self.settings.set(Key.GEOMETRY, self.saveGeometry())
+        self.settings.set(Key.SPLITTER, self.splitter.saveState())
+        self.settings.set_json(Key.KNOBS, self.knob_panel.values())
+        self.settings.set_json(Key.GENERATION, self.knob_panel.generation().__dict__)
+        self.settings.sync()
+
+    def closeEvent(self, event) -> None:  # noqa: N802 - Qt override
+        self.save_settings()
+        self.turns.save_now()
+        started = time.monotonic()
+        self.client.shutdown()
+        self.loader.wait(5000)
+        log.debug("worker stopped in %.2f s", time.monotonic() - started)
+        self.memory_timer.stop()
+        if self.turns.active is not None:
+            self.store.finish_reply(self.turns.active.reply_id, self.turns.active.text, "stopped")
+            self.turns.active = None
+        self.store.close()
+        super().closeEvent(event)
+
+
+def _title_from(prompt: str, limit: int = 48) -> str:
+    line = " ".join(prompt.split())
+    return line if len(line) <= limit else line[: limit - 1].rstrip() + "…"

@@ -1,0 +1,406 @@
+"""The one thread that owns the engine: requests come in as queued signals, events go out as signals.
+
+    client = EngineClient(model_factory)        # GUI thread; starts the worker thread
+    client.load_model.emit({"model_path": "default", ...})
+    client.send_turn(request)                   # request.cancel is set by client.stop() from the GUI thread
+
+Everything that touches the model, the tokenizer or torch runs in EngineWorker's slots, on the worker
+thread. A turn runs inside one slot, so requests queued meanwhile (reconfigure, memory, usage) wait
+until the turn is over: that is what "applied between turns" means. Stop cannot wait in that queue,
+so it is a threading.Event the engine checks before every prefill chunk and decode step.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import sys
+import time
+import traceback
+from collections import OrderedDict
+from collections.abc import Callable
+
+from PySide6.QtCore import QObject, QThread, Signal, Slot
+
+from .protocol import (
+    AttachedDocument,
+    ContextFigures,
+    HistoryTurn,
+    ModelFacts,
+    TurnOutcome,
+    TurnRequest,
+    UsageRequest,
+)
+
+log = logging.getLogger(__name__)
+
+TOKEN_BATCH_S = 0.04  # coalesce streamed text for this long before painting it
+PROGRESS_EVERY_S = 0.05
+MEMORY_EVERY_S = 1.0  # memory reports during a turn (the GUI's own timer is blocked by the turn)
+KEPT_SESSIONS = 2  # each session holds a preallocated KV cache; keep only the recent ones
+
+ModelFactory = Callable[[dict, Callable[[str, float], None]], object]
+
+
+def load_engine_model(options: dict, progress: Callable[[str, float], None]):
+    """The real engine: DSV41Model.from_pretrained(DSV41Config(**options)). Runs on the worker thread."""
+    from engine import DSV41Config, DSV41Model
+
+    return DSV41Model.from_pretrained(DSV41Config(**options), progress=progress)
+
+
+class EngineWorker(QObject):
+    # ---- events out (all emitted on the worker thread; connections to the GUI are queued)
+    load_progress = Signal(str, float)
+    loaded = Signal(object)  # ModelFacts
+    load_failed = Signal(str, str)  # message, reason
+    prefill_progress = Signal(int, int, int)  # turn id, done, total
+    tokens = Signal(int, str)  # turn id, text batch
+    stats = Signal(int, object)  # turn id, engine TurnStats
+    turn_finished = Signal(object)  # TurnOutcome
+    memory = Signal(object)  # engine MemoryReport
+    usage = Signal(object)  # ContextFigures
+    reconfigured = Signal(object, object)  # engine ReconfigureResult, ModelFacts
+    reconfigure_failed = Signal(str)
+    document_tokens = Signal(str, int)  # attachment key, tokens
+    error = Signal(str)  # an unexpected failure outside a turn; the worker keeps running
+
+    def __init__(self, model_factory: ModelFactory | None = None):
+        super().__init__()
+        self._factory = model_factory or load_engine_model
+        self.model = None
+        self._sessions: OrderedDict[int, object] = OrderedDict()
+        self._doc_tokens: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ model
+    @Slot(object)
+    def load_model(self, options: dict) -> None:
+        self._drop_model()
+        started = time.perf_counter()
+        try:
+            model = self._factory(dict(options), self._report_load_progress)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a dialog, the app stays usable
+            reason = getattr(exc, "reason", None) or ("config" if _is_config_error(exc) else "load_failed")
+            message = str(exc) or type(exc).__name__
+            if reason == "load_failed" and not _is_engine_error(exc):
+                message = f"{type(exc).__name__}: {message}"
+            log.warning("model load failed: %s", message)
+            self.load_failed.emit(message, reason)
+            return
+        self.model = model
+        facts = self._facts(time.perf_counter() - started)
+        self.loaded.emit(facts)
+        self._emit_memory(None)
+
+    def _report_load_progress(self, message: str, fraction: float) -> None:
+        self.load_progress.emit(str(message), float(fraction))
+
+    def _drop_model(self) -> None:
+        if self.model is None:
+            return
+        self._sessions.clear()
+        self._doc_tokens.clear()
+        self.model = None
+        gc.collect()
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def _facts(self, load_seconds: float = 0.0) -> ModelFacts:
+        model = self.model
+        info = model.info
+        config = model.config.to_dict() if hasattr(model.config, "to_dict") else dict(vars(model.config))
+        return ModelFacts(
+            display_name=info.display_name, source=config.get("model_path", "default"), device=info.device,
+            dtype=info.dtype, weight_quant=info.weight_quant, attention_backend=info.attention_backend,
+            context_limit=int(model.context_limit), max_positions=int(getattr(model, "max_positions", 0) or 0),
+            kv_bytes_per_token=int(model.kv_bytes_per_token()), config=config, load_seconds=load_seconds)
+
+    # ------------------------------------------------------------------ turns
+    @Slot(object)
+    def send(self, request: TurnRequest) -> None:
+        try:
+            outcome = self._run_turn(request)
+        except Exception as exc:  # noqa: BLE001 - a bug anywhere in a turn must not kill the worker
+            log.exception("turn failed")
+            outcome = TurnOutcome(request.turn_id, "error", "", error=_describe(exc), error_kind="error")
+        self.turn_finished.emit(outcome)
+        if self.model is not None:
+            try:
+                self._emit_memory(self._sessions.get(request.conversation_id))
+            except Exception as exc:  # noqa: BLE001
+                self.error.emit(_describe(exc))
+
+    def _run_turn(self, request: TurnRequest) -> TurnOutcome:
+        from engine.errors import BusyError, ContextOverflowError
+        from engine.events import Done, ErrorEvent, PrefillProgress, TokenText, TurnStats
+
+        turn = request.turn_id
+        if self.model is None:
+            return TurnOutcome(turn, "refused", "", error="No model is loaded yet. Wait for it to finish loading, "
+                               "or pick a model in the model panel and press Load.", error_kind="no_model")
+        if request.cancel.is_set():
+            return TurnOutcome(turn, "cancelled", "")
+        session = self._session_for(request.conversation_id, request.history)
+        gen = request.generation
+        try:
+            events = session.send(request.prompt, documents=[_engine_document(d) for d in request.documents],
+                                  cancel=request.cancel, max_new_tokens=gen.max_new_tokens,
+                                  temperature=gen.temperature, seed=gen.seed, greedy=gen.greedy)
+        except ContextOverflowError as exc:
+            return TurnOutcome(turn, "refused", "", error=str(exc), error_kind="overflow",
+                               overflow={"needed": exc.needed, "limit": exc.limit, "parts": dict(exc.parts)})
+        except BusyError as exc:
+            return TurnOutcome(turn, "refused", "", error=str(exc), error_kind="busy")
+        except Exception as exc:  # noqa: BLE001
+            kind = "document" if type(exc).__name__ == "DocumentError" else "error"
+            return TurnOutcome(turn, "refused", "", error=str(exc) if kind == "document" else _describe(exc),
+                               error_kind=kind)
+
+        batch: list[str] = []
+        text_parts: list[str] = []
+        last_flush = last_progress = last_memory = time.monotonic()
+        done = None
+        error: ErrorEvent | None = None
+
+        def flush():
+            nonlocal last_flush
+            if batch:
+                self.tokens.emit(turn, "".join(batch))
+                batch.clear()
+            last_flush = time.monotonic()
+
+        messages_before = len(session.messages)
+        for event in events:
+            now = time.monotonic()
+            if isinstance(event, TokenText):
+                if event.text:
+                    batch.append(event.text)
+                    text_parts.append(event.text)
+                if now - last_flush >= TOKEN_BATCH_S:
+                    flush()
+            elif isinstance(event, PrefillProgress):
+                if event.done in (0, event.total) or now - last_progress >= PROGRESS_EVERY_S:
+                    self.prefill_progress.emit(turn, event.done, event.total)
+                    last_progress = now
+            elif isinstance(event, TurnStats):
+                flush()
+                self.stats.emit(turn, event)
+            elif isinstance(event, ErrorEvent):
+                error = event
+            elif isinstance(event, Done):
+                done = event
+            if now - last_memory >= MEMORY_EVERY_S:
+                self._emit_memory(session)
+                last_memory = time.monotonic()
+        flush()
+
+        text = done.text if done is not None else "".join(text_parts)
+        reason = done.reason if done is not None else "error"
+        model_content = None
+        if len(session.messages) >= messages_before + 2:
+            model_content = session.messages[-2].get("content")
+        return TurnOutcome(turn, reason, text, stats=done.stats if done is not None else None,
+                           error=error.message if error else None, error_kind=error.kind if error else None,
+                           model_content=model_content)
+
+    def _session_for(self, conversation_id: int, history: tuple[HistoryTurn, ...]):
+        """The engine session of this conversation, holding exactly `history` (the cache is reused when it does)."""
+        session = self._sessions.get(conversation_id)
+        if session is None:
+            session = self.model.chat_session()
+            self._sessions[conversation_id] = session
+            while len(self._sessions) > KEPT_SESSIONS:
+                self._sessions.popitem(last=False)
+        self._sessions.move_to_end(conversation_id)
+        wanted = self._history_messages(history)
+        system = [m for m in session.messages if m.get("role") == "system"]
+        if session.messages != system + wanted:
+            # The engine notices the transcript no longer extends what it fed and rebuilds the cache.
+            session.messages = system + wanted
+        return session
+
+    @staticmethod
+    def _history_messages(history: tuple[HistoryTurn, ...]) -> list[dict]:
+        from engine.documents import format_for_prompt
+
+        messages = []
+        for item in history:
+            content = item.model_content
+            if content is None:
+                blocks = [format_for_prompt(_engine_document(d)) for d in item.documents]
+                content = "\n\n".join(blocks + [item.prompt]) if blocks else item.prompt
+            messages.append({"role": "user", "content": content})
+            messages.append({"role": "assistant", "content": item.reply})
+        return messages
+
+    @Slot(int)
+    def forget_conversation(self, conversation_id: int) -> None:
+        self._sessions.pop(conversation_id, None)
+
+    # ------------------------------------------------------------------ knobs and figures
+    @Slot(object)
+    def reconfigure(self, knobs: dict) -> None:
+        if self.model is None:
+            return
+        session = next(reversed(self._sessions.values()), None) if self._sessions else None
+        try:
+            result = self.model.reconfigure(session, progress=self._reconfigure_progress, **knobs)
+        except Exception as exc:  # noqa: BLE001 - a bad knob value is a message, not a crash
+            self.reconfigure_failed.emit(str(exc) if _is_engine_error(exc) else _describe(exc))
+            return
+        self.reconfigured.emit(result, self._facts())
+        self._emit_memory(session)
+
+    def _reconfigure_progress(self, event) -> None:
+        done, total = getattr(event, "done", 0), getattr(event, "total", 0)
+        self.prefill_progress.emit(-1, int(done), int(total))
+
+    @Slot(object)
+    def report_memory(self, conversation_id) -> None:
+        if self.model is None:
+            return
+        try:
+            self._emit_memory(self._sessions.get(conversation_id) if conversation_id is not None else None)
+        except Exception as exc:  # noqa: BLE001
+            self.error.emit(_describe(exc))
+
+    def _emit_memory(self, session) -> None:
+        if self.model is None:
+            return
+        cache = getattr(session, "cache", None) if session is not None else None
+        if cache is None and self._sessions:
+            cache = getattr(next(reversed(self._sessions.values())), "cache", None)
+        self.memory.emit(self.model.memory_report(cache))
+
+    @Slot(object)
+    def count_usage(self, request: UsageRequest) -> None:
+        if self.model is None:
+            return
+        try:
+            self.usage.emit(self._usage(request))
+        except Exception as exc:  # noqa: BLE001
+            self.error.emit(_describe(exc))
+
+    def _usage(self, request: UsageRequest) -> ContextFigures:
+        session = self._sessions.get(request.conversation_id) if request.conversation_id is not None else None
+        wanted = self._history_messages(request.history)
+        system_tokens, history_tokens = 0, 0
+        if session is not None:
+            system = [m for m in session.messages if m.get("role") == "system"]
+            system_tokens = getattr(session, "system_tokens", 0)
+            if session.messages == system + wanted and getattr(session.cache, "seen", 0):
+                history_tokens = max(session.cache.seen - system_tokens, 0)
+            elif wanted:
+                history_tokens = self._count_chat(wanted)
+        elif wanted:
+            history_tokens = self._count_chat(wanted)
+        documents = sum(self._document_tokens(d) for d in request.documents)
+        return ContextFigures(system_tokens, history_tokens, documents, self._count(request.prompt),
+                              int(self.model.context_limit))
+
+    @Slot(object)
+    def count_document(self, document: AttachedDocument) -> None:
+        if self.model is None:
+            return
+        try:
+            self.document_tokens.emit(document.key, self._document_tokens(document))
+        except Exception as exc:  # noqa: BLE001
+            self.error.emit(_describe(exc))
+
+    def _document_tokens(self, document: AttachedDocument) -> int:
+        if document.key not in self._doc_tokens:
+            from engine.documents import format_for_prompt
+
+            self._doc_tokens[document.key] = self._count(format_for_prompt(_engine_document(document)))
+        return self._doc_tokens[document.key]
+
+    def _count(self, text: str) -> int:
+        tokenizer = getattr(self.model, "tokenizer", None)
+        if not text:
+            return 0
+        if tokenizer is None:
+            return max(len(text) // 4, 1)
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _count_chat(self, messages: list[dict]) -> int:
+        tokenizer = getattr(self.model, "tokenizer", None)
+        if tokenizer is None:
+            return sum(self._count(m["content"]) + 4 for m in messages)
+        return self._count(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False))
+
+
+class EngineClient(QObject):
+    """GUI-side handle: owns the worker thread; its request signals are queued to the worker's slots."""
+
+    load_model = Signal(object)
+    _send = Signal(object)
+    reconfigure = Signal(object)
+    report_memory = Signal(object)
+    count_usage = Signal(object)
+    count_document = Signal(object)
+    forget_conversation = Signal(int)
+
+    def __init__(self, model_factory: ModelFactory | None = None, parent: QObject | None = None):
+        super().__init__(parent)
+        self.thread = QThread()
+        self.thread.setObjectName("engine-worker")
+        self.worker = EngineWorker(model_factory)
+        self.worker.moveToThread(self.thread)
+        self.thread.finished.connect(self.worker.deleteLater)
+        self.load_model.connect(self.worker.load_model)
+        self._send.connect(self.worker.send)
+        self.reconfigure.connect(self.worker.reconfigure)
+        self.report_memory.connect(self.worker.report_memory)
+        self.count_usage.connect(self.worker.count_usage)
+        self.count_document.connect(self.worker.count_document)
+        self.forget_conversation.connect(self.worker.forget_conversation)
+        self.worker.turn_finished.connect(self._on_turn_finished)
+        self._current: TurnRequest | None = None
+        self.thread.start()
+
+    @property
+    def busy(self) -> bool:
+        return self._current is not None
+
+    def send_turn(self, request: TurnRequest) -> None:
+        self._current = request
+        self._send.emit(request)
+
+    def stop(self) -> None:
+        """Set from the GUI thread: the engine sees it at its next prefill chunk or decode step."""
+        if self._current is not None:
+            self._current.cancel.set()
+
+    @Slot(object)
+    def _on_turn_finished(self, outcome: TurnOutcome) -> None:
+        if self._current is not None and self._current.turn_id == outcome.turn_id:
+            self._current = None
+
+    def shutdown(self, timeout_ms: int = 10_000) -> None:
+        self.stop()
+        self.thread.quit()
+        if not self.thread.wait(timeout_ms):
+            log.warning("engine worker did not stop within %d ms", timeout_ms)
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def _engine_document(document: AttachedDocument):
+    from engine.documents import Document
+
+    return Document(name=document.name, path=document.path, kind=document.kind, text=document.text,
+                    pages=document.pages, chars=document.chars)
+
+
+def _is_engine_error(exc: BaseException) -> bool:
+    return any(cls.__name__ == "EngineError" for cls in type(exc).__mro__)
+
+
+def _is_config_error(exc: BaseException) -> bool:
+    return any(cls.__name__ == "ConfigError" for cls in type(exc).__mro__)
+
+
+def _describe(exc: BaseException) -> str:
+    where = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
+    place = f" (at {where.filename.rsplit('/', 1)[-1]}:{where.lineno})" if where else ""
+    return f"{type(exc).__name__}: {exc}{place}"

@@ -1,0 +1,212 @@
+"""python -m engine {chat, generate, memory, doctor}."""
+
+from __future__ import annotations
+
+import argparse
+import queue
+import sys
+import threading
+
+from .errors import EngineError
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default="default", help="'default', a model folder, a .gguf file or a hub id")
+    g.add_argument("--weight-quant", choices=["none", "int8", "int4"], default="none")
+    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
+    g.add_argument("--device-map", default="auto")
+    g.add_argument("--max-seq-len", type=int, default=8192)
+    g.add_argument("--kv-cache-ratio", type=float, default=0.5)
+    g.add_argument("--ced-decay", type=float, default=0.99)
+    g.add_argument("--ced-threshold", type=float, default=0.1)
+    g.add_argument("--ced-mode", choices=["merge", "evict"], default="merge")
+    g.add_argument("--csa2-topk", type=int, default=256)
+    g.add_argument("--kv-cache-dtype", choices=["auto", "int8"], default="auto")
+    g.add_argument("--prefill-headroom", type=int, default=None, help="tokens a document turn may hold before compacting")
+    g.add_argument("--no-flash", action="store_true", help="eager attention (the seed's baseline)")
+    g.add_argument("--trust-remote-code", action="store_true")
+    s = p.add_argument_group("sampling")
+    s.add_argument("--max-new-tokens", type=int, default=512)
+    s.add_argument("--greedy", action="store_true")
+    s.add_argument("--temperature", type=float, default=0.7)
+    s.add_argument("--top-p", type=float, default=0.9)
+    s.add_argument("--top-k", type=int, default=50)
+    s.add_argument("--repetition-penalty", type=float, default=1.1)
+    s.add_argument("--seed", type=int, default=None)
+    s.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--system", default=None, help="system prompt")
+
+
+def _config(args):
+    from .config import DSV41Config
+
+    return DSV41Config(
+        model_path=args.model, weight_quant=args.weight_quant, dtype=args.dtype, device_map=args.device_map,
+        max_seq_len=args.max_seq_len, kv_cache_ratio=args.kv_cache_ratio, ced_decay=args.ced_decay,
+        ced_threshold=args.ced_threshold, ced_mode=args.ced_mode, csa2_topk=args.csa2_topk,
+        kv_cache_dtype=args.kv_cache_dtype, prefill_headroom=args.prefill_headroom,
+        use_flash_attention=not args.no_flash, trust_remote_code=args.trust_remote_code)
+
+
+def _sampling(args) -> dict:
+    return dict(max_new_tokens=args.max_new_tokens, greedy=args.greedy, temperature=args.temperature,
+                top_p=args.top_p, top_k=args.top_k, repetition_penalty=args.repetition_penalty, seed=args.seed,
+                stop=tuple(args.stop))
+
+
+def _load(args):
+    from .model import DSV41Model
+
+    def progress(message, fraction):
+        print(f"[{fraction:4.0%}] {message}", file=sys.stderr)
+
+    model = DSV41Model.from_pretrained(_config(args), progress=progress)
+    i = model.info
+    print(f"Loaded {i.display_name} on {i.device} ({i.dtype}, weights {i.weight_quant}, attention {i.attention_backend}) "
+          f"in {i.resolve_seconds + i.load_seconds:.1f} s", file=sys.stderr)
+    return model
+
+
+def _stream(session, prompt, documents, args, cancel) -> object:
+    """Print a turn as it streams; Ctrl-C stops it. Returns the Done event."""
+    from .events import Done, ErrorEvent, PrefillProgress, TokenText
+
+    events: queue.Queue = queue.Queue()
+
+    def work():
+        try:
+            for event in session.send(prompt, documents, cancel=cancel, **_sampling(args)):
+                events.put(event)
+        except BaseException as exc:  # noqa: BLE001 - handed to the main thread
+            events.put(exc)
+        events.put(None)
+
+    threading.Thread(target=work, daemon=True).start()
+    done = None
+    while True:
+        try:
+            event = events.get()
+        except KeyboardInterrupt:
+            cancel.set()
+            continue
+        if event is None:
+            break
+        if isinstance(event, BaseException):
+            raise event
+        if isinstance(event, TokenText):
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+        elif isinstance(event, PrefillProgress) and event.total > 2048:
+            print(f"\r[reading {event.done}/{event.total} tokens]", end="", file=sys.stderr)
+        elif isinstance(event, ErrorEvent):
+            print(f"\n[{event.kind}] {event.message}", file=sys.stderr)
+        elif isinstance(event, Done):
+            done = event
+    print()
+    return done
+
+
+def _print_stats(done) -> None:
+    if done is None or done.stats is None:
+        return
+    s = done.stats
+    print(f"[{done.reason}] TTFT {s.ttft_s * 1000:.0f} ms · prefill {s.prefill_tokens} tok at {s.prefill_tok_s:.0f} tok/s"
+          f" · decode {s.decode_tokens} tok at {s.decode_tok_s:.1f} tok/s · KV {s.kv_stored_tokens}/{s.tokens_seen} "
+          f"tokens (×{s.compression_ratio:.2f})", file=sys.stderr)
+
+
+def cmd_generate(args) -> int:
+    model = _load(args)
+    session = model.chat_session(args.system)
+    done = _stream(session, args.prompt, args.document, args, threading.Event())
+    _print_stats(done)
+    return 0 if done is not None and done.reason != "error" else 1
+
+
+def cmd_chat(args) -> int:
+    model = _load(args)
+    session = model.chat_session(args.system)
+    pending_docs: list[str] = list(args.document)
+    print("Chat with the model. Commands: /doc PATH (attach to the next message), /memory, /reset, /quit. "
+          "Ctrl-C stops a reply.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return 0
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/quit", "/exit"):
+            return 0
+        if text == "/memory":
+            model.print_memory_usage(session.cache)
+            continue
+        if text == "/reset":
+            session.reset()
+            print("(new conversation)", file=sys.stderr)
+            continue
+        if text.startswith("/doc "):
+            pending_docs.append(text[5:].strip())
+            print(f"(attached {text[5:].strip()} to the next message)", file=sys.stderr)
+            continue
+        try:
+            done = _stream(session, text, pending_docs, args, threading.Event())
+            pending_docs = []
+            _print_stats(done)
+        except EngineError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            pending_docs = []
+
+
+def cmd_memory(args) -> int:
+    model = _load(args)
+    session = model.chat_session(args.system)
+    done = _stream(session, args.prompt, [args.document], args, threading.Event())
+    _print_stats(done)
+    report = model.print_memory_usage(session.cache)
+    print(f"Device: {report.device_label}; {report.free / 2**30:.2f} of {report.total / 2**30:.2f} GB free")
+    print(f"Tokens seen {report.tokens_seen}, KV entries stored {report.kv_stored_tokens} per layer and head, "
+          f"compression ×{report.compression_ratio:.2f}")
+    if report.hint():
+        print("Hint:", report.hint())
+    return 0
+
+
+def cmd_doctor(args) -> int:
+    from .doctor import main as doctor_main
+
+    return doctor_main()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m engine", description="DS-V4.1 engine, headless")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("chat", help="interactive streaming chat")
+    _model_args(p)
+    p.add_argument("--document", action="append", default=[], help="attach a file to the first message")
+    p.set_defaults(func=cmd_chat)
+    p = sub.add_parser("generate", help="one reply to --prompt")
+    _model_args(p)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--document", action="append", default=[])
+    p.set_defaults(func=cmd_generate)
+    p = sub.add_parser("memory", help="feed a document and print the memory report")
+    _model_args(p)
+    p.add_argument("--document", required=True)
+    p.add_argument("--prompt", default="Summarise the document in one sentence.")
+    p.set_defaults(func=cmd_memory, max_new_tokens=32)
+    p = sub.add_parser("doctor", help="check the installation and suggest fixes")
+    p.set_defaults(func=cmd_doctor)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except EngineError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2

@@ -1,0 +1,149 @@
+"""`python -m engine doctor`: the seed's troubleshooting table, automated.
+
+Each check returns (status, what it found, the fix when it is a problem). status: ok | info | warn | fail.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import platform
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    status: str
+    found: str
+    fix: str = ""
+
+
+def _version(module: str) -> str | None:
+    try:
+        return importlib.import_module(module).__version__
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def nvcc_version() -> str | None:
+    nvcc = shutil.which("nvcc")
+    if not nvcc:
+        return None
+    try:
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    match = re.search(r"release (\d+\.\d+)", out)
+    return match.group(1) if match else None
+
+
+def run_checks() -> list[Check]:
+    checks: list[Check] = []
+    py = sys.version_info
+    checks.append(Check("Python", "ok" if py >= (3, 10) else "fail", platform.python_version(),
+                        "" if py >= (3, 10) else "Install Python 3.10 or newer and rerun the setup."))
+    torch_v = _version("torch")
+    if torch_v is None:
+        checks.append(Check("PyTorch", "fail", "not importable", "Rerun: python3 installer/bootstrap.py setup"))
+        return checks
+    import torch
+
+    checks.append(Check("PyTorch", "ok", f"{torch_v} (CUDA build: {torch.version.cuda or 'none, CPU only'})"))
+    tf_v = _version("transformers")
+    tf_ok = tf_v is not None and tf_v.startswith("5.23")
+    checks.append(Check("transformers", "ok" if tf_ok else "warn", tf_v or "not importable",
+                        "" if tf_ok else "The engine is tested with transformers 5.23.x: pip install 'transformers>=5.23,<5.24'"))
+    nvcc = nvcc_version()
+    cuda_avail = torch.cuda.is_available()
+    if torch.version.cuda and nvcc:
+        same_major = nvcc.split(".")[0] == torch.version.cuda.split(".")[0]
+        checks.append(Check("nvcc vs torch CUDA", "ok" if same_major else "warn",
+                            f"nvcc {nvcc}, torch built for CUDA {torch.version.cuda}",
+                            "" if same_major else "Building flash-attn needs matching versions: install the CUDA "
+                            f"toolkit {torch.version.cuda} (gcc 9-11), clear ~/.cache/torch_extensions, or use a "
+                            "prebuilt flash-attn wheel."))
+    else:
+        checks.append(Check("nvcc", "info", nvcc or "not found", "" if nvcc else
+                            "Only needed to build flash-attn from source; prebuilt wheels do not need it."))
+    checks.extend(_gpu_checks(torch, cuda_avail))
+    flash = importlib.util.find_spec("flash_attn") is not None
+    if cuda_avail:
+        checks.append(Check("flash-attn", "ok" if flash else "warn", "importable" if flash else "not installed",
+                            "" if flash else "Generation uses PyTorch SDPA (slower on long inputs). Install a "
+                            "prebuilt wheel: pip install flash-attn --no-build-isolation"))
+    else:
+        checks.append(Check("flash-attn", "info", "not used without a CUDA GPU (PyTorch SDPA instead)"))
+    try:
+        import bitsandbytes
+
+        checks.append(Check("bitsandbytes", "ok", f"{bitsandbytes.__version__} (INT8/INT4 weights available)"))
+    except Exception as exc:  # noqa: BLE001
+        checks.append(Check("bitsandbytes", "warn", f"not importable ({type(exc).__name__})",
+                            "INT8/INT4 weights need it: pip install bitsandbytes"))
+    checks.append(_ram_check())
+    checks.append(_default_model_check())
+    return checks
+
+
+def _gpu_checks(torch, cuda_avail: bool) -> list[Check]:
+    out = []
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        driver = pynvml.nvmlSystemGetDriverVersion()
+        count = pynvml.nvmlDeviceGetCount()
+        for i in range(count):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            name = pynvml.nvmlDeviceGetName(handle)
+            mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
+            out.append(Check(f"GPU {i}", "ok", f"{name}, driver {driver}, {mem.free / 2**30:.1f} of "
+                             f"{mem.total / 2**30:.1f} GB free"))
+        if count and not cuda_avail:
+            out.append(Check("CUDA in PyTorch", "fail", "a GPU is present but PyTorch cannot use it",
+                             "Install a CUDA build of torch matching the driver: rerun python3 installer/bootstrap.py "
+                             "setup, or see https://pytorch.org/get-started/locally/"))
+    except Exception:  # noqa: BLE001 - no NVIDIA driver / library
+        out.append(Check("GPU", "info", "no NVIDIA GPU found (NVML unavailable): the engine runs on the CPU"))
+    return out
+
+
+def _ram_check() -> Check:
+    import psutil
+
+    vm = psutil.virtual_memory()
+    free_gb = vm.available / 2**30
+    status = "ok" if free_gb >= 2 else "warn"
+    return Check("RAM", status, f"{free_gb:.1f} of {vm.total / 2**30:.1f} GB available",
+                 "" if status == "ok" else "Close other programs; lower max_seq_len or kv_cache_ratio.")
+
+
+def _default_model_check() -> Check:
+    from .loader import DEFAULT_MODEL_PACKAGE, _gguf_key, default_gguf_path, user_cache_dir
+    from .errors import ModelLoadError
+
+    try:
+        path = default_gguf_path()
+    except ModelLoadError as exc:
+        return Check("default model", "fail", f"package {DEFAULT_MODEL_PACKAGE} missing", str(exc))
+    converted = (user_cache_dir() / "models" / _gguf_key(path) / ".complete").is_file()
+    return Check("default model", "ok", f"{path.name} ({'converted' if converted else 'converts on first start'})")
+
+
+def main() -> int:
+    checks = run_checks()
+    width = max(len(c.name) for c in checks)
+    problems = 0
+    for c in checks:
+        mark = {"ok": "OK  ", "info": "INFO", "warn": "WARN", "fail": "FAIL"}[c.status]
+        print(f"[{mark}] {c.name.ljust(width)}  {c.found}")
+        if c.fix:
+            print(f"       {' ' * width}  fix: {c.fix}")
+        problems += c.status == "fail"
+    print(f"\n{problems} problem(s) found." if problems else "\nNo problems found.")
+    return 1 if problems else 0

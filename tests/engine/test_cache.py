@@ -1,0 +1,234 @@
+"""The DS-V4.1 cache on tiny random-weight GQA models: exactness and the compaction invariants."""
+
+import math
+
+import pytest
+import torch
+
+from engine.cache import CacheSettings, DSV41Cache, adapter, ced
+from engine.cache.storage import LayerKV
+
+
+
+def make_cache(model, backend="sdpa", **knobs):
+    layers, kv_heads, head_dim = adapter.kv_geometry(model)
+    return DSV41Cache(layers, kv_heads, head_dim, torch.float32, "cpu", CacheSettings(**knobs), backend=backend)
+
+
+def run_ids(model, cache, ids, prefill=24, chunk=10):
+    """Chunked prefill of ids[:prefill], then one token at a time; returns logits for every position."""
+    outs = []
+    for start in range(0, prefill, chunk):
+        end = min(start + chunk, prefill)
+        outs.append(adapter.forward(model, ids[:, start:end], cache, logits_to_keep=end - start))
+    for i in range(prefill, ids.shape[1]):
+        outs.append(adapter.forward(model, ids[:, i:i + 1], cache, prefill=False))
+    return torch.cat(outs, dim=1)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("backend", ["sdpa", "eager"])
+def test_plain_cache_reproduces_transformers_logits(arch, backend, tiny_model):
+    model = tiny_model(arch)
+    ids = torch.randint(0, 256, (1, 48))
+    with torch.no_grad():
+        reference = model(ids).logits
+    adapter.install(model)
+    cache = make_cache(model, backend, kv_cache_ratio=1.0, csa2_topk=0)
+    got = run_ids(model, cache, ids)
+    assert torch.allclose(got, reference, atol=1e-5, rtol=1e-4), (got - reference).abs().max()
+    assert cache.seen == 48 and cache.stored == 48
+
+
+def test_sparse_path_with_topk_covering_everything_equals_dense(monkeypatch, tiny_model):
+    model = tiny_model("llama")
+    adapter.install(model)
+    ids = torch.randint(0, 256, (1, 60))
+    dense = run_ids(model, make_cache(model, kv_cache_ratio=1.0, csa2_topk=0), ids, prefill=40)
+    cache = make_cache(model, kv_cache_ratio=1.0, csa2_topk=1000, ced_sink_tokens=4, ced_recent_tokens=8)
+    used = []
+    original = cache._sparse_decode
+    monkeypatch.setattr(cache, "_sparse_ready", lambda layer: layer.projected_keys is not None)
+    monkeypatch.setattr(cache, "_sparse_decode", lambda *a: used.append(1) or original(*a))
+    monkeypatch.setattr(cache, "fit_sparse", lambda: [__import__("engine.cache.csa2", fromlist=["fit"]).fit(l, 2)
+                                                      for l in cache.layers])
+    outs = [adapter.forward(model, ids[:, :40], cache, logits_to_keep=40)]
+    cache.fit_sparse()
+    for i in range(40, 60):
+        outs.append(adapter.forward(model, ids[:, i:i + 1], cache, prefill=False))
+    got = torch.cat(outs, dim=1)
+    assert used, "the CSA2 path was not taken"
+    assert torch.allclose(got, dense, atol=1e-5, rtol=1e-4)
+
+
+def test_csa2_recall_is_one_with_full_rank_projection():
+    torch.manual_seed(1)
+    layer = LayerKV(2, 16, torch.float32, "cpu")
+    layer.append(torch.randn(2, 300, 16), torch.randn(2, 300, 16), torch.arange(300))
+    from engine.cache import csa2
+
+    csa2.fit(layer, 16)  # rank = head_dim: screening is exact
+    q = torch.randn(4, 1, 16)
+    _, top = csa2.screen(layer, q, 32, 4, 16)
+    assert csa2.exact_topk_recall(layer, q, top, 4, 16) == 1.0
+    csa2.fit(layer, 2)
+    _, top = csa2.screen(layer, q, 32, 4, 16)
+    assert csa2.exact_topk_recall(layer, q, top, 4, 16) < 1.0  # rank 2 of random keys is lossy
+
+
+def drive(cache_knobs, steps=80, prefill=120):
+    from .conftest import tiny_model
+
+    model = tiny_model("llama")
+    adapter.install(model)
+    cache = make_cache(model, **cache_knobs)
+    ids = torch.randint(0, 256, (1, prefill + steps))
+    budgets = []
+    adapter.forward(model, ids[:, :prefill], cache)
+    cache.compact()
+    budgets.append((cache.stored, cache.budget()))
+    for i in range(prefill, prefill + steps):
+        adapter.forward(model, ids[:, i:i + 1], cache, prefill=False)
+        if cache.maybe_compact_decode():
+            budgets.append((cache.stored, cache.budget()))
+    return model, cache, budgets
+
+
+@pytest.mark.parametrize("mode", ["evict", "merge"])
+@pytest.mark.parametrize("policy", ["ced", "h2o", "snapkv", "streaming", "random"])
+def test_budget_holds_after_every_compaction(mode, policy):
+    _, cache, budgets = drive(dict(kv_cache_ratio=0.4, ced_mode=mode, ced_policy=policy, ced_sink_tokens=4,
+                                   ced_recent_tokens=16, csa2_topk=0))
+    assert len(budgets) >= 3
+    for stored, budget in budgets:
+        assert stored <= budget
+    assert all(layer.length == cache.stored for layer in cache.layers)  # rectangular
+
+
+@pytest.mark.parametrize("mode", ["evict", "merge"])
+def test_sinks_and_recent_window_always_kept(mode):
+    _, cache, _ = drive(dict(kv_cache_ratio=0.3, ced_mode=mode, ced_sink_tokens=4, ced_recent_tokens=16, csa2_topk=0))
+    cache.compact(target=cache.stored - 10, threshold=False)
+    seen = cache.seen
+    for layer in cache.layers:
+        pos = layer.positions[:, : layer.length]
+        for head in range(layer.kv_heads):
+            kept = set(pos[head].tolist())
+            assert set(range(4)) <= kept
+            assert set(range(seen - 16, seen)) <= kept
+        assert torch.all(pos[:, 1:] > pos[:, :-1])  # position order is preserved
+
+
+def test_evict_keeps_the_highest_scores():
+    torch.manual_seed(0)
+    layer = LayerKV(2, 8, torch.float32, "cpu")
+    layer.append(torch.randn(2, 50, 8), torch.randn(2, 50, 8), torch.arange(50))
+    layer.scores[:, :50] = torch.rand(2, 50)
+    scores = layer.scores[:, :50].clone()
+    plan = ced.plan_compaction(ced.ranking(layer, "ced"), 20, sink=2, recent=5, threshold=0.0)
+    layer.keep(plan.keep)
+    assert layer.length == 20
+    for head in range(2):
+        kept = set(layer.positions[head, :20].tolist())
+        expected = set(range(2)) | set(range(45, 50)) | set((scores[head, 2:45].topk(13).indices + 2).tolist())
+        assert kept == expected
+
+
+def test_threshold_drops_low_entries_even_under_budget():
+    layer = LayerKV(1, 4, torch.float32, "cpu")
+    layer.append(torch.randn(1, 30, 4), torch.randn(1, 30, 4), torch.arange(30))
+    layer.scores[0, :30] = 1.0
+    layer.scores[0, 10:15] = 0.01  # far below 0.1 x mean
+    plan = ced.plan_compaction(ced.ranking(layer, "ced"), 1000, sink=2, recent=4, threshold=0.1)
+    assert plan is not None and plan.keep.shape[1] == 25
+    assert not set(range(10, 15)) & set(plan.keep[0].tolist())
+    assert ced.plan_compaction(ced.ranking(layer, "ced"), 1000, sink=2, recent=4, threshold=0.0) is None
+
+
+def test_merge_counts_add_up_to_tokens_absorbed():
+    _, cache, _ = drive(dict(kv_cache_ratio=0.3, ced_mode="merge", ced_sink_tokens=4, ced_recent_tokens=16,
+                             csa2_topk=0))
+    for layer in cache.layers:
+        counts = layer.log_counts[:, : layer.length].exp().sum(dim=1)
+        assert torch.allclose(counts, torch.full_like(counts, float(cache.seen)), rtol=1e-4)
+        assert layer.merged_tokens == cache.seen - layer.length
+
+
+def test_merged_slot_is_count_weighted_mean():
+    layer = LayerKV(1, 2, torch.float32, "cpu")
+    keys = torch.tensor([[[1.0, 0.0], [0.0, 1.0], [1.0, 0.1], [0.0, 0.0]]])
+    values = torch.tensor([[[2.0, 0.0], [0.0, 4.0], [4.0, 0.0], [9.0, 9.0]]])
+    layer.append(keys, values, torch.arange(4))
+    layer.scores[0, :4] = torch.tensor([5.0, 4.0, 1.0, 9.0])
+    # no protection; keep 3 of 4: entry 2 (lowest) folds into entry 0 (most similar key)
+    plan = ced.plan_compaction(ced.ranking(layer, "ced"), 3, sink=0, recent=0, threshold=0.0)
+    ced.merge_into_kept(layer, plan)
+    layer.keep(plan.keep)
+    assert layer.positions[0, :3].tolist() == [0, 1, 3]
+    assert torch.allclose(layer.read_values()[0, 0], torch.tensor([3.0, 0.0]))
+    assert torch.allclose(layer.read_keys()[0, 0], torch.tensor([1.0, 0.05]))
+    assert math.isclose(float(layer.log_counts[0, 0].exp()), 2.0, rel_tol=1e-6)
+    assert float(layer.scores[0, 0]) == pytest.approx(6.0)
+
+
+def test_new_tokens_get_position_equal_to_tokens_seen_after_eviction():
+    model, cache, _ = drive(dict(kv_cache_ratio=0.3, ced_mode="evict", ced_sink_tokens=4, ced_recent_tokens=16,
+                                 csa2_topk=0))
+    assert cache.stored < cache.seen
+    seen = cache.seen
+    adapter.forward(model, torch.tensor([[5]]), cache, prefill=False)
+    for layer in cache.layers:
+        assert torch.all(layer.positions[:, layer.length - 1] == seen)
+
+
+def test_int8_kv_attention_error_is_small(tiny_model):
+    model = tiny_model("llama")
+    adapter.install(model)
+    ids = torch.randint(0, 256, (1, 64))
+    ref = run_ids(model, make_cache(model, kv_cache_ratio=1.0, csa2_topk=0), ids, prefill=48)
+    cache = make_cache(model, kv_cache_ratio=1.0, csa2_topk=0, kv_int8=True)
+    got = run_ids(model, cache, ids, prefill=48)
+    rel = (got - ref).norm() / ref.norm()
+    assert rel < 0.02, rel
+    assert cache.layers[0].keys.dtype == torch.int8
+    fp_bytes = make_cache(model, kv_cache_ratio=1.0, csa2_topk=0).bytes_per_token()
+    assert cache.bytes_per_token() < 0.35 * fp_bytes
+
+
+def test_failed_forward_rolls_back_every_layer(monkeypatch, tiny_model):
+    model = tiny_model("llama")
+    adapter.install(model)
+    cache = make_cache(model, kv_cache_ratio=1.0, csa2_topk=0)
+    adapter.forward(model, torch.randint(0, 256, (1, 10)), cache)
+    calls = {"n": 0}
+    original = cache.attend
+
+    def failing(layer_idx, *args):
+        calls["n"] += 1
+        if layer_idx == 1:
+            raise MemoryError("simulated out of memory")
+        return original(layer_idx, *args)
+
+    monkeypatch.setattr(cache, "attend", failing)
+    with pytest.raises(MemoryError):
+        adapter.forward(model, torch.tensor([[1, 2, 3]]), cache)
+    assert calls["n"] == 2
+    assert cache.seen == 10 and all(layer.length == 10 for layer in cache.layers)
+
+
+def test_storage_grows_in_blocks_and_shrinks_after_compaction():
+    layer = LayerKV(2, 8, torch.float32, "cpu", initial_capacity=256)
+    assert layer.capacity == 256
+    for i in range(600):
+        layer.append(torch.randn(2, 1, 8), torch.randn(2, 1, 8), torch.tensor([i]))
+    assert layer.capacity % 256 == 0 and layer.capacity >= 600
+    before = layer.nbytes()
+    keep = torch.arange(100).expand(2, -1)
+    layer.keep(keep)
+    layer.shrink_to_fit(spare_tokens=0)
+    assert layer.capacity == 256 and layer.nbytes() < before / 2
+
+
+def test_unsupported_architecture_message_lists_supported():
+    with pytest.raises(adapter.UnsupportedArchitecture, match="Llama, Mistral, Qwen2, Qwen3"):
+        adapter.check_architecture("gpt2")

@@ -1,0 +1,51 @@
+"""python -m engine: generate, memory, doctor (in-process, against the real default model)."""
+
+import pytest
+
+from engine.cli import main
+
+pytestmark = pytest.mark.model
+
+
+def test_generate_prints_the_reply_and_stats(capsys, default_model):
+    code = main(["generate", "--prompt", "What is the capital of France?", "--greedy", "--max-new-tokens", "24",
+                 "--max-seq-len", "2048"])
+    out, err = capsys.readouterr()
+    assert code == 0
+    assert "Paris" in out
+    assert "TTFT" in err and "tok/s" in err
+
+
+def test_memory_feeds_a_document_and_prints_the_seed_lines(capsys, tmp_path, default_model):
+    import pydoc_data.topics
+
+    doc = tmp_path / "topics.txt"
+    doc.write_text("\n\n".join(list(pydoc_data.topics.topics.values())[:6]))
+    code = main(["memory", "--document", str(doc), "--max-seq-len", "8192", "--kv-cache-ratio", "0.5"])
+    out, _ = capsys.readouterr()
+    assert code == 0
+    for line in ("Model weights:", "KV Cache:", "(compressed from", "Activation:", "Total:", "compression ×"):
+        assert line in out
+    ratio = float(out.split("compression ×")[1].split()[0])
+    assert 0.3 < ratio < 0.75  # ratio 0.5 plus side data; the document is far over the protected window
+
+
+def test_bad_knob_is_an_error_naming_the_field(capsys):
+    code = main(["generate", "--prompt", "hi", "--kv-cache-ratio", "3"])
+    _, err = capsys.readouterr()
+    assert code == 2 and "kv_cache_ratio=3.0" in err and "[0.01, 1.0]" in err
+
+
+def test_missing_document_is_reported(capsys, tmp_path, default_model):
+    code = main(["memory", "--document", str(tmp_path / "nope.pdf")])
+    _, err = capsys.readouterr()
+    assert code == 2 and "nope.pdf" in err
+
+
+def test_doctor_reports_every_check(capsys):
+    code = main(["doctor"])
+    out, _ = capsys.readouterr()
+    for name in ("Python", "PyTorch", "transformers", "flash-attn", "bitsandbytes", "RAM", "default model"):
+        assert name in out
+    assert code in (0, 1)
+    assert ("No problems found." in out) == (code == 0)

@@ -1,0 +1,81 @@
+"""Sampling functions, the incremental detokenizer, chunking and stop-string hold-back."""
+
+import pytest
+import torch
+
+from engine import ConfigError, GenerationSettings
+from engine.detokenizer import IncrementalDetokenizer
+from engine.generate import _chunk_bounds, _cut_at_stop, _held_back
+from engine.sampling import apply_repetition_penalty, logits_to_probs, sample
+
+
+def test_top_k_and_top_p_keep_only_the_head():
+    logits = torch.tensor([4.0, 3.0, 2.0, 1.0, 0.0])
+    probs = logits_to_probs(logits, 1.0, top_k=2, top_p=1.0)
+    assert probs[2:].sum() == 0 and torch.isclose(probs.sum(), torch.tensor(1.0))
+    probs = logits_to_probs(logits, 1.0, top_k=0, top_p=0.5)
+    assert probs[0] == 1.0  # the top token alone already has >= 0.5 of the mass
+
+
+def test_repetition_penalty_lowers_seen_tokens():
+    logits = torch.tensor([2.0, -2.0, 1.0])
+    out = apply_repetition_penalty(logits, torch.tensor([0, 1]), 2.0)
+    assert out.tolist() == [1.0, -4.0, 1.0]
+
+
+def test_seeded_sampling_is_reproducible():
+    logits = torch.randn(1000)
+    settings = GenerationSettings(temperature=1.0, top_p=1.0, top_k=0)
+    draws = [[sample(logits, settings, torch.tensor([], dtype=torch.long), torch.Generator().manual_seed(7))
+              for _ in range(1)] for _ in range(3)]
+    assert draws[0] == draws[1] == draws[2]
+    assert sample(logits, GenerationSettings(greedy=True), torch.tensor([], dtype=torch.long), None) == int(logits.argmax())
+
+
+def test_generation_settings_are_validated():
+    with pytest.raises(ConfigError, match="top_p"):
+        GenerationSettings(top_p=0)
+    with pytest.raises(ConfigError, match="max_new_tokens"):
+        GenerationSettings(max_new_tokens=0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from engine.loader import resolve_source
+
+    return AutoTokenizer.from_pretrained(str(resolve_source("default").path))
+
+
+@pytest.mark.parametrize("text", ["北京是中国的首都。", "Hello 👋🏽 world 🚀!", "混合 mixed 文本 and 😀 emoji"])
+def test_detokenizer_never_splits_a_character(tokenizer, text):
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    detok = IncrementalDetokenizer(tokenizer)
+    pieces = [detok.push(i) for i in ids] + [detok.flush()]
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)
+    # multi-byte characters span several byte-level tokens: some pushes must have held text back
+    assert len(ids) > len([p for p in pieces if p])
+
+
+def test_detokenizer_drops_an_incomplete_trailing_character(tokenizer):
+    ids = tokenizer("好", add_special_tokens=False)["input_ids"]
+    assert len(ids) > 1
+    detok = IncrementalDetokenizer(tokenizer)
+    pieces = [detok.push(i) for i in ids[:-1]] + [detok.flush()]
+    assert "".join(pieces) == ""
+
+
+def test_chunks_end_with_the_whole_question():
+    bounds = _chunk_bounds(1000, 256, 40)
+    assert bounds[-1] == (960, 1000)
+    assert bounds[0][0] == 0 and all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+    assert all(e - s <= 256 for s, e in bounds)
+    assert _chunk_bounds(100, 256, 0) == [(0, 100)]
+
+
+def test_stop_strings_are_cut_and_held_back():
+    assert _cut_at_stop("abc STOP def", ("STOP",)) == ("abc ", True)
+    assert _held_back("abc ST", ("STOP",)) == 2
+    assert _held_back("abc", ("STOP",)) == 0

@@ -1,0 +1,149 @@
+"""Model sources and their errors; INT8 / INT4 weights on the CPU."""
+
+import json
+import shutil
+
+import pytest
+
+from engine import DSV41Config, DSV41Model, ModelLoadError
+from engine.loader import default_gguf_path, resolve_source
+
+
+def load(path, **kw):
+    return DSV41Model.from_pretrained(DSV41Config(model_path=str(path), **kw))
+
+
+def test_default_model_is_converted_once_and_reloads_fast(default_model):
+    first = resolve_source("default")
+    assert (first.path / "model.safetensors").is_file() and (first.path / ".complete").is_file()
+    assert resolve_source("default").path == first.path
+    assert default_model.info.source_kind == "default"
+    assert default_model.info.resolve_seconds < 1.0  # already converted: no second conversion
+
+
+def test_local_folder_loads_and_generates(tiny_folder):
+    model = load(tiny_folder, max_seq_len=256)
+    assert model.info.source_kind == "folder"
+    text = model.generate("hi", max_new_tokens=5, greedy=True)
+    assert isinstance(text, str)
+
+
+def test_missing_path():
+    with pytest.raises(ModelLoadError) as err:
+        load("/nonexistent/models/llama")
+    assert err.value.reason == "missing" and "not found" in str(err.value)
+
+
+def test_folder_without_config(tmp_path):
+    with pytest.raises(ModelLoadError, match="config.json") as err:
+        load(tmp_path)
+    assert err.value.reason == "missing"
+
+
+def copy_folder(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_truncated_safetensors(tiny_folder, tmp_path):
+    folder = copy_folder(tiny_folder, tmp_path / "m")
+    weights = folder / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ModelLoadError, match="truncated") as err:
+        load(folder)
+    assert err.value.reason == "corrupt" and "Re-download" in str(err.value)
+
+
+def test_garbage_safetensors(tiny_folder, tmp_path):
+    folder = copy_folder(tiny_folder, tmp_path / "m")
+    (folder / "model.safetensors").write_bytes(b"this is not a safetensors file at all" * 10)
+    with pytest.raises(ModelLoadError) as err:
+        load(folder)
+    assert err.value.reason == "corrupt"
+
+
+def test_unsupported_architecture(tiny_folder, tmp_path):
+    folder = copy_folder(tiny_folder, tmp_path / "m")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["model_type"] = "gpt2"
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="not supported") as err:
+        load(folder)
+    assert err.value.reason == "unsupported_architecture" and "Qwen2" in str(err.value)
+
+
+def test_remote_code_needs_opt_in(tiny_folder, tmp_path):
+    folder = copy_folder(tiny_folder, tmp_path / "m")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(model_type="fancy_custom", auto_map={"AutoModelForCausalLM": "modeling_fancy.FancyLM"})
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="trust_remote_code") as err:
+        load(folder)
+    assert err.value.reason == "remote_code"
+
+
+def test_pickled_weights_refused_without_opt_in(tiny_folder, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    folder = copy_folder(tiny_folder, tmp_path / "m")
+    state = load_file(str(folder / "model.safetensors"))
+    (folder / "model.safetensors").unlink()
+    torch.save(state, folder / "pytorch_model.bin")
+    with pytest.raises(ModelLoadError, match="allow_pickled_weights") as err:
+        load(folder)
+    assert err.value.reason == "pickled"
+
+
+def test_hub_id_offline_gives_clear_message(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelLoadError, match="offline") as err:
+        load("HuggingFaceTB/SmolLM2-360M-Instruct")
+    assert err.value.reason == "offline"
+
+
+def test_truncated_gguf(tmp_path, monkeypatch):
+    monkeypatch.setenv("DSV41_CACHE_DIR", str(tmp_path / "cache"))
+    src = default_gguf_path()
+    bad = tmp_path / "broken.gguf"
+    with open(src, "rb") as fh:
+        bad.write_bytes(fh.read(20_000_000))
+    with pytest.raises(ModelLoadError, match="truncated|damaged") as err:
+        load(bad)
+    assert err.value.reason == "corrupt"
+    assert not (tmp_path / "cache" / "models").exists() or not any((tmp_path / "cache" / "models").iterdir())
+
+
+def test_not_a_gguf(tmp_path):
+    bad = tmp_path / "fake.gguf"
+    bad.write_bytes(b"PK\x03\x04 definitely a zip")
+    with pytest.raises(ModelLoadError, match="not a GGUF") as err:
+        load(bad)
+    assert err.value.reason == "corrupt"
+
+
+def test_missing_gguf_file(tmp_path):
+    with pytest.raises(ModelLoadError, match="not found") as err:
+        load(tmp_path / "nothing.gguf")
+    assert err.value.reason == "missing"
+
+
+def test_cuda_device_without_gpu_is_a_clear_error():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    with pytest.raises(ModelLoadError, match="no CUDA GPU") as err:
+        load("default", device_map="cuda")
+    assert err.value.reason == "no_gpu"
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("quant,max_fraction", [("int8", 0.55), ("int4", 0.45)])
+def test_quantized_default_model_is_smaller_and_answers(default_model, quant, max_fraction):
+    model = DSV41Model.from_pretrained(DSV41Config(weight_quant=quant, max_seq_len=2048))
+    assert model.info.weight_quant == quant
+    assert model.weights_bytes < max_fraction * default_model.weights_bytes
+    reply = model.generate("What is the capital of France?", greedy=True, max_new_tokens=24)
+    assert "Paris" in reply, reply
