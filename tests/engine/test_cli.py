@@ -27,7 +27,8 @@ def test_memory_feeds_a_document_and_prints_the_seed_lines(capsys, tmp_path, def
     for line in ("Model weights:", "KV Cache:", "(compressed from", "Activation:", "Total:", "compression ×"):
         assert line in out
     ratio = float(out.split("compression ×")[1].split()[0])
-    assert 0.3 < ratio < 0.75  # ratio 0.5 plus side data; the document is far over the protected window
+    # budget 0.5 of tokens seen (plus side data); ced_threshold may drop more entries even under budget
+    assert 0.05 < ratio < 0.6
 
 
 def test_bad_knob_is_an_error_naming_the_field(capsys):
