@@ -38,8 +38,10 @@ SLIDERS = (
                "Stored entries each decode step attends to exactly (plus sinks and the recent window). 0 = dense."),
 )
 
-CED_MODES = (("merge", "Merge (fold dropped entries into kept ones)"), ("evict", "Evict (drop them)"))
-KV_DTYPES = (("auto", "Auto (model dtype)"), ("int8", "INT8 (half of bf16, a quarter of fp32)"))
+CED_MODES = (("merge", "Merge"), ("evict", "Evict"))
+CED_MODE_TIP = "Merge folds each dropped entry into a kept one (it stands for their mass); Evict drops it."
+KV_DTYPES = (("auto", "Auto (model dtype)"), ("int8", "INT8"))
+KV_DTYPE_TIP = "INT8 stores keys and values in 8 bits with per-token scales: half of bf16, a quarter of fp32."
 HEADROOM_STEPS = (None, 1024, 2048, 4096, 8192, 16384, 32768, 65536)  # None = auto (what free memory allows)
 
 DEFAULTS = {
@@ -60,7 +62,7 @@ PRESETS: dict[str, dict] = {
 
 def headroom_label(value) -> str:
     if value is None:
-        return "Auto (half of free memory)"
+        return "Auto (free memory)"
     return f"{value:,} tokens"
 
 

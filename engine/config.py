@@ -50,6 +50,9 @@ class DSV41Config:
     # Not in the seed; safety switches the user must turn on explicitly.
     trust_remote_code: bool = False
     allow_pickled_weights: bool = False
+    # Let tokens seen pass the model's trained positions (max_seq_len then is the only limit). With a
+    # compressing cache the stored entries stay few, but RoPE positions past training degrade quality.
+    allow_position_extrapolation: bool = False
     # Which scoring policy compacts the cache: "ced" is the product; the others are baselines.
     ced_policy: str = "ced"
 
@@ -86,6 +89,7 @@ class DSV41Config:
                 )
         _check_type(self, "trust_remote_code", bool)
         _check_type(self, "allow_pickled_weights", bool)
+        _check_type(self, "allow_position_extrapolation", bool)
         _choice(self, "ced_policy", CED_POLICIES)
 
     def replace(self, **changes) -> DSV41Config:

@@ -76,7 +76,7 @@ def run_turn(model, tokenizer, cache: DSV41Cache, plan: TurnPlan, settings: Gene
                     break
                 seen_ids = torch.tensor(history[-REPETITION_WINDOW:], dtype=torch.long)
                 token = sample(logits[0, -1].cpu(), settings, seen_ids, generator)
-                if token in eos_ids:
+                if token in eos_ids and not settings.ignore_eos:
                     reason = "eos"
                     break
                 result.generated.append(token)
@@ -101,6 +101,8 @@ def run_turn(model, tokenizer, cache: DSV41Cache, plan: TurnPlan, settings: Gene
                 logits = adapter.forward(model, torch.tensor([[token]], device=device), cache, prefill=False)
                 result.fed_generated += 1
                 cache.maybe_compact_decode()
+            if cache.settings.compressing and cache.stored > cache.budget():
+                cache.compact()  # the turn ends at the steady-state budget
     except Exception as exc:  # noqa: BLE001 - the turn ends, the session stays usable
         reason = "error"
         if is_oom(exc):

@@ -335,6 +335,8 @@ def _bnb_config(weight_quant: str, dtype):
         raise ModelLoadError(f"INT8/INT4 weights need bitsandbytes, which failed to import ({exc}). Install it "
                              "(pip install bitsandbytes) or choose weights 'none'.", reason="missing_library") from exc
     if weight_quant == "int8":
+        # bitsandbytes warns on every matmul that fp32 inputs are cast to fp16; once is plenty.
+        warnings.filterwarnings("ignore", message=".*MatMul8bitLt: inputs will be cast.*")
         return BitsAndBytesConfig(load_in_8bit=True)
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
 

@@ -104,6 +104,9 @@ class DSV41Model:
 
     @property
     def context_limit(self) -> int:
+        """Tokens a conversation may see: max_seq_len, capped by the model's positions unless extrapolating."""
+        if self.config.allow_position_extrapolation:
+            return self.config.max_seq_len
         return min(self.config.max_seq_len, self.max_positions)
 
     @property

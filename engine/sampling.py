@@ -19,6 +19,7 @@ class GenerationSettings:
     seed: int | None = None
     greedy: bool = False
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False  # benchmarks: always generate max_new_tokens
 
     def __post_init__(self):
         checks = [

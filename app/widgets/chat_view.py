@@ -44,11 +44,11 @@ def code_blocks(markdown: str) -> list[tuple[str, int, bool]]:
 
 
 def with_copy_links(markdown: str) -> str:
-    """Put a '⧉ Copy code' link under every closed code block."""
+    """Put a '❐ Copy code' link under every closed code block."""
     lines = markdown.split("\n")
     for index, (_, closing, closed) in reversed(list(enumerate(code_blocks(markdown)))):
         if closed:
-            lines.insert(closing + 1, f"\n[⧉ Copy code]({COPY_SCHEME}:{index})\n")
+            lines.insert(closing + 1, f"\n[❐ Copy code]({COPY_SCHEME}:{index})\n")
     return "\n".join(lines)
 
 
@@ -143,7 +143,7 @@ class MessageBubble(QFrame):
         for info in attachments:
             pages = f" · {info.pages} pages" if info.pages else ""
             tokens = f" · ~{info.tokens:,} tokens" if info.tokens else ""
-            chip = QLabel(f"📎 {info.name}{pages} · {info.chars:,} chars{tokens}")
+            chip = QLabel(f"❐ {info.name}{pages} · {info.chars:,} chars{tokens}")
             chip.setObjectName("bubbleAttachment")
             layout.addWidget(chip)
         self.progress = QLabel("")

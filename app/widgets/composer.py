@@ -16,8 +16,7 @@ class Composer(QPlainTextEdit):
         self.setObjectName("composer")
         self.setPlaceholderText("Message the model…  (Enter sends, Shift+Enter for a new line)")
         self.setTabChangesFocus(True)
-        self.setMinimumHeight(56)
-        self.setMaximumHeight(160)
+        self.setFixedHeight(76)
 
     def keyPressEvent(self, event) -> None:  # noqa: N802 - Qt override
         if event.key() in (Qt.Key.Key_Return, Qt.Key.Key_Enter):

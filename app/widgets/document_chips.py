@@ -9,7 +9,7 @@ from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QToolButton, QVBoxLay
 
 from ..format import fmt_bytes
 
-ICONS = {"pdf": "📕", "docx": "📘", "markdown": "📝", "source": "🧩", "text": "📄"}
+BADGES = {"pdf": "PDF", "docx": "DOCX", "markdown": "MD", "source": "CODE", "text": "TXT"}
 
 
 class DocumentChip(QFrame):
@@ -24,7 +24,7 @@ class DocumentChip(QFrame):
         outer.setSpacing(1)
         row = QHBoxLayout()
         row.setSpacing(6)
-        self.title = QLabel(f"⏳ Reading {name}…")
+        self.title = QLabel(f"Reading {name}…")
         self.title.setObjectName("docChipTitle")
         row.addWidget(self.title)
         self.figures = QLabel("")
@@ -47,7 +47,7 @@ class DocumentChip(QFrame):
 
     def show_document(self, document) -> None:
         self.document = document
-        self.title.setText(f"{ICONS.get(document.kind, '📄')} {document.name}")
+        self.title.setText(f"[{BADGES.get(document.kind, 'TXT')}] {document.name}")
         self.title.setToolTip(document.path)
 
     def show_figures(self, tokens: int, counted: bool, kv_bytes: int | None, ratio: float | None,

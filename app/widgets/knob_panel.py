@@ -83,7 +83,11 @@ class KnobPanel(QGroupBox):
             self.headroom.addItem(K.headroom_label(value), value)
         self.headroom.setToolTip("How much of a document may be read before the cache compacts while it streams in; "
                                  "compaction after the question is read keeps what the question needs.")
+        self.mode.setToolTip(K.CED_MODE_TIP)
+        self.kv_dtype.setToolTip(K.KV_DTYPE_TIP)
         for combo in (self.mode, self.kv_dtype, self.headroom):
+            combo.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
+            combo.setMinimumContentsLength(8)
             combo.currentIndexChanged.connect(self._changed)
         form.addRow("Merge / evict", self.mode)
         form.addRow("KV dtype", self.kv_dtype)
@@ -105,7 +109,8 @@ class KnobPanel(QGroupBox):
         self.temperature.setRange(0.0, 2.0)
         self.temperature.setSingleStep(0.05)
         self.temperature.setValue(0.7)
-        self.greedy = QCheckBox("Greedy (deterministic)")
+        self.greedy = QCheckBox("Greedy")
+        self.greedy.setToolTip("Always pick the most likely token: the same question gives the same answer")
         row = QHBoxLayout()
         row.addWidget(self.temperature)
         row.addWidget(self.greedy)
@@ -154,7 +159,7 @@ class KnobPanel(QGroupBox):
 
     # ------------------------------------------------------------------ feedback
     def show_pending(self, knobs: dict) -> None:
-        self.status.setText("⏳ Pending — applies after this reply: " + _describe(knobs))
+        self.status.setText("… Pending — applies after this reply: " + _describe(knobs))
         self.status.setProperty("state", "pending")
         self._restyle()
 

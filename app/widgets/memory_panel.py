@@ -181,7 +181,7 @@ class MemoryPanel(QGroupBox):
         self.values["Free"].setText(f"{fmt_bytes(report.free)} · engine uses {fmt_bytes(used)}")
         self.tokens_label.setText(f"{report.tokens_seen:,} tokens seen · {report.kv_stored_tokens:,} entries stored")
         hint = report.hint()
-        self.hint_label.setText(("💡 " + hint) if hint else "")
+        self.hint_label.setText(("⚠ " + hint) if hint else "")
         self.hint_label.setVisible(bool(hint))
         self.timeline.add(report.kv_stored, used)
 

@@ -11,7 +11,6 @@ every few decode steps). Positions are never derived from the stored length.
 from __future__ import annotations
 
 import math
-import random
 import time
 from dataclasses import dataclass, field
 
@@ -115,7 +114,6 @@ class DSV41Cache:
         self._recall: list[float] = []
         self._csa2_steps = 0
         self._fwd = _Forward()
-        self._rng = random.Random(0)
         self._torch_rng = torch.Generator().manual_seed(0)
 
     @property
@@ -162,7 +160,7 @@ class DSV41Cache:
         log_counts = layer.log_counts[:, : layer.length] if layer.merged_any else None
         t = q.shape[1]
         if t == 1 and self._sparse_ready(layer):
-            out = self._sparse_decode(layer, q, scaling, scoring)
+            out = self._sparse_decode(layer_idx, layer, q, scaling, scoring)
         elif t == 1:
             keys, values = layer.read_keys(), layer.read_values()
             probs = attention_probs(q, keys, log_counts, scaling)  # [h, G, 1, S]
@@ -183,7 +181,8 @@ class DSV41Cache:
         return (s.csa2_topk > 0 and layer.projected_keys is not None
                 and layer.length > s.csa2_topk + s.ced_sink_tokens + s.ced_recent_tokens)
 
-    def _sparse_decode(self, layer: LayerKV, q: torch.Tensor, scaling: float, scoring: bool) -> torch.Tensor:
+    def _sparse_decode(self, layer_idx: int, layer: LayerKV, q: torch.Tensor, scaling: float,
+                       scoring: bool) -> torch.Tensor:
         s = self.settings
         index, top = csa2.screen(layer, q, s.csa2_topk, s.ced_sink_tokens, s.ced_recent_tokens)
         keys, values = layer.read_keys(index), layer.read_values(index)
@@ -192,12 +191,12 @@ class DSV41Cache:
         out = torch.matmul(probs.to(values.dtype), values[:, None]).reshape(q.shape)
         if scoring:
             ced.observe(layer, s.ced_policy, s.ced_decay, probs.sum(dim=(1, 2)), 1, index, prefill=False)
-        if layer is self.layers[0]:
+        if layer_idx == 0:
             self._csa2_steps += 1
-            if self._csa2_steps % CSA2_RECALL_EVERY == 1:
-                probe = self.layers[self._rng.randrange(len(self.layers))]
-                if probe is layer:
-                    self._recall.append(csa2.exact_topk_recall(layer, q, top, s.ced_sink_tokens, s.ced_recent_tokens))
+        # Sampled recall against the exact top-k: every CSA2_RECALL_EVERY-th step, on a rotating layer.
+        step = self.decode_steps
+        if step % CSA2_RECALL_EVERY == 0 and layer_idx == (step // CSA2_RECALL_EVERY) % len(self.layers):
+            self._recall.append(csa2.exact_topk_recall(layer, q, top, s.ced_sink_tokens, s.ced_recent_tokens))
         return out
 
     @torch.inference_mode()

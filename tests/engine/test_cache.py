@@ -26,7 +26,7 @@ def run_ids(model, cache, ids, prefill=24, chunk=10):
     return torch.cat(outs, dim=1)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
 @pytest.mark.parametrize("backend", ["sdpa", "eager"])
 def test_plain_cache_reproduces_transformers_logits(arch, backend, tiny_model):
     model = tiny_model(arch)
@@ -50,6 +50,7 @@ def test_sparse_path_with_topk_covering_everything_equals_dense(monkeypatch, tin
     original = cache._sparse_decode
     monkeypatch.setattr(cache, "_sparse_ready", lambda layer: layer.projected_keys is not None)
     monkeypatch.setattr(cache, "_sparse_decode", lambda *a: used.append(1) or original(*a))
+    monkeypatch.setattr("engine.cache.kv_cache.CSA2_RECALL_EVERY", 1)
     monkeypatch.setattr(cache, "fit_sparse", lambda: [__import__("engine.cache.csa2", fromlist=["fit"]).fit(l, 2)
                                                       for l in cache.layers])
     outs = [adapter.forward(model, ids[:, :40], cache, logits_to_keep=40)]
@@ -59,6 +60,7 @@ def test_sparse_path_with_topk_covering_everything_equals_dense(monkeypatch, tin
     got = torch.cat(outs, dim=1)
     assert used, "the CSA2 path was not taken"
     assert torch.allclose(got, dense, atol=1e-5, rtol=1e-4)
+    assert cache.stats().csa2_recall == 1.0  # top-k covering every candidate finds all of the exact top-k
 
 
 def test_csa2_recall_is_one_with_full_rank_projection():

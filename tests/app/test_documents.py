@@ -1,0 +1,162 @@
+"""Documents: drag-and-drop .md/.pdf/.docx (real text), chips with figures, the fit warning, bad inputs."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+from conftest import send
+from gui_documents import write_docx, write_encrypted_pdf, write_markdown, write_pdf
+from PySide6.QtCore import QMimeData, QPointF, Qt, QUrl
+from PySide6.QtGui import QDragEnterEvent, QDropEvent
+from PySide6.QtWidgets import QApplication
+
+
+def drop(widget, paths):
+    mime = QMimeData()
+    mime.setUrls([QUrl.fromLocalFile(str(p)) for p in paths])
+    center = widget.rect().center()
+    enter = QDragEnterEvent(center, Qt.DropAction.CopyAction, mime, Qt.MouseButton.LeftButton,
+                            Qt.KeyboardModifier.NoModifier)
+    QApplication.sendEvent(widget, enter)
+    assert enter.isAccepted()
+    event = QDropEvent(QPointF(center), Qt.DropAction.CopyAction, mime, Qt.MouseButton.LeftButton,
+                       Qt.KeyboardModifier.NoModifier)
+    QApplication.sendEvent(widget, event)
+
+
+def ready(window, count):
+    return len(window.attached) == count and all(d is not None for d in window.attached.values())
+
+
+def test_dropped_md_pdf_docx_are_attached_and_their_text_reaches_the_engine(qtbot, window, fake_model, tmp_path):
+    md, md_snippet = write_markdown(tmp_path / "with-statement.md")
+    pdf, pdf_snippet = write_pdf(tmp_path / "while-loop.pdf")
+    docx, docx_snippet = write_docx(tmp_path / "for-loop.docx")
+    parse_threads = []
+    window.loader.parsed.connect(lambda *_: parse_threads.append(threading.current_thread().name))
+    drop(window, [md, pdf])
+    window.composer.insertFromMimeData(_mime([docx]))  # dropped on (or pasted into) the composer
+    qtbot.waitUntil(lambda: ready(window, 3), timeout=10_000)
+
+    chips = list(window.chips.chips.values())
+    assert [c.document.name for c in chips] == ["with-statement.md", "while-loop.pdf", "for-loop.docx"]
+    pdf_chip = chips[1]
+    assert "1 pages" in pdf_chip.figures.text() and "chars" in pdf_chip.figures.text()
+    assert "KV ≈" in pdf_chip.figures.text() and "×0.50" in pdf_chip.figures.text()
+    assert "tokens" in pdf_chip.figures.text()
+    assert not pdf_chip.warning.isVisible()
+
+    send(qtbot, window, "What do these documents explain?")
+    sent = fake_model.sends()[-1]["documents"]
+    assert [d.name for d in sent] == ["with-statement.md", "while-loop.pdf", "for-loop.docx"]
+    assert md_snippet in sent[0].text and pdf_snippet in sent[1].text and docx_snippet in sent[2].text
+    assert sent[1].pages == 1
+    assert not window.chips.chips  # the chips went with the message
+    user = window.chat.bubbles[-2]
+    assert "with-statement.md" in " ".join(label.text() for label in user.findChildren(type(user.footer)))
+
+    # The documents stay part of the conversation: the next turn's history carries their text.
+    send(qtbot, window, "And the second one?")
+    history = fake_model.sends()[-1]["history"]
+    assert pdf_snippet in history[0]["content"]
+
+
+def _mime(paths):
+    mime = QMimeData()
+    mime.setUrls([QUrl.fromLocalFile(str(p)) for p in paths])
+    return mime
+
+
+def test_a_document_that_does_not_fit_says_which_knob_helps(qtbot, make_window, fake_model, tmp_path):
+    fake_model.config = fake_model.config.replace(max_seq_len=2048)
+    window = make_window()
+    window.model_panel.max_seq_len.setValue(2048)
+    window.model_panel.request_load()
+    qtbot.waitUntil(lambda: window.facts is not None and window.facts.context_limit == 2048, timeout=5_000)
+    big = tmp_path / "big.txt"
+    big.write_text(("The quick brown fox jumps over the lazy dog. " * 400), encoding="utf-8")
+    window.attach_files([str(big)])
+    qtbot.waitUntil(lambda: ready(window, 1), timeout=10_000)
+    chip = window.chips.chips[next(iter(window.chips.chips))]
+    qtbot.waitUntil(lambda: chip.warning.isVisible(), timeout=3_000)
+    assert "max_seq_len" in chip.warning.text() and "8,192" in chip.warning.text()
+
+
+def _binary(path):
+    path.write_bytes(b"\x00\x01\x02binary\x00" * 100)
+    return path
+
+
+def _huge(path):
+    with open(path, "wb") as fh:
+        fh.truncate(65 * 1024 * 1024)  # sparse: over the 64 MiB limit without writing it
+    return path
+
+
+def _unsupported(path):
+    path.write_bytes(b"MZ\x90\x00")
+    return path
+
+
+def _empty(path):
+    path.write_text("", encoding="utf-8")
+    return path
+
+
+@pytest.mark.parametrize(("name", "make", "words"), [
+    ("program.exe", _unsupported, "not supported"),
+    ("notes.txt", _binary, "doesn't look like a text file"),
+    ("locked.pdf", write_encrypted_pdf, "password-protected"),
+    ("huge.txt", _huge, "the limit is"),
+    ("empty.md", _empty, "contains no text"),
+    ("missing.md", None, "was not found"),
+])
+def test_bad_files_show_their_message_and_change_nothing(qtbot, window, fake_model, tmp_path, name, make, words):
+    send(qtbot, window, "Hello")
+    window.composer.setPlainText("my draft")
+    path = tmp_path / name
+    if make is not None:
+        make(path)
+    messages_before = len(window.shown_messages)
+    drop(window, [path])
+    qtbot.waitUntil(lambda: len(window.shown_messages) > messages_before, timeout=10_000)
+    title, text = window.shown_messages[-1]
+    assert title == "Could not attach the file"
+    assert name in text and words in text
+    assert not window.attached and not window.chips.chips
+    assert window.composer.toPlainText() == "my draft"
+    assert len(window.chat.bubbles) == 2
+    assert window.send_button.isEnabled()
+
+
+def test_sending_while_a_document_is_being_read_waits(qtbot, window, fake_model, tmp_path, monkeypatch):
+    import engine.documents
+
+    gate = threading.Event()
+    real = engine.documents.load_document
+
+    def slow(path, **kw):
+        gate.wait(5)
+        return real(path, **kw)
+
+    monkeypatch.setattr(engine.documents, "load_document", slow)
+    md, _ = write_markdown(tmp_path / "slow.md")
+    window.attach_files([str(md)])
+    window.composer.setPlainText("Summarise it")
+    window.send()
+    assert window.shown_messages[-1][0] == "Still reading documents"
+    assert not fake_model.sends()
+    gate.set()
+    qtbot.waitUntil(lambda: ready(window, 1), timeout=5_000)
+    send(qtbot, window, "Summarise it")
+    assert fake_model.sends()[-1]["documents"][0].name == "slow.md"
+
+
+def test_folder_drop_is_refused_with_a_message(qtbot, window, tmp_path):
+    folder = tmp_path / "a-folder"
+    os.mkdir(folder)
+    drop(window, [folder])
+    qtbot.waitUntil(lambda: bool(window.shown_messages), timeout=5_000)
+    assert "folder" in window.shown_messages[-1][1]

@@ -1,0 +1,89 @@
+"""The knob panel: changes reach the engine only between turns, presets, the seed's hint, settings kept."""
+
+from __future__ import annotations
+
+from conftest import send
+
+
+def slider_to(window, name, value):
+    from app import knobs as K
+
+    spec = next(s for s in K.SLIDERS if s.name == name)
+    window.knob_panel.sliders[name].setValue(spec.to_tick(value))
+
+
+def test_a_knob_change_during_a_reply_is_pending_and_applied_after_it(qtbot, window, fake_model):
+    fake_model.token_delay = 0.05
+    fake_model.reply_text = " ".join(f"w{i}" for i in range(40))
+    send(qtbot, window, "Stream for a while", wait=False)
+    qtbot.waitUntil(lambda: bool(window.turns.active and window.turns.active.text), timeout=5_000)
+    slider_to(window, "kv_cache_ratio", 0.3)
+    qtbot.waitUntil(lambda: "Pending" in window.knob_panel.status.text(), timeout=2_000)
+    assert "kv_cache_ratio=0.3" in window.knob_panel.status.text()
+    assert "reconfigure" not in fake_model.names()
+    qtbot.waitUntil(lambda: "reconfigure" in fake_model.names(), timeout=10_000)
+
+    names = fake_model.names()
+    assert names.index("reconfigure") > names.index("turn_end")
+    reconfigure = next(c for c in fake_model.calls if c[0] == "reconfigure")
+    assert reconfigure[3]["busy"] is False and reconfigure[3]["knobs"]["kv_cache_ratio"] == 0.3
+    assert reconfigure[2] != "MainThread"  # ran on the worker thread
+    qtbot.waitUntil(lambda: "Compacted" in window.knob_panel.status.text(), timeout=2_000)
+    assert "→" in window.knob_panel.status.text()  # before → after memory
+    assert fake_model.config.kv_cache_ratio == 0.3
+
+
+def test_a_knob_change_between_turns_applies_at_once(qtbot, window, fake_model):
+    slider_to(window, "ced_decay", 0.995)
+    qtbot.waitUntil(lambda: fake_model.config.ced_decay == 0.995, timeout=3_000)
+    assert window.knob_panel.value_labels["ced_decay"].text() == "0.995"
+
+
+def test_presets_set_every_knob(qtbot, window, fake_model):
+    window.knob_panel.apply_preset("Long document")
+    qtbot.waitUntil(lambda: fake_model.config.ced_decay == 0.995, timeout=3_000)
+    window.knob_panel.apply_preset("Min memory")
+    qtbot.waitUntil(lambda: fake_model.config.kv_cache_dtype == "int8", timeout=3_000)
+    assert fake_model.config.kv_cache_ratio == 0.2
+    window.knob_panel.apply_preset("Max quality")
+    qtbot.waitUntil(lambda: fake_model.config.kv_cache_ratio == 1.0, timeout=3_000)
+    assert fake_model.config.csa2_topk == 0
+    assert window.knob_panel.value_labels["csa2_topk"].text() == "dense"
+
+
+def test_slider_ranges_match_the_issue():
+    from app import knobs as K
+
+    ranges = {s.name: (s.minimum, s.maximum) for s in K.SLIDERS}
+    assert ranges == {"ced_decay": (0.90, 0.999), "ced_threshold": (0.0, 0.5), "csa2_topk": (0, 1024),
+                      "kv_cache_ratio": (0.1, 1.0)}
+    for spec in K.SLIDERS:
+        assert spec.from_tick(spec.ticks) == spec.maximum and spec.from_tick(0) == spec.minimum
+
+
+def test_memory_panel_shows_the_kv_line_and_the_hint(qtbot, window, fake_model):
+    fake_model.reply_text = "ok"
+    send(qtbot, window, "x" * 40_000)  # ~10k tokens seen: KV > 30 % of the weights
+    qtbot.waitUntil(lambda: window.memory_panel.hint_label.isVisible(), timeout=5_000)
+    assert "30 %" in window.memory_panel.hint_label.text()
+    kv = window.memory_panel.values["KV cache"].text()
+    assert "(from " in kv and "×0.50" in kv
+    assert window.memory_panel.device_label.text().startswith("CPU")
+    assert len(window.memory_panel.timeline.samples) >= 1
+    qtbot.waitUntil(lambda: window.figures is not None and window.figures.history > 0, timeout=3_000)
+    assert "/ 8,192 tokens" in window.memory_panel.context_label.text()
+
+
+def test_knobs_and_model_choice_are_kept_across_starts(qtbot, make_window, fake_model):
+    first = make_window()
+    slider_to(first, "ced_threshold", 0.25)
+    first.knob_panel.greedy.setChecked(True)
+    first.model_panel.max_seq_len.setValue(4096)
+    first.model_panel.request_load()
+    qtbot.waitUntil(lambda: first.facts is not None and first.facts.context_limit == 4096, timeout=5_000)
+    first.close()
+    second = make_window()
+    assert second.knob_panel.values()["ced_threshold"] == 0.25
+    assert second.knob_panel.greedy.isChecked()
+    assert second.model_panel.max_seq_len.value() == 4096
+    assert second.facts.config["ced_threshold"] == 0.25  # the knobs go into the load, too

@@ -1,0 +1,72 @@
+"""Reconfigure between turns: tighter compacts the live cache, looser rebuilds it; never mid-turn."""
+
+import pydoc_data.topics
+import pytest
+
+from engine import DSV41Config, DSV41Model, Done, TokenText
+
+pytestmark = pytest.mark.model
+
+
+@pytest.fixture
+def model_with_document(tmp_path):
+    model = DSV41Model.from_pretrained(DSV41Config(max_seq_len=4096, kv_cache_ratio=0.5, ced_threshold=0.0))
+    doc = tmp_path / "topics.txt"
+    doc.write_text(pydoc_data.topics.topics["assert"] + "\n\n" + pydoc_data.topics.topics["assignment"][:3000])
+    session = model.chat_session()
+    list(session.send("What does assert do?", documents=[str(doc)], greedy=True, max_new_tokens=8))
+    return model, session
+
+
+def test_tighter_settings_compact_the_live_cache(model_with_document):
+    model, session = model_with_document
+    seen, stored = session.cache.seen, session.cache.stored
+    assert stored <= session.cache.budget() < seen
+    result = model.reconfigure(session, kv_cache_ratio=0.25)
+    assert result.action == "compacted"
+    assert session.cache.seen == seen  # nothing re-read
+    assert session.cache.stored <= session.cache.budget() < stored
+    assert result.after.kv_stored < result.before.kv_stored
+    assert model.config.kv_cache_ratio == 0.25
+
+
+def test_looser_settings_rebuild_from_the_transcript(model_with_document):
+    model, session = model_with_document
+    seen = session.cache.seen
+    progress = []
+    result = model.reconfigure(session, progress=progress.append, kv_cache_ratio=1.0)
+    assert result.action == "rebuilt"
+    assert session.cache.seen == seen == len(session.transcript_ids)
+    assert session.cache.stored == seen  # everything is back
+    assert progress and progress[-1].done == progress[-1].total == seen
+    assert result.after.kv_stored > result.before.kv_stored
+    # the conversation continues on the rebuilt cache without re-reading it
+    turn = session.prepare("Thanks!")
+    assert not turn.rebuild
+
+
+def test_change_during_a_reply_is_deferred_to_the_end_of_the_turn(model_with_document):
+    model, session = model_with_document
+    stream = session.send("Explain assignment statements in detail.", max_new_tokens=12, greedy=True,
+                          ignore_eos=True)
+    for event in stream:
+        if isinstance(event, TokenText) and event.text:
+            break
+    result = model.reconfigure(session, kv_cache_ratio=0.2)
+    assert result.action == "deferred" and model.pending_knobs == {"kv_cache_ratio": 0.2}
+    assert session.cache.settings.kv_cache_ratio == 0.5  # not applied mid-turn
+    events = list(stream)
+    assert isinstance(events[-1], Done)
+    assert model.pending_knobs is None
+    assert session.cache.settings.kv_cache_ratio == 0.2 and model.config.kv_cache_ratio == 0.2
+    assert session.cache.stored <= session.cache.budget()
+
+
+def test_non_cache_knob_is_refused(model_with_document):
+    from engine import ConfigError
+
+    model, session = model_with_document
+    with pytest.raises(ConfigError, match="weight_quant"):
+        model.reconfigure(session, weight_quant="int8")
+    with pytest.raises(ConfigError, match="kv_cache_ratio"):
+        model.reconfigure(session, kv_cache_ratio=1.7)
