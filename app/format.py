@@ -6,20 +6,26 @@ GB = 1024**3
 MB = 1024**2
 
 
-def fmt_bytes(n: float) -> str:
-    """GB when it is at least 0.1 GB, MB below (a 2 MB KV cache is not '0.00 GB')."""
-    n = float(n or 0)
+def _unit(n: float) -> tuple[float, str, int]:
     if n >= 0.1 * GB:
-        return f"{n / GB:.2f} GB"
+        return GB, "GB", 2
     if n >= 0.1 * MB:
-        return f"{n / MB:.1f} MB"
-    return f"{n / 1024:.0f} KB"
+        return MB, "MB", 1
+    return 1024, "KB", 0
+
+
+def fmt_bytes(n: float, like: float | None = None) -> str:
+    """GB from 0.1 GB up, MB below (a 2 MB KV cache is not '0.00 GB'); `like` picks the unit of another figure."""
+    n = float(n or 0)
+    scale, unit, digits = _unit(float(like) if like is not None else n)
+    return f"{n / scale:.{digits}f} {unit}"
 
 
 def kv_line(stored: int, uncompressed: int) -> str:
     """'2.10 GB (from 4.20 GB) ×0.50' — the seed's way of showing the compressed cache."""
     ratio = stored / uncompressed if uncompressed else 1.0
-    return f"{fmt_bytes(stored)} (from {fmt_bytes(uncompressed)}) ×{ratio:.2f}"
+    unit_of = min(stored, uncompressed) or max(stored, uncompressed)  # one unit for both, precise for the smaller
+    return f"{fmt_bytes(stored, unit_of)} (from {fmt_bytes(uncompressed, unit_of)}) ×{ratio:.2f}"
 
 
 def fmt_tokens(n: int) -> str:

@@ -84,6 +84,7 @@ class MainWindow(QMainWindow):
         self._after_load = None  # a callable to run once the next load succeeds (OOM retry)
         self._memory_requested = False
         self.open_dialogs: list[QMessageBox] = []
+        self.closed = False
         self.shown_messages: list[tuple[str, str]] = []
 
         self._build()
@@ -257,7 +258,7 @@ class MainWindow(QMainWindow):
         self.model_panel.show_loaded(facts)
         self.statusBar().showMessage(f"{facts.display_name} ready ({facts.load_seconds:.1f} s)", 5000)
         self._update_actions()
-        for key, doc in self.attached.items():
+        for _key, doc in self.attached.items():
             if doc is not None:
                 self.client.count_document.emit(doc)
         self._schedule_usage()
@@ -277,6 +278,8 @@ class MainWindow(QMainWindow):
 
     # ------------------------------------------------------------------ knobs
     def _on_knobs_changed(self, knobs: dict) -> None:
+        if self.closed:
+            return
         self.settings.set_json(Key.KNOBS, knobs)
         self._refresh_chips()
         if self.facts is None:
@@ -313,6 +316,8 @@ class MainWindow(QMainWindow):
 
     # ------------------------------------------------------------------ memory and context
     def _request_memory(self) -> None:
+        if self.closed:
+            return
         if self.facts is not None and not self.turns.busy and not self._memory_requested:
             self._memory_requested = True
             self.client.report_memory.emit(self.conversation_id)
@@ -327,7 +332,7 @@ class MainWindow(QMainWindow):
         self.usage_timer.start()
 
     def _request_usage(self) -> None:
-        if self.facts is None or self.turns.busy:
+        if self.closed or self.facts is None or self.turns.busy:
             return
         history = self.store.history(self.conversation_id) if self.conversation_id is not None else ()
         if self.editing_message_id is not None:
@@ -683,13 +688,20 @@ class MainWindow(QMainWindow):
         self.settings.sync()
 
     def closeEvent(self, event) -> None:  # noqa: N802 - Qt override
+        if self.closed:
+            super().closeEvent(event)
+            return
+        self.closed = True
+        self.memory_timer.stop()
+        self.usage_timer.stop()
+        self.knob_panel.cancel_pending()
+        self.conversations.cancel_pending()
         self.save_settings()
         self.turns.save_now()
         started = time.monotonic()
         self.client.shutdown()
         self.loader.wait(5000)
         log.debug("worker stopped in %.2f s", time.monotonic() - started)
-        self.memory_timer.stop()
         if self.turns.active is not None:
             self.store.finish_reply(self.turns.active.reply_id, self.turns.active.text, "stopped")
             self.turns.active = None

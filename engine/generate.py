@@ -131,6 +131,12 @@ def _prefill(model, cache: DSV41Cache, plan: TurnPlan, cancel, device, result: T
     chunks = _chunk_bounds(total, plan.chunk, plan.question_tokens)
     logits = None
     s = cache.settings
+    # Query-aware CED: when the turn fits its headroom, nothing is compacted until the question has
+    # been read, so the document is scored by the question's attention alone (window scores of the
+    # document's own chunks would dilute it). Only a turn that must compact mid-stream scores as it goes.
+    must_stream_compact = (plan.headroom_tokens is not None and s.compressing
+                           and cache.stored + total > plan.headroom_tokens)
+    middle_window = s.score_window if (must_stream_compact or s.ced_policy != "ced") else 0
     yield PrefillProgress(0, total)
     for index, (start, end) in enumerate(chunks):
         if cancel.is_set():
@@ -144,7 +150,7 @@ def _prefill(model, cache: DSV41Cache, plan: TurnPlan, cancel, device, result: T
                          s.ced_sink_tokens + s.ced_recent_tokens + 1)
             cache.compact(target, threshold=False)
             result.compacted_during_prefill = True
-        window = max(plan.question_tokens, s.score_window) if last else s.score_window
+        window = max(plan.question_tokens, s.score_window) if last else middle_window
         chunk_ids = torch.tensor([ids[start:end]], device=device)
         logits = adapter.forward(model, chunk_ids, cache, score_window=min(window, size), prefill=True)
         result.prefilled = end

@@ -1,13 +1,19 @@
 #!/usr/bin/env python3
 """DS-V4.1 Chat bootstrapper: one command from a fresh checkout to a running app.
 
-    python3 installer/bootstrap.py [setup|run|chat|test|doctor] [extra args passed through]
+    python3 installer/bootstrap.py [setup|run|chat|test|doctor|selftest|status] [extra args passed through]
+    python3 installer/bootstrap.py install-shortcut | uninstall [--purge|--keep-data]
 
 The default command is ``run``. The first start makes a private virtual environment in a
-per-user data folder and installs PyTorch (a CPU build unless an NVIDIA GPU is present), the
-project itself and the default model package. What was done is remembered in
-``<home>/venv/.dsv41-bootstrap.json``: later starts go straight to the command, and a setup that
-failed part-way resumes from the step that failed.
+per-user data folder and installs PyTorch (a CPU build unless an NVIDIA GPU is present, then a
+CUDA build matching the driver), the project itself and the default model package. What was done
+is remembered in ``<home>/venv/.dsv41-bootstrap.json``: later starts go straight to the command,
+and a setup that failed part-way resumes from the step that failed.
+
+When ``run`` needs a setup and Tk can open a window (tkinter importable, a display present), the
+steps and their progress are shown in a small first-run window (installer/firstrun.py); otherwise
+on the console. The double-click launchers (installer/launch-*) and ``install-shortcut`` (an
+applications-menu / Start-menu / ~/Applications entry with the app icon) build on this file.
 
 Standard library only; Python 3.10+; Linux, macOS and Windows.
 
@@ -15,7 +21,10 @@ Environment:
     DSV41_HOME               data folder to use instead of the per-user default
     DSV41_FORCE_CPU=1        behave as if there were no NVIDIA GPU
     DSV41_VERBOSE=1          show pip's output while it runs (as ``setup -v``)
-    DSV41_FLASH_ATTN_TIMEOUT seconds to allow the optional flash-attn build (default 1200)
+    DSV41_NO_GUI=1           never open the first-run window (console output only)
+    DSV41_FLASH_ATTN_BUILD=1 allow building flash-attn from source when no prebuilt wheel fits
+                             (off by default: the app uses PyTorch SDPA attention then)
+    DSV41_FLASH_ATTN_TIMEOUT seconds to allow that build (default 1200)
 """
 
 from __future__ import annotations
@@ -43,12 +52,21 @@ MODEL_VERSION = "0.1.2"
 TORCH_SPEC_DEFAULT = "torch>=2.4,<2.15"
 TORCH_LOCAL_CPU = "torch==2.13.0+cpu"
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+TORCH_INDEX_BASE = "https://download.pytorch.org/whl/"
+# PyTorch's CUDA wheel indexes, newest first, with the CUDA version each needs from the driver.
+# A driver runs every wheel built for its CUDA version or older (same major version at least).
+CUDA_WHEEL_TAGS = (("cu130", (13, 0)), ("cu129", (12, 9)), ("cu128", (12, 8)), ("cu126", (12, 6)),
+                   ("cu124", (12, 4)), ("cu121", (12, 1)), ("cu118", (11, 8)))
+# Tags that recent torch releases (2.7+) are published for: preferred over the others.
+CUDA_MAIN_TAGS = ("cu130", "cu128", "cu126")
+PYPI_TORCH_CUDA = (12, 8)  # the CUDA version PyPI's default Linux torch wheels are built for
 FLASH_ATTN_SPEC_DEFAULT = "flash-attn>=2.6"
 STATE_NAME = ".dsv41-bootstrap.json"
 MARKER_NAME = ".dsv41-venv-complete"
 CREATING_NAME = ".dsv41-venv-creating"
 STATE_VERSION = 1
-COMMANDS = ("setup", "run", "chat", "test", "doctor")
+COMMANDS = ("setup", "run", "chat", "test", "doctor", "selftest", "status", "install-shortcut",
+            "uninstall")
 BOOTSTRAP_CMD = "python3 installer/bootstrap.py"
 
 NETWORK_PATTERNS = (
@@ -199,22 +217,61 @@ class Plan(NamedTuple):
     timeout: float = 3600.0
 
 
+def cuda_wheel_tags(driver_cuda: str | None, limit: int = 2) -> list:
+    """PyTorch CUDA wheel tags (``cu128`` ...) that a driver supporting CUDA ``driver_cuda`` runs.
+
+    Best first: the newest of the tags recent torch releases are built for (cu130, cu128, cu126)
+    that the driver supports, then older ones; at most ``limit``. Empty when the version is unknown
+    or older than every tag (PyPI's default build is the only choice then).
+    """
+    if not driver_cuda:
+        return []
+    have = _version_tuple(driver_cuda)[:2]
+    if not have:
+        return []
+    have = have + (0,) * (2 - len(have))
+    fits = [tag for tag, need in CUDA_WHEEL_TAGS if need <= have]
+    ordered = [t for t in fits if t in CUDA_MAIN_TAGS] + [t for t in fits if t not in CUDA_MAIN_TAGS]
+    return ordered[:limit]
+
+
+def _cuda_of_tag(tag: str) -> str:
+    digits = tag[2:]
+    return f"{digits[:-1]}.{digits[-1]}"
+
+
 def torch_install_plans(has_gpu: bool, system: str | None = None,
-                        torch_spec: str = TORCH_SPEC_DEFAULT) -> list:
+                        torch_spec: str = TORCH_SPEC_DEFAULT, cuda: str | None = None) -> list:
     """The ways to install PyTorch, in the order to try them.
 
     With no NVIDIA GPU a CPU build is always tried before anything that could be a multi-GB CUDA
     build: (a) the local/configured CPU wheel, (b) the official PyTorch CPU index (failing fast
     when it cannot be reached), (c) plain PyPI (CPU-only on macOS/Windows; on Linux a CUDA build,
     announced with a warning).
+
+    With a GPU whose driver supports CUDA ``cuda``: the official PyTorch index for the newest CUDA
+    build the driver runs (e.g. .../whl/cu128 for a driver with CUDA 12.8 or 12.9), then the next
+    older one, then PyPI's default CUDA build (Linux; on Windows PyPI only has CPU builds).
     """
     system = platform.system() if system is None else system
     if has_gpu:
+        plans = []
+        for tag in cuda_wheel_tags(cuda):
+            plans.append(Plan(
+                f"{tag}-index", f"PyTorch for CUDA {_cuda_of_tag(tag)} ({tag}) from the official PyTorch index",
+                ["install", "--index-url", TORCH_INDEX_BASE + tag, "--timeout", "15", "--retries", "0",
+                 torch_spec]))
         warning = None
         if system == "Windows":
             warning = ("PyPI's Windows build of PyTorch is CPU-only; for CUDA see "
                        "https://pytorch.org/get-started/locally/")
-        return [Plan("pypi-cuda", "PyTorch with CUDA, from PyPI", ["install", torch_spec], warning)]
+        elif cuda and _version_tuple(cuda)[:2] < PYPI_TORCH_CUDA:
+            need = ".".join(map(str, PYPI_TORCH_CUDA))
+            warning = (f"PyPI's default PyTorch build targets CUDA {need}; this driver supports CUDA "
+                       f"{cuda}: if torch cannot see the GPU, update the NVIDIA driver.")
+        plans.append(Plan("pypi-cuda", "PyTorch with CUDA, from PyPI (default build)", ["install", torch_spec],
+                          warning))
+        return plans
     plans = [
         Plan("local-cpu", f"PyTorch CPU build {TORCH_LOCAL_CPU} (local wheel or configured index)",
              ["install", TORCH_LOCAL_CPU], None, 1800.0),
@@ -349,6 +406,22 @@ class State:
 # ----------------------------------------------------------------------------- running commands
 
 
+_LIVE_PROCS: set = set()
+_LIVE_LOCK = threading.Lock()
+
+
+def stop_running_commands() -> int:
+    """Kill the commands run_logged is running now (a cancelled setup); returns how many."""
+    with _LIVE_LOCK:
+        procs = list(_LIVE_PROCS)
+    for proc in procs:
+        try:
+            proc.kill()
+        except OSError:
+            pass
+    return len(procs)
+
+
 class RunResult(NamedTuple):
     returncode: int | None  # None: killed after the timeout
     tail: list
@@ -376,6 +449,8 @@ def run_logged(cmd: list, log_path: Path | None = None, timeout: float | None = 
         if log:
             log.close()
         return RunResult(127, [str(e)], time.monotonic() - start, str(e))
+    with _LIVE_LOCK:
+        _LIVE_PROCS.add(proc)
 
     def reader() -> None:
         assert proc.stdout is not None
@@ -411,6 +486,8 @@ def run_logged(cmd: list, log_path: Path | None = None, timeout: float | None = 
         proc.kill()
         raise
     finally:
+        with _LIVE_LOCK:
+            _LIVE_PROCS.discard(proc)
         t.join(timeout=5)
         if log:
             log.close()
@@ -563,10 +640,32 @@ class Step(NamedTuple):
     always: bool = False  # run even when marked done (cheap checks)
 
 
+class StepEvent(NamedTuple):
+    """What run_steps tells ``Context.observer`` (the first-run window listens to these).
+
+    kind: "plan" (before the first step; ``steps`` lists (key, name) of all), "start", "skipped"
+    (done before), "done" (``detail`` is the result line), "failed" (``detail`` the message, ``fix``
+    what to do, ``error`` the StepError), "interrupted" (cancelled or Ctrl+C), and "finished"
+    (after the last one; ``detail`` is "ok" or "failed").
+    """
+    kind: str
+    index: int = 0  # 1-based step number; 0 for plan/finished
+    total: int = 0
+    key: str = ""
+    name: str = ""
+    detail: str = ""
+    fix: str = ""
+    steps: tuple = ()
+    error: object = None
+    elapsed: float = 0.0
+
+
 class Context:
     def __init__(self, repo: Path, home: Path, extras=(), gpu: GpuInfo | None = None,
                  system: str | None = None, with_pip: bool = True, verbose: bool = False,
-                 out: Callable[[str], None] = say, runner: Callable | None = None):
+                 out: Callable[[str], None] = say, runner: Callable | None = None,
+                 observer: Callable[[StepEvent], None] | None = None,
+                 cancel: threading.Event | None = None):
         self.repo = Path(repo).resolve()
         self.home = Path(home)
         self.venv = self.home / "venv"
@@ -578,6 +677,17 @@ class Context:
         self.out = out
         self.runner = runner or run_logged
         self.log = self.home / "logs" / "setup.log"
+        self.observer = observer  # gets a StepEvent as each step starts, ends or fails
+        self.cancel = cancel or threading.Event()  # set (from another thread) to stop the setup
+
+    def notify(self, kind: str, **fields) -> None:
+        """Tell the observer; an observer that fails never breaks the setup."""
+        if self.observer is None:
+            return
+        try:
+            self.observer(StepEvent(kind, **fields))
+        except Exception as e:  # noqa: BLE001
+            self.out(f"      (progress display failed: {e})")
 
     @property
     def python(self) -> Path:
@@ -669,7 +779,7 @@ def step_torch(ctx: Context) -> str:
     else:
         ctx.out("      no NVIDIA GPU found: installing a CPU build")
     _check_disk(ctx, 8.0 if ctx.gpu else 2.0)
-    plans = torch_install_plans(bool(ctx.gpu), ctx.system, spec)
+    plans = torch_install_plans(bool(ctx.gpu), ctx.system, spec, ctx.gpu.cuda if ctx.gpu else None)
     failures = []
     last = None
     for i, plan in enumerate(plans):
@@ -685,7 +795,13 @@ def step_torch(ctx: Context) -> str:
                 raise StepError("PyTorch was installed but does not import",
                                 f"Rerun '{BOOTSTRAP_CMD} setup --force'; pip's log: {ctx.log}",
                                 outp.splitlines()[-15:], cmd, ctx.log)
-            version = outp.partition("\n")[0]
+            version, _, built_cuda = outp.partition("\n")
+            if ctx.gpu:
+                ok_cuda, answer = ctx.venv_eval("import torch; print(torch.cuda.is_available())")
+                if not ok_cuda or answer.strip() != "True":
+                    ctx.out(f"      note: torch {version} does not see the GPU (driver CUDA "
+                            f"{ctx.gpu.cuda or '?'}, torch built for CUDA {built_cuda.strip() or 'none'}); "
+                            "the app runs on the CPU until the NVIDIA driver is updated.")
             return f"torch {version} installed via ({letter})"
         kind, fix = diagnose(res.output, ctx.home)
         failures.append((kind, fix))
@@ -722,6 +838,7 @@ def step_project(ctx: Context) -> str:
 
 
 def step_flash_attn(ctx: Context) -> str:
+    """flash-attn only from a prebuilt wheel that fits (never a source build unless asked)."""
     sdpa = "the app will use PyTorch SDPA attention instead"
     if not ctx.gpu:
         return f"skipped: no NVIDIA GPU; {sdpa}"
@@ -732,14 +849,26 @@ def step_flash_attn(ctx: Context) -> str:
     m = re.search(r"^\s*gpu\s*=\s*\[([^\]]*)\]", text, re.M)
     specs = re.findall(r"[\"']([^\"']+)[\"']", m.group(1)) if m else [FLASH_ATTN_SPEC_DEFAULT]
     specs = specs or [FLASH_ATTN_SPEC_DEFAULT]
+    pin = []
+    ok, torch_version = ctx.venv_eval("import importlib.metadata as m; print(m.version('torch'))", 60)
+    if ok and torch_version:
+        pin = [f"torch=={torch_version}"]  # a wheel for another torch must not replace the one installed
+    cmd, res = ctx.pip(["install", "--only-binary", ":all:", "--timeout", "15"] + specs + pin, timeout=900)
+    if res.returncode == 0:
+        return f"{' '.join(specs)} installed (prebuilt wheel)"
+    if os.environ.get("DSV41_FLASH_ATTN_BUILD", "").strip() in ("", "0"):
+        return (f"no prebuilt flash-attn wheel fits (torch {torch_version or '?'}, CUDA "
+                f"{ctx.gpu.cuda or '?'}, Python {venv_python_version(ctx.venv)}): {sdpa} "
+                "(DSV41_FLASH_ATTN_BUILD=1 and 'setup --force' build it from source, 30+ min)")
+    ctx.out("      no prebuilt wheel fits; building flash-attn from source (DSV41_FLASH_ATTN_BUILD=1) ...")
     timeout = float(os.environ.get("DSV41_FLASH_ATTN_TIMEOUT", "1200"))
     jobs = os.environ.get("MAX_JOBS") or str(max(1, min(4, (os.cpu_count() or 2) // 2)))
-    cmd, res = ctx.pip(["install", "--no-build-isolation"] + specs, timeout=timeout,
+    cmd, res = ctx.pip(["install", "--no-build-isolation"] + specs + pin, timeout=timeout,
                        extra_env={"MAX_JOBS": jobs})  # flash-attn's build runs out of memory otherwise
     if res.returncode == 0:
-        return f"{' '.join(specs)} installed"
+        return f"{' '.join(specs)} installed (built from source)"
     why = "timed out" if res.returncode is None else "failed"
-    return f"flash-attn could not be installed ({why}; log: {ctx.log}); {sdpa}"
+    return f"flash-attn could not be built ({why}; log: {ctx.log}); {sdpa}"
 
 
 def step_model(ctx: Context) -> str:
@@ -771,29 +900,50 @@ def run_steps(steps: list, state: State, ctx: Context) -> bool:
             f"{last.get('message')}")
         out("Resuming from there; steps already done are skipped.")
     n = len(steps)
+    ctx.notify("plan", total=n, steps=tuple((s.key, s.name) for s in steps))
     for i, step in enumerate(steps, 1):
+        where = {"index": i, "total": n, "key": step.key, "name": step.name}
+        if ctx.cancel.is_set():
+            _interrupted(ctx, state, step, i, n, "cancelled")
+            return False
         out(f"[{i}/{n}] {step.name} \u2026")
         if state.is_done(step.key) and not step.always:
             out("      done before, skipped")
+            ctx.notify("skipped", **where, detail=state.data["steps"][step.key].get("result", ""))
             continue
+        ctx.notify("start", **where)
         t0 = time.monotonic()
         try:
             result = step.func(ctx)
         except StepError as e:
+            if ctx.cancel.is_set():  # the step failed because its command was stopped
+                _interrupted(ctx, state, step, i, n, "cancelled")
+                return False
             state.mark_failed(step.key, step.name, e.message)
             state.save()
             report_failure(ctx, i, n, step, e)
+            ctx.notify("failed", **where, detail=e.message, fix=e.fix, error=e,
+                       elapsed=time.monotonic() - t0)
+            ctx.notify("finished", total=n, detail="failed")
             return False
         except KeyboardInterrupt:
-            state.mark_failed(step.key, step.name, "interrupted")
-            state.save()
-            out(f"\nInterrupted during step [{i}/{n}] {step.name}. Rerun '{BOOTSTRAP_CMD} setup' "
-                "to resume from this step.")
+            _interrupted(ctx, state, step, i, n, "interrupted")
             raise
         state.mark_done(step.key, result or "")
         state.save()
         out(f"      ok: {result} ({_fmt_secs(time.monotonic() - t0)})" if result else "      ok")
+        ctx.notify("done", **where, detail=result or "", elapsed=time.monotonic() - t0)
+    ctx.notify("finished", total=n, detail="ok")
     return True
+
+
+def _interrupted(ctx: Context, state: State, step: Step, i: int, n: int, why: str) -> None:
+    state.mark_failed(step.key, step.name, why)
+    state.save()
+    ctx.out(f"\n{why.capitalize()} during step [{i}/{n}] {step.name}. Rerun '{BOOTSTRAP_CMD} setup' "
+            "(or start the app again) to resume from this step.")
+    ctx.notify("interrupted", index=i, total=n, key=step.key, name=step.name, detail=why)
+    ctx.notify("finished", total=n, detail="failed")
 
 
 def report_failure(ctx: Context, i: int, n: int, step: Step, e: StepError) -> None:
@@ -913,6 +1063,142 @@ def launch(cmd: list, cwd: Path | None = None, env: dict | None = None) -> int:
         return 1
 
 
+# ------------------------------------------------------------------------ the first-run window
+
+
+def _sibling(name: str):
+    """installer/<name>.py loaded by path (however this file was started or imported); None if absent."""
+    import importlib.util
+
+    mod_name = f"dsv41_installer_{name}"
+    if mod_name in sys.modules:
+        return sys.modules[mod_name]
+    path = Path(__file__).resolve().with_name(f"{name}.py")
+    if not path.is_file():
+        return None
+    spec = importlib.util.spec_from_file_location(mod_name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[mod_name] = mod  # dataclasses look their module up while the file runs
+    try:
+        spec.loader.exec_module(mod)
+    except Exception:
+        del sys.modules[mod_name]
+        raise
+    return mod
+
+
+def app_icon_file(repo: Path) -> Path | None:
+    for name in ("icon-64.png", "icon-256.png"):
+        path = Path(repo) / "resources" / name
+        if path.is_file():
+            return path
+    return None
+
+
+def window_possible(env: dict | None = None) -> bool:
+    firstrun = _sibling("firstrun")
+    return firstrun is not None and firstrun.gui_possible(env)
+
+
+def setup_with_window(ctx: Context, force: bool = False, hook: Callable | None = None) -> int | None:
+    """ensure_setup shown in the first-run window: its exit code, or None when no window can open.
+
+    The steps report to the window through ``ctx.observer``; pip's own lines go to its log view
+    (and still to the console). Closing the window stops the running command; the step is marked
+    interrupted so the next start resumes there.
+    """
+    if not window_possible():
+        return None
+    firstrun = _sibling("firstrun")
+    console_out, verbose = ctx.out, ctx.verbose
+    ctx.cancel = threading.Event()
+
+    def setup(out, observer) -> int:
+        ctx.out, ctx.observer, ctx.verbose = out, observer, True
+        return ensure_setup(ctx, force=force)
+
+    def cancel() -> None:
+        ctx.cancel.set()
+        stop_running_commands()
+
+    try:
+        return firstrun.run_with_window(setup, cancel, app_name=APP_NAME, icon=app_icon_file(ctx.repo),
+                                        echo=console_out, hook=hook)
+    finally:
+        ctx.out, ctx.observer, ctx.verbose = console_out, None, verbose
+
+
+# --------------------------------------------------------------------------- starting the app
+
+APP_FAILURE_HINTS = (
+    (("xcb-cursor",), "Qt needs a system library: sudo apt install libxcb-cursor0 "
+                      "(Fedora: sudo dnf install xcb-util-cursor), then start the app again."),
+    (("Could not load the Qt platform plugin", "qt.qpa.plugin"),
+     "Qt's display libraries are missing: sudo apt install libxkbcommon-x11-0 libxcb-icccm4 "
+     "libxcb-image0 libxcb-keysyms1 libxcb-randr0 libxcb-render-util0 libxcb-shape0 libegl1, then "
+     "start the app again."),
+    (("ModuleNotFoundError", "ImportError", "DLL load failed"),
+     f"A package of the app's environment is missing or broken: run '{BOOTSTRAP_CMD} setup --force'."),
+    (("No space left on device",), "The disk is full: free some space, then start the app again."),
+)
+QUIET_EXIT_CODES = (0, 130, 137, 143, -2, -9, -15)  # normal exit, Ctrl+C, killed, logged out
+
+
+def app_failure_hint(lines: list) -> str:
+    text = "\n".join(lines)
+    for patterns, fix in APP_FAILURE_HINTS:
+        if any(p in text for p in patterns):
+            return fix
+    return (f"Run '{BOOTSTRAP_CMD} doctor' in a terminal to check the machine, or start the app from "
+            f"a terminal ('{BOOTSTRAP_CMD} run') to see all of its messages.")
+
+
+def launch_app(cmd: list, env: dict, home: Path, show_errors: bool | None = None) -> int:
+    """Start the app. Without a terminal (double-clicked), keep its last output lines and, when it
+    stops with an error, show them with a fix in a small window instead of vanishing silently."""
+    if show_errors is None:
+        try:
+            show_errors = not (sys.stdout and sys.stdout.isatty()) and window_possible(env)
+        except (AttributeError, ValueError):
+            show_errors = window_possible(env)
+    if not show_errors:
+        return launch(cmd, env=env)
+    from collections import deque
+
+    tail: deque = deque(maxlen=40)
+    try:
+        proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, text=True, errors="replace", env=env)
+    except OSError as e:
+        say(f"Could not start {cmd[0]}: {e}. Rerun '{BOOTSTRAP_CMD} setup --force'.")
+        tail.append(str(e))
+        rc = 1
+    else:
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                tail.append(line.rstrip("\n"))
+                try:
+                    sys.stdout.write(line)
+                    sys.stdout.flush()
+                except (AttributeError, OSError, ValueError):
+                    pass
+            rc = proc.wait()
+        except KeyboardInterrupt:
+            proc.terminate()
+            return 130
+    if rc in QUIET_EXIT_CODES:
+        return rc
+    log = home / "logs" / "launcher.log"
+    message = (f"{APP_NAME} stopped unexpectedly (exit code {rc}).\n\nWhat to do: {app_failure_hint(list(tail))}")
+    say(message)
+    firstrun = _sibling("firstrun")
+    if firstrun is not None:
+        firstrun.show_error(f"{APP_NAME} could not start", message, "\n".join(tail),
+                            str(log) if log.is_file() else None)
+    return rc
+
+
 def no_display_message(py: Path) -> str:
     return (f"No display found (DISPLAY and WAYLAND_DISPLAY are not set), so the {APP_NAME} window "
             "cannot open here.\n"
@@ -921,14 +1207,135 @@ def no_display_message(py: Path) -> str:
             "  (To use a Qt platform anyway, set QT_QPA_PLATFORM, e.g. QT_QPA_PLATFORM=offscreen.)")
 
 
-USAGE = f"""usage: {BOOTSTRAP_CMD} [setup|run|chat|test|doctor] [args ...]
+# ------------------------------------------------------------------ shortcut, uninstall, status
 
-  run     (default) start the {APP_NAME} desktop app; args go to 'python -m app'
-  chat    chat in the terminal ('python -m engine chat')
-  test    install the dev tools and run pytest in the repository; args go to pytest
-  doctor  check the machine ('python -m engine doctor')
-  setup   only install/update; options: --force (redo every step), --dev (add test tools),
-          -v (show pip's output)
+
+def cmd_install_shortcut(repo: Path, home: Path, system: str | None = None, env: dict | None = None,
+                         user_home: Path | None = None) -> int:
+    shortcuts = _sibling("shortcuts")
+    system = platform.system() if system is None else system
+    try:
+        made = shortcuts.install_shortcut(repo, home, system, env, user_home)
+    except (OSError, FileExistsError) as e:
+        say(f"Could not put the shortcut in place: {e}")
+        return 1
+    for path in made:
+        say(f"  made {path}")
+    where = {"Windows": "the Start menu", "Darwin": "~/Applications (Launchpad, Spotlight)"}.get(
+        system, "your applications menu")
+    say(f"{APP_NAME} is now in {where}. The first start from there sets the app up "
+        f"(or run '{BOOTSTRAP_CMD} setup' now); '{BOOTSTRAP_CMD} uninstall' removes it again.")
+    return 0
+
+
+def _ask(question: str) -> bool:
+    try:
+        return input(question + " [y/N] ").strip().lower() in ("y", "yes")
+    except (EOFError, KeyboardInterrupt):
+        say("")
+        return False
+
+
+def _interactive() -> bool:
+    try:
+        return bool(sys.stdin and sys.stdin.isatty() and sys.stdout and sys.stdout.isatty())
+    except (AttributeError, ValueError):
+        return False
+
+
+def cmd_uninstall(args: list, repo: Path, home: Path, system: str | None = None, env: dict | None = None,
+                  user_home: Path | None = None, interactive: bool | None = None) -> int:
+    """Remove the environment, logs and the shortcut; with --purge also converted models and chats."""
+    unknown = [a for a in args if a not in ("--purge", "--keep-data")]
+    if unknown or ("--purge" in args and "--keep-data" in args):
+        say(f"uninstall: unknown or conflicting option(s) {' '.join(unknown or args)}\n\n{USAGE}")
+        return 2
+    shortcuts = _sibling("shortcuts")
+    system = platform.system() if system is None else system
+    env = dict(os.environ) if env is None else env
+    user_home = Path.home() if user_home is None else Path(user_home)
+    interactive = _interactive() if interactive is None else interactive
+    venv = home / "venv"
+    failed = False
+    with setup_lock(home):
+        for path in shortcuts.remove_shortcut(home, system, env, user_home):
+            say(f"  removed {path}")
+        if venv.exists():
+            ours = (venv / "pyvenv.cfg").exists() or (venv / MARKER_NAME).exists() or \
+                (venv / CREATING_NAME).exists()
+            if not ours:
+                say(f"  kept {venv}: it is not a virtual environment (delete it yourself if it is not needed)")
+            else:
+                try:
+                    _rmtree(venv)
+                    say(f"  removed the environment {venv}")
+                except StepError as e:
+                    say(f"  {e.message}. {e.fix}")
+                    failed = True
+        logs = home / "logs"
+        if logs.is_dir():
+            shutil.rmtree(logs, ignore_errors=True)
+            say(f"  removed {logs}")
+    targets = shortcuts.purge_targets(env, system, user_home)
+    purge = "--purge" in args
+    if targets and not purge and "--keep-data" not in args:
+        listing = "\n".join("    " + line for line in shortcuts.describe_targets(targets))
+        if interactive:
+            purge = _ask(f"Also delete the converted models and your conversations?\n{listing}\n ")
+        else:
+            say(f"Kept (rerun with --purge to delete them too):\n{listing}")
+    if purge:
+        for what, path in targets:
+            try:
+                shortcuts.remove_path(path)
+                say(f"  removed {what}: {path}")
+            except OSError as e:
+                say(f"  could not remove {path}: {e}")
+                failed = True
+    for leftover in (home / ".bootstrap.lock",):
+        try:
+            leftover.unlink()
+        except OSError:
+            pass
+    try:
+        home.rmdir()  # only when nothing else is left in it
+    except OSError:
+        pass
+    say(f"{APP_NAME} was uninstalled" + (" (with some problems, see above)." if failed else ".") +
+        f" The source folder {repo} is yours to delete.")
+    return 1 if failed else 0
+
+
+def cmd_status(ctx: Context, steps: list | None = None) -> int:
+    """'ready' (exit 0) or what setup still has to do (exit 1); installs nothing."""
+    state = _load_state(ctx)
+    if is_ready(ctx, steps):
+        say(f"ready: {ctx.venv}")
+        return 0
+    if not venv_is_complete(ctx.venv):
+        say(f"setup needed: no complete environment at {ctx.venv}")
+    elif state.last_failure:
+        f = state.last_failure
+        say(f"setup needed: it stopped at step '{f.get('name')}' ({f.get('message')})")
+    else:
+        say("setup needed: the project or the wanted extras changed since the last setup")
+    return 1
+
+
+USAGE = f"""usage: {BOOTSTRAP_CMD} [command] [args ...]
+
+  run               (default) start the {APP_NAME} desktop app; args go to 'python -m app'
+                    (a setup that is due first shows its steps in a window, or on the console)
+  chat              chat in the terminal ('python -m engine chat')
+  selftest          load the default model, answer one prompt, print the figures
+  test              install the dev tools and run pytest in the repository; args go to pytest
+  doctor            check the machine ('python -m engine doctor')
+  setup             only install/update; options: --force (redo every step), --dev (add test
+                    tools), -v (show pip's output), --gui (show the first-run window)
+  status            say whether setup is complete (exit 0) or needed (exit 1)
+  install-shortcut  add {APP_NAME} to the applications menu / Start menu / ~/Applications
+  uninstall         remove the environment and the shortcut; --purge also deletes the converted
+                    models and conversations (asked when run in a terminal), --keep-data keeps them
 
 The app's private environment lives in {data_home() / 'venv'} (set DSV41_HOME to move it)."""
 
@@ -953,19 +1360,25 @@ def main(argv: list | None = None) -> int:
     repo = repo_root()
     home = data_home()
     py = venv_python(home / "venv")
+    if command == "install-shortcut":
+        return cmd_install_shortcut(repo, home)
+    if command == "uninstall":
+        return cmd_uninstall(rest, repo, home)
     if command == "run" and not has_display():
         say(no_display_message(py))
         return 2
 
     force = verbose = False
+    gui = command == "run"
     extras = set()
     if command == "setup":
-        unknown = [a for a in rest if a not in ("--force", "--dev", "-v", "--verbose")]
+        unknown = [a for a in rest if a not in ("--force", "--dev", "-v", "--verbose", "--gui")]
         if unknown:
             say(f"setup: unknown option(s) {' '.join(unknown)}\n\n{USAGE}")
             return 2
         force = "--force" in rest
         verbose = "-v" in rest or "--verbose" in rest
+        gui = "--gui" in rest
         if "--dev" in rest:
             extras.add("dev")
     if command == "test":
@@ -975,8 +1388,14 @@ def main(argv: list | None = None) -> int:
     if gpu:
         extras.add("gpu")
     ctx = Context(repo, home, extras, gpu, verbose=verbose)
+    if command == "status":
+        return cmd_status(ctx)
     try:
-        rc = ensure_setup(ctx, force=force)
+        rc = None
+        if gui and (force or not is_ready(ctx)):
+            rc = setup_with_window(ctx, force=force)
+        if rc is None:
+            rc = ensure_setup(ctx, force=force)
     except KeyboardInterrupt:
         return 130
     if rc:
@@ -987,11 +1406,13 @@ def main(argv: list | None = None) -> int:
     env = dict(os.environ, VIRTUAL_ENV=str(ctx.venv))
     env["PATH"] = str(py.parent) + os.pathsep + env.get("PATH", "")
     if command == "run":
-        return launch([py, "-m", "app"] + rest, env=env)
+        return launch_app([py, "-m", "app"] + rest, env, home)
     if command == "chat":
         return launch([py, "-m", "engine", "chat"] + rest, env=env)
     if command == "doctor":
         return launch([py, "-m", "engine", "doctor"] + rest, env=env)
+    if command == "selftest":
+        return launch([py, "-m", "app.selftest"] + rest, cwd=repo, env=env)
     # test
     if not has_display(env):
         env["QT_QPA_PLATFORM"] = "offscreen"

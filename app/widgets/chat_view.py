@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import re
 
-from PySide6.QtCore import QUrl, Qt
+from PySide6.QtCore import Qt, QUrl
 from PySide6.QtGui import QColor, QGuiApplication, QTextCursor, QTextFormat
 from PySide6.QtWidgets import (
     QFrame,

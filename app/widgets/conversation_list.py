@@ -42,6 +42,9 @@ class ConversationList(QWidget):
         self.list.setSelectionMode(QAbstractItemView.SelectionMode.SingleSelection)
         self.list.setEditTriggers(QAbstractItemView.EditTrigger.EditKeyPressed)
         self.list.setContextMenuPolicy(Qt.ContextMenuPolicy.CustomContextMenu)
+        self.list.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.list.setTextElideMode(Qt.TextElideMode.ElideRight)
+        self.list.setUniformItemSizes(True)
         self.list.customContextMenuRequested.connect(self._menu)
         self.list.currentItemChanged.connect(self._on_current)
         self.list.itemChanged.connect(self._on_item_changed)
@@ -63,6 +66,9 @@ class ConversationList(QWidget):
         self._search_timer = QTimer(self, singleShot=True, interval=200)
         self.search.textChanged.connect(lambda _t: self._search_timer.start())
         self.search_changed = self._search_timer.timeout
+
+    def cancel_pending(self) -> None:
+        self._search_timer.stop()
 
     # ------------------------------------------------------------------ contents
     def populate(self, conversations, current_id: int | None) -> None:

@@ -144,6 +144,10 @@ class KnobPanel(QGroupBox):
         if notify:
             self._changed()
 
+    def cancel_pending(self) -> None:
+        """Drop a change still waiting for its debounce (the window is closing)."""
+        self._debounce.stop()
+
     def apply_preset(self, name: str) -> None:
         self.set_values(K.PRESETS[name], notify=True)
         self.status.setText(f"Preset “{name}”")

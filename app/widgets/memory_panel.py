@@ -50,7 +50,7 @@ class StackedBar(QWidget):
             widths = [max(rect.width() * v / total, 2.0) if v > 0 else 0.0 for _, v in self.segments]
             scale = rect.width() / sum(widths) if sum(widths) else 1.0
             x = rect.left()
-            for (name, _), width in zip(self.segments, widths):
+            for (name, _), width in zip(self.segments, widths, strict=False):
                 w = width * scale
                 painter.fillRect(QRectF(x, rect.top(), w, rect.height()), QColor(self.colors.get(name, "#888")))
                 x += w

@@ -10,6 +10,7 @@ from PySide6.QtWidgets import (
     QLabel,
     QProgressBar,
     QPushButton,
+    QSizePolicy,
     QSpinBox,
     QWidget,
 )
@@ -31,7 +32,9 @@ class ModelPanel(QWidget):
         row.addWidget(QLabel("Model"))
         self.source = QComboBox()
         self.source.setEditable(True)
-        self.source.setMinimumWidth(220)
+        self.source.setMinimumWidth(160)
+        self.source.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
+        self.source.setMinimumContentsLength(14)
         self.source.addItem(DEFAULT_SOURCE)
         self.source.setToolTip("'default' (SmolLM2-135M-Instruct, bundled), a model folder, a .gguf file, "
                                "or a Hugging Face hub id such as HuggingFaceTB/SmolLM2-360M-Instruct")
@@ -73,6 +76,9 @@ class ModelPanel(QWidget):
         row.addWidget(self.progress)
         self.status = QLabel("No model")
         self.status.setObjectName("modelStatus")
+        # Long names and messages must not widen the window; the full text is in the tooltip.
+        self.status.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+        self.status.setMinimumWidth(120)
         row.addWidget(self.status, 1)
 
     # ------------------------------------------------------------------ values
@@ -104,9 +110,10 @@ class ModelPanel(QWidget):
     def show_loaded(self, facts) -> None:
         self.progress.hide()
         self.load_button.setEnabled(True)
-        self.status.setText(f"{facts.display_name} · {facts.device} · {facts.dtype} · weights {facts.weight_quant}"
-                            f" · {facts.attention_backend} · {facts.context_limit:,} tokens")
-        self.status.setToolTip(f"Loaded in {facts.load_seconds:.1f} s from {facts.source}")
+        text = (f"{facts.display_name} · {facts.device} · {facts.dtype} · weights {facts.weight_quant}"
+                f" · {facts.attention_backend} · {facts.context_limit:,} tokens")
+        self.status.setText(text)
+        self.status.setToolTip(f"{text}\nLoaded in {facts.load_seconds:.1f} s from {facts.source}")
 
     def show_failed(self, message: str) -> None:
         self.progress.hide()

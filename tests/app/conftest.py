@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from gui_fakes import FakeModel, fake_factory
 
 LOAD_TIMEOUT_MS = 10_000

@@ -350,9 +350,20 @@ def test_flash_attn_failure_never_fails_setup(tmp_path, monkeypatch):
     gpu = bs.GpuInfo(("NVIDIA H200",), "570.1", "12.8")
     ctx = bs.Context(make_repo(tmp_path), tmp_path / "home", gpu=gpu, out=out, runner=fake)
     monkeypatch.setattr(ctx, "venv_eval", lambda code, timeout=300: (False, ""))
+    monkeypatch.delenv("DSV41_FLASH_ATTN_BUILD", raising=False)
     result = bs.step_flash_attn(ctx)
-    assert "could not be installed" in result and "PyTorch SDPA" in result
-    assert "--no-build-isolation" in fake.cmds[0]
+    # Only a prebuilt wheel is tried; no source build by default; one line names SDPA.
+    assert "no prebuilt flash-attn wheel fits" in result and "PyTorch SDPA" in result
+    assert len(fake.cmds) == 1
+    assert fake.cmds[0][fake.cmds[0].index("--only-binary") + 1] == ":all:"
+    assert "--no-build-isolation" not in fake.cmds[0]
+    # The source build happens only when asked for, and its failure never fails setup either.
+    monkeypatch.setenv("DSV41_FLASH_ATTN_BUILD", "1")
+    fake2 = FakePip([(1, "no wheel"), (1, "error: subprocess-exited-with-error\nnvcc not found")])
+    ctx.runner = fake2
+    result = bs.step_flash_attn(ctx)
+    assert "could not be built" in result and "PyTorch SDPA" in result
+    assert "--only-binary" in fake2.cmds[0] and "--no-build-isolation" in fake2.cmds[1]
     no_gpu = bs.Context(ctx.repo, ctx.home, out=out, runner=FakePip([]))
     assert "SDPA" in bs.step_flash_attn(no_gpu)
 

