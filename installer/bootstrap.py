@@ -1281,7 +1281,8 @@ def cmd_uninstall(args: list, repo: Path, home: Path, system: str | None = None,
     if targets and not purge and "--keep-data" not in args:
         listing = "\n".join("    " + line for line in shortcuts.describe_targets(targets))
         if interactive:
-            purge = _ask(f"Also delete the converted models and your conversations?\n{listing}\n ")
+            say(f"Your converted models and conversations are still there:\n{listing}")
+            purge = _ask("Delete them too?")
         else:
             say(f"Kept (rerun with --purge to delete them too):\n{listing}")
     if purge:

@@ -428,7 +428,7 @@ class FirstRunWindow:
         m = self.model
         self._ensure_rows()
         self._spin = (self._spin + 1) % len(SPINNER)
-        for row, (glyph_w, name_w, detail_w) in zip(m.rows, self.step_widgets):
+        for row, (glyph_w, name_w, detail_w) in zip(m.rows, self.step_widgets, strict=True):
             glyph, name, detail = m.row_text(row)
             if row.status == RUNNING:
                 glyph = SPINNER[self._spin]

@@ -396,7 +396,17 @@ def purge_targets(env: dict, system: str, home: Path) -> list:
 
 
 def describe_targets(targets: list) -> list:
-    return [f"{what}: {path} ({_size(path) / 2**20:.0f} MiB)" for what, path in targets]
+    """One line per kind: where it is and how much it holds."""
+    lines, seen = [], []
+    for what, _ in targets:
+        if what not in seen:
+            seen.append(what)
+    for what in seen:
+        paths = [p for w, p in targets if w == what]
+        size = sum(_size(p) for p in paths) / 2**20
+        where = str(paths[0]) if len(paths) == 1 else f"{len(paths)} files in {paths[0].parent}"
+        lines.append(f"{what}: {where} ({size:.0f} MiB)")
+    return lines
 
 
 def remove_path(path: Path) -> None:

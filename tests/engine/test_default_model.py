@@ -165,3 +165,26 @@ def test_memory_report_and_seed_print(default_model, capsys):
 def test_warmup_returns_ttfts(default_model):
     ttfts = default_model.warmup(sample_inputs=["你好", "请介绍一下你自己"])
     assert len(ttfts) == 2 and all(t > 0 for t in ttfts)
+
+
+def test_plain_cache_reproduces_transformers_logits_on_the_default_model(default_model):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from engine.cache import CacheSettings, DSV41Cache, adapter
+
+    reference_model = AutoModelForCausalLM.from_pretrained(default_model.info.folder, dtype=torch.float32,
+                                                           attn_implementation="sdpa").eval()
+    ids = default_model.tokenizer("The State of the Union is strong, and our economy keeps growing because",
+                                  return_tensors="pt")["input_ids"]
+    ids = torch.cat([ids, torch.tensor([[260, 1345, 314, 2209]])], dim=1)
+    with torch.no_grad():
+        reference = reference_model(ids).logits
+    cache = DSV41Cache(default_model.num_layers, default_model.kv_heads, default_model.head_dim, torch.float32, "cpu",
+                       CacheSettings(kv_cache_ratio=1.0, csa2_topk=0))
+    n = ids.shape[1] - 4
+    outs = [adapter.forward(default_model.hf_model, ids[:, :n], cache, logits_to_keep=n)]
+    for i in range(n, ids.shape[1]):
+        outs.append(adapter.forward(default_model.hf_model, ids[:, i:i + 1], cache, prefill=False))
+    got = torch.cat(outs, dim=1)
+    assert torch.allclose(got, reference, atol=2e-4, rtol=1e-4), (got - reference).abs().max()
