@@ -154,7 +154,7 @@ def main() -> None:
     retrieval_ratios = [0.5, 0.3, 0.2] if not quick else [0.5]
     results: dict = {}
     configs = [("uncompressed", "ced", "merge", 1.0, None)]
-    configs += [(n, p, m, r, None) for n, (p, m) in POLICIES.items() for r in retrieval_ratios]
+    configs += [(n, p, m, r, None) for n, (p, m) in POLICIES.items() if n != "random" for r in retrieval_ratios]
     configs += [("ced-merge over headroom", "ced", "merge", r, 256) for r in retrieval_ratios]
     for label, policy, mode, ratio, headroom in configs:
         model.config = model.config.replace(kv_cache_ratio=ratio, ced_policy=policy, ced_mode=mode, csa2_topk=256,

@@ -47,6 +47,9 @@ def observe(layer: LayerKV, policy: str, decay: float, attention: torch.Tensor, 
         scores.scatter_add_(1, index, attention)
 
 
+POOL_KERNEL = 7  # neighbours share a kept entry's rank (SnapKV's pooling): facts survive as phrases
+
+
 def ranking(layer: LayerKV, policy: str, generator: torch.Generator | None = None) -> torch.Tensor:
     """[h, S] float: higher is kept first."""
     n = layer.length
@@ -54,15 +57,22 @@ def ranking(layer: LayerKV, policy: str, generator: torch.Generator | None = Non
         return layer.positions[:, :n].float()
     if policy == "random":
         return torch.rand(layer.kv_heads, n, generator=generator).to(layer.device)
-    return layer.scores[:, :n]
+    scores = layer.scores[:, :n]
+    if policy in ("ced", "snapkv") and POOL_KERNEL > 1 and n >= POOL_KERNEL:
+        pooled = torch.nn.functional.max_pool1d(scores[:, None], POOL_KERNEL, stride=1, padding=POOL_KERNEL // 2)[:, 0]
+        # ties broken by the entry's own score, so a pooled run keeps its strongest tokens first
+        return pooled + 1e-3 * scores
+    return scores
 
 
-def plan_compaction(rank: torch.Tensor, budget: int, *, sink: int, recent: int, threshold: float) -> CompactionPlan | None:
+def plan_compaction(rank: torch.Tensor, budget: int, *, sink: int, recent: int, threshold: float,
+                    scores: torch.Tensor | None = None) -> CompactionPlan | None:
     """Choose what every head keeps: protected sinks and recent window, then the best-ranked entries.
 
     `threshold` (relative to the mean rank of unprotected entries) drops low entries even under
     budget; heads keep the same count (the largest count any head wants), so storage stays rectangular.
-    Returns None when nothing needs to go.
+    The threshold looks at each entry's own score (`scores`, default `rank`); the choice of what to
+    keep follows `rank`. Returns None when nothing needs to go.
     """
     h, n = rank.shape
     n_sink = min(sink, n)
@@ -72,8 +82,9 @@ def plan_compaction(rank: torch.Tensor, budget: int, *, sink: int, recent: int, 
     keep_unprotected = min(candidates, max(budget - n_sink - n_recent, 0))
     middle = rank[:, lo:hi]
     if threshold > 0 and candidates > 0:
-        floor = threshold * middle.mean(dim=1, keepdim=True)
-        wanted = int((middle >= floor).sum(dim=1).max().item())
+        own = (scores if scores is not None else rank)[:, lo:hi]
+        floor = threshold * own.mean(dim=1, keepdim=True)
+        wanted = int((own >= floor).sum(dim=1).max().item())
         keep_unprotected = min(keep_unprotected, wanted)
     if keep_unprotected >= candidates:
         return None

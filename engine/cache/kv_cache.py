@@ -240,7 +240,7 @@ class DSV41Cache:
         for layer in self.layers:
             rank = ced.ranking(layer, s.ced_policy, self._torch_rng)
             plan = ced.plan_compaction(rank, target, sink=s.ced_sink_tokens, recent=s.ced_recent_tokens,
-                                       threshold=use_threshold)
+                                       threshold=use_threshold, scores=layer.scores[:, : layer.length])
             if plan is None:
                 continue
             if s.ced_mode == "merge":
