@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import sys
-import threading
 import time
 import traceback
 from collections import OrderedDict
@@ -40,7 +38,6 @@ TOKEN_BATCH_S = 0.04  # coalesce streamed text for this long before painting it
 PROGRESS_EVERY_S = 0.05
 MEMORY_EVERY_S = 1.0  # memory reports during a turn (the GUI's own timer is blocked by the turn)
 KEPT_SESSIONS = 2  # each session holds a preallocated KV cache; keep only the recent ones
-WORKER_NICE = 5  # Linux: the engine yields the CPU to the GUI thread when the cores are busy
 
 ModelFactory = Callable[[dict, Callable[[str, float], None]], object]
 
@@ -74,20 +71,6 @@ class EngineWorker(QObject):
         self.model = None
         self._sessions: OrderedDict[int, object] = OrderedDict()
         self._doc_tokens: dict[str, int] = {}
-
-    @Slot()
-    def lower_priority(self) -> None:
-        """Run on the worker thread as it starts: the GUI thread wins when the cores are contended.
-
-        Linux keeps a nice value per thread and threads inherit it, so torch's compute threads (created
-        from this one) run at the same lower priority. Elsewhere QThread.LowPriority does the job.
-        """
-        if sys.platform.startswith("linux"):
-            try:
-                tid = threading.get_native_id()
-                os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + WORKER_NICE)
-            except (AttributeError, OSError) as exc:
-                log.debug("could not lower the worker's priority: %s", exc)
 
     # ------------------------------------------------------------------ model
     @Slot(object)
@@ -365,7 +348,6 @@ class EngineClient(QObject):
         self.worker = EngineWorker(model_factory)
         self.worker.moveToThread(self.thread)
         self.thread.finished.connect(self.worker.deleteLater)
-        self.thread.started.connect(self.worker.lower_priority)
         self.load_model.connect(self.worker.load_model)
         self._send.connect(self.worker.send)
         self.reconfigure.connect(self.worker.reconfigure)
@@ -375,7 +357,9 @@ class EngineClient(QObject):
         self.forget_conversation.connect(self.worker.forget_conversation)
         self.worker.turn_finished.connect(self._on_turn_finished)
         self._current: TurnRequest | None = None
-        self.thread.start(QThread.Priority.LowPriority)
+        # Normal priority on purpose: a lowered worker can be preempted while it holds the GIL, and then the
+        # GUI thread waits for it (measured: worse worst-case gaps under load, and slower turns).
+        self.thread.start()
 
     @property
     def busy(self) -> bool:

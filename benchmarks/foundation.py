@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from engine import DSV41Config, DSV41Model, Done
+from engine import Done, DSV41Config, DSV41Model
 from engine.loader import convert_gguf, default_gguf_path, resolve_source
 
 from .common import hf_generate_timing, machine, median, write_results

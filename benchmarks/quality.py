@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
 import time
 
 import torch
@@ -25,8 +24,8 @@ import torch
 from engine import DSV41Config, DSV41Model
 from engine.cache import adapter
 from engine.cache import kv_cache as kv_cache_mod
-from engine.generate import TurnPlan, TurnResult, run_turn
 from engine.events import Done
+from engine.generate import TurnPlan, TurnResult, run_turn
 from engine.sampling import GenerationSettings
 
 from .common import machine, write_results

@@ -130,3 +130,35 @@ def _choice(cfg, name, choices):
     value = getattr(cfg, name)
     if value not in choices:
         raise ConfigError(name, value, "one of " + ", ".join(repr(c) for c in choices))
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    max_new_tokens: int = 512
+    temperature: float = 0.7
+    top_p: float = 0.9
+    top_k: int = 50
+    repetition_penalty: float = 1.1
+    seed: int | None = None
+    greedy: bool = False
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False  # benchmarks: always generate max_new_tokens
+
+    def __post_init__(self):
+        checks = [
+            ("max_new_tokens", isinstance(self.max_new_tokens, int) and 1 <= self.max_new_tokens <= 1 << 20,
+             "an integer in [1, 1048576]"),
+            ("temperature", isinstance(self.temperature, (int, float)) and 0 <= self.temperature <= 5, "in [0, 5]"),
+            ("top_p", isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1, "in (0, 1]"),
+            ("top_k", isinstance(self.top_k, int) and self.top_k >= 0, "an integer >= 0 (0 = off)"),
+            ("repetition_penalty", isinstance(self.repetition_penalty, (int, float)) and 1 <= self.repetition_penalty <= 3,
+             "in [1, 3]"),
+        ]
+        for name, ok, allowed in checks:
+            if not ok:
+                raise ConfigError(name, getattr(self, name), allowed)
+        object.__setattr__(self, "stop", tuple(s for s in self.stop if s))
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.greedy or self.temperature == 0

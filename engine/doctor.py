@@ -124,8 +124,8 @@ def _ram_check() -> Check:
 
 
 def _default_model_check() -> Check:
-    from .loader import DEFAULT_MODEL_PACKAGE, _gguf_key, default_gguf_path, user_cache_dir
     from .errors import ModelLoadError
+    from .loader import DEFAULT_MODEL_PACKAGE, _gguf_key, default_gguf_path, user_cache_dir
 
     try:
         path = default_gguf_path()

@@ -14,8 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .cache import DSV41Cache
-from .cache import adapter
+from .cache import DSV41Cache, adapter
 from .detokenizer import IncrementalDetokenizer
 from .events import Done, ErrorEvent, Event, PrefillProgress, TokenText, TurnStats
 from .sampling import GenerationSettings, sample

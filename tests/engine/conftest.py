@@ -6,8 +6,16 @@ import pytest
 def tiny_model(arch: str = "llama", *, layers: int = 2, seed: int = 0):
     """A random-weight causal LM with GQA (4 query heads, 2 KV heads), built in-process."""
     import torch
-    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-                              Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     torch.manual_seed(seed)
     common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
@@ -41,8 +49,9 @@ def default_model():
 @pytest.fixture(scope="session")
 def tiny_folder(tmp_path_factory):
     """A tiny Llama saved as a HF folder (safetensors + the default model's tokenizer)."""
-    from engine.loader import resolve_source
     from transformers import AutoTokenizer
+
+    from engine.loader import resolve_source
 
     folder = tmp_path_factory.mktemp("tiny-llama")
     model = tiny_model("llama")

@@ -5,9 +5,8 @@ import math
 import pytest
 import torch
 
-from engine.cache import CacheSettings, DSV41Cache, adapter, ced
+from engine.cache import CacheSettings, DSV41Cache, adapter, ced, csa2
 from engine.cache.storage import LayerKV
-
 
 
 def make_cache(model, backend="sdpa", **knobs):
@@ -51,10 +50,9 @@ def test_sparse_path_with_topk_covering_everything_equals_dense(monkeypatch, tin
     monkeypatch.setattr(cache, "_sparse_ready", lambda layer: layer.projected_keys is not None)
     monkeypatch.setattr(cache, "_sparse_decode", lambda *a: used.append(1) or original(*a))
     monkeypatch.setattr("engine.cache.kv_cache.CSA2_RECALL_EVERY", 1)
-    monkeypatch.setattr(cache, "fit_sparse", lambda: [__import__("engine.cache.csa2", fromlist=["fit"]).fit(l, 2)
-                                                      for l in cache.layers])
     outs = [adapter.forward(model, ids[:, :40], cache, logits_to_keep=40)]
-    cache.fit_sparse()
+    for layer in cache.layers:
+        csa2.fit(layer, 2)
     for i in range(40, 60):
         outs.append(adapter.forward(model, ids[:, i:i + 1], cache, prefill=False))
     got = torch.cat(outs, dim=1)
@@ -67,8 +65,6 @@ def test_csa2_recall_is_one_with_full_rank_projection():
     torch.manual_seed(1)
     layer = LayerKV(2, 16, torch.float32, "cpu")
     layer.append(torch.randn(2, 300, 16), torch.randn(2, 300, 16), torch.arange(300))
-    from engine.cache import csa2
-
     csa2.fit(layer, 16)  # rank = head_dim: screening is exact
     q = torch.randn(4, 1, 16)
     _, top = csa2.screen(layer, q, 32, 4, 16)

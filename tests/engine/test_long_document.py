@@ -2,8 +2,8 @@
 
 import pytest
 
-from engine import DSV41Config, DSV41Model, Done, PrefillProgress
 from benchmarks.corpus import speech
+from engine import Done, DSV41Config, DSV41Model, PrefillProgress
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 

@@ -1,9 +1,10 @@
 """Reconfigure between turns: tighter compacts the live cache, looser rebuilds it; never mid-turn."""
 
 import pydoc_data.topics
+
 import pytest
 
-from engine import DSV41Config, DSV41Model, Done, TokenText
+from engine import Done, DSV41Config, DSV41Model, TokenText
 
 pytestmark = pytest.mark.model
 
