@@ -1,4 +1,4 @@
-"""Plain data passed between the GUI thread and the engine worker (no Qt, no engine imports).
+"""Plain data passed between the GUI thread and the engine worker (no Qt; only torch-free engine types).
 
 The GUI never holds engine objects it did not receive on a signal; the worker turns these into engine
 calls on its own thread.
@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+
+# Token counts for the context bar: the engine's own type (engine.events is torch-free).
+from engine.events import ContextUsage as ContextFigures  # noqa: F401 - re-exported for the GUI
 
 
 @dataclass(frozen=True)
@@ -76,21 +79,6 @@ class UsageRequest:
     history: tuple[HistoryTurn, ...]
     prompt: str
     documents: tuple[AttachedDocument, ...]
-
-
-@dataclass(frozen=True)
-class ContextFigures:
-    """Token counts for the context bar (system / history / documents / prompt against the limit)."""
-
-    system: int
-    history: int
-    documents: int
-    prompt: int
-    limit: int
-
-    @property
-    def total(self) -> int:
-        return self.system + self.history + self.documents + self.prompt
 
 
 @dataclass(frozen=True)

@@ -52,4 +52,24 @@ class Done:
     token_ids: tuple[int, ...] = field(default=())
 
 
+
+@dataclass(frozen=True)
+class ContextUsage:
+    """Token counts per part, for the GUI's context bar."""
+
+    system: int
+    history: int
+    documents: int
+    prompt: int
+    limit: int
+
+    @property
+    def total(self) -> int:
+        return self.system + self.history + self.documents + self.prompt
+
+    @property
+    def fits(self) -> bool:
+        return self.total < self.limit
+
+
 Event = PrefillProgress | TokenText | TurnStats | ErrorEvent | Done

@@ -15,30 +15,11 @@ from dataclasses import dataclass, field
 from .cache import CacheSettings, adapter
 from .documents import Document, format_for_prompt, load_document
 from .errors import BusyError, ContextOverflowError
-from .events import Done, Event, PrefillProgress, TurnStats
+from .events import ContextUsage, Done, Event, PrefillProgress, TurnStats
 from .generate import TurnPlan, TurnResult, run_turn
 from .sampling import GenerationSettings
 
 MAX_QUESTION_WINDOW = 512  # question tokens that score the document at the end of a turn's prefill
-
-
-@dataclass(frozen=True)
-class ContextUsage:
-    """Token counts per part, for the GUI's context bar."""
-
-    system: int
-    history: int
-    documents: int
-    prompt: int
-    limit: int
-
-    @property
-    def total(self) -> int:
-        return self.system + self.history + self.documents + self.prompt
-
-    @property
-    def fits(self) -> bool:
-        return self.total < self.limit
 
 
 @dataclass
