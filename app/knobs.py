@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.config import DSV41Config
+
 
 @dataclass(frozen=True)
 class SliderKnob:
@@ -44,9 +46,11 @@ KV_DTYPES = (("auto", "Auto (model dtype)"), ("int8", "INT8"))
 KV_DTYPE_TIP = "INT8 stores keys and values in 8 bits with per-token scales: half of bf16, a quarter of fp32."
 HEADROOM_STEPS = (None, 1024, 2048, 4096, 8192, 16384, 32768, 65536)  # None = auto (what free memory allows)
 
+_ENGINE_DEFAULTS = DSV41Config()  # the engine decides the defaults (torch-free import)
 DEFAULTS = {
-    "kv_cache_ratio": 0.5, "ced_decay": 0.99, "ced_threshold": 0.1, "csa2_topk": 256,
-    "ced_mode": "merge", "kv_cache_dtype": "auto", "prefill_headroom": None,
+    name: getattr(_ENGINE_DEFAULTS, name)
+    for name in ("kv_cache_ratio", "ced_decay", "ced_threshold", "csa2_topk", "ced_mode", "kv_cache_dtype",
+                 "prefill_headroom")
 }
 KNOB_NAMES = tuple(DEFAULTS)
 

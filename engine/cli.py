@@ -7,6 +7,7 @@ import queue
 import sys
 import threading
 
+from .config import DSV41Config
 from .errors import EngineError
 
 
@@ -20,7 +21,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-ratio", type=float, default=0.5)
     g.add_argument("--ced-decay", type=float, default=0.99)
     g.add_argument("--ced-threshold", type=float, default=0.1)
-    g.add_argument("--ced-mode", choices=["merge", "evict"], default="merge")
+    g.add_argument("--ced-mode", choices=["merge", "evict"], default=DSV41Config.ced_mode)
     g.add_argument("--csa2-topk", type=int, default=256)
     g.add_argument("--kv-cache-dtype", choices=["auto", "int8"], default="auto")
     g.add_argument("--prefill-headroom", type=int, default=None, help="tokens a document turn may hold before compacting")

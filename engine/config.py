@@ -34,7 +34,9 @@ class DSV41Config:
     kv_cache_ratio: float = 0.5
     ced_decay: float = 0.99
     ced_threshold: float = 0.1
-    ced_mode: str = "merge"
+    # "evict" ships: with the question-aware layout it kept planted facts at every ratio where "merge"
+    # lost them (results/quality); "merge" stays available (DESIGN.md: the benchmark decides).
+    ced_mode: str = "evict"
     ced_sink_tokens: int = 4
     ced_recent_tokens: int = 64
     csa2_topk: int = 256

@@ -28,7 +28,7 @@ class CacheSettings:
     kv_cache_ratio: float = 0.5
     ced_decay: float = 0.99
     ced_threshold: float = 0.1
-    ced_mode: str = "merge"
+    ced_mode: str = "evict"
     ced_sink_tokens: int = 4
     ced_recent_tokens: int = 64
     ced_policy: str = "ced"
