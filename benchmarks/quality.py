@@ -154,7 +154,7 @@ def main() -> None:
     results: dict = {}
     configs = [("uncompressed", "ced", "merge", 1.0, None)]
     configs += [(n, p, m, r, None) for n, (p, m) in POLICIES.items() if n != "random" for r in retrieval_ratios]
-    configs += [("ced-merge over headroom", "ced", "merge", r, 256) for r in retrieval_ratios]
+    configs += [("ced-evict over headroom", "ced", "evict", r, 256) for r in retrieval_ratios]
     for label, policy, mode, ratio, headroom in configs:
         model.config = model.config.replace(kv_cache_ratio=ratio, ced_policy=policy, ced_mode=mode, csa2_topk=256,
                                             ced_threshold=0.1)
