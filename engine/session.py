@@ -12,6 +12,8 @@ import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 from .cache import CacheSettings, adapter
 from .documents import Document, format_for_prompt, load_document
 from .errors import BusyError, ContextOverflowError
@@ -173,8 +175,6 @@ class ChatSession:
             ids = list(self.transcript_ids)
             self.cache.reset()
             chunk = self.model.prefill_chunk
-            import torch
-
             device = self.model.device
             total = len(ids)
             for start in range(0, total, chunk):
