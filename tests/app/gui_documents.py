@@ -6,6 +6,8 @@ import textwrap
 from pathlib import Path
 from pydoc_data.topics import topics
 
+from tests.pdf_writer import make_pdf
+
 
 def topic_text(name: str) -> str:
     return topics[name]
@@ -35,41 +37,9 @@ def write_pdf(path: Path, topic: str = "while") -> tuple[Path, str]:
     for paragraph in topic_text(topic).encode("ascii", "replace").decode().split("\n"):
         lines += textwrap.wrap(paragraph, 90) or [""]
     pages = [lines[i:i + 60] for i in range(0, len(lines), 60)]
-    path.write_bytes(_pdf(pages))
+    path.write_bytes(make_pdf(pages))
     first = next(line for line in lines if len(line) > 30)
     return path, first
-
-
-def _escape(line: str) -> str:
-    return line.replace("\\", "\\\\").replace("(", "\\(").replace(")", "\\)")
-
-
-def _pdf(pages: list[list[str]]) -> bytes:
-    objects = {1: b"<< /Type /Catalog /Pages 2 0 R >>",
-               3: b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica /Encoding /WinAnsiEncoding >>"}
-    kids, next_id = [], 4
-    for lines in pages:
-        page, content = next_id, next_id + 1
-        next_id += 2
-        kids.append(page)
-        ops = ["BT", "/F1 9 Tf", "11 TL", "40 760 Td"] + [f"({_escape(line)}) Tj T*" for line in lines] + ["ET"]
-        stream = ("\n".join(ops) + "\n").encode("latin-1")
-        objects[page] = (f"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Resources << /Font << /F1 3 0 R >> >>"
-                         f" /Contents {content} 0 R >>").encode()
-        objects[content] = b"<< /Length %d >>\nstream\n" % len(stream) + stream + b"endstream"
-    objects[2] = ("<< /Type /Pages /Kids [" + " ".join(f"{k} 0 R" for k in kids) + f"] /Count {len(kids)} >>").encode()
-    out = bytearray(b"%PDF-1.4\n")
-    offsets = {}
-    for number in sorted(objects):
-        offsets[number] = len(out)
-        out += b"%d 0 obj\n" % number + objects[number] + b"\nendobj\n"
-    xref = len(out)
-    size = max(objects) + 1
-    out += b"xref\n0 %d\n0000000000 65535 f \n" % size
-    for number in range(1, size):
-        out += b"%010d 00000 n \n" % offsets[number]
-    out += b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (size, xref)
-    return bytes(out)
 
 
 def write_encrypted_pdf(path: Path) -> Path:
