@@ -16,11 +16,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import psutil
+import torch
 
 from . import loader
 from . import memory as memory_mod
 from .cache import CacheSettings, DSV41Cache, adapter
 from .cache.attention import pick_backend
+from .cache.kv_cache import kv_bytes_per_token
 from .config import CACHE_KNOBS, DSV41Config
 from .errors import ConfigError
 from .events import Done, Event, TokenText
@@ -124,11 +126,10 @@ class DSV41Model:
                           backend=self.info.attention_backend, initial_capacity=initial)
 
     def kv_bytes_per_token(self) -> int:
-        return self.new_cache_probe().bytes_per_token()
-
-    def new_cache_probe(self) -> DSV41Cache:
-        return DSV41Cache(self.num_layers, self.kv_heads, self.head_dim, self.dtype, self.device,
-                          self.cache_settings(), initial_capacity=1)
+        """KV bytes per stored token at the current settings (for the GUI's document chips)."""
+        element_bytes = torch.empty((), dtype=self.dtype).element_size()
+        return kv_bytes_per_token(self.num_layers, self.kv_heads, self.head_dim, element_bytes,
+                                  self.config.kv_cache_dtype == "int8")
 
     def headroom_tokens(self, cache: DSV41Cache) -> int | None:
         """How many entries a document turn may hold before compacting while it streams in."""

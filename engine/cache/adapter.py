@@ -69,11 +69,6 @@ def install(model) -> None:
     model.set_attn_implementation(ATTENTION_NAME)
 
 
-def use_reference_attention(model, name: str = "sdpa") -> None:
-    """Switch back to a stock transformers implementation (baselines and exactness tests)."""
-    model.set_attn_implementation(name)
-
-
 @torch.inference_mode()
 def forward(model, input_ids: torch.Tensor, cache, *, score_window: int | None = None, prefill: bool | None = None,
             logits_to_keep: int = 1) -> torch.Tensor:

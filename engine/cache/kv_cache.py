@@ -23,6 +23,12 @@ from .storage import LayerKV
 CSA2_RECALL_EVERY = 64  # decode steps between sampled recall measurements (one layer each)
 
 
+def kv_bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, element_bytes: int, int8: bool) -> int:
+    """K and V bytes one stored token costs across all layers (INT8: 1 byte each plus a float32 scale)."""
+    per = 1 + 4 / head_dim if int8 else element_bytes
+    return int(math.ceil(num_layers * 2 * kv_heads * head_dim * per))
+
+
 @dataclass
 class CacheSettings:
     kv_cache_ratio: float = 0.5
@@ -214,18 +220,6 @@ class DSV41Cache:
             else:  # short cache: dense attention, no side cache to pay for
                 layer.projected_keys = None
 
-    @torch.inference_mode()
-    def measure_recall(self, query_by_layer: dict[int, torch.Tensor]) -> float:
-        """Recall@k of screening vs exact top-k for given decode queries [H,1,d] per layer (benchmarks)."""
-        s = self.settings
-        values = []
-        for idx, q in query_by_layer.items():
-            layer = self.layers[idx]
-            if self._sparse_ready(layer):
-                _, top = csa2.screen(layer, q, s.csa2_topk, s.ced_sink_tokens, s.ced_recent_tokens)
-                values.append(csa2.exact_topk_recall(layer, q, top, s.ced_sink_tokens, s.ced_recent_tokens))
-        return sum(values) / len(values) if values else float("nan")
-
     # ------------------------------------------------------------------ compaction
     @torch.inference_mode()
     def compact(self, target: int | None = None, *, threshold: bool = True) -> int:
@@ -276,9 +270,8 @@ class DSV41Cache:
         return sum(layer.used_bytes() for layer in self.layers)
 
     def bytes_per_token(self) -> int:
-        """KV bytes one stored token costs across all layers (with INT8 scales)."""
-        per = 1 + 4 / self.head_dim if self.settings.kv_int8 else self.kv_bytes_per_element
-        return int(math.ceil(self.num_layers * 2 * self.kv_heads * self.head_dim * per))
+        return kv_bytes_per_token(self.num_layers, self.kv_heads, self.head_dim, self.kv_bytes_per_element,
+                                  self.settings.kv_int8)
 
     def stats(self) -> CacheStats:
         recall = sum(self._recall) / len(self._recall) if self._recall else None

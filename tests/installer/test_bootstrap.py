@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import sys
@@ -11,31 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.installer.conftest import Printer, load_bootstrap
+
 REPO = Path(__file__).resolve().parents[2]
-BOOTSTRAP_PATH = REPO / "installer" / "bootstrap.py"
 
-
-def _load():
-    spec = importlib.util.spec_from_file_location("dsv41_bootstrap", BOOTSTRAP_PATH)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["dsv41_bootstrap"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-bs = _load()
-
-
-class Printer:
-    def __init__(self):
-        self.lines = []
-
-    def __call__(self, msg=""):
-        self.lines.append(str(msg))
-
-    @property
-    def text(self):
-        return "\n".join(self.lines)
+bs = load_bootstrap()
 
 
 def make_repo(tmp_path: Path, pyproject: str = '[project]\nname = "x"\ndependencies = ["torch>=2.4,<2.15"]\n'):
