@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from .decoder import Decoder, DecoderWeights, LayerWeights
+
 SUPPORTED_ARCHITECTURES = {
     "llama": "Llama",
     "mistral": "Mistral",
@@ -62,11 +64,17 @@ def register() -> None:
     _registered = True
 
 
-def install(model) -> None:
-    """Switch a loaded HF causal LM to the DS-V4.1 attention path."""
+def install(model, *, fast: bool = True) -> None:
+    """Switch a loaded HF causal LM to the DS-V4.1 attention path (and our fused decoder where it applies)."""
     check_architecture(getattr(model.config, "model_type", None))
     register()
     model.set_attn_implementation(ATTENTION_NAME)
+    weights = decoder_weights(model) if fast else None
+    model._dsv41_decoder = Decoder(weights) if weights is not None else None
+
+
+def uses_fast_decoder(model) -> bool:
+    return getattr(model, "_dsv41_decoder", None) is not None
 
 
 @torch.inference_mode()
@@ -74,14 +82,82 @@ def forward(model, input_ids: torch.Tensor, cache, *, score_window: int | None =
             logits_to_keep: int = 1) -> torch.Tensor:
     """Run `input_ids` [1, T] through the model against `cache`; returns logits [1, logits_to_keep, V] (float32)."""
     position_ids = cache.begin_forward(input_ids.shape[1], score_window=score_window, prefill=prefill)
+    decoder = getattr(model, "_dsv41_decoder", None)
     try:
-        out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                    logits_to_keep=logits_to_keep, **{_CACHE_KWARG: cache})
+        if decoder is not None:
+            logits = decoder.forward(input_ids, position_ids, cache, logits_to_keep)
+        else:
+            logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                           logits_to_keep=logits_to_keep, **{_CACHE_KWARG: cache}).logits
     except BaseException:
         cache.abort_forward()
         raise
     cache.end_forward()
-    return out.logits.float()
+    return logits.float()
+
+
+def _plain_linear(module) -> bool:
+    return type(module) is torch.nn.Linear and module.weight.dtype.is_floating_point
+
+
+def _fuse(modules, dim_bias: bool = True):
+    """Concatenate the weights of `modules` (rows) and re-point each module at its slice: stored once."""
+    fused = torch.cat([m.weight.detach() for m in modules], dim=0)
+    bias = None
+    if dim_bias and any(m.bias is not None for m in modules):
+        bias = torch.cat([m.bias.detach() if m.bias is not None else
+                          torch.zeros(m.out_features, dtype=fused.dtype, device=fused.device) for m in modules])
+    row = 0
+    for m in modules:
+        n = m.out_features
+        m.weight = torch.nn.Parameter(fused[row:row + n], requires_grad=False)
+        if bias is not None and m.bias is not None:
+            m.bias = torch.nn.Parameter(bias[row:row + n], requires_grad=False)
+        row += n
+    return fused, bias
+
+
+@torch.inference_mode()
+def decoder_weights(model) -> DecoderWeights | None:
+    """Fused weights for engine.cache.decoder, or None when the model does not fit that path
+    (quantized Linear layers, MLP biases, an unexpected module layout): transformers' forward is used then."""
+    base = getattr(model, "model", None)
+    try:
+        layers = list(base.layers)
+        attn0 = layers[0].self_attn
+        head_dim = attn0.head_dim
+        cfg = text_config(model)
+        heads, kv_heads = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        rotary = base.rotary_emb
+        lm_head = model.lm_head
+    except (AttributeError, IndexError, TypeError):
+        return None
+    for layer in layers:
+        a, m = layer.self_attn, layer.mlp
+        projections = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
+        if not all(_plain_linear(p) for p in projections) or not _plain_linear(lm_head):
+            return None
+        if any(p.bias is not None for p in (m.gate_proj, m.up_proj, m.down_proj)):
+            return None
+        if type(base.embed_tokens) is not torch.nn.Embedding:
+            return None
+    out = []
+    for layer in layers:
+        a, m = layer.self_attn, layer.mlp
+        qkv, qkv_bias = _fuse([a.q_proj, a.k_proj, a.v_proj])
+        gate_up, _ = _fuse([m.gate_proj, m.up_proj], dim_bias=False)
+        q_norm = getattr(a, "q_norm", None)
+        k_norm = getattr(a, "k_norm", None)
+        out.append(LayerWeights(
+            input_norm=layer.input_layernorm.weight, qkv=qkv, qkv_bias=qkv_bias, o=a.o_proj.weight,
+            o_bias=a.o_proj.bias, post_norm=layer.post_attention_layernorm.weight, gate_up=gate_up,
+            down=m.down_proj.weight, q_norm=q_norm.weight if q_norm is not None else None,
+            k_norm=k_norm.weight if k_norm is not None else None))
+    eps = getattr(layers[0].input_layernorm, "variance_epsilon", None) or cfg.rms_norm_eps
+    return DecoderWeights(
+        embed=base.embed_tokens.weight, layers=out, final_norm=base.norm.weight, lm_head=lm_head.weight,
+        lm_head_bias=lm_head.bias, heads=heads, kv_heads=kv_heads, head_dim=head_dim, eps=eps,
+        scaling=attn0.scaling, rotary=lambda x, pos: rotary(x, position_ids=pos), act=layers[0].mlp.act_fn)
 
 
 def text_config(model):

@@ -64,6 +64,24 @@ def dense_attention(query, keys, values, log_counts, scaling: float, backend: st
     return out.reshape(big_h, t, d)
 
 
+def decode_attention(query, keys, values, log_counts, scaling: float):
+    """One new token: query [H, 1, d]; keys/values [h, S, d]. Returns (out [H, 1, d], probs [h, G, S] float32).
+
+    Batched over KV heads with the group's query heads as rows (no broadcast copies of K/V); logits in
+    the storage dtype with float accumulation, softmax in float32 (what transformers' eager path does).
+    """
+    h, s, d = keys.shape
+    big_h = query.shape[0]
+    q = query.reshape(h, big_h // h, d)
+    logits = torch.bmm(q.to(keys.dtype), keys.transpose(1, 2)).float()
+    logits.mul_(scaling)
+    if log_counts is not None:
+        logits.add_(log_counts[:, None, :])
+    probs = torch.softmax(logits, dim=-1)
+    out = torch.bmm(probs.to(values.dtype), values)
+    return out.reshape(big_h, 1, d), probs
+
+
 def attention_probs(query, keys, log_counts, scaling: float, *, last: int | None = None):
     """Softmax weights of the last `last` queries (all when None): [h, G, w, S], float32."""
     h, s, d = keys.shape

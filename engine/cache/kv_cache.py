@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import ced, csa2
-from .attention import attention_probs, dense_attention
+from .attention import attention_probs, decode_attention, dense_attention
 from .storage import LayerKV
 
 CSA2_RECALL_EVERY = 64  # decode steps between sampled recall measurements (one layer each)
@@ -168,11 +168,9 @@ class DSV41Cache:
         if t == 1 and self._sparse_ready(layer):
             out = self._sparse_decode(layer_idx, layer, q, scaling, scoring)
         elif t == 1:
-            keys, values = layer.read_keys(), layer.read_values()
-            probs = attention_probs(q, keys, log_counts, scaling)  # [h, G, 1, S]
-            out = torch.matmul(probs.to(values.dtype), values[:, None]).reshape(q.shape)
+            out, probs = decode_attention(q, layer.read_keys(), layer.read_values(), log_counts, scaling)
             if scoring:
-                ced.observe(layer, s.ced_policy, s.ced_decay, probs.sum(dim=(1, 2)), 1, prefill=False)
+                ced.observe(layer, s.ced_policy, s.ced_decay, probs.sum(dim=1), 1, prefill=False)
         else:
             keys, values = layer.read_keys(), layer.read_values()
             out = dense_attention(q, keys, values, log_counts, scaling, self.backend)
@@ -193,10 +191,9 @@ class DSV41Cache:
         index, top = csa2.screen(layer, q, s.csa2_topk, s.ced_sink_tokens, s.ced_recent_tokens)
         keys, values = layer.read_keys(index), layer.read_values(index)
         log_counts = torch.gather(layer.log_counts, 1, index) if layer.merged_any else None
-        probs = attention_probs(q, keys, log_counts, scaling)
-        out = torch.matmul(probs.to(values.dtype), values[:, None]).reshape(q.shape)
+        out, probs = decode_attention(q, keys, values, log_counts, scaling)
         if scoring:
-            ced.observe(layer, s.ced_policy, s.ced_decay, probs.sum(dim=(1, 2)), 1, index, prefill=False)
+            ced.observe(layer, s.ced_policy, s.ced_decay, probs.sum(dim=1), 1, index, prefill=False)
         if layer_idx == 0:
             self._csa2_steps += 1
         # Sampled recall against the exact top-k: every CSA2_RECALL_EVERY-th step, on a rotating layer.

@@ -154,6 +154,13 @@ def _gather_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """t [h, N, ...], index [h, k] -> [h, k, ...]."""
     if t.dim() == 2:
         return torch.gather(t, 1, index)
+    if t.dim() == 3 and t.stride(2) == 1 and t.stride(0) % t.stride(1) == 0:
+        # Whole rows: one index_select over [h * N, d] copies rows instead of gathering element-wise.
+        h, k = index.shape
+        rows_per_head = t.stride(0) // t.stride(1)
+        flat = (index + torch.arange(h, device=index.device)[:, None] * rows_per_head).reshape(-1)
+        base = t.as_strided((h * rows_per_head, t.shape[2]), (t.stride(1), 1))
+        return base.index_select(0, flat).view(h, k, t.shape[2])
     expand = index.view(*index.shape, *([1] * (t.dim() - 2))).expand(-1, -1, *t.shape[2:])
     return torch.gather(t, 1, expand)
 

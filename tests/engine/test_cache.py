@@ -27,12 +27,14 @@ def run_ids(model, cache, ids, prefill=24, chunk=10):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
 @pytest.mark.parametrize("backend", ["sdpa", "eager"])
-def test_plain_cache_reproduces_transformers_logits(arch, backend, tiny_model):
+@pytest.mark.parametrize("fast", [True, False], ids=["fused-decoder", "transformers-forward"])
+def test_plain_cache_reproduces_transformers_logits(arch, backend, fast, tiny_model):
     model = tiny_model(arch)
     ids = torch.randint(0, 256, (1, 48))
     with torch.no_grad():
         reference = model(ids).logits
-    adapter.install(model)
+    adapter.install(model, fast=fast)
+    assert adapter.uses_fast_decoder(model) == fast
     cache = make_cache(model, backend, kv_cache_ratio=1.0, csa2_topk=0)
     got = run_ids(model, cache, ids)
     assert torch.allclose(got, reference, atol=1e-5, rtol=1e-4), (got - reference).abs().max()

@@ -1,0 +1,97 @@
+"""Our fused decoder and decode-attention kernels against the reference paths they replace."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.cache import adapter
+from engine.cache.attention import attention_probs, decode_attention
+from engine.cache.decoder import linear
+from engine.cache.storage import _gather_rows
+
+
+def _param_bytes(model):
+    seen, total = set(), 0
+    for p in model.parameters():
+        key = (p.data_ptr(), p.numel())
+        if key not in seen:
+            seen.add(key)
+            total += p.numel() * p.element_size()
+    return total
+
+
+def _storages(model):
+    return {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+
+def test_fused_weights_are_stored_once(tiny_model):
+    model = tiny_model("qwen2")  # q/k/v carry biases
+    before = _param_bytes(model)
+    storages_before = len(_storages(model))
+    adapter.install(model)
+    assert adapter.uses_fast_decoder(model)
+    # every layer's q/k/v (and gate/up) now live in one fused storage: fewer storages, same bytes
+    assert _param_bytes(model) == before
+    assert len(_storages(model)) < storages_before
+    attn = model.model.layers[0].self_attn
+    fused = model._dsv41_decoder.w.layers[0].qkv
+    assert attn.k_proj.weight.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
+    assert torch.equal(fused[: attn.q_proj.out_features], attn.q_proj.weight)
+
+
+def test_quantized_or_custom_linears_fall_back_to_transformers_forward(tiny_model):
+    class Custom(torch.nn.Linear):  # stands for a bitsandbytes Linear8bitLt / Linear4bit
+        pass
+
+    model = tiny_model("llama")
+    ids = torch.randint(0, 256, (1, 20))
+    with torch.no_grad():
+        reference = model(ids).logits
+    old = model.model.layers[1].mlp.down_proj
+    new = Custom(old.in_features, old.out_features, bias=False)
+    new.weight = old.weight
+    model.model.layers[1].mlp.down_proj = new
+    adapter.install(model)
+    assert not adapter.uses_fast_decoder(model)
+    from .test_cache import make_cache, run_ids
+
+    got = run_ids(model, make_cache(model, kv_cache_ratio=1.0, csa2_topk=0), ids, prefill=12, chunk=6)
+    assert torch.allclose(got, reference, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("merged", [False, True])
+def test_decode_attention_matches_reference(merged):
+    torch.manual_seed(0)
+    h, groups, d, s = 3, 3, 16, 200
+    q = torch.randn(h * groups, 1, d)
+    keys = torch.randn(h, 300, d)[:, :s]  # a strided slice, as read from storage
+    values = torch.randn(h, 300, d)[:, :s]
+    log_counts = torch.rand(h, s).log1p() if merged else None
+    out, probs = decode_attention(q, keys, values, log_counts, 0.25)
+    ref_probs = attention_probs(q, keys, log_counts, 0.25)  # [h, G, 1, S]
+    ref_out = torch.matmul(ref_probs, values[:, None]).reshape(h * groups, 1, d)
+    assert torch.allclose(probs, ref_probs[:, :, 0], atol=1e-6)
+    assert torch.allclose(out, ref_out, atol=1e-5)
+
+
+def test_row_gather_matches_elementwise_gather():
+    torch.manual_seed(0)
+    data = torch.randn(3, 128, 8)
+    view = data[:, :100]
+    index = torch.stack([torch.randperm(100)[:17].sort().values for _ in range(3)])
+    expected = torch.gather(view, 1, index[:, :, None].expand(-1, -1, 8))
+    assert torch.equal(_gather_rows(view, index), expected)
+    scales = torch.randn(3, 128, 1)
+    assert torch.equal(_gather_rows(scales, index), torch.gather(scales, 1, index[:, :, None]))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_single_token_linear_matches_f_linear(dtype):
+    torch.manual_seed(0)
+    w = torch.randn(96, 64).to(dtype)
+    b = torch.randn(96).to(dtype)
+    x = torch.randn(1, 64).to(dtype)
+    tol = 1e-1 if dtype == torch.bfloat16 else 1e-5
+    assert torch.allclose(linear(x, w, b).float(), F.linear(x, w, b).float(), atol=tol, rtol=2e-2)
+    xs = torch.randn(5, 64).to(dtype)
+    assert torch.equal(linear(xs, w), F.linear(xs, w))
