@@ -162,7 +162,7 @@ def _prefill(model, cache: DSV41Cache, plan: TurnPlan, cancel, device, result: T
 
 
 def _chunk_bounds(total: int, chunk: int, question_tokens: int) -> list[tuple[int, int]]:
-    """Chunk [0, total); the final chunk is at least the question (so one forward scores with all of it)."""
+    """Chunk [0, total); the final chunk holds the whole question (so one forward scores with all of it)."""
     if total == 0:
         return []
     tail = min(total, max(question_tokens, 1))
@@ -171,6 +171,8 @@ def _chunk_bounds(total: int, chunk: int, question_tokens: int) -> list[tuple[in
     if question_tokens:
         if tail > chunk:
             bounds += [(s, min(s + chunk, total)) for s in range(head_end, total, chunk)]
+        elif bounds and total - bounds[-1][0] <= chunk:
+            bounds[-1] = (bounds[-1][0], total)  # the question fits beside the last document piece: one forward less
         else:
             bounds.append((head_end, total))
     return bounds

@@ -69,7 +69,10 @@ def test_detokenizer_drops_an_incomplete_trailing_character(tokenizer):
 
 def test_chunks_end_with_the_whole_question():
     bounds = _chunk_bounds(1000, 256, 40)
-    assert bounds[-1] == (960, 1000)
+    assert bounds[-1] == (768, 1000)  # the question joins the last 192-token document piece
+    assert _chunk_bounds(1030, 256, 60)[-2:] == [(768, 970), (970, 1030)]  # would not fit: its own chunk
+    assert _chunk_bounds(1000, 256, 300)[-2:] == [(700, 956), (956, 1000)]  # a long question spans chunks
+    bounds = _chunk_bounds(1000, 256, 40)
     assert bounds[0][0] == 0 and all(a[1] == b[0] for a, b in zip(bounds, bounds[1:], strict=False))
     assert all(e - s <= 256 for s, e in bounds)
     assert _chunk_bounds(100, 256, 0) == [(0, 100)]
