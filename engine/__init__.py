@@ -6,10 +6,16 @@ goes out through the incremental detokenizer.
 
 import os
 
-# OpenMP threads that spin while waiting make torch 2-3x slower on a desktop where anything else
-# runs (measured: 6.5 -> 14 tok/s on 2 cores with one other busy process). Must be set before torch
-# loads; the engine never imports torch at package import, so this takes effect for the app and CLI.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# How torch's OpenMP threads wait between ops (must be set before torch loads; the engine never imports
+# torch at package import, so this takes effect for the app and the CLI). Measured on 2 cores, decode
+# step of the default model at a 1k context: spinning briefly (GOMP_SPINCOUNT=30000) 38 ms idle but
+# 177 ms when another process keeps a core busy; PASSIVE 56 ms idle, 66 ms busy; the OpenMP default
+# (long spin) 40 ms idle, 270 ms busy. Default: the short spin (a workstation running the model is
+# mostly idle otherwise); DSV41_CPU_WAIT=passive for a shared or busy machine.
+if os.environ.get("DSV41_CPU_WAIT", "spin").lower() == "passive":
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+elif "OMP_WAIT_POLICY" not in os.environ:
+    os.environ.setdefault("GOMP_SPINCOUNT", "30000")
 
 from .config import DSV41Config, GenerationSettings  # noqa: E402
 from .errors import BusyError, ConfigError, ContextOverflowError, EngineError, ModelLoadError  # noqa: E402
