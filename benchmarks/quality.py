@@ -96,6 +96,7 @@ def retrieval_case(model, document: str, city: str, word: str, headroom: int | N
 def csa2_sweep(model, ids: list[int], topk: int, continuation: int = 96) -> dict:
     cache = model.new_cache()
     kv_cache_mod.CSA2_RECALL_EVERY = 1  # measure every decode step (benchmark only)
+    kv_cache_mod.CSA2_DENSE_BELOW = 0  # measure the sparse path itself, even where dense would be faster
     context, cont = ids[:-continuation], ids[-continuation:]
     with torch.inference_mode():
         for start in range(0, len(context), 512):

@@ -245,15 +245,21 @@ def hf_generate(model, ids: list[int], new_tokens: int, *, memory: bool = False)
 # --------------------------------------------------------------------------------------------- our engine
 def kv_read_per_step(cache) -> int:
     """KV bytes one decode step reads from this cache: every stored entry when dense; with CSA2 the
-    projected keys of all entries plus K/V of the sinks, top-k and recent entries."""
+    projected keys of all entries, the keys of the re-ranked candidates, and K/V of the sinks, top-k
+    and recent entries."""
+    from ..cache import csa2
+
     s = cache.settings
     total = 0
     per_entry = cache.kv_heads * cache.head_dim * 2 * (1 if s.kv_int8 else cache.kv_bytes_per_element)
     for layer in cache.layers:
         if cache._sparse_ready(layer):
-            attended = min(layer.length, s.csa2_topk + s.ced_sink_tokens + s.ced_recent_tokens)
+            protected = min(layer.length, s.ced_sink_tokens + s.ced_recent_tokens)
+            attended = min(layer.length, s.csa2_topk + protected)
+            reranked = min(csa2.RERANK * s.csa2_topk, layer.length - protected)  # their keys only
             proj = layer.projected_keys
-            total += layer.length * cache.kv_heads * proj.shape[-1] * proj.element_size() + attended * per_entry
+            total += (layer.length * cache.kv_heads * proj.shape[-1] * proj.element_size() + attended * per_entry
+                      + reranked * per_entry // 2)
         else:
             total += layer.length * per_entry
     return total

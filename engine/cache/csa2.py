@@ -1,9 +1,20 @@
-"""CSA2 — Compressed Sparse Attention v2: rank-r screening, then exact attention on the top-k.
+"""CSA2 — Compressed Sparse Attention v2: rank-r screening, an exact re-rank of the best candidates,
+then exact attention on the top-k.
 
-Screening: q.k ~ (qP).(kP) with P [h, d, r] the top-r eigenvectors of the stored keys' second
-moment (per layer and KV head, fitted after each prefill). Projected keys kP are a side cache
-[h, capacity, r] kept next to the keys. Per KV head, a candidate's screen score is the max over
-the group's query heads. Sinks and the recent window are always attended.
+Screening approximates every stored entry's logit q.k with rank-r projections: q.k ~ (q Pq).(k Pk).
+The projections are fitted per layer and KV head after each prefill (and after a compaction):
+  - when the prefill's queries were seen (the normal case): the rank-r bilinear form that minimises the
+    expected squared logit error under the observed query and key second moments Cq, Ck. With
+    Cq = Lq Lq^T, Ck = Lk Lk^T and Lq^T Lk = U S V^T: Pq = Lq^-T U_r, Pk = Lk^-T V_r S_r;
+  - otherwise: the top-r eigenvectors of Ck (Pq = Pk).
+Projected keys k Pk are a side cache [h, capacity, r] kept next to the keys. The best `rerank x k`
+candidates by screen score are then scored exactly (their keys are gathered; still a fraction of a dense
+read), and the top-k of those are attended. Per KV head, a candidate's score is the max over the group's
+query heads. Sinks and the recent window are always attended.
+
+Measured on the default model (2k-token speech, recall@256 of the exact top-256, rank 8): key
+eigenvectors alone 0.55, the bilinear fit 0.66, key eigenvectors + 3x re-rank 0.78 (x4: 0.95 at 2k),
+bilinear + 3x re-rank 0.95.
 """
 
 from __future__ import annotations
@@ -12,20 +23,51 @@ import torch
 
 from .storage import LayerKV
 
+RERANK = 3  # candidates scored exactly, as a multiple of top-k
+
+
+def observe_queries(layer: LayerKV, query: torch.Tensor) -> None:
+    """Accumulate the second moment of prefill queries [H, T, d] per KV head (for the bilinear fit)."""
+    h, d = layer.kv_heads, query.shape[-1]
+    q = query.reshape(h, -1, d).float()  # query head j belongs to KV head j // groups
+    moment = torch.matmul(q.transpose(1, 2), q)
+    if layer.query_moment is None:
+        layer.query_moment = moment
+        layer.query_count = q.shape[1]
+    else:
+        layer.query_moment += moment
+        layer.query_count += q.shape[1]
+
+
+def _factor(moment: torch.Tensor, eps: float = 1e-4) -> tuple[torch.Tensor, torch.Tensor]:
+    """moment [h, d, d] = L L^T; returns (L, L^-T), eigenvalues floored at eps * the largest."""
+    w, v = torch.linalg.eigh(moment)
+    w = w.clamp_min(eps * w[:, -1:].clamp_min(1e-12))
+    root = w.sqrt()[:, None, :]
+    return v * root, v / root
+
 
 def fit(layer: LayerKV, rank: int) -> None:
-    """(Re)fit the projection on the stored keys and rebuild the projected side cache."""
+    """(Re)fit the projections on the stored keys (and seen queries) and rebuild the projected side cache."""
     n = layer.length
     if n == 0:
         return
     keys = layer.read_keys().float()  # [h, S, d]
-    moment = torch.matmul(keys.transpose(1, 2), keys) / n  # [h, d, d]
-    _, vectors = torch.linalg.eigh(moment)  # ascending eigenvalues
-    basis = vectors[:, :, -rank:].contiguous()  # [h, d, r]
-    layer.csa2_basis = basis
+    key_moment = torch.matmul(keys.transpose(1, 2), keys) / n  # [h, d, d]
+    if layer.query_moment is not None and layer.query_count > 0:
+        lq, lq_inv_t = _factor(layer.query_moment / layer.query_count)
+        lk, lk_inv_t = _factor(key_moment)
+        u, s, vh = torch.linalg.svd(torch.matmul(lq.transpose(1, 2), lk))
+        query_basis = torch.matmul(lq_inv_t, u[:, :, :rank]).contiguous()
+        key_basis = torch.matmul(lk_inv_t, vh.transpose(1, 2)[:, :, :rank] * s[:, None, :rank]).contiguous()
+    else:
+        _, vectors = torch.linalg.eigh(key_moment)  # ascending eigenvalues
+        key_basis = query_basis = vectors[:, :, -rank:].contiguous()
+    layer.csa2_basis = key_basis
+    layer.csa2_query_basis = query_basis
     proj_dtype = torch.float32 if layer.device.type == "cpu" else layer.dtype
     layer.projected_keys = torch.zeros(layer.kv_heads, layer.capacity, rank, dtype=proj_dtype, device=layer.device)
-    layer.projected_keys[:, :n] = torch.matmul(keys, basis).to(proj_dtype)
+    layer.projected_keys[:, :n] = torch.matmul(keys, key_basis).to(proj_dtype)
 
 
 def project_new(layer: LayerKV, keys: torch.Tensor, start: int) -> None:
@@ -41,22 +83,28 @@ def protected_counts(n: int, sink: int, recent: int) -> tuple[int, int]:
     return n_sink, min(recent, n - n_sink)
 
 
-def screen(layer: LayerKV, query: torch.Tensor, topk: int, sink: int, recent: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """query [H, 1, d] -> (index [h, K] ascending: sinks + top-k + recent, top-k candidate index [h, k])."""
+def screen(layer: LayerKV, query: torch.Tensor, topk: int, sink: int, recent: int,
+           rerank: int = RERANK) -> tuple[torch.Tensor, torch.Tensor]:
+    """query [H, 1, d] -> (index [h, K]: sinks + top-k + recent, top-k candidate index [h, k])."""
     n = layer.length
     h = layer.kv_heads
     n_sink, n_recent = protected_counts(n, sink, recent)
     lo, hi = n_sink, n - n_recent
     q = query.view(h, -1, query.shape[-1]).float()  # [h, G, d]
-    q_proj = torch.matmul(q, layer.csa2_basis)  # [h, G, r]
+    q_proj = torch.matmul(q, layer.csa2_query_basis)  # [h, G, r]
     approx = torch.matmul(q_proj, layer.projected_keys[:, lo:hi].float().transpose(1, 2))  # [h, G, C]
     approx = approx.amax(dim=1) + layer.log_counts[:, lo:hi]
     k = min(topk, hi - lo)
-    top = approx.topk(k, dim=1).indices + lo
+    pool = min(k * max(rerank, 1), hi - lo)
+    top = approx.topk(pool, dim=1, sorted=False).indices + lo  # unsorted: half the time on CPU
+    if pool > k:  # exact logits of the candidates, keep the best k
+        cand_keys = layer.read_keys(top).float()  # [h, pool, d]
+        exact = torch.matmul(q, cand_keys.transpose(1, 2)).amax(dim=1) + torch.gather(layer.log_counts, 1, top)
+        top = torch.gather(top, 1, exact.topk(k, dim=1, sorted=False).indices)
     device = query.device
     index = torch.cat(
-        [torch.arange(n_sink, device=device).expand(h, -1), top.sort(dim=1).values,
-         torch.arange(hi, n, device=device).expand(h, -1)], dim=1)
+        [torch.arange(n_sink, device=device).expand(h, -1), top, torch.arange(hi, n, device=device).expand(h, -1)],
+        dim=1)
     return index, top
 
 
@@ -73,3 +121,6 @@ def exact_topk_recall(layer: LayerKV, query: torch.Tensor, candidates: torch.Ten
     truth = exact.topk(k, dim=1).indices + lo
     hits = (truth[:, :, None] == candidates[:, None, :]).any(dim=-1).float().mean()
     return float(hits)
+
+
+__all__ = ["fit", "project_new", "screen", "exact_topk_recall", "observe_queries", "RERANK"]

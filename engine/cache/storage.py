@@ -46,6 +46,8 @@ class LayerKV:
         self.scores = torch.zeros(h, capacity, dtype=torch.float32, device=dev)
         self.log_counts = torch.zeros(h, capacity, dtype=torch.float32, device=dev)
         self.projected_keys = None  # CSA2 side cache [h, capacity, r], set by CSA2.fit
+        self.query_moment = None  # CSA2: sum of q q^T of prefill queries per KV head [h, d, d] (float32)
+        self.query_count = 0
 
     @property
     def capacity(self) -> int:

@@ -86,17 +86,19 @@ def test_read_bandwidth_is_measured():
 
 
 def test_kv_read_per_step_counts_dense_and_sparse_reads():
-    settings = CacheSettings(kv_cache_ratio=1.0, csa2_topk=32, ced_sink_tokens=4, ced_recent_tokens=8)
+    settings = CacheSettings(kv_cache_ratio=1.0, csa2_topk=16, ced_sink_tokens=4, ced_recent_tokens=8)
     cache = DSV41Cache(2, 2, 16, torch.float32, "cpu", settings)
     for layer in cache.layers:
         layer.append(torch.randn(2, 300, 16), torch.randn(2, 300, 16), torch.arange(300))
-    per_entry = 2 * 16 * 2 * 4
+    per_entry = 2 * 16 * 2 * 4  # K and V of 2 heads, float32
     cache.settings.csa2_topk = 0
     assert core.kv_read_per_step(cache) == 2 * 300 * per_entry
-    cache.settings.csa2_topk = 32
-    cache.fit_sparse()
+    cache.settings.csa2_topk = 16
+    cache.fit_sparse()  # 300 entries >= 12 x 16: sparse
+    assert cache._sparse_ready(cache.layers[0])
     rank = cache.layers[0].projected_keys.shape[-1]
-    assert core.kv_read_per_step(cache) == 2 * (300 * 2 * rank * 4 + 44 * per_entry)
+    # projected keys of all 300, K of 3 x 16 re-ranked candidates, K/V of 4 sinks + 16 top + 8 recent
+    assert core.kv_read_per_step(cache) == 2 * (300 * 2 * rank * 4 + 48 * per_entry // 2 + 28 * per_entry)
 
 
 @pytest.mark.model

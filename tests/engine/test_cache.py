@@ -243,3 +243,45 @@ def test_storage_grows_in_blocks_and_shrinks_after_compaction():
 def test_unsupported_architecture_message_lists_supported():
     with pytest.raises(adapter.UnsupportedArchitecture, match="Llama, Mistral, Qwen2, Qwen3"):
         adapter.check_architecture("gpt2")
+
+
+def test_csa2_bilinear_fit_follows_the_queries_not_just_the_keys():
+    """Keys vary most along dims 0-7, but queries only look along dims 8-15: key eigenvectors screen
+    on the wrong subspace, the bilinear fit (from observed prefill queries) on the right one."""
+    torch.manual_seed(0)
+    h, d, n = 2, 32, 600
+    keys = torch.randn(h, n, d)
+    keys[:, :, :8] *= 10.0
+    queries = torch.zeros(h * 2, 50, d)
+    queries[:, :, 8:16] = torch.randn(h * 2, 50, 8)
+
+    def recall(with_queries: bool, rerank: int) -> float:
+        layer = LayerKV(h, d, torch.float32, "cpu")
+        layer.append(keys, keys.clone(), torch.arange(n))
+        if with_queries:
+            csa2.observe_queries(layer, queries)
+        csa2.fit(layer, 8)
+        q = torch.zeros(h * 2, 1, d)
+        q[:, 0, 8:16] = torch.randn(h * 2, 8)
+        _, top = csa2.screen(layer, q, 32, 4, 16, rerank=rerank)
+        return csa2.exact_topk_recall(layer, q, top, 4, 16)
+
+    assert recall(False, 1) < 0.5
+    assert recall(True, 1) > 0.95
+    assert recall(False, 4) > recall(False, 1)  # the exact re-rank recovers part of a poor screen
+
+
+def test_csa2_is_dense_below_its_crossover_and_fits_when_the_cache_grows(monkeypatch):
+    from engine.cache import kv_cache
+
+    settings = CacheSettings(kv_cache_ratio=1.0, csa2_topk=16, ced_sink_tokens=2, ced_recent_tokens=4)
+    cache = DSV41Cache(1, 2, 8, torch.float32, "cpu", settings)
+    layer = cache.layers[0]
+    layer.append(torch.randn(2, 100, 8), torch.randn(2, 100, 8), torch.arange(100))
+    monkeypatch.setattr(kv_cache, "CSA2_DENSE_BELOW", 12)  # 12 x 16 = 192 entries
+    cache.fit_sparse()
+    assert layer.projected_keys is None and not cache._sparse_ready(layer)
+    layer.append(torch.randn(2, 100, 8), torch.randn(2, 100, 8), torch.arange(100, 200))
+    cache.decode_steps = settings.compact_every
+    cache.maybe_compact_decode()
+    assert layer.projected_keys is not None and cache._sparse_ready(layer)
