@@ -97,7 +97,10 @@ def set_knobs(model, **knobs) -> None:
     model.config = model.config.replace(**knobs)
 
 
+HEADROOM_ROW_TOKENS = 4096  # the bounded-peak row: a document turn may hold this many entries
+
 ENGINE_KNOBS = {
+    "engine default, headroom": dict(kv_cache_ratio=0.5, csa2_topk=256, prefill_headroom=HEADROOM_ROW_TOKENS),
     "engine dense": dict(kv_cache_ratio=1.0, csa2_topk=0),
     "engine + CED": dict(kv_cache_ratio=0.5, csa2_topk=0),
     "engine + CED + CSA2": dict(kv_cache_ratio=0.5, csa2_topk=256),
@@ -105,12 +108,14 @@ ENGINE_KNOBS = {
 }
 
 
-def run_row(name: str, engine, hf_models: dict, ids, question_tokens, new_tokens, memory=False) -> dict:
+def run_row(name: str, engine, hf_models: dict, ids, question_tokens, new_tokens, memory=False,
+            knobs_table: dict | None = None) -> dict:
     if name.startswith("transformers"):
         return core.hf_generate(hf_models[name], ids, new_tokens, memory=memory)
     model = engine[name] if isinstance(engine, dict) else engine
-    knobs = ENGINE_KNOBS.get(name.replace(" (flash off)", ""), {})
+    knobs = dict((knobs_table or ENGINE_KNOBS).get(name.replace(" (flash off)", ""), {}))
     if knobs:
+        knobs.setdefault("prefill_headroom", None)
         set_knobs(model, **knobs)
     return core.engine_turn(model, ids, question_tokens, new_tokens, memory=memory)
 
@@ -174,16 +179,20 @@ def section_scaling(ctx) -> dict:
     lengths = [256, 512] if ctx.quick else ([1024, 2048, 4096, 8000] if not ctx.gpu else [1024, 2048, 4096, 8000])
     new_tokens = 8 if ctx.quick else 64
     rows = ctx.scaling_rows
-    out = {"new_tokens": new_tokens, "lengths": {}}
+    headroom = 256 if ctx.quick else HEADROOM_ROW_TOKENS
+    table = {**ENGINE_KNOBS, "engine default, headroom": {**ENGINE_KNOBS["engine default, headroom"],
+                                                          "prefill_headroom": headroom}}
+    out = {"new_tokens": new_tokens, "lengths": {}, "headroom_tokens": headroom}
     for length in lengths:
         ids, q = document_prompt(ctx.engine, length)
         print(f"[scaling] document {length} tokens (prompt {len(ids)})", flush=True)
 
         def call(name, warm, memory=False, ids=ids, q=q):
-            return run_row(name, ctx.engine_rows, ctx.hf, ids, q, 2 if warm else new_tokens, memory)
+            return run_row(name, ctx.engine_rows, ctx.hf, ids, q, 2 if warm else new_tokens, memory, table)
 
         reps = 1 if ctx.quick or length >= 4096 else ctx.reps
-        out["lengths"][str(length)] = {"prompt_tokens": len(ids), "rows": interleaved(rows, max(reps, 1), call)}
+        names = rows + (["engine default, headroom"] if length == lengths[-1] else [])
+        out["lengths"][str(length)] = {"prompt_tokens": len(ids), "rows": interleaved(names, max(reps, 1), call)}
     out["note"] = ("16k and 32k are not run: the default model has 8,192 positions "
                    f"(max_position_embeddings of {ctx.engine.info.display_name}).")
     return out
@@ -233,6 +242,7 @@ def section_quant(ctx) -> dict:
 
         rows = interleaved(["engine", "transformers"], 1 if ctx.quick else ctx.reps, call)
         out[variant] = {"weights_bytes": ours.weights_bytes, "weight_read_bytes": core.weight_read_bytes(ours.hf_model),
+                        "matvec_ceiling": core.matvec_ceiling(ours.hf_model) if quant == "none" else None,
                         "hf_weight_read_bytes": core.weight_read_bytes(theirs), "rows": rows}
         del ours, theirs
     return out
@@ -288,7 +298,9 @@ def main(argv=None) -> int:
     if "bandwidth" in sections or "seed" in sections or "scaling" in sections:
         payload["sections"]["bandwidth"] = core.read_bandwidth(ctx.engine.device,
                                                                (256 << 20) if args.quick else (1 << 30))
-        print(f"[bandwidth] {payload['sections']['bandwidth']['bytes_per_s'] / 1e9:.1f} GB/s", flush=True)
+        payload["sections"]["bandwidth"]["matvec_ceiling"] = core.matvec_ceiling(ctx.engine.hf_model)
+        print(f"[bandwidth] {payload['sections']['bandwidth']['bytes_per_s'] / 1e9:.1f} GB/s; weights alone "
+              f"{payload['sections']['bandwidth']['matvec_ceiling']['seconds'] * 1000:.1f} ms", flush=True)
     for name, fn in (("seed", section_seed), ("scaling", section_scaling), ("warmup", section_warmup),
                      ("quant", section_quant)):
         if name in sections:

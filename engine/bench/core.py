@@ -74,6 +74,34 @@ def read_bandwidth(device: torch.device, nbytes: int = 1 << 30, reps: int = 5) -
     return {"bytes_per_s": max(results.values()), "by_kernel": results, "buffer_bytes": nbytes}
 
 
+def matvec_ceiling(hf_model, reps: int = 5) -> dict:
+    """The kernel ceiling: time of one matrix-vector product with every weight matrix of the model
+    (what a decode step cannot avoid), with nothing else; as bytes/s and as a fraction of `bw`."""
+    device = next(hf_model.parameters()).device
+    mats = [p for p in hf_model.parameters() if p.dim() == 2 and p.dtype.is_floating_point]
+    seen, unique = set(), []
+    for m in mats:
+        if (m.data_ptr(), m.shape) not in seen:
+            seen.add((m.data_ptr(), m.shape))
+            unique.append(m)
+    from ..cache.decoder import linear
+
+    xs = {m.shape[1]: torch.ones(1, m.shape[1], dtype=m.dtype, device=device) for m in unique}
+    with torch.inference_mode():
+        for m in unique:
+            linear(xs[m.shape[1]], m)
+        sync(device)
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            for m in unique:
+                linear(xs[m.shape[1]], m)
+            sync(device)
+            times.append(time.perf_counter() - start)
+    nbytes = sum(m.numel() * m.element_size() for m in unique)
+    return {"seconds": statistics.median(times), "bytes": nbytes, "bytes_per_s": nbytes / statistics.median(times)}
+
+
 def weight_read_bytes(hf_model) -> int:
     """Bytes of weights one decode step reads: every parameter once, except an untied input embedding
     (a step reads one row of it)."""
@@ -267,13 +295,13 @@ def kv_read_per_step(cache) -> int:
 
 def engine_turn(model, ids: list[int], question_tokens: int, new_tokens: int, *, memory: bool = False) -> dict:
     """One turn of our engine on exactly these token ids (the path ChatSession.send takes), greedy."""
-    cache = model.new_cache()
-    plan = TurnPlan(list(ids), question_tokens, model.prefill_chunk, model.headroom_tokens(cache),
-                    model.context_limit)
     settings = GenerationSettings(max_new_tokens=new_tokens, greedy=True, ignore_eos=True, repetition_penalty=1.0)
     result = TurnResult([], 0, 0, False)
     done = None
-    with PeakMemory(model.device) if memory else _NoPeak() as peak:  # noqa: SIM117
+    with PeakMemory(model.device) if memory else _NoPeak() as peak:  # the cache's allocation counts too
+        cache = model.new_cache()
+        plan = TurnPlan(list(ids), question_tokens, model.prefill_chunk, model.headroom_tokens(cache),
+                        model.context_limit)
         for event in run_turn(model.hf_model, model.tokenizer, cache, plan, settings, eos_ids=model.eos_ids,
                               result=result):
             if isinstance(event, Done):

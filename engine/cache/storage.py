@@ -37,12 +37,14 @@ class LayerKV:
     def _alloc(self, capacity: int) -> None:
         h, d, dev = self.kv_heads, self.head_dim, self.device
         store_dtype = torch.int8 if self.int8 else self.dtype
-        self.keys = torch.zeros(h, capacity, d, dtype=store_dtype, device=dev)
-        self.values = torch.zeros(h, capacity, d, dtype=store_dtype, device=dev)
+        # Uninitialised: nothing past `length` is ever read, and on CPU untouched pages cost no RAM, so a
+        # large reservation (max_seq_len x kv_cache_ratio) is only paid for as it fills.
+        self.keys = torch.empty(h, capacity, d, dtype=store_dtype, device=dev)
+        self.values = torch.empty(h, capacity, d, dtype=store_dtype, device=dev)
         if self.int8:
-            self.key_scales = torch.zeros(h, capacity, 1, dtype=torch.float32, device=dev)
-            self.value_scales = torch.zeros(h, capacity, 1, dtype=torch.float32, device=dev)
-        self.positions = torch.zeros(h, capacity, dtype=torch.int32, device=dev)
+            self.key_scales = torch.empty(h, capacity, 1, dtype=torch.float32, device=dev)
+            self.value_scales = torch.empty(h, capacity, 1, dtype=torch.float32, device=dev)
+        self.positions = torch.empty(h, capacity, dtype=torch.int32, device=dev)
         self.scores = torch.zeros(h, capacity, dtype=torch.float32, device=dev)
         self.log_counts = torch.zeros(h, capacity, dtype=torch.float32, device=dev)
         self.projected_keys = None  # CSA2 side cache [h, capacity, r], set by CSA2.fit
@@ -69,7 +71,7 @@ class LayerKV:
         n = self.length
         for name in self._tensors():
             old = getattr(self, name)
-            new = old.new_zeros((old.shape[0], capacity, *old.shape[2:]))
+            new = old.new_empty((old.shape[0], capacity, *old.shape[2:]))
             new[:, :n] = old[:, :n]
             setattr(self, name, new)
 
