@@ -186,7 +186,7 @@ class ChatSession:
                 if progress:
                     progress(PrefillProgress(min(start + chunk, total), total))
             if self.cache.settings.compressing:
-                self.cache.compact()
+                self.cache.compact(pooled=True)  # the transcript's last question scored it
                 self.cache.shrink()
             self.cache.fit_sparse()
             self._dirty = False
@@ -199,7 +199,7 @@ class ChatSession:
             self.rebuild(progress)
             return "rebuilt"
         if settings.compressing:
-            self.cache.compact()
+            self.cache.compact(pooled=True)
             self.cache.shrink()
         self.cache.fit_sparse()
         return "compacted"

@@ -50,15 +50,20 @@ def observe(layer: LayerKV, policy: str, decay: float, attention: torch.Tensor, 
 POOL_KERNEL = 7  # neighbours share a kept entry's rank (SnapKV's pooling): facts survive as phrases
 
 
-def ranking(layer: LayerKV, policy: str, generator: torch.Generator | None = None) -> torch.Tensor:
-    """[h, S] float: higher is kept first."""
+def ranking(layer: LayerKV, policy: str, generator: torch.Generator | None = None, *, pooled: bool = False) -> torch.Tensor:
+    """[h, S] float: higher is kept first. `pooled`: neighbours share a kept entry's rank (max-pool).
+
+    Pooling keeps facts as whole phrases when a question has scored the document (planted facts: 8/12
+    kept at ratio 0.3 with it), but costs language-model quality when text is compacted as it streams
+    (perplexity at ratio 0.5 on 2k tokens: +3.5 % pooled, +2.6 % not), so only the question-aware
+    compaction at the end of a document's prefill pools."""
     n = layer.length
     if policy == "streaming":
         return layer.positions[:, :n].float()
     if policy == "random":
         return torch.rand(layer.kv_heads, n, generator=generator).to(layer.device)
     scores = layer.scores[:, :n]
-    if policy in ("ced", "snapkv") and POOL_KERNEL > 1 and n >= POOL_KERNEL:
+    if pooled and policy in ("ced", "snapkv") and POOL_KERNEL > 1 and n >= POOL_KERNEL:
         pooled = torch.nn.functional.max_pool1d(scores[:, None], POOL_KERNEL, stride=1, padding=POOL_KERNEL // 2)[:, 0]
         # ties broken by the entry's own score, so a pooled run keeps its strongest tokens first
         return pooled + 1e-3 * scores

@@ -121,15 +121,16 @@ def test_sinks_and_recent_window_always_kept(mode):
         assert torch.all(pos[:, 1:] > pos[:, :-1])  # position order is preserved
 
 
-@pytest.mark.parametrize("policy", ["h2o", "ced"])
-def test_evict_keeps_the_highest_scores(policy):
-    """h2o ranks by raw score; ced ranks by score max-pooled over neighbours (kept phrases)."""
+@pytest.mark.parametrize("policy,pooled", [("h2o", True), ("ced", False), ("ced", True)])
+def test_evict_keeps_the_highest_scores(policy, pooled):
+    """Ranked by raw score; the question-aware compaction of ced ranks by score max-pooled over
+    neighbours (kept phrases); h2o never pools."""
     torch.manual_seed(0)
     layer = LayerKV(2, 8, torch.float32, "cpu")
     layer.append(torch.randn(2, 50, 8), torch.randn(2, 50, 8), torch.arange(50))
     layer.scores[:, :50] = torch.rand(2, 50)
-    rank = ced.ranking(layer, policy).clone()
-    if policy == "h2o":
+    rank = ced.ranking(layer, policy, pooled=pooled).clone()
+    if policy == "h2o" or not pooled:
         assert torch.equal(rank, layer.scores[:, :50])
     else:
         pooled = torch.nn.functional.max_pool1d(layer.scores[:, None, :50], 7, stride=1, padding=3)[:, 0]
