@@ -10,12 +10,16 @@
 3. CSA2 top-k 64..512 at ratio 1.0 on a 2k-token context: continuation perplexity, decode speed and
    screening recall@k against the exact top-k.
 
-Usage: python -m benchmarks.quality [--quick]
+4. Long documents: the same planted facts in 4k- and 8k-token speeches (depths 25 / 75 %), ratio 0.5
+   and 0.3, CED against the baselines.
+
+Usage: python -m benchmarks.quality [--quick] [--sections ppl,retrieval,long,csa2]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import time
 
@@ -28,7 +32,7 @@ from engine.events import Done
 from engine.generate import TurnPlan, TurnResult, run_turn
 from engine.sampling import GenerationSettings
 
-from .common import machine, write_results
+from .common import RESULTS, machine, write_results
 from .corpus import speech
 
 POLICIES = {  # name -> (ced_policy, ced_mode)
@@ -116,14 +120,53 @@ def csa2_sweep(model, ids: list[int], topk: int, continuation: int = 96) -> dict
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny sizes")
+    parser.add_argument("--sections", default="ppl,retrieval,long,csa2",
+                        help="which parts to run; the others are kept from the previous results file")
     args = parser.parse_args()
     quick = args.quick
+    sections = set(args.sections.split(","))
     model = DSV41Model.from_pretrained(DSV41Config(max_seq_len=1 << 15))
     tok = model.tokenizer
     payload: dict = {"machine": machine(), "model": model.info.display_name, "quick": quick}
+    previous = RESULTS / ("quality" if not quick else "quality-quick") / (
+        "quality.json" if not quick else "quality-quick.json")
+    if previous.exists():
+        old = json.loads(previous.read_text())
+        for key in ("perplexity", "retrieval", "long_retrieval", "csa2"):
+            if key in old:
+                payload[key] = _ratio_keys(old[key])
     ratios = [1.0, 0.7, 0.5, 0.3, 0.2] if not quick else [1.0, 0.5]
+    if "ppl" in sections:
+        _perplexity_section(model, tok, payload, ratios, quick)
+    if "retrieval" in sections:
+        _retrieval_section(model, tok, payload, quick)
+    if "long" in sections:
+        _long_section(model, tok, payload, quick)
+    if "csa2" in sections:
+        _csa2_section(model, tok, payload, quick)
+    payload["sections_run"] = sorted(sections)
+    folder = write_results("quality" if not quick else "quality-quick", payload, _table(payload))
+    _plots(payload, folder)
+    print(_table(payload))
 
-    # 1. perplexity
+
+def _ratio_keys(obj):
+    """JSON turned float keys (ratios) into strings; turn them back."""
+    if isinstance(obj, dict):
+        out = {}
+        for key, value in obj.items():
+            try:
+                key = float(key)
+            except (TypeError, ValueError):
+                pass
+            out[key] = _ratio_keys(value)
+        return out
+    if isinstance(obj, list):
+        return [_ratio_keys(v) for v in obj]
+    return obj
+
+
+def _perplexity_section(model, tok, payload, ratios, quick):
     ppl_ids = tok(speech("2024-Biden-1"), add_special_tokens=False)["input_ids"][: 512 if quick else 2048]
     ppl = {}
     for name, (policy, mode) in POLICIES.items():
@@ -140,7 +183,8 @@ def main() -> None:
         ppl[name][1.0] = base
     payload["perplexity"] = {"speech": "2024-Biden-1", "tokens": len(ppl_ids), "values": ppl}
 
-    # 2. retrieval
+
+def _retrieval_section(model, tok, payload, quick):
     lengths = [1024, 2048] if not quick else [512]
     depths = [0.1, 0.5, 0.9] if not quick else [0.5]
     speeches = ["2024-Biden-1", "2026-Trump-1"] if not quick else ["2024-Biden-1"]
@@ -164,7 +208,34 @@ def main() -> None:
         print(f"retrieval {label} {ratio}: {sum(hits)}/{len(hits)}", flush=True)
     payload["retrieval"] = {"cases": [(c[0], c[1], c[2], c[3], c[4]) for c in cases], "accuracy": results}
 
-    # 3. CSA2 sweep
+
+def _long_section(model, tok, payload, quick):
+    lengths = [4096, 8000] if not quick else [1024]
+    depths = [0.25, 0.75]
+    ids = tok(speech("2023-Biden-1"), add_special_tokens=False)["input_ids"]
+    cases = []
+    for length in lengths:
+        for d_i, depth in enumerate(depths):
+            city, word = FACTS[(d_i + length // 1000) % len(FACTS)]
+            cases.append((length, depth, city, word, plant(ids[:length], tok, depth, city, word)))
+    ratios = [0.5, 0.3] if not quick else [0.5]
+    configs = [("uncompressed", "ced", "evict", 1.0)]
+    configs += [(n, POLICIES[n][0], POLICIES[n][1], r) for n in ("ced-evict", "snapkv", "h2o", "streaming")
+                for r in ratios]
+    results: dict = {}
+    for label, policy, mode, ratio in configs:
+        model.config = model.config.replace(kv_cache_ratio=ratio, ced_policy=policy, ced_mode=mode, csa2_topk=256,
+                                            ced_threshold=0.1)
+        for length, _, city, word, doc in cases:
+            hit = retrieval_case(model, doc, city, word, None)
+            results.setdefault(label, {}).setdefault(ratio, {}).setdefault(length, []).append(hit)
+        print(f"long {label} {ratio}: {results[label][ratio]}", flush=True)
+    accuracy = {label: {ratio: {length: sum(h) / len(h) for length, h in by_len.items()}
+                        for ratio, by_len in by_ratio.items()} for label, by_ratio in results.items()}
+    payload["long_retrieval"] = {"cases": [c[:4] for c in cases], "accuracy": accuracy, "hits": results}
+
+
+def _csa2_section(model, tok, payload, quick):
     csa_ids = tok(speech("2023-Biden-1"), add_special_tokens=False)["input_ids"][: 700 if quick else 2200]
     sweep = []
     for topk in ([0, 64, 128, 256, 512] if not quick else [0, 64]):
@@ -173,10 +244,6 @@ def main() -> None:
         sweep.append(row)
         print(f"csa2 {row}", flush=True)
     payload["csa2"] = sweep
-
-    folder = write_results("quality" if not quick else "quality-quick", payload, _table(payload))
-    _plots(payload, folder)
-    print(_table(payload))
 
 
 def _table(p: dict) -> str:
@@ -198,6 +265,21 @@ def _table(p: dict) -> str:
         if name == "uncompressed":
             continue
         out.append(f"| {name} | " + " | ".join(f"{values.get(r, float('nan')):.2f}" for r in rr) + " |")
+    if "long_retrieval" in p:
+        acc = p["long_retrieval"]["accuracy"]
+        lengths = sorted({int(n) for by in acc.values() for v in by.values() for n in v})
+        cols = [(r, n) for r in sorted({r for by in acc.values() for r in by if r != 1.0}, reverse=True)
+                for n in lengths]
+        out += ["", f"Long documents: planted facts at depths 25 / 75 % (accuracy over {len(p['long_retrieval']['cases'])}"
+                " cases; per ratio and document length)\n",
+                "| policy | " + " | ".join(f"{r} @ {n}" for r, n in cols) + " |", "|---" * (len(cols) + 1) + "|"]
+        for name, by in acc.items():
+            if name == "uncompressed":
+                out.append("| uncompressed | " + " | ".join(
+                    f"{by[1.0].get(n, by[1.0].get(str(n), float('nan'))):.2f}" for _, n in cols) + " |")
+                continue
+            out.append(f"| {name} | " + " | ".join(
+                f"{by.get(r, {}).get(n, by.get(r, {}).get(str(n), float('nan'))):.2f}" for r, n in cols) + " |")
     out += ["", "CSA2 top-k at ratio 1.0 (2k-token context, 96 continuation tokens)\n",
             "| top-k | perplexity | decode tok/s | recall@k |", "|---|---|---|---|"]
     for row in p["csa2"]:
