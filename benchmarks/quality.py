@@ -13,7 +13,10 @@
 4. Long documents: the same planted facts in 4k- and 8k-token speeches (depths 25 / 75 %), ratio 0.5
    and 0.3, CED against the baselines.
 
-Usage: python -m benchmarks.quality [--quick] [--sections ppl,retrieval,long,csa2]
+5. Multi-turn: document 1 + question, document 2 + question, then document 1's question again with no
+   document (what the cache kept of a conversation's history), per policy at ratio 0.5 and 0.3.
+
+Usage: python -m benchmarks.quality [--quick] [--sections ppl,retrieval,long,multiturn,csa2]
 """
 
 from __future__ import annotations
@@ -96,6 +99,67 @@ def retrieval_case(model, document: str, city: str, word: str, headroom: int | N
     return word.lower() in text.lower().replace(" ", "")
 
 
+# --------------------------------------------------------------------------------------------- multi-turn
+def _ask(model, cache, new_ids: list[int], question_tokens: int, word: str) -> tuple[bool, list[int]]:
+    """One turn on a live cache; returns (answer contains word, generated ids that were fed)."""
+    plan = TurnPlan(new_ids, question_tokens, 512, None, 1 << 20)
+    result = TurnResult([], 0, 0, False)
+    text = ""
+    for event in run_turn(model.hf_model, model.tokenizer, cache, plan, GenerationSettings(greedy=True, max_new_tokens=6),
+                          eos_ids=model.eos_ids, result=result):
+        if isinstance(event, Done):
+            text = event.text
+    return word.lower() in text.lower().replace(" ", ""), result.generated[: result.fed_generated]
+
+
+def multiturn_case(model, doc1: str, fact1: tuple[str, str], doc2: str, fact2: tuple[str, str]) -> list[bool]:
+    """Turn 1: document 1 + a question about its fact. Turn 2: document 2 + a question about its fact.
+    Turn 3: the first question again, with no document: only what the cache kept of document 1 can answer.
+    SnapKV ranks by the latest question alone and forgets document 1 at turn 2; CED keeps decayed history."""
+    tok = model.tokenizer
+    cache = model.new_cache()
+    hits = []
+    pieces = [(doc1, fact1), (doc2, fact2), (None, fact1)]
+    for turn, (doc, (city, word)) in enumerate(pieces):
+        question = f"What is the secret code word of {city}?"
+        user = f'<document name="speech{turn + 1}.txt">\n{doc}\n</document>\n\n{question}' if doc else question
+        rendered = tok.apply_chat_template([{"role": "user", "content": user}], tokenize=False,
+                                           add_generation_prompt=True)
+        if turn:  # continue the transcript: close the previous answer, open a user turn (ChatML)
+            rendered = "<|im_end|>\n" + rendered[rendered.index("<|im_start|>user"):]
+        cut = rendered.rfind(question)
+        head_ids = tok(rendered[:cut], add_special_tokens=False)["input_ids"]
+        tail_ids = tok(rendered[cut:] + f"The secret code word of {city} is", add_special_tokens=False)["input_ids"]
+        hit, _ = _ask(model, cache, head_ids + tail_ids, len(tail_ids), word)
+        hits.append(hit)
+    return hits
+
+
+def _multiturn_section(model, tok, payload, quick):
+    length = 1024 if not quick else 384
+    names = ["2024-Biden-1", "2026-Trump-1", "2023-Biden-1"] if not quick else ["2024-Biden-1", "2026-Trump-1"]
+    texts = [tok(speech(n), add_special_tokens=False)["input_ids"][:length] for n in names]
+    cases = []
+    for i in range(len(names)):
+        for depth in ([0.3, 0.7] if not quick else [0.5]):
+            a, b = FACTS[(2 * i) % len(FACTS)], FACTS[(2 * i + 1) % len(FACTS)]
+            doc1 = plant(texts[i], tok, depth, *a)
+            doc2 = plant(texts[(i + 1) % len(names)], tok, 1 - depth, *b)
+            cases.append((names[i], depth, a, b, doc1, doc2))
+    ratios = [0.5, 0.3] if not quick else [0.5]
+    configs = [("uncompressed", "ced", "evict", 1.0)]
+    configs += [(n, POLICIES[n][0], POLICIES[n][1], r) for n in ("ced-evict", "snapkv", "h2o", "streaming")
+                for r in ratios]
+    results: dict = {}
+    for label, policy, mode, ratio in configs:
+        model.config = model.config.replace(kv_cache_ratio=ratio, ced_policy=policy, ced_mode=mode, csa2_topk=256,
+                                            ced_threshold=0.1)
+        turns = [multiturn_case(model, c[4], c[2], c[5], c[3]) for c in cases]
+        results.setdefault(label, {})[ratio] = [sum(t[i] for t in turns) / len(turns) for i in range(3)]
+        print(f"multiturn {label} {ratio}: {results[label][ratio]}", flush=True)
+    payload["multiturn"] = {"cases": [c[:4] for c in cases], "document_tokens": length, "accuracy": results}
+
+
 # --------------------------------------------------------------------------------------------- CSA2
 def csa2_sweep(model, ids: list[int], topk: int, continuation: int = 96) -> dict:
     cache = model.new_cache()
@@ -120,7 +184,7 @@ def csa2_sweep(model, ids: list[int], topk: int, continuation: int = 96) -> dict
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny sizes")
-    parser.add_argument("--sections", default="ppl,retrieval,long,csa2",
+    parser.add_argument("--sections", default="ppl,retrieval,long,multiturn,csa2",
                         help="which parts to run; the others are kept from the previous results file")
     args = parser.parse_args()
     quick = args.quick
@@ -132,7 +196,7 @@ def main() -> None:
         "quality.json" if not quick else "quality-quick.json")
     if previous.exists():
         old = json.loads(previous.read_text())
-        for key in ("perplexity", "retrieval", "long_retrieval", "csa2"):
+        for key in ("perplexity", "retrieval", "long_retrieval", "multiturn", "csa2"):
             if key in old:
                 payload[key] = _ratio_keys(old[key])
     ratios = [1.0, 0.7, 0.5, 0.3, 0.2] if not quick else [1.0, 0.5]
@@ -142,6 +206,8 @@ def main() -> None:
         _retrieval_section(model, tok, payload, quick)
     if "long" in sections:
         _long_section(model, tok, payload, quick)
+    if "multiturn" in sections:
+        _multiturn_section(model, tok, payload, quick)
     if "csa2" in sections:
         _csa2_section(model, tok, payload, quick)
     payload["sections_run"] = sorted(sections)
@@ -280,6 +346,17 @@ def _table(p: dict) -> str:
                 continue
             out.append(f"| {name} | " + " | ".join(
                 f"{by.get(r, {}).get(n, by.get(r, {}).get(str(n), float('nan'))):.2f}" for r, n in cols) + " |")
+    if "multiturn" in p:
+        acc = p["multiturn"]["accuracy"]
+        n = len(p["multiturn"]["cases"])
+        rr = sorted({r for by in acc.values() for r in by if r != 1.0}, reverse=True)
+        out += ["", f"Multi-turn, {n} conversations of two {p['multiturn']['document_tokens']}-token documents: turn-3 "
+                "accuracy (document 1's question again, no document; turns 1 / 2 / 3 in brackets)\n",
+                "| policy | " + " | ".join(str(r) for r in rr) + " |", "|---" * (len(rr) + 1) + "|"]
+        for name, by in acc.items():
+            cells = [by.get(1.0 if name == "uncompressed" else r) for r in rr]
+            out.append(f"| {name} | " + " | ".join(
+                f"{c[2]:.2f} ({c[0]:.2f} / {c[1]:.2f} / {c[2]:.2f})" if c else "" for c in cells) + " |")
     out += ["", "CSA2 top-k at ratio 1.0 (2k-token context, 96 continuation tokens)\n",
             "| top-k | perplexity | decode tok/s | recall@k |", "|---|---|---|---|"]
     for row in p["csa2"]:

@@ -8,6 +8,7 @@ Sections (all side by side on the same model, prompt and machine; interleaved re
   bandwidth memory read bandwidth; bytes read per decoded token and the fraction of the bound for every row
   warmup    cold vs warm TTFT (fresh processes: a first turn without and with warmup())
   quant     weight footprint and decode speed of fp32 / bf16 / int8 / int4, ours and transformers'
+  load      first load of the default model (GGUF -> safetensors conversion) and a converted load
 Writes <out>/bench.json, bench.md and PNG plots. `--quick` is a small smoke run (CI); `--gpu` is the
 CUDA version (bf16, flash-attn on and off), sized to finish in under 8 minutes on one GPU.
 """
@@ -34,8 +35,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--quick", action="store_true", help="small smoke run (about a minute)")
     parser.add_argument("--gpu", action="store_true", help="CUDA mode: bf16, flash-attn on and off")
     parser.add_argument("--out", default="results/bench", help="results folder")
-    parser.add_argument("--sections", default="seed,scaling,bandwidth,warmup,quant")
-    parser.add_argument("--reps", type=int, default=None, help="repetitions per row (default 3, quick 1)")
+    parser.add_argument("--sections", default="seed,scaling,bandwidth,warmup,quant,load")
+    parser.add_argument("--reps", type=int, default=None, help="repetitions per row (default 3; --gpu 2; --quick 1)")
     parser.add_argument("--model", default="default")
     return parser
 
@@ -248,6 +249,40 @@ def section_quant(ctx) -> dict:
     return out
 
 
+def section_load(ctx) -> dict:
+    """Converted load (median of reps) and, for the default model outside --quick, the first load's
+    GGUF conversion into an empty cache folder."""
+    import os
+    import tempfile
+
+    from ..config import DSV41Config
+    from ..loader import convert_gguf, default_gguf_path
+    from ..model import DSV41Model
+
+    out = {}
+    if ctx.args.model == "default" and not ctx.quick:
+        with tempfile.TemporaryDirectory() as tmp:
+            old = os.environ.get("DSV41_CACHE_DIR")
+            os.environ["DSV41_CACHE_DIR"] = tmp
+            try:
+                started = time.perf_counter()
+                convert_gguf(default_gguf_path())
+                out["first_load_conversion_s"] = time.perf_counter() - started
+            finally:
+                if old is None:
+                    os.environ.pop("DSV41_CACHE_DIR", None)
+                else:
+                    os.environ["DSV41_CACHE_DIR"] = old
+    times = []
+    for _ in range(1 if ctx.quick else ctx.reps):
+        started = time.perf_counter()
+        DSV41Model.from_pretrained(DSV41Config(model_path=ctx.args.model, device_map=ctx.device))
+        times.append(time.perf_counter() - started)
+    out["converted_load_s"] = core.median(times)
+    print(f"[load] {out}", flush=True)
+    return out
+
+
 # --------------------------------------------------------------------------------------------- main
 class Context:
     pass
@@ -262,9 +297,9 @@ def main(argv=None) -> int:
     ctx = Context()
     ctx.args, ctx.quick, ctx.gpu = args, args.quick, args.gpu
     ctx.device = "cuda" if args.gpu else "cpu"
-    ctx.reps = args.reps or (1 if args.quick else 3)
+    ctx.reps = args.reps or (1 if args.quick else 2 if args.gpu else 3)  # --gpu must finish in < 8 min
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
-    unknown = set(sections) - {"seed", "scaling", "bandwidth", "warmup", "quant"}
+    unknown = set(sections) - {"seed", "scaling", "bandwidth", "warmup", "quant", "load"}
     if unknown:
         print(f"unknown section(s): {', '.join(sorted(unknown))}", file=sys.stderr)
         return 2
@@ -302,7 +337,7 @@ def main(argv=None) -> int:
         print(f"[bandwidth] {payload['sections']['bandwidth']['bytes_per_s'] / 1e9:.1f} GB/s; weights alone "
               f"{payload['sections']['bandwidth']['matvec_ceiling']['seconds'] * 1000:.1f} ms", flush=True)
     for name, fn in (("seed", section_seed), ("scaling", section_scaling), ("warmup", section_warmup),
-                     ("quant", section_quant)):
+                     ("quant", section_quant), ("load", section_load)):
         if name in sections:
             payload["sections"][name] = fn(ctx)
     payload["elapsed_s"] = time.perf_counter() - started

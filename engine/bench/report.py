@@ -173,6 +173,11 @@ def markdown(payload: dict) -> str:
                          f"{ours['ttft_s'] * 1000:.0f} | {frac_text} | "
                          f"{f'{theirs_frac * 100:.0f} %' if theirs_frac else '–'} | {ceiling_text} |")
         lines.append("")
+    if "load" in s:
+        load = s["load"]
+        first = load.get("first_load_conversion_s")
+        lines += ["### Loading", "", (f"First load of the default model (GGUF → safetensors, once): {first:.1f} s; "
+                                      if first else "") + f"converted load: {load['converted_load_s']:.1f} s", ""]
     checks = targets(payload)
     if checks:
         lines += ["### Targets", "", "| target | measured | met |", "|---|---|---|"]

@@ -183,6 +183,10 @@ class DSV41Cache:
             if scoring and fwd.score_window > 0:
                 probs = attention_probs(q, keys, log_counts, scaling, last=fwd.score_window)
                 ced.observe(layer, s.ced_policy, s.ced_decay, probs.sum(dim=(1, 2)), t, prefill=True)
+            elif scoring and s.ced_policy == "ced":
+                # An unscored chunk (a document waiting for its question): older entries still age by
+                # decay^tokens, so history from earlier turns weighs what DESIGN's s <- decay^dt s + a says.
+                layer.scores[:, : layer.length - t].mul_(s.ced_decay ** t)
         return out.transpose(0, 1)[None]
 
     # ------------------------------------------------------------------ CSA2

@@ -286,3 +286,18 @@ def test_csa2_is_dense_below_its_crossover_and_fits_when_the_cache_grows(monkeyp
     cache.decode_steps = settings.compact_every
     cache.maybe_compact_decode()
     assert layer.projected_keys is not None and cache._sparse_ready(layer)
+
+
+def test_unscored_document_chunks_still_age_older_scores(tiny_model):
+    """s <- decay^dt s + a: a document chunk read without scoring (waiting for its question) ages the
+    scores of what came before by decay^tokens, and leaves its own entries at zero."""
+    model = tiny_model("llama")
+    adapter.install(model)
+    cache = make_cache(model, kv_cache_ratio=0.5, csa2_topk=0, ced_decay=0.9)
+    adapter.forward(model, torch.randint(0, 256, (1, 12)), cache, score_window=12)
+    before = cache.layers[0].scores[:, :12].clone()
+    assert before.sum() > 0
+    adapter.forward(model, torch.randint(0, 256, (1, 5)), cache, score_window=0)
+    layer = cache.layers[0]
+    assert torch.allclose(layer.scores[:, :12], before * 0.9**5)
+    assert torch.all(layer.scores[:, 12:17] == 0)
