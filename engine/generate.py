@@ -135,7 +135,15 @@ def _prefill(model, cache: DSV41Cache, plan: TurnPlan, cancel, device, result: T
     # document's own chunks would dilute it). Only a turn that must compact mid-stream scores as it goes.
     must_stream_compact = (plan.headroom_tokens is not None and s.compressing
                            and cache.stored + total > plan.headroom_tokens)
-    middle_window = s.score_window if (must_stream_compact or s.ced_policy != "ced") else 0
+    probe = None
+    if must_stream_compact and plan.question_tokens and s.ced_policy == "ced":
+        # The document is larger than its headroom and must be compacted before the question is read.
+        # The question is known, so probe it first (at the positions it will have) and let its queries
+        # score the document as it streams in, instead of each chunk's own last tokens.
+        question = torch.tensor([ids[total - plan.question_tokens:]], device=device)
+        probe = adapter.probe_queries(model, question, cache, cache.seen + total - plan.question_tokens)
+    middle_window = 0 if probe is not None else (
+        s.score_window if (must_stream_compact or s.ced_policy != "ced") else 0)
     yield PrefillProgress(0, total)
     for index, (start, end) in enumerate(chunks):
         if cancel.is_set():
@@ -147,7 +155,9 @@ def _prefill(model, cache: DSV41Cache, plan: TurnPlan, cancel, device, result: T
             # The document is larger than its headroom: compact while it streams in (query-agnostic).
             target = max(min(plan.headroom_tokens - size, max(cache.budget(cache.seen), plan.headroom_tokens // 2)),
                          s.ced_sink_tokens + s.ced_recent_tokens + 1)
-            cache.compact(target, threshold=False)
+            if probe is not None:
+                cache.score_with_probe(probe)
+            cache.compact(target, threshold=False, pooled=probe is not None)
             result.compacted_during_prefill = True
         window = max(plan.question_tokens, s.score_window) if last else middle_window
         chunk_ids = torch.tensor([ids[start:end]], device=device)

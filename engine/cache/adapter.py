@@ -96,6 +96,25 @@ def forward(model, input_ids: torch.Tensor, cache, *, score_window: int | None =
     return logits.float()
 
 
+@torch.inference_mode()
+def probe_queries(model, input_ids: torch.Tensor, cache, start: int) -> dict[int, torch.Tensor]:
+    """Run `input_ids` at positions from `start` only to collect each layer's (RoPE'd) queries; the cache's
+    entries, tokens seen and scores are left as they were (the probe's entries are dropped)."""
+    position_ids = cache.begin_forward(input_ids.shape[1], score_window=0, prefill=True, start=start)
+    decoder = getattr(model, "_dsv41_decoder", None)
+    cache.start_capture()
+    try:
+        if decoder is not None:
+            decoder.forward(input_ids, position_ids, cache, 1)
+        else:
+            model(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=1,
+                  **{_CACHE_KWARG: cache})
+    finally:
+        captured = cache.finish_capture()
+        cache.abort_forward()
+    return captured
+
+
 def _plain_linear(module) -> bool:
     return type(module) is torch.nn.Linear and module.weight.dtype.is_floating_point
 

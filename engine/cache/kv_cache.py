@@ -125,6 +125,8 @@ class DSV41Cache:
         self._csa2_steps = 0
         self._fwd = _Forward()
         self._torch_rng = torch.Generator().manual_seed(0)
+        self._capture: dict[int, torch.Tensor] | None = None
+        self._scaling = self.head_dim**-0.5
 
     @property
     def stored(self) -> int:
@@ -136,9 +138,12 @@ class DSV41Cache:
                               s.ced_recent_tokens)
 
     # ------------------------------------------------------------------ forward protocol
-    def begin_forward(self, tokens: int, *, score_window: int | None = None, prefill: bool | None = None) -> torch.Tensor:
-        """Start a forward over `tokens` new tokens; returns their position ids [1, tokens]."""
-        positions = torch.arange(self.seen, self.seen + tokens, device=self.device)
+    def begin_forward(self, tokens: int, *, score_window: int | None = None, prefill: bool | None = None,
+                      start: int | None = None) -> torch.Tensor:
+        """Start a forward over `tokens` new tokens; returns their position ids [1, tokens] (from `start`,
+        default: tokens seen so far)."""
+        first = self.seen if start is None else start
+        positions = torch.arange(first, first + tokens, device=self.device)
         window = self.settings.score_window if score_window is None else score_window
         self._fwd = _Forward(tokens, positions, window, tokens > 1 if prefill is None else prefill,
                              tuple(layer.length for layer in self.layers))
@@ -166,7 +171,11 @@ class DSV41Cache:
         csa2.project_new(layer, key[0], start)
         q = query[0]
         s = self.settings
+        self._scaling = scaling
         scoring = s.compressing and s.ced_policy in ("ced", "h2o", "snapkv")
+        if self._capture is not None:  # a question probe: keep its queries, score nothing
+            self._capture[layer_idx] = q.detach().clone()
+            scoring = False
         log_counts = layer.log_counts[:, : layer.length] if layer.merged_any else None
         t = q.shape[1]
         if t == 1 and self._sparse_ready(layer):
@@ -178,7 +187,7 @@ class DSV41Cache:
         else:
             keys, values = layer.read_keys(), layer.read_values()
             out = dense_attention(q, keys, values, log_counts, scaling, self.backend)
-            if s.csa2_topk > 0:
+            if s.csa2_topk > 0 and self._capture is None:
                 csa2.observe_queries(layer, q)
             if scoring and fwd.score_window > 0:
                 probs = attention_probs(q, keys, log_counts, scaling, last=fwd.score_window)
@@ -188,6 +197,31 @@ class DSV41Cache:
                 # decay^tokens, so history from earlier turns weighs what DESIGN's s <- decay^dt s + a says.
                 layer.scores[:, : layer.length - t].mul_(s.ced_decay ** t)
         return out.transpose(0, 1)[None]
+
+    # ------------------------------------------------------------------ question probe
+    def start_capture(self) -> None:
+        """The next forward is a probe: its per-layer queries are kept, its entries are dropped after."""
+        self._capture = {}
+
+    def finish_capture(self) -> dict[int, torch.Tensor]:
+        captured, self._capture = self._capture or {}, None
+        return captured
+
+    @torch.inference_mode()
+    def score_with_probe(self, probe: dict[int, torch.Tensor]) -> None:
+        """Add the attention the probe's queries ([H, Tq, d] per layer, positioned after everything
+        stored) pay to every stored entry to its score, summed over the group's heads and the queries."""
+        for index, layer in enumerate(self.layers):
+            q = probe.get(index)
+            if q is None or layer.length == 0:
+                continue
+            h, n = layer.kv_heads, layer.length
+            keys = layer.read_keys().float()
+            qg = q.float().reshape(h, -1, q.shape[-1])  # [h, G * Tq, d]
+            logits = torch.matmul(qg, keys.transpose(1, 2)) * self._scaling
+            if layer.merged_any:
+                logits = logits + layer.log_counts[:, None, :n]
+            layer.scores[:, :n] += torch.softmax(logits, dim=-1).sum(dim=1)
 
     # ------------------------------------------------------------------ CSA2
     def _sparse_ready(self, layer: LayerKV) -> bool:

@@ -98,7 +98,7 @@ class LayerKV:
         else:
             self.keys[:, start:end] = keys
             self.values[:, start:end] = values
-        self.positions[:, start:end] = positions.to(self.device, torch.int32)
+        self.positions[:, start:end] = positions  # copy_ casts to int32
         self.scores[:, start:end] = 0.0
         self.log_counts[:, start:end] = 0.0
         self.length = end

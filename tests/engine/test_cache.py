@@ -301,3 +301,24 @@ def test_unscored_document_chunks_still_age_older_scores(tiny_model):
     layer = cache.layers[0]
     assert torch.allclose(layer.scores[:, :12], before * 0.9**5)
     assert torch.all(layer.scores[:, 12:17] == 0)
+
+
+def test_question_probe_collects_queries_and_leaves_the_cache_alone(tiny_model):
+    model = tiny_model("llama")
+    adapter.install(model)
+    cache = make_cache(model, kv_cache_ratio=0.5, csa2_topk=0)
+    adapter.forward(model, torch.randint(0, 256, (1, 30)), cache, score_window=8)
+    before = [(layer.length, layer.scores[:, : layer.length].clone(), layer.keys[:, : layer.length].clone())
+              for layer in cache.layers]
+    probe = adapter.probe_queries(model, torch.randint(0, 256, (1, 6)), cache, start=100)
+    assert cache.seen == 30
+    assert sorted(probe) == list(range(len(cache.layers)))
+    assert all(q.shape == (4, 6, 16) for q in probe.values())  # [query heads, tokens, head_dim]
+    for layer, (length, scores, keys) in zip(cache.layers, before, strict=True):
+        assert layer.length == length
+        assert torch.equal(layer.scores[:, :length], scores) and torch.equal(layer.keys[:, :length], keys)
+    # its queries then score every stored entry: each query's attention sums to one
+    cache.score_with_probe(probe)
+    for layer, (length, scores, _) in zip(cache.layers, before, strict=True):
+        added = layer.scores[:, :length] - scores
+        assert torch.allclose(added.sum(dim=1), torch.full((2,), 2 * 6.0), atol=1e-4)  # 2 heads/group x 6 queries
