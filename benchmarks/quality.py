@@ -113,15 +113,18 @@ def _ask(model, cache, new_ids: list[int], question_tokens: int, word: str) -> t
 
 
 def multiturn_case(model, doc1: str, fact1: tuple[str, str], doc2: str, fact2: tuple[str, str]) -> list[bool]:
-    """Turn 1: document 1 + a question about its fact. Turn 2: document 2 + a question about its fact.
+    """Turn 1: document 1 + a question about its fact. Turn 2: document 2 + an unrelated question about it.
     Turn 3: the first question again, with no document: only what the cache kept of document 1 can answer.
-    SnapKV ranks by the latest question alone and forgets document 1 at turn 2; CED keeps decayed history."""
+    SnapKV ranks by the latest question alone; CED adds the decayed history of earlier turns."""
     tok = model.tokenizer
     cache = model.new_cache()
     hits = []
-    pieces = [(doc1, fact1), (doc2, fact2), (None, fact1)]
-    for turn, (doc, (city, word)) in enumerate(pieces):
-        question = f"What is the secret code word of {city}?"
+    pieces = [(doc1, fact1), (doc2, None), (None, fact1)]
+    for turn, (doc, fact) in enumerate(pieces):
+        city, word = fact if fact else fact2
+        # Turn 2 asks something else about document 2 (not a code word: a question of the same shape would
+        # point at document 1's fact by its wording and keep it alive by accident).
+        question = f"What is the secret code word of {city}?" if fact else "Who gave this speech, and when?"
         user = f'<document name="speech{turn + 1}.txt">\n{doc}\n</document>\n\n{question}' if doc else question
         rendered = tok.apply_chat_template([{"role": "user", "content": user}], tokenize=False,
                                            add_generation_prompt=True)
@@ -129,8 +132,9 @@ def multiturn_case(model, doc1: str, fact1: tuple[str, str], doc2: str, fact2: t
             rendered = "<|im_end|>\n" + rendered[rendered.index("<|im_start|>user"):]
         cut = rendered.rfind(question)
         head_ids = tok(rendered[:cut], add_special_tokens=False)["input_ids"]
-        tail_ids = tok(rendered[cut:] + f"The secret code word of {city} is", add_special_tokens=False)["input_ids"]
-        hit, _ = _ask(model, cache, head_ids + tail_ids, len(tail_ids), word)
+        prefix = f"The secret code word of {city} is" if fact else ""
+        tail_ids = tok(rendered[cut:] + prefix, add_special_tokens=False)["input_ids"]
+        hit, _ = _ask(model, cache, head_ids + tail_ids, len(tail_ids), word if fact else "\u0000")
         hits.append(hit)
     return hits
 
@@ -147,13 +151,14 @@ def _multiturn_section(model, tok, payload, quick):
             doc2 = plant(texts[(i + 1) % len(names)], tok, 1 - depth, *b)
             cases.append((names[i], depth, a, b, doc1, doc2))
     ratios = [0.5, 0.3] if not quick else [0.5]
-    configs = [("uncompressed", "ced", "evict", 1.0)]
-    configs += [(n, POLICIES[n][0], POLICIES[n][1], r) for n in ("ced-evict", "snapkv", "h2o", "streaming")
+    configs = [("uncompressed", "ced", "evict", 1.0, 0.99)]
+    configs += [(n, POLICIES[n][0], POLICIES[n][1], r, 0.99) for n in ("ced-evict", "snapkv", "h2o", "streaming")
                 for r in ratios]
+    configs += [("ced-evict, decay 0.999", "ced", "evict", r, 0.999) for r in ratios]
     results: dict = {}
-    for label, policy, mode, ratio in configs:
+    for label, policy, mode, ratio, decay in configs:
         model.config = model.config.replace(kv_cache_ratio=ratio, ced_policy=policy, ced_mode=mode, csa2_topk=256,
-                                            ced_threshold=0.1)
+                                            ced_threshold=0.1, ced_decay=decay)
         turns = [multiturn_case(model, c[4], c[2], c[5], c[3]) for c in cases]
         results.setdefault(label, {})[ratio] = [sum(t[i] for t in turns) / len(turns) for i in range(3)]
         print(f"multiturn {label} {ratio}: {results[label][ratio]}", flush=True)
@@ -351,12 +356,12 @@ def _table(p: dict) -> str:
         n = len(p["multiturn"]["cases"])
         rr = sorted({r for by in acc.values() for r in by if r != 1.0}, reverse=True)
         out += ["", f"Multi-turn, {n} conversations of two {p['multiturn']['document_tokens']}-token documents: turn-3 "
-                "accuracy (document 1's question again, no document; turns 1 / 2 / 3 in brackets)\n",
+                "accuracy (document 1's question again, no document; turn 1 accuracy in brackets)\n",
                 "| policy | " + " | ".join(str(r) for r in rr) + " |", "|---" * (len(rr) + 1) + "|"]
         for name, by in acc.items():
             cells = [by.get(1.0 if name == "uncompressed" else r) for r in rr]
             out.append(f"| {name} | " + " | ".join(
-                f"{c[2]:.2f} ({c[0]:.2f} / {c[1]:.2f} / {c[2]:.2f})" if c else "" for c in cells) + " |")
+                f"{c[2]:.2f} ({c[0]:.2f})" if c else "" for c in cells) + " |")
     out += ["", "CSA2 top-k at ratio 1.0 (2k-token context, 96 continuation tokens)\n",
             "| top-k | perplexity | decode tok/s | recall@k |", "|---|---|---|---|"]
     for row in p["csa2"]:

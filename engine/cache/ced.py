@@ -29,8 +29,13 @@ class CompactionPlan:
 
 def observe(layer: LayerKV, policy: str, decay: float, attention: torch.Tensor, tokens: int,
             index: torch.Tensor | None = None, *, prefill: bool) -> None:
-    """Fold one step's attention into the layer's scores.
+    """Fold one step's attention into the layer's scores: s <- decay^steps * s + attention.
 
+    `tokens` is the number of scoring steps (queries) the attention sums: one per decode step, the
+    window's queries for a prefill chunk. Tokens read without scoring (a document waiting for its
+    question) do not count: measured on three-turn conversations (document 1 + question, document 2 +
+    an unrelated question, then document 1's question again), aging by every token read forgot
+    document 1 entirely at ratio 0.5, like SnapKV.
     attention: [h, S] over all entries, or [h, k] over `index` (sparse CSA2 step).
     """
     n = layer.length

@@ -190,12 +190,11 @@ class DSV41Cache:
             if s.csa2_topk > 0 and self._capture is None:
                 csa2.observe_queries(layer, q)
             if scoring and fwd.score_window > 0:
-                probs = attention_probs(q, keys, log_counts, scaling, last=fwd.score_window)
-                ced.observe(layer, s.ced_policy, s.ced_decay, probs.sum(dim=(1, 2)), t, prefill=True)
-            elif scoring and s.ced_policy == "ced":
-                # An unscored chunk (a document waiting for its question): older entries still age by
-                # decay^tokens, so history from earlier turns weighs what DESIGN's s <- decay^dt s + a says.
-                layer.scores[:, : layer.length - t].mul_(s.ced_decay ** t)
+                # dt counts scoring steps (the window's queries), not the chunk's tokens: a document read
+                # without scoring does not age what earlier turns found important (see ced.observe).
+                window = min(fwd.score_window, t)
+                probs = attention_probs(q, keys, log_counts, scaling, last=window)
+                ced.observe(layer, s.ced_policy, s.ced_decay, probs.sum(dim=(1, 2)), window, prefill=True)
         return out.transpose(0, 1)[None]
 
     # ------------------------------------------------------------------ question probe

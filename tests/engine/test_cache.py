@@ -288,9 +288,9 @@ def test_csa2_is_dense_below_its_crossover_and_fits_when_the_cache_grows(monkeyp
     assert layer.projected_keys is not None and cache._sparse_ready(layer)
 
 
-def test_unscored_document_chunks_still_age_older_scores(tiny_model):
-    """s <- decay^dt s + a: a document chunk read without scoring (waiting for its question) ages the
-    scores of what came before by decay^tokens, and leaves its own entries at zero."""
+def test_scores_age_by_scoring_steps_not_by_unscored_document_tokens(tiny_model, monkeypatch):
+    """s <- decay^dt s + a with dt = scoring steps: a scored chunk ages older scores by decay^window, a
+    document chunk read without scoring (waiting for its question) leaves them as they are."""
     model = tiny_model("llama")
     adapter.install(model)
     cache = make_cache(model, kv_cache_ratio=0.5, csa2_topk=0, ced_decay=0.9)
@@ -299,8 +299,15 @@ def test_unscored_document_chunks_still_age_older_scores(tiny_model):
     assert before.sum() > 0
     adapter.forward(model, torch.randint(0, 256, (1, 5)), cache, score_window=0)
     layer = cache.layers[0]
-    assert torch.allclose(layer.scores[:, :12], before * 0.9**5)
+    assert torch.equal(layer.scores[:, :12], before)
     assert torch.all(layer.scores[:, 12:17] == 0)
+    steps = []
+    original = ced.observe
+    monkeypatch.setattr(ced, "observe", lambda *a, **k: steps.append(a[4]) or original(*a, **k))
+    expected = layer.scores[:, :17].clone() * 0.9**3
+    adapter.forward(model, torch.randint(0, 256, (1, 10)), cache, score_window=3)
+    assert steps == [3, 3]  # one observation per layer, aged by the window's 3 queries, not the 10 tokens
+    assert torch.all(layer.scores[:, :17] >= expected - 1e-6)
 
 
 def test_question_probe_collects_queries_and_leaves_the_cache_alone(tiny_model):
