@@ -144,6 +144,8 @@ def _prefill(model, cache: DSV41Cache, plan: TurnPlan, cancel, device, result: T
         probe = adapter.probe_queries(model, question, cache, cache.seen + total - plan.question_tokens)
     middle_window = 0 if probe is not None else (
         s.score_window if (must_stream_compact or s.ced_policy != "ced") else 0)
+    room = cache.stored + total + 1
+    cache.reserve(min(room, plan.headroom_tokens) if must_stream_compact else room)
     yield PrefillProgress(0, total)
     for index, (start, end) in enumerate(chunks):
         if cancel.is_set():

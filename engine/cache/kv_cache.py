@@ -302,6 +302,14 @@ class DSV41Cache:
         return 0
 
     @torch.inference_mode()
+    def reserve(self, entries: int) -> None:
+        """Make room for `entries` stored entries per layer at once (a turn whose size is known), instead
+        of growing block by block while it streams in."""
+        for layer in self.layers:
+            if entries > layer.capacity:
+                layer.resize(entries)
+
+    @torch.inference_mode()
     def shrink(self, spare_tokens: int = 256) -> None:
         for layer in self.layers:
             layer.shrink_to_fit(spare_tokens)
