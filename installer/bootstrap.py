@@ -550,16 +550,7 @@ def _venv_healthy(venv: Path, need_pip: bool) -> bool:
 
 
 def _rmtree(path: Path) -> None:
-    def onerror(func, p, _exc):  # read-only files on Windows
-        try:
-            os.chmod(p, 0o700)
-            func(p)
-        except OSError:
-            pass
-    if sys.version_info >= (3, 12):
-        shutil.rmtree(path, onexc=onerror)
-    else:
-        shutil.rmtree(path, onerror=onerror)
+    _sibling("shortcuts").remove_path(path)  # one removal routine (read-only files on Windows included)
     if path.exists():
         raise StepError(f"Could not remove the incomplete environment at {path}",
                         f"Close programs that use it and delete the folder yourself, then rerun "

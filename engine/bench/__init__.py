@@ -177,7 +177,7 @@ def _fit(ids, q, total):
 
 
 def section_scaling(ctx) -> dict:
-    lengths = [256, 512] if ctx.quick else ([1024, 2048, 4096, 8000] if not ctx.gpu else [1024, 2048, 4096, 8000])
+    lengths = [256, 512] if ctx.quick else [1024, 2048, 4096, 8000]
     new_tokens = 8 if ctx.quick else 64
     rows = ctx.scaling_rows
     headroom = 256 if ctx.quick else HEADROOM_ROW_TOKENS
@@ -304,7 +304,7 @@ def main(argv=None) -> int:
         print(f"unknown section(s): {', '.join(sorted(unknown))}", file=sys.stderr)
         return 2
     started = time.perf_counter()
-    exact_rss = core.timing_allocator() if not args.gpu else None
+    glibc = core.timing_allocator() if not args.gpu else None
     from ..loader import resolve_source
 
     folder = resolve_source(args.model).path
@@ -315,7 +315,7 @@ def main(argv=None) -> int:
                "engine_knobs": ENGINE_KNOBS, "reps": ctx.reps, "sections": {},
                "peak_memory": "torch.cuda.max_memory_allocated" if args.gpu else
                ("process RSS sampled every 2 ms in a run of its own" +
-                (" (glibc: 128 KiB mmap threshold, heap trimmed)" if exact_rss else ""))}
+                (" (glibc: 128 KiB mmap threshold, heap trimmed)" if glibc else ""))}
     payload["weight_read_bytes"] = core.weight_read_bytes(ctx.engine.hf_model)
     if any(s in sections for s in ("seed", "scaling")):
         ctx.hf = {"transformers eager": load_hf(folder, "eager", ctx.device, dtype),

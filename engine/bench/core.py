@@ -70,7 +70,6 @@ def read_bandwidth(device: torch.device, nbytes: int = 1 << 30, reps: int = 5) -
             sync(device)
             times.append(time.perf_counter() - start)
         results[name] = nbytes / min(times)
-    del buf, mat
     return {"bytes_per_s": max(results.values()), "by_kernel": results, "buffer_bytes": nbytes}
 
 

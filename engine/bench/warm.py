@@ -10,6 +10,7 @@ import argparse
 import json
 import time
 
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("mode", choices=["cold", "warm"])
