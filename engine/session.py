@@ -156,7 +156,7 @@ class ChatSession:
             seen, lengths, compactions = before
             if self.cache.compactions == compactions:
                 for layer, length in zip(self.cache.layers, lengths, strict=True):
-                    layer.length = length
+                    layer.truncate(length)
                 self.cache.seen = seen
             else:
                 self._dirty = True

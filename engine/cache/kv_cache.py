@@ -152,7 +152,7 @@ class DSV41Cache:
     def abort_forward(self) -> None:
         """Undo a forward that failed part-way (OOM, error): drop what some layers appended."""
         for layer, length in zip(self.layers, self._fwd.start_lengths, strict=False):
-            layer.length = min(layer.length, length)
+            layer.truncate(length)
         self._fwd = _Forward()
 
     def end_forward(self) -> None:

@@ -71,7 +71,8 @@ class LayerKV:
         n = self.length
         for name in self._tensors():
             old = getattr(self, name)
-            new = old.new_empty((old.shape[0], capacity, *old.shape[2:]))
+            shape = (old.shape[0], capacity, *old.shape[2:])
+            new = old.new_zeros(shape) if name in ("scores", "log_counts") else old.new_empty(shape)
             new[:, :n] = old[:, :n]
             setattr(self, name, new)
 
@@ -99,9 +100,16 @@ class LayerKV:
             self.keys[:, start:end] = keys
             self.values[:, start:end] = values
         self.positions[:, start:end] = positions  # copy_ casts to int32
-        self.scores[:, start:end] = 0.0
-        self.log_counts[:, start:end] = 0.0
+        # scores and log_counts past `length` are kept at zero (see truncate/keep/resize), so a decode
+        # step appends two tensors fewer.
         self.length = end
+
+    def truncate(self, length: int) -> None:
+        """Forget the entries past `length` (an undone forward)."""
+        if length < self.length:
+            self.scores[:, length:self.length] = 0.0
+            self.log_counts[:, length:self.length] = 0.0
+            self.length = length
 
     # ------------------------------------------------------------------ reads
     def read_keys(self, index: torch.Tensor | None = None) -> torch.Tensor:
@@ -143,6 +151,8 @@ class LayerKV:
             t = getattr(self, name)
             kept = _gather_rows(t[:, : self.length], index)
             t[:, :k] = kept
+        self.scores[:, k:self.length] = 0.0
+        self.log_counts[:, k:self.length] = 0.0
         self.length = k
 
 

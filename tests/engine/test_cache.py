@@ -329,3 +329,21 @@ def test_question_probe_collects_queries_and_leaves_the_cache_alone(tiny_model):
     for layer, (length, scores, _) in zip(cache.layers, before, strict=True):
         added = layer.scores[:, :length] - scores
         assert torch.allclose(added.sum(dim=1), torch.full((2,), 2 * 6.0), atol=1e-4)  # 2 heads/group x 6 queries
+
+
+def test_scores_past_the_stored_length_stay_zero_after_keep_truncate_and_growth():
+    torch.manual_seed(0)
+    layer = LayerKV(2, 8, torch.float32, "cpu", initial_capacity=16)
+    layer.append(torch.randn(2, 10, 8), torch.randn(2, 10, 8), torch.arange(10))
+    layer.scores[:, :10] = 5.0
+    layer.log_counts[:, :10] = 1.0
+    layer.keep(torch.arange(4).repeat(2, 1))  # dropped slots 4..9 must not leak their scores
+    layer.append(torch.randn(2, 3, 8), torch.randn(2, 3, 8), torch.arange(10, 13))
+    assert torch.equal(layer.scores[:, 4:7], torch.zeros(2, 3))
+    assert torch.equal(layer.log_counts[:, 4:7], torch.zeros(2, 3))
+    layer.scores[:, :7] = 2.0
+    layer.truncate(5)  # an undone forward
+    layer.append(torch.randn(2, 300, 8), torch.randn(2, 300, 8), torch.arange(13, 313))  # grows a block
+    assert layer.length == 305 and layer.capacity >= 305
+    assert torch.equal(layer.scores[:, 5:305], torch.zeros(2, 300))
+    assert torch.equal(layer.log_counts[:, 4:305], torch.zeros(2, 301))

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from engine.cache import adapter
 from engine.cache.attention import attention_probs, decode_attention
-from engine.cache.decoder import linear
+from engine.cache.decoder import linear, residual_linear, rope, rope_matrix
 from engine.cache.storage import _gather_rows
 
 
@@ -95,3 +95,26 @@ def test_single_token_linear_matches_f_linear(dtype):
     assert torch.allclose(linear(x, w, b).float(), F.linear(x, w, b).float(), atol=tol, rtol=2e-2)
     xs = torch.randn(5, 64).to(dtype)
     assert torch.equal(linear(xs, w), F.linear(xs, w))
+
+
+def test_rope_matrix_rotates_like_rope():
+    d = 64
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    angles = 1234 * inv
+    cos, sin = torch.cat((angles.cos(), angles.cos())), torch.cat((angles.sin(), angles.sin()))
+    x = torch.randn(1, 12, d)
+    want = rope(x, cos[None, None], sin[None, None])
+    assert torch.allclose(torch.matmul(x, rope_matrix(cos, sin)), want, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_residual_linear_is_residual_plus_linear(dtype, with_bias):
+    torch.manual_seed(0)
+    w = torch.randn(48, 32).to(dtype)
+    b = torch.randn(48).to(dtype) if with_bias else None
+    for tokens in (1, 5):
+        x, r = torch.randn(tokens, 32).to(dtype), torch.randn(tokens, 48).to(dtype)
+        want = (r.float() + F.linear(x.float(), w.float(), None if b is None else b.float()))
+        tol = 1e-4 if dtype == torch.float32 else 0.3
+        assert torch.allclose(residual_linear(r, x, w, b).float(), want, atol=tol, rtol=2e-2)
