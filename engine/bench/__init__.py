@@ -288,6 +288,22 @@ class Context:
     pass
 
 
+def keep_previous_sections(previous: Path, payload: dict) -> None:
+    """Sections this run did not measure are kept from the previous results file of the same mode and
+    model (so `--sections seed` does not erase the quantization table); each keeps its own run date."""
+    try:
+        old = json.loads(previous.read_text())
+    except (OSError, ValueError):
+        return
+    if old.get("mode") != payload["mode"] or old.get("model") != payload["model"]:
+        return
+    old_date = old.get("machine", {}).get("date")
+    for name, section in old.get("sections", {}).items():
+        if name not in payload["sections"]:
+            payload["sections"][name] = section
+            payload["section_dates"][name] = old.get("section_dates", {}).get(name, old_date)
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.gpu and not torch.cuda.is_available():
@@ -336,12 +352,15 @@ def main(argv=None) -> int:
         payload["sections"]["bandwidth"]["matvec_ceiling"] = core.matvec_ceiling(ctx.engine.hf_model)
         print(f"[bandwidth] {payload['sections']['bandwidth']['bytes_per_s'] / 1e9:.1f} GB/s; weights alone "
               f"{payload['sections']['bandwidth']['matvec_ceiling']['seconds'] * 1000:.1f} ms", flush=True)
+    out = Path(args.out)
+    payload["section_dates"] = {name: payload["machine"]["date"] for name in payload["sections"]}
     for name, fn in (("seed", section_seed), ("scaling", section_scaling), ("warmup", section_warmup),
                      ("quant", section_quant), ("load", section_load)):
         if name in sections:
             payload["sections"][name] = fn(ctx)
+            payload["section_dates"][name] = payload["machine"]["date"]
+    keep_previous_sections(out / "bench.json", payload)
     payload["elapsed_s"] = time.perf_counter() - started
-    out = Path(args.out)
     report.write(out, payload)
     print(f"wrote {out}/bench.json, bench.md and plots in {payload['elapsed_s']:.0f} s")
     return 0

@@ -127,6 +127,9 @@ def markdown(payload: dict) -> str:
              + f"; torch {m['torch']}, transformers {m['transformers']}; {m['date']}",
              f"Model: {payload['model']} ({payload['dtype']}); mode {payload['mode']}; medians of {payload['reps']} "
              "interleaved repetitions", ""]
+    dates = payload.get("section_dates") or {}
+    if len(set(dates.values())) > 1:
+        lines += ["Sections were run separately: " + ", ".join(f"{k} {v}" for k, v in dates.items()), ""]
     if "bandwidth" in s:
         bw = s["bandwidth"]
         lines += [f"Memory read bandwidth (best of sum / mv over {bw['buffer_bytes'] / 2**30:.2g} GiB): "

@@ -121,3 +121,20 @@ def test_quick_bench_runs_end_to_end(tmp_path):
     assert payload["sections"]["warmup"]["cold_ttft_s"] > 0
     assert (out / "seed.png").stat().st_size > 10_000
     assert "### Targets" in (out / "bench.md").read_text()
+
+
+def test_sections_not_run_are_kept_from_the_previous_results(tmp_path):
+    from engine.bench import keep_previous_sections
+
+    previous = _payload()
+    previous["machine"]["date"] = "2026-01-01"
+    (tmp_path / "bench.json").write_text(json.dumps(previous))
+    fresh = {"mode": "full", "model": "m", "machine": {"date": "2026-02-02"},
+             "sections": {"seed": {"new": True}}, "section_dates": {"seed": "2026-02-02"}}
+    keep_previous_sections(tmp_path / "bench.json", fresh)
+    assert fresh["sections"]["seed"] == {"new": True}  # what this run measured wins
+    assert fresh["sections"]["warmup"] == previous["sections"]["warmup"]
+    assert fresh["section_dates"]["warmup"] == "2026-01-01"
+    other_mode = {"mode": "quick", "model": "m", "machine": {"date": "x"}, "sections": {}, "section_dates": {}}
+    keep_previous_sections(tmp_path / "bench.json", other_mode)
+    assert other_mode["sections"] == {}  # a quick run never mixes with full-run figures
