@@ -143,7 +143,7 @@ def _prefill(model, cache: DSV41Cache, plan: TurnPlan, cancel, device, result: T
         question = torch.tensor([ids[total - plan.question_tokens:]], device=device)
         probe = adapter.probe_queries(model, question, cache, cache.seen + total - plan.question_tokens)
     middle_window = 0 if probe is not None else (
-        s.score_window if (must_stream_compact or s.ced_policy != "ced") else 0)
+        cache.stream_window() if (must_stream_compact or s.ced_policy != "ced") else 0)
     room = cache.stored + total + 1
     cache.reserve(min(room, plan.headroom_tokens) if must_stream_compact else room)
     yield PrefillProgress(0, total)
@@ -163,7 +163,8 @@ def _prefill(model, cache: DSV41Cache, plan: TurnPlan, cancel, device, result: T
             result.compacted_during_prefill = True
         window = max(plan.question_tokens, s.score_window) if last else middle_window
         chunk_ids = torch.tensor([ids[start:end]], device=device)
-        logits = adapter.forward(model, chunk_ids, cache, score_window=min(window, size), prefill=True)
+        logits = adapter.forward(model, chunk_ids, cache, score_window=None if window is None else min(window, size),
+                                 prefill=True)
         result.prefilled = end
         yield PrefillProgress(end, total)
     if s.compressing:

@@ -96,3 +96,27 @@ def attention_probs(query, keys, log_counts, scaling: float, *, last: int | None
         visible = causal_visibility(t, s, query.device)[t - w:]
         logits = logits.masked_fill(~visible, float("-inf"))
     return torch.softmax(logits, dim=-1)
+
+
+SCORE_BLOCK_ELEMENTS = 1 << 22  # float32 attention weights computed at once when scoring (16 MiB)
+
+
+def attention_mass(query, keys, log_counts, scaling: float, *, last: int) -> torch.Tensor:
+    """Attention each stored entry receives from the last `last` queries, summed over the queries and
+    the query heads of its GQA group: [h, S] float32. Computed in blocks of queries, so scoring every
+    query of a long chunk against a long cache stays within SCORE_BLOCK_ELEMENTS of weights."""
+    h, s, _ = keys.shape
+    big_h, t, _ = query.shape
+    w = min(last, t)
+    rows = max(1, SCORE_BLOCK_ELEMENTS // (big_h * s))
+    total = None
+    for stop in range(t, t - w, -rows):
+        start = max(t - w, stop - rows)
+        visible = s - (t - stop)  # entries the block's queries can see (causal)
+        counts = None if log_counts is None else log_counts[:, :visible]
+        probs = attention_probs(query[:, :stop], keys[:, :visible], counts, scaling, last=stop - start)
+        mass = probs.sum(dim=(1, 2))
+        if total is None:
+            total = torch.zeros(h, s, dtype=mass.dtype, device=mass.device)
+        total[:, : mass.shape[1]] += mass
+    return total

@@ -118,3 +118,19 @@ def test_residual_linear_is_residual_plus_linear(dtype, with_bias):
         want = (r.float() + F.linear(x.float(), w.float(), None if b is None else b.float()))
         tol = 1e-4 if dtype == torch.float32 else 0.3
         assert torch.allclose(residual_linear(r, x, w, b).float(), want, atol=tol, rtol=2e-2)
+
+
+@pytest.mark.parametrize("merged", [False, True])
+def test_attention_mass_in_blocks_equals_one_pass(monkeypatch, merged):
+    from engine.cache import attention
+
+    torch.manual_seed(0)
+    q, k = torch.randn(6, 40, 16), torch.randn(2, 100, 16)  # 40 new queries, 100 stored entries (60 before them)
+    counts = torch.rand(2, 100).log1p() if merged else None
+    want = attention_probs(q, k, counts, 0.25, last=40).sum(dim=(1, 2))
+    monkeypatch.setattr(attention, "SCORE_BLOCK_ELEMENTS", 6 * 100 * 7)  # 7 queries per block
+    got = attention.attention_mass(q, k, counts, 0.25, last=40)
+    assert torch.allclose(got, want, atol=1e-5)
+    assert torch.allclose(got.sum(dim=1), torch.full((2,), 3 * 40.0), atol=1e-3)  # every query's weights sum to 1
+    assert torch.allclose(attention.attention_mass(q, k, counts, 0.25, last=9),
+                          attention_probs(q, k, counts, 0.25, last=9).sum(dim=(1, 2)), atol=1e-5)
