@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import ced, csa2
-from .attention import attention_mass, decode_attention, dense_attention
+from .attention import attention_mass, causal_bias, decode_attention, dense_attention
 from .storage import LayerKV
 
 CSA2_RECALL_EVERY = 64  # decode steps between sampled recall measurements (one layer each)
@@ -91,6 +91,7 @@ class _Forward:
     score_window: int | None = 0  # None: every query of the forward scores
     prefill: bool = True
     start_lengths: tuple[int, ...] = ()
+    mask: torch.Tensor | None = None  # causal bias shared by the layers of a prefill chunk
 
 
 @dataclass
@@ -194,7 +195,12 @@ class DSV41Cache:
                 ced.observe(layer, s.ced_policy, s.ced_decay, probs.sum(dim=1), 1, prefill=False)
         else:
             keys, values = layer.read_keys(), layer.read_values()
-            out = dense_attention(q, keys, values, log_counts, scaling, self.backend)
+            mask = None
+            if self.backend != "eager" and keys.shape[1] != t:  # every layer has the same (t, S): build once
+                if fwd.mask is None or fwd.mask.shape != (t, keys.shape[1]) or fwd.mask.dtype != q.dtype:
+                    fwd.mask = causal_bias(t, keys.shape[1], q.dtype, q.device)
+                mask = fwd.mask
+            out = dense_attention(q, keys, values, log_counts, scaling, self.backend, mask)
             if s.csa2_topk > 0 and self._capture is None:
                 csa2.observe_queries(layer, q)
             window = t if fwd.score_window is None else min(fwd.score_window, t)
