@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import ced, csa2
-from .attention import attention_mass, causal_bias, decode_attention, dense_attention
+from .attention import attention_mass, causal_bias, chunk_needs_mask, decode_attention, dense_attention
 from .storage import LayerKV
 
 CSA2_RECALL_EVERY = 64  # decode steps between sampled recall measurements (one layer each)
@@ -196,7 +196,8 @@ class DSV41Cache:
         else:
             keys, values = layer.read_keys(), layer.read_values()
             mask = None
-            if self.backend != "eager" and keys.shape[1] != t:  # every layer has the same (t, S): build once
+            if self.backend != "eager" and keys.shape[1] != t and chunk_needs_mask(q.device):
+                # every layer has the same (t, S): build the mask once per forward
                 if fwd.mask is None or fwd.mask.shape != (t, keys.shape[1]) or fwd.mask.dtype != q.dtype:
                     fwd.mask = causal_bias(t, keys.shape[1], q.dtype, q.device)
                 mask = fwd.mask

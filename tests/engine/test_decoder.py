@@ -134,3 +134,17 @@ def test_attention_mass_in_blocks_equals_one_pass(monkeypatch, merged):
     assert torch.allclose(got.sum(dim=1), torch.full((2,), 3 * 40.0), atol=1e-3)  # every query's weights sum to 1
     assert torch.allclose(attention.attention_mass(q, k, counts, 0.25, last=9),
                           attention_probs(q, k, counts, 0.25, last=9).sum(dim=(1, 2)), atol=1e-5)
+
+
+@pytest.mark.parametrize("t", [1, 7, 64])
+def test_chunk_attention_over_earlier_entries_matches_the_masked_reference(t):
+    from engine.cache import attention
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(9, t, 32), torch.randn(3, 150, 32), torch.randn(3, 150, 32)
+    probs = attention_probs(q, k, None, 0.2)  # [h, G, T, S], causal: query i is entry 150 - t + i
+    want = torch.matmul(probs, v[:, None]).reshape(9, t, 32)
+    got = attention.dense_attention(q, k, v, None, 0.2, "sdpa")
+    assert torch.allclose(got, want, atol=1e-5)
+    if attention._cpu_flash_lse is not None and t > 1:  # the mask-free split is what ran
+        assert torch.allclose(attention._prefix_and_chunk(q, k, v, 0.2), want, atol=1e-5)
