@@ -347,3 +347,17 @@ def test_scores_past_the_stored_length_stay_zero_after_keep_truncate_and_growth(
     assert layer.length == 305 and layer.capacity >= 305
     assert torch.equal(layer.scores[:, 5:305], torch.zeros(2, 300))
     assert torch.equal(layer.log_counts[:, 4:305], torch.zeros(2, 301))
+
+
+@pytest.mark.parametrize("policy, scoring_queries", [("ced", 40), ("h2o", 40), ("snapkv", 32)])
+def test_streamed_chunk_is_scored_by_every_query_except_for_snapkv(tiny_model, policy, scoring_queries):
+    """A chunk read as it streams (no explicit window): CED and H2O score it with all of its queries, as a
+    decode step scores with each one; SnapKV with its last `score_window` queries only."""
+    model = tiny_model("llama")
+    adapter.install(model)
+    cache = make_cache(model, kv_cache_ratio=0.5, csa2_topk=0, ced_policy=policy, ced_decay=1.0)
+    assert cache.settings.score_window == 32
+    adapter.forward(model, torch.randint(0, 256, (1, 40)), cache)
+    for layer in cache.layers:  # each query's weights sum to one, for each of the group's 2 query heads
+        mass = layer.scores[:, : layer.length].sum(dim=1)
+        assert torch.allclose(mass, torch.full_like(mass, 2.0 * scoring_queries), atol=1e-3)
