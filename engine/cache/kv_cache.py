@@ -36,11 +36,11 @@ def kv_bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, element_by
 @dataclass
 class CacheSettings:
     kv_cache_ratio: float = 0.5
-    ced_decay: float = 0.995
+    ced_decay: float = 0.99
     ced_threshold: float = 0.1
     ced_mode: str = "evict"
     ced_sink_tokens: int = 4
-    ced_recent_tokens: int = 32
+    ced_recent_tokens: int = 64
     ced_policy: str = "ced"
     csa2_topk: int = 256
     csa2_rank: int | None = None
