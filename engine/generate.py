@@ -163,8 +163,7 @@ def _prefill(model, cache: DSV41Cache, plan: TurnPlan, cancel, device, result: T
             result.compacted_during_prefill = True
         window = max(plan.question_tokens, s.score_window) if last else middle_window
         chunk_ids = torch.tensor([ids[start:end]], device=device)
-        logits = adapter.forward(model, chunk_ids, cache, score_window=None if window is None else min(window, size),
-                                 prefill=True)
+        logits = adapter.forward(model, chunk_ids, cache, score_window=window, prefill=True)  # capped at the chunk
         result.prefilled = end
         yield PrefillProgress(end, total)
     if s.compressing:

@@ -126,6 +126,16 @@ def decode_attention(query, keys, values, log_counts, scaling: float):
     return out.reshape(big_h, 1, d), probs
 
 
+def decode_attention_output(query, keys, values, scaling: float):
+    """One new token, output only (no weights wanted, no merge counts): query [H, 1, d] -> [H, 1, d].
+    SDPA with the GQA group's queries as rows: 3.8 against 4.6 ms per step for decode_attention over 1.1k
+    entries on the default model (benchmarks/attention_floor.py)."""
+    h, s, d = keys.shape
+    big_h = query.shape[0]
+    out = F.scaled_dot_product_attention(query.reshape(1, h, big_h // h, d), keys[None], values[None], scale=scaling)
+    return out.reshape(big_h, 1, d)
+
+
 def attention_probs(query, keys, log_counts, scaling: float, *, last: int | None = None):
     """Softmax weights of the last `last` queries (all when None): [h, G, w, S], float32."""
     h, s, d = keys.shape

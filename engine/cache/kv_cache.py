@@ -17,7 +17,14 @@ from dataclasses import dataclass, field
 import torch
 
 from . import ced, csa2
-from .attention import attention_mass, causal_bias, chunk_needs_mask, decode_attention, dense_attention
+from .attention import (
+    attention_mass,
+    causal_bias,
+    chunk_needs_mask,
+    decode_attention,
+    decode_attention_output,
+    dense_attention,
+)
 from .storage import LayerKV
 
 CSA2_RECALL_EVERY = 64  # decode steps between sampled recall measurements (one layer each)
@@ -189,6 +196,8 @@ class DSV41Cache:
         t = q.shape[1]
         if t == 1 and self._sparse_ready(layer):
             out = self._sparse_decode(layer_idx, layer, q, scaling, scoring)
+        elif t == 1 and not scoring and log_counts is None:  # nothing needs the weights: output only
+            out = decode_attention_output(q, layer.read_keys(), layer.read_values(), scaling)
         elif t == 1:
             out, probs = decode_attention(q, layer.read_keys(), layer.read_values(), log_counts, scaling)
             if scoring:

@@ -148,3 +148,12 @@ def test_chunk_attention_over_earlier_entries_matches_the_masked_reference(t):
     assert torch.allclose(got, want, atol=1e-5)
     if attention._cpu_flash_lse is not None and t > 1:  # the mask-free split is what ran
         assert torch.allclose(attention._prefix_and_chunk(q, k, v, 0.2), want, atol=1e-5)
+
+
+def test_output_only_decode_attention_matches_decode_attention():
+    from engine.cache.attention import decode_attention_output
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(9, 1, 16), torch.randn(3, 70, 16), torch.randn(3, 70, 16)
+    want, _ = decode_attention(q, k, v, None, 0.25)
+    assert torch.allclose(decode_attention_output(q, k, v, 0.25), want, atol=1e-6)
