@@ -56,7 +56,7 @@ KNOB_NAMES = tuple(DEFAULTS)
 
 PRESETS: dict[str, dict] = {
     "Chat": dict(DEFAULTS),
-    "Long document": {**DEFAULTS, "ced_decay": 0.995, "kv_cache_ratio": 0.4, "csa2_topk": 512},
+    "Long document": {**DEFAULTS, "ced_decay": 0.998, "kv_cache_ratio": 0.4, "csa2_topk": 512},
     "Max quality": {**DEFAULTS, "kv_cache_ratio": 1.0, "ced_threshold": 0.0, "csa2_topk": 0,
                     "kv_cache_dtype": "auto"},
     "Min memory": {**DEFAULTS, "kv_cache_ratio": 0.2, "ced_threshold": 0.2, "csa2_topk": 128,

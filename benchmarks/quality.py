@@ -151,8 +151,9 @@ def _multiturn_section(model, tok, payload, quick):
             doc2 = plant(texts[(i + 1) % len(names)], tok, 1 - depth, *b)
             cases.append((names[i], depth, a, b, doc1, doc2))
     ratios = [0.5, 0.3] if not quick else [0.5]
-    configs = [("uncompressed", "ced", "evict", 1.0, 0.99)]
-    configs += [(n, POLICIES[n][0], POLICIES[n][1], r, 0.99) for n in ("ced-evict", "snapkv", "h2o", "streaming")
+    default_decay = DSV41Config().ced_decay
+    configs = [("uncompressed", "ced", "evict", 1.0, default_decay)]
+    configs += [(n, POLICIES[n][0], POLICIES[n][1], r, default_decay) for n in ("ced-evict", "snapkv", "h2o", "streaming")
                 for r in ratios]
     configs += [("ced-evict, decay 0.999", "ced", "evict", r, 0.999) for r in ratios]
     results: dict = {}

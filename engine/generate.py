@@ -156,7 +156,7 @@ def _prefill(model, cache: DSV41Cache, plan: TurnPlan, cancel, device, result: T
                 and cache.stored + size > plan.headroom_tokens):
             # The document is larger than its headroom: compact while it streams in (query-agnostic).
             target = max(min(plan.headroom_tokens - size, max(cache.budget(cache.seen), plan.headroom_tokens // 2)),
-                         s.ced_sink_tokens + s.ced_recent_tokens + 1)
+                         cache.budget(0))  # the floor
             if probe is not None:
                 cache.score_with_probe(probe)
             cache.compact(target, threshold=False, pooled=probe is not None)

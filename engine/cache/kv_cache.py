@@ -43,17 +43,18 @@ def kv_bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, element_by
 @dataclass
 class CacheSettings:
     kv_cache_ratio: float = 0.5
-    ced_decay: float = 0.99
+    ced_decay: float = 0.995
     ced_threshold: float = 0.1
     ced_mode: str = "evict"
     ced_sink_tokens: int = 4
-    ced_recent_tokens: int = 64
+    ced_recent_tokens: int = 32
     ced_policy: str = "ced"
     csa2_topk: int = 256
     csa2_rank: int | None = None
     kv_int8: bool = False
     compact_every: int = 16
     score_window: int = 32
+    min_entries: int = ced.MIN_STORED_ENTRIES  # budget floor (ced.budget_for)
 
     @classmethod
     def from_config(cls, config) -> CacheSettings:
@@ -143,7 +144,7 @@ class DSV41Cache:
     def budget(self, seen: int | None = None) -> int:
         s = self.settings
         return ced.budget_for(self.seen if seen is None else seen, s.kv_cache_ratio, s.ced_sink_tokens,
-                              s.ced_recent_tokens)
+                              s.ced_recent_tokens, s.min_entries)
 
     # ------------------------------------------------------------------ forward protocol
     def begin_forward(self, tokens: int, *, score_window: int | None = None, prefill: bool | None = None,
@@ -304,7 +305,8 @@ class DSV41Cache:
         for layer in self.layers:
             rank = ced.ranking(layer, s.ced_policy, self._torch_rng, pooled=pooled)
             plan = ced.plan_compaction(rank, target, sink=s.ced_sink_tokens, recent=s.ced_recent_tokens,
-                                       threshold=use_threshold, scores=layer.scores[:, : layer.length])
+                                       threshold=use_threshold, scores=layer.scores[:, : layer.length],
+                                       floor=s.min_entries)
             if plan is None:
                 continue
             if s.ced_mode == "merge":

@@ -166,7 +166,7 @@ def test_search_rename_delete_and_export(qtbot, window, fake_model, tmp_path):
     data = json.load(open(js, encoding="utf-8"))
     reply = data["messages"][1]
     assert reply["settings"]["weight_quant"] == "none" and reply["stats"]["ttft_s"] >= 0
-    assert reply["settings"]["knobs"]["ced_decay"] == 0.99
+    assert reply["settings"]["knobs"]["ced_decay"] == 0.995
 
     window.delete_conversation(tomato)
     assert tomato not in window.conversations.ids()

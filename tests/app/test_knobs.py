@@ -41,7 +41,7 @@ def test_a_knob_change_between_turns_applies_at_once(qtbot, window, fake_model):
 
 def test_presets_set_every_knob(qtbot, window, fake_model):
     window.knob_panel.apply_preset("Long document")
-    qtbot.waitUntil(lambda: fake_model.config.ced_decay == 0.995, timeout=3_000)
+    qtbot.waitUntil(lambda: fake_model.config.ced_decay == 0.998, timeout=3_000)
     assert fake_model.config.csa2_topk == 512
     window.knob_panel.apply_preset("Min memory")
     qtbot.waitUntil(lambda: fake_model.config.kv_cache_dtype == "int8", timeout=3_000)

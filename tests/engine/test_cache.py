@@ -157,6 +157,48 @@ def test_threshold_drops_low_entries_even_under_budget():
                                scores=scores) is None
 
 
+def test_threshold_never_compacts_below_the_floor():
+    layer = LayerKV(1, 4, torch.float32, "cpu")
+    layer.append(torch.randn(1, 30, 4), torch.randn(1, 30, 4), torch.arange(30))
+    layer.scores[0, :30] = 1.0
+    layer.scores[0, 6:26] = 0.01  # 20 entries far below 0.1 x mean
+    scores = layer.scores[:, :30]
+    plan = ced.plan_compaction(ced.ranking(layer, "ced"), 1000, sink=2, recent=4, threshold=0.1, scores=scores,
+                               floor=20)
+    assert plan.keep.shape[1] == 20  # the threshold wanted 10; the floor keeps 20, the best of them
+    assert set(range(2, 6)) <= set(plan.keep[0].tolist())
+    assert ced.plan_compaction(ced.ranking(layer, "ced"), 1000, sink=2, recent=4, threshold=0.1, scores=scores,
+                               floor=30) is None
+
+
+def test_budget_floor_is_independent_of_the_recent_window():
+    assert ced.budget_for(40, 0.5, 4, 32) == ced.MIN_STORED_ENTRIES == 128
+    assert ced.budget_for(1000, 0.5, 4, 32) == 500
+    assert ced.budget_for(100, 0.1, 4, 200) == 205  # DESIGN's sink + recent + 1 still holds when larger
+    assert ced.budget_for(40, 0.5, 4, 32, floor=0) == 37
+
+
+def test_a_short_chat_is_never_compacted_at_the_defaults():
+    """A 40-token exchange was compacted with a 32-token recent window (budget floor 37) and a greedy answer
+    changed; below the floor nothing is dropped, by the budget or by the threshold."""
+    from .conftest import tiny_model
+
+    model = tiny_model("llama")
+    adapter.install(model)
+    cache = make_cache(model)  # the defaults: ratio 0.5, recent 32, threshold 0.1
+    assert cache.settings.ced_recent_tokens == 32
+    ids = torch.randint(0, 256, (1, 120))
+    adapter.forward(model, ids[:, :100], cache)
+    assert cache.compact() == 0 and cache.stored == 100
+    for i in range(100, 120):
+        adapter.forward(model, ids[:, i:i + 1], cache, prefill=False)
+        cache.maybe_compact_decode()
+    assert cache.stored == cache.seen == 120
+    more = torch.randint(0, 256, (1, 200))
+    adapter.forward(model, more, cache)
+    assert cache.compact() > 0 and cache.stored <= cache.budget() == 160
+
+
 def test_merge_counts_add_up_to_tokens_absorbed():
     _, cache, _ = drive(dict(kv_cache_ratio=0.3, ced_mode="merge", ced_sink_tokens=4, ced_recent_tokens=16,
                              csa2_topk=0))

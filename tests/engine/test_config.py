@@ -6,8 +6,8 @@ from engine import ConfigError, DSV41Config
 def test_defaults_match_design():
     c = DSV41Config()
     assert (c.model_path, c.max_seq_len, c.kv_cache_ratio, c.ced_decay, c.ced_threshold, c.ced_mode) == (
-        "default", 8192, 0.5, 0.99, 0.1, "evict")
-    assert (c.ced_sink_tokens, c.ced_recent_tokens, c.csa2_topk, c.csa2_rank) == (4, 64, 256, None)
+        "default", 8192, 0.5, 0.995, 0.1, "evict")
+    assert (c.ced_sink_tokens, c.ced_recent_tokens, c.csa2_topk, c.csa2_rank) == (4, 32, 256, None)
     assert (c.use_flash_attention, c.weight_quant, c.kv_cache_dtype, c.dtype, c.device_map) == (
         True, "none", "auto", "auto", "auto")
     assert (c.kv_cache_shard, c.prefill_chunk, c.prefill_headroom) == (False, None, None)
