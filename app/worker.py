@@ -114,7 +114,8 @@ class EngineWorker(QObject):
             display_name=info.display_name, source=config.get("model_path", "default"), device=info.device,
             dtype=info.dtype, weight_quant=info.weight_quant, attention_backend=info.attention_backend,
             context_limit=int(model.context_limit), max_positions=int(getattr(model, "max_positions", 0) or 0),
-            kv_bytes_per_token=int(model.kv_bytes_per_token()), config=config, load_seconds=load_seconds)
+            kv_bytes_per_token=int(model.kv_bytes_per_token()), config=config, load_seconds=load_seconds,
+            weight_storage=getattr(info, "weight_storage", ""))
 
     # ------------------------------------------------------------------ turns
     @Slot(object)

@@ -3,14 +3,14 @@
 1. Perplexity vs kv_cache_ratio (1.0/0.7/0.5/0.3/0.2) for CED-merge, CED-evict, H2O, SnapKV,
    StreamingLLM and random: the speech is read in 128-token chunks, each chunk's tokens are scored
    against the compressed cache, and the cache is compacted to budget after every chunk.
-2. Planted-fact retrieval: a fact planted at depths 10/50/90 % of a 1k- or 2k-token speech, the
+2. Planted-fact retrieval: a fact planted at depths 0/25/50/75/100 % of a 1k- or 2k-token speech, the
    question after the document (one turn, as the app lays it out), greedy answer checked for the
-   planted word. Accuracy vs ratio per policy; plus CED when the document exceeds its prefill
-   headroom and is compacted while it streams in (query-agnostic).
+   planted word. Accuracy vs ratio per policy; plus every policy when the document exceeds a 256-token
+   prefill headroom and is compacted while it streams in (scored by a probe of the question).
 3. CSA2 top-k 64..512 at ratio 1.0 on a 2k-token context: continuation perplexity, decode speed and
    screening recall@k against the exact top-k.
 
-4. Long documents: the same planted facts in 4k- and 8k-token speeches (depths 25 / 75 %), ratio 0.5
+4. Long documents: the same planted facts in 4k- and 8k-token speeches (depths 10/35/60/85 %), ratio 0.5
    and 0.3, CED against the baselines.
 
 5. Multi-turn: document 1 + question, document 2 + question, then document 1's question again with no
@@ -274,20 +274,22 @@ def _perplexity_section(model, tok, payload, ratios, quick):
 
 def _retrieval_section(model, tok, payload, quick):
     lengths = [1024, 2048] if not quick else [512]
-    depths = [0.1, 0.5, 0.9] if not quick else [0.5]
+    depths = [0.0, 0.25, 0.5, 0.75, 1.0] if not quick else [0.5]
     speeches = ["2024-Biden-1", "2026-Trump-1"] if not quick else ["2024-Biden-1"]
     cases = []
     for s_i, name in enumerate(speeches):
         ids = tok(speech(name), add_special_tokens=False)["input_ids"]
-        for length in lengths:
+        for l_i, length in enumerate(lengths):
             for d_i, depth in enumerate(depths):
-                city, word = FACTS[(s_i * 3 + d_i) % len(FACTS)]
+                city, word = FACTS[(s_i * 3 + l_i + d_i) % len(FACTS)]
                 cases.append((name, length, depth, city, word, plant(ids[:length], tok, depth, city, word)))
     retrieval_ratios = [0.5, 0.3, 0.2] if not quick else [0.5]
     results: dict = {}
     configs = [("uncompressed", "ced", "merge", 1.0, None)]
     configs += [(n, p, m, r, None) for n, (p, m) in POLICIES.items() if n != "random" for r in retrieval_ratios]
-    configs += [("ced-evict over headroom", "ced", "evict", r, 256) for r in retrieval_ratios]
+    # The document exceeds a 256-token headroom and is compacted while it streams in (probed by the question).
+    configs += [(f"{n} over headroom", POLICIES[n][0], POLICIES[n][1], r, 256)
+                for n in ("ced-evict", "snapkv", "h2o", "streaming") for r in retrieval_ratios]
     for label, policy, mode, ratio, headroom in configs:
         model.config = model.config.replace(kv_cache_ratio=ratio, ced_policy=policy, ced_mode=mode, csa2_topk=256,
                                             ced_threshold=0.1)
@@ -299,7 +301,7 @@ def _retrieval_section(model, tok, payload, quick):
 
 def _long_section(model, tok, payload, quick):
     lengths = [4096, 8000] if not quick else [1024]
-    depths = [0.25, 0.75]
+    depths = [0.1, 0.35, 0.6, 0.85] if not quick else [0.5]
     ids = tok(speech("2023-Biden-1"), add_special_tokens=False)["input_ids"]
     cases = []
     for length in lengths:
@@ -364,7 +366,9 @@ def _table(p: dict) -> str:
         lengths = sorted({int(n) for by in acc.values() for v in by.values() for n in v})
         cols = [(r, n) for r in sorted({r for by in acc.values() for r in by if r != 1.0}, reverse=True)
                 for n in lengths]
-        out += ["", f"Long documents: planted facts at depths 25 / 75 % (accuracy over {len(p['long_retrieval']['cases'])}"
+        long_cases = p["long_retrieval"]["cases"]
+        depths = " / ".join(f"{d:.0%}" for d in sorted({c[1] for c in long_cases}))
+        out += ["", f"Long documents: planted facts at depths {depths} (accuracy over {len(long_cases)}"
                 " cases; per ratio and document length)\n",
                 "| policy | " + " | ".join(f"{r} @ {n}" for r, n in cols) + " |", "|---" * (len(cols) + 1) + "|"]
         for name, by in acc.items():

@@ -85,9 +85,24 @@ def run_checks() -> list[Check]:
     except Exception as exc:  # noqa: BLE001
         checks.append(Check("bitsandbytes", "warn", f"not importable ({type(exc).__name__})",
                             "INT8/INT4 weights need it: pip install bitsandbytes"))
+    if not cuda_avail:
+        checks.append(_cpu_kernels_check())
     checks.append(_ram_check())
     checks.append(_default_model_check())
     return checks
+
+
+def _cpu_kernels_check() -> Check:
+    """The bf16 matrix-vector kernels (engine/cpu_kernels.c), built on first use with the C compiler."""
+    from . import cpu_kernels
+
+    library = cpu_kernels.load()
+    if library is not None:
+        isa = {512: "AVX-512", 256: "AVX2"}.get(library.isa, "plain")
+        return Check("CPU kernels", "ok", f"built ({isa}): weights held as bf16, decode reads half the bytes")
+    return Check("CPU kernels", "warn", cpu_kernels.unavailable_reason() or "unavailable",
+                 "Decoding on the CPU works without them, about 1.4x slower with twice the weight memory. "
+                 "Install a C compiler (Debian/Ubuntu: sudo apt install gcc) and restart.")
 
 
 def _gpu_checks(torch, cuda_avail: bool) -> list[Check]:

@@ -46,6 +46,7 @@ class LoadInfo:
     dtype: str
     weight_quant: str
     attention_backend: str
+    weight_storage: str = ""  # how the weights are held when it differs from dtype: "bf16" (cpu_kernels)
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,7 @@ class DSV41Model:
         self.tokenizer = tokenizer
         self.info = info
         self.device = next(hf_model.parameters()).device
-        self.dtype = next(p.dtype for p in hf_model.parameters() if p.is_floating_point())
+        self.dtype = adapter.compute_dtype(hf_model)  # activations and KV; weights may be held as bf16
         self._baseline_rss = baseline_rss
         self.weights_bytes = memory_mod.module_bytes(hf_model)
         self.num_layers, self.kv_heads, self.head_dim = adapter.kv_geometry(hf_model)
@@ -89,11 +90,14 @@ class DSV41Model:
         hf_model, tokenizer = loader.load_model(
             source.path, dtype=dtype, device=device, device_map=config.device_map, weight_quant=config.weight_quant,
             trust_remote_code=config.trust_remote_code, allow_pickled_weights=config.allow_pickled_weights)
-        adapter.install(hf_model)
+        # float32 compute; weights held as bf16 where that is exact, or (dtype "auto") where the checkpoint was
+        # quantized coarser than bf16 anyway (adapter.pack_weights)
+        adapter.install(hf_model, pack_rounding=config.dtype == "auto" and loader.source_is_quantized(source.path))
         backend = pick_backend(config.use_flash_attention, next(hf_model.parameters()).device, dtype)
         info = LoadInfo(source.kind, source.display_name, str(source.path), resolved - started,
                         time.perf_counter() - resolved, str(next(hf_model.parameters()).device),
-                        str(dtype).replace("torch.", ""), config.weight_quant, backend)
+                        str(dtype).replace("torch.", ""), config.weight_quant, backend,
+                        adapter.packed_format(hf_model) or "")
         if progress:
             progress("Model ready", 1.0)
         return cls(config, hf_model, tokenizer, info, baseline_rss)

@@ -121,7 +121,9 @@ class ModelPanel(QWidget):
     def show_loaded(self, facts) -> None:
         self.progress.hide()
         self.load_button.setEnabled(True)
-        text = (f"{facts.display_name} · {facts.device} · {facts.dtype} · weights {facts.weight_quant}"
+        weights = facts.weight_quant if facts.weight_quant != "none" or not facts.weight_storage else \
+            f"held as {facts.weight_storage} (lossless)"
+        text = (f"{facts.display_name} · {facts.device} · {facts.dtype} · weights {weights}"
                 f" · {facts.attention_backend} · {facts.context_limit:,} tokens")
         self.status.setText(text)
         self.status.setToolTip(f"{text}\nLoaded in {facts.load_seconds:.1f} s from {facts.source}")

@@ -103,6 +103,9 @@ HEADROOM_ROW_TOKENS = 4096  # the bounded-peak row: a document turn may hold thi
 ENGINE_KNOBS = {
     "engine default, headroom": dict(kv_cache_ratio=0.5, csa2_topk=256, prefill_headroom=HEADROOM_ROW_TOKENS),
     "engine dense": dict(kv_cache_ratio=1.0, csa2_topk=0),
+    # the same with every weight held in float32 (dtype="float32": no bf16 packing), to separate what the
+    # bf16-held weights and our kernels bring from the rest of the engine
+    "engine dense, float32 weights": dict(kv_cache_ratio=1.0, csa2_topk=0),
     "engine + CED": dict(kv_cache_ratio=0.5, csa2_topk=0),
     "engine + CED + CSA2": dict(kv_cache_ratio=0.5, csa2_topk=256),
     "engine default": dict(kv_cache_ratio=0.5, csa2_topk=256),
@@ -328,6 +331,7 @@ def main(argv=None) -> int:
     dtype = ctx.engine.dtype
     payload = {"machine": core.machine(ctx.engine.device), "mode": "gpu" if args.gpu else ("quick" if args.quick else "full"),
                "model": ctx.engine.info.display_name, "dtype": str(dtype).replace("torch.", ""),
+               "weight_storage": ctx.engine.info.weight_storage or str(dtype).replace("torch.", ""),
                "engine_knobs": ENGINE_KNOBS, "reps": ctx.reps, "sections": {},
                "peak_memory": "torch.cuda.max_memory_allocated" if args.gpu else
                ("process RSS sampled every 2 ms in a run of its own" +
@@ -337,7 +341,13 @@ def main(argv=None) -> int:
         ctx.hf = {"transformers eager": load_hf(folder, "eager", ctx.device, dtype),
                   "transformers sdpa": load_hf(folder, "sdpa", ctx.device, dtype)}
         ctx.engine_rows = {name: ctx.engine for name in ENGINE_KNOBS}
+        payload["row_weight_bytes"] = {name: core.weight_read_bytes(model) for name, model in ctx.hf.items()}
         ctx.seed_rows = list(SEED_ROWS)
+        if ctx.engine.info.weight_storage:  # weights held as bf16: a float32-weights row beside it
+            ctx.engine_rows["engine dense, float32 weights"] = load_engine(args, ctx.device, dtype="float32")
+            ctx.seed_rows.insert(ctx.seed_rows.index("engine dense") + 1, "engine dense, float32 weights")
+            payload["row_weight_bytes"]["engine dense, float32 weights"] = core.weight_read_bytes(
+                ctx.engine_rows["engine dense, float32 weights"].hf_model)
         ctx.scaling_rows = ["transformers sdpa", "engine dense", "engine default"]
         if args.gpu:  # flash-attn on and off: a second engine with use_flash_attention=False
             off = load_engine(args, ctx.device, use_flash_attention=False)

@@ -76,16 +76,21 @@ def read_bandwidth(device: torch.device, nbytes: int = 1 << 30, reps: int = 5) -
 def matvec_ceiling(hf_model, reps: int = 5) -> dict:
     """The kernel ceiling: time of one matrix-vector product with every weight matrix of the model
     (what a decode step cannot avoid), with nothing else; as bytes/s and as a fraction of `bw`."""
-    device = next(hf_model.parameters()).device
-    mats = [p for p in hf_model.parameters() if p.dim() == 2 and p.dtype.is_floating_point]
-    seen, unique = set(), []
-    for m in mats:
-        if (m.data_ptr(), m.shape) not in seen:
-            seen.add((m.data_ptr(), m.shape))
-            unique.append(m)
+    from ..cache import adapter
     from ..cache.decoder import linear
+    from ..cpu_kernels import PackedMatrix
 
-    xs = {m.shape[1]: torch.ones(1, m.shape[1], dtype=m.dtype, device=device) for m in unique}
+    device = next(hf_model.parameters()).device
+    unique = adapter.step_matrices(hf_model)  # our decoder's (fused, packed) matrices when it runs
+    if unique is None:
+        mats = [p for p in hf_model.parameters() if p.dim() == 2 and p.dtype.is_floating_point]
+        seen, unique = set(), []
+        for m in mats:
+            if (m.data_ptr(), m.shape) not in seen:
+                seen.add((m.data_ptr(), m.shape))
+                unique.append(m)
+    dtype = adapter.compute_dtype(hf_model)
+    xs = {m.shape[1]: torch.ones(1, m.shape[1], dtype=dtype, device=device) for m in unique}
     with torch.inference_mode():
         for m in unique:
             linear(xs[m.shape[1]], m)
@@ -97,7 +102,7 @@ def matvec_ceiling(hf_model, reps: int = 5) -> dict:
                 linear(xs[m.shape[1]], m)
             sync(device)
             times.append(time.perf_counter() - start)
-    nbytes = sum(m.numel() * m.element_size() for m in unique)
+    nbytes = sum(m.nbytes if isinstance(m, PackedMatrix) else m.numel() * m.element_size() for m in unique)
     return {"seconds": statistics.median(times), "bytes": nbytes, "bytes_per_s": nbytes / statistics.median(times)}
 
 

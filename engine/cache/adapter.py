@@ -64,13 +64,75 @@ def register() -> None:
     _registered = True
 
 
-def install(model, *, fast: bool = True) -> None:
-    """Switch a loaded HF causal LM to the DS-V4.1 attention path (and our fused decoder where it applies)."""
+def install(model, *, fast: bool = True, pack: bool = True, pack_rounding: bool = False) -> None:
+    """Switch a loaded HF causal LM to the DS-V4.1 attention path (and our fused decoder where it applies).
+    `pack`: on CPU, hold the decoder's matrices as bf16 for our kernels when that is exact, or with
+    `pack_rounding` also when it rounds (pack_weights)."""
     check_architecture(getattr(model.config, "model_type", None))
     register()
     model.set_attn_implementation(ATTENTION_NAME)
+    model._dsv41_compute_dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     weights = decoder_weights(model) if fast else None
+    model._dsv41_packed = pack_weights(model, weights, rounding=pack_rounding) if weights is not None and pack else None
     model._dsv41_decoder = Decoder(weights) if weights is not None else None
+
+
+def compute_dtype(model) -> torch.dtype:
+    """The dtype activations and the KV cache use (weights may be held more compactly, see pack_weights)."""
+    found = getattr(model, "_dsv41_compute_dtype", None)
+    return found if found is not None else next(p.dtype for p in model.parameters() if p.is_floating_point())
+
+
+def packed_format(model) -> str | None:
+    """'bf16' when pack_weights holds the decoder's matrices for our CPU kernels, else None."""
+    return getattr(model, "_dsv41_packed", None)
+
+
+@torch.inference_mode()
+def pack_weights(model, weights: DecoderWeights, *, rounding: bool = False) -> str | None:
+    """Hold every decoder matrix (and the embedding) as bf16 for engine.cpu_kernels, on CPU, when that is
+    exact: a bf16 model, or a float32 model whose values are all bf16 values (a bf16 checkpoint loaded as
+    float32, like the default model). Activations and the KV cache keep the compute dtype. transformers'
+    Linear modules are re-pointed at slices of the bf16 matrices, so the float32 copies are freed and
+    the model's parameters count what is really held. `rounding`: pack a float32 model whose values bf16
+    cannot all hold (the loader allows it for checkpoints quantized coarser than bf16). Returns 'bf16', or
+    None where nothing changed (GPU, kernels unavailable, float16, inexact values without `rounding`)."""
+    from ..cpu_kernels import PackedMatrix, bf16_exact, load
+
+    dtype = weights.final_norm.dtype
+    if weights.final_norm.device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16) or load() is None:
+        return None
+    base, lm_head = model.model, model.lm_head
+    tied = base.embed_tokens.weight is lm_head.weight
+    matrices = [m for layer in weights.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    matrices.append(weights.lm_head)
+    if not tied:
+        matrices.append(weights.embed)
+    if dtype == torch.float32 and not rounding and not all(bf16_exact(m) for m in matrices):
+        return None
+
+    def packed(tensor: torch.Tensor, modules) -> PackedMatrix:
+        matrix = PackedMatrix(tensor.detach().to(torch.bfloat16).contiguous())
+        row = 0
+        for module in modules:
+            n = module.weight.shape[0]
+            module.weight = torch.nn.Parameter(matrix.data[row:row + n], requires_grad=False)
+            row += n
+        return matrix
+
+    for layer, weight in zip(base.layers, weights.layers, strict=True):
+        a, m = layer.self_attn, layer.mlp
+        weight.qkv = packed(weight.qkv, [a.q_proj, a.k_proj, a.v_proj])
+        weight.o = packed(weight.o, [a.o_proj])
+        weight.gate_up = packed(weight.gate_up, [m.gate_proj, m.up_proj])
+        weight.down = packed(weight.down, [m.down_proj])
+    weights.lm_head = packed(weights.lm_head, [lm_head])
+    if tied:
+        base.embed_tokens.weight = lm_head.weight
+        weights.embed = weights.lm_head
+    else:
+        weights.embed = packed(weights.embed, [base.embed_tokens])
+    return "bf16"
 
 
 def uses_fast_decoder(model) -> bool:
@@ -177,6 +239,16 @@ def decoder_weights(model) -> DecoderWeights | None:
         embed=base.embed_tokens.weight, layers=out, final_norm=base.norm.weight, lm_head=lm_head.weight,
         lm_head_bias=lm_head.bias, heads=heads, kv_heads=kv_heads, head_dim=head_dim, eps=eps,
         scaling=attn0.scaling, rotary=lambda x, pos: rotary(x, position_ids=pos), act=layers[0].mlp.act_fn)
+
+
+def step_matrices(model) -> list | None:
+    """The matrices one decode step of our decoder multiplies (fused, packed where packed), or None when
+    transformers' forward runs."""
+    decoder = getattr(model, "_dsv41_decoder", None)
+    if decoder is None:
+        return None
+    w = decoder.w
+    return [m for layer in w.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [w.lm_head]
 
 
 def text_config(model):

@@ -20,27 +20,29 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..cpu_kernels import PackedMatrix
+
 
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor  # [D]
-    qkv: torch.Tensor  # [(H + 2h) * d, D]
+    qkv: torch.Tensor | PackedMatrix  # [(H + 2h) * d, D]
     qkv_bias: torch.Tensor | None
-    o: torch.Tensor  # [D, H * d]
+    o: torch.Tensor | PackedMatrix  # [D, H * d]
     o_bias: torch.Tensor | None
     post_norm: torch.Tensor  # [D]
-    gate_up: torch.Tensor  # [2 * I, D]
-    down: torch.Tensor  # [D, I]
+    gate_up: torch.Tensor | PackedMatrix  # [2 * I, D]
+    down: torch.Tensor | PackedMatrix  # [D, I]
     q_norm: torch.Tensor | None = None  # Qwen3: RMSNorm over each head's d
     k_norm: torch.Tensor | None = None
 
 
 @dataclass
 class DecoderWeights:
-    embed: torch.Tensor  # [V, D]
+    embed: torch.Tensor | PackedMatrix  # [V, D]
     layers: list[LayerWeights]
-    final_norm: torch.Tensor
-    lm_head: torch.Tensor  # [V, D]
+    final_norm: torch.Tensor  # its dtype is the compute dtype
+    lm_head: torch.Tensor | PackedMatrix  # [V, D]
     lm_head_bias: torch.Tensor | None
     heads: int
     kv_heads: int
@@ -87,19 +89,23 @@ def rope_matrix(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return r
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, in] @ weight[out, in]^T. One token in half precision goes through mv: on CPU the bf16/fp16
-    matrix-vector kernel reads the weights faster than the GEMM path F.linear takes (measured: 17 vs 25 ms
-    for the default model's matrices)."""
+def linear(x: torch.Tensor, weight: torch.Tensor | PackedMatrix, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, in] @ weight[out, in]^T. A PackedMatrix (bf16/int8 weights on CPU) runs our kernels. One token in
+    half precision goes through mv: on CPU the bf16/fp16 matrix-vector kernel reads the weights faster than
+    the GEMM path F.linear takes (measured: 17 vs 25 ms for the default model's matrices)."""
+    if isinstance(weight, PackedMatrix):
+        return weight.linear(x, bias)
     if x.shape[0] == 1 and x.dtype != torch.float32 and x.device.type == "cpu":
         out = torch.mv(weight, x[0])[None]
         return out if bias is None else out + bias
     return F.linear(x, weight, bias)
 
 
-def residual_linear(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+def residual_linear(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | PackedMatrix,
                     bias: torch.Tensor | None = None) -> torch.Tensor:
     """residual + linear(x, weight, bias), the add fused into the matrix product where no bias."""
+    if isinstance(weight, PackedMatrix):
+        return weight.linear(x, bias, residual=residual)
     if bias is not None:
         return residual + linear(x, weight, bias)
     if x.shape[0] == 1 and x.dtype != torch.float32 and x.device.type == "cpu":
@@ -117,7 +123,10 @@ class Decoder:
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache, logits_to_keep: int = 1):
         w = self.w
         heads, kv_heads, d = w.heads, w.kv_heads, w.head_dim
-        x = F.embedding(input_ids[0], w.embed)  # [T, D]
+        if isinstance(w.embed, PackedMatrix):
+            x = w.embed.rows(input_ids[0], w.final_norm.dtype)  # [T, D]
+        else:
+            x = F.embedding(input_ids[0], w.embed)
         t = x.shape[0]
         cos, sin = w.rotary(x[None], position_ids)
         cos, sin = cos[0, :, None, :].to(x.dtype), sin[0, :, None, :].to(x.dtype)  # [T, 1, d]

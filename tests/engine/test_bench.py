@@ -112,8 +112,13 @@ def test_quick_bench_runs_end_to_end(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     payload = json.loads((out / "bench.json").read_text())
     rows = payload["sections"]["seed"]["rows"]
-    assert set(rows) == {"transformers eager", "transformers sdpa", "engine dense", "engine + CED",
-                         "engine + CED + CSA2"}
+    expected = {"transformers eager", "transformers sdpa", "engine dense", "engine + CED", "engine + CED + CSA2"}
+    if payload.get("weight_storage") == "bf16":  # the default model's weights held as bf16 (cpu_kernels)
+        expected.add("engine dense, float32 weights")
+        own = payload["row_weight_bytes"]
+        assert own["engine dense, float32 weights"] > 1.9 * payload["weight_read_bytes"]
+        assert own["transformers sdpa"] == own["engine dense, float32 weights"]
+    assert set(rows) == expected
     for row in rows.values():
         assert row["decode_tok_s"] > 0 and row["ttft_s"] > 0 and 0 < row["bandwidth_fraction"] < 2
     assert rows["engine + CED"]["kv_fraction"] < 0.6  # ratio 0.5 really compresses

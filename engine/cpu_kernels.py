@@ -1,0 +1,214 @@
+"""Compact weights for the CPU decode step: bf16 (lossless for bf16 checkpoints) or int8, through our own kernels.
+
+At batch 1 a decode step reads every weight once, so its time is the weight bytes over the memory
+bandwidth. The default model's weights are bf16 values; held as float32 they cost twice the bytes, and
+torch's bf16 matrix-vector kernel reaches only ~60 % of the bandwidth on our machine. cpu_kernels.c
+widens bf16 to float32 in registers and accumulates in float32, so a step computes the same float32
+products from half the bytes (benchmarks/cpu_kernels.py measures it).
+
+The C file is compiled on first use with the system's C compiler (`cc -O3 -march=native -fopenmp`) into
+the user cache folder, keyed by a hash of the source and the compiler. Without a compiler, on a CPU the
+kernels do not cover, or with DSV41_CPU_KERNELS=0, `load()` returns None and the engine keeps torch's
+float32 path: same results, more memory and time. No torch import at module level beyond what the engine
+already loads; nothing here knows transformers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+_lock = threading.Lock()
+_state: dict = {}
+
+
+@dataclass(frozen=True)
+class KernelLibrary:
+    lib: ctypes.CDLL
+    path: Path
+    isa: int  # 512 (AVX-512), 256 (AVX2 + FMA) or 0 (plain loops)
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _openmp_libraries() -> set[str]:
+    """Paths of the OpenMP runtimes mapped into this process (Linux; empty elsewhere)."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as maps:
+            return {line.split()[-1] for line in maps if "libgomp" in line or "libomp" in line or "libiomp" in line}
+    except OSError:
+        return set()
+
+
+def unavailable_reason() -> str | None:
+    """Why the kernels are not used (None when they are)."""
+    load()
+    return _state.get("reason")
+
+
+def load() -> KernelLibrary | None:
+    """The compiled kernels, building them once per source/compiler; None (with unavailable_reason) if not usable."""
+    with _lock:
+        if "library" in _state:
+            return _state["library"]
+        _state["library"] = None
+        try:
+            _state["library"] = _build_and_load()
+        except _Unavailable as exc:
+            _state["reason"] = str(exc)
+        return _state["library"]
+
+
+class _Unavailable(Exception):
+    pass
+
+
+def _build_and_load() -> KernelLibrary:
+    if os.environ.get("DSV41_CPU_KERNELS", "1") == "0":
+        raise _Unavailable("turned off by DSV41_CPU_KERNELS=0")
+    if not sys.platform.startswith("linux"):
+        raise _Unavailable(f"built on Linux only (this is {sys.platform})")
+    if torch.backends.openmp.is_available() is False:
+        raise _Unavailable("torch is built without OpenMP")
+    compiler = _compiler()
+    if compiler is None:
+        raise _Unavailable("no C compiler found (install gcc to enable the bf16 CPU kernels)")
+    source = SOURCE.read_bytes()
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+    key = hashlib.sha256(source + version.encode() + " ".join(flags).encode() + os.uname().machine.encode()).hexdigest()[:16]
+    from .loader import user_cache_dir
+
+    folder = user_cache_dir() / "kernels"
+    target = folder / f"cpu_kernels-{key}.so"
+    if not target.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        scratch = folder / f".build-{os.getpid()}-{threading.get_ident()}.so"
+        done = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(scratch)], capture_output=True, text=True,
+                              timeout=120)
+        if done.returncode != 0:
+            scratch.unlink(missing_ok=True)
+            raise _Unavailable(f"compiling {SOURCE.name} failed: {done.stderr.strip()[-400:]}")
+        os.replace(scratch, target)
+    before = _openmp_libraries()
+    try:
+        lib = ctypes.CDLL(str(target))
+    except OSError as exc:
+        raise _Unavailable(f"loading the kernels failed: {exc}") from exc
+    after = _openmp_libraries()
+    if before and after != before:
+        # A second OpenMP runtime would spin its own threads against torch's on the same cores.
+        raise _Unavailable("the kernels did not bind to torch's OpenMP runtime")
+    ptr, i64, cint = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.dsv41_kernels_isa.restype = cint
+    lib.dsv41_mv_bf16.argtypes = [ptr, ptr, ptr, i64, i64, cint, cint]
+    lib.dsv41_mv_bf16.restype = None
+    lib.dsv41_mv_int8.argtypes = [ptr, ptr, ptr, ptr, i64, i64, cint, cint]
+    lib.dsv41_mv_int8.restype = None
+    isa = lib.dsv41_kernels_isa()
+    if isa == 0:
+        raise _Unavailable("this CPU has neither AVX-512 nor AVX2+FMA; torch's path is faster")
+    return KernelLibrary(lib, target, isa)
+
+
+class PackedMatrix:
+    """A weight matrix [out, in] held as bf16 (or int8 + a float32 scale per row) for the CPU kernels.
+
+    `linear(x)` for one row of float32 activations runs the kernel (float32 accumulation); more rows (a
+    prefill chunk) widen the weights to float32 for one GEMM. Both give float32 results whatever the stored
+    format; other activation dtypes are converted in and out.
+    """
+
+    def __init__(self, data: torch.Tensor, scale: torch.Tensor | None = None):
+        if data.dim() != 2 or not data.is_contiguous() or data.device.type != "cpu":
+            raise ValueError("PackedMatrix needs a contiguous 2-D CPU tensor")
+        if scale is None and data.dtype != torch.bfloat16:
+            raise ValueError("PackedMatrix stores bf16, or int8 with a scale per row")
+        if scale is not None and (data.dtype != torch.int8 or scale.shape != (data.shape[0],)):
+            raise ValueError("an int8 PackedMatrix needs one float32 scale per row")
+        self.data = data
+        self.scale = scale.float().contiguous() if scale is not None else None
+        self.shape = data.shape
+        library = load()
+        if library is None:
+            raise RuntimeError(f"CPU kernels unavailable: {unavailable_reason()}")
+        self._lib = library.lib
+
+    @property
+    def format(self) -> str:
+        return "int8" if self.scale is not None else "bf16"
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size() + (self.scale.numel() * 4 if self.scale is not None else 0)
+
+    def dense(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if self.scale is None:
+            return self.data.to(dtype)
+        return (self.data.to(torch.float32) * self.scale[:, None]).to(dtype)
+
+    def rows(self, index: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Selected rows widened (an embedding lookup)."""
+        picked = self.data[index].to(torch.float32)
+        if self.scale is not None:
+            picked = picked * self.scale[index][:, None]
+        return picked.to(dtype)
+
+    def matvec(self, x: torch.Tensor, out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
+        """x [in] float32 contiguous -> out [out] float32 (out += W x when accumulate)."""
+        rows, cols = self.shape
+        if out is None:
+            out = torch.empty(rows, dtype=torch.float32)
+        threads = torch.get_num_threads()
+        if self.scale is None:
+            self._lib.dsv41_mv_bf16(self.data.data_ptr(), x.data_ptr(), out.data_ptr(), rows, cols, int(accumulate),
+                                    threads)
+        else:
+            self._lib.dsv41_mv_int8(self.data.data_ptr(), self.scale.data_ptr(), x.data_ptr(), out.data_ptr(), rows,
+                                    cols, int(accumulate), threads)
+        return out
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None,
+               residual: torch.Tensor | None = None) -> torch.Tensor:
+        """(residual +) x [T, in] @ W^T (+ bias) -> [T, out] in x's dtype."""
+        dtype = x.dtype
+        if x.shape[0] == 1:
+            vector = x[0].to(torch.float32).contiguous()
+            if residual is not None:
+                out = residual[0].to(torch.float32, copy=True)
+                self.matvec(vector, out, accumulate=True)
+            else:
+                out = self.matvec(vector)
+            if bias is not None:
+                out += bias.float()
+            return out.to(dtype)[None]
+        weight = self.dense(dtype)
+        if residual is not None and bias is None:
+            return torch.addmm(residual, x, weight.t())
+        out = torch.nn.functional.linear(x, weight, bias)
+        return out if residual is None else residual + out
+
+
+def bf16_exact(tensor: torch.Tensor) -> bool:
+    """True when every value of a float32 tensor is a bf16 value (storing it in bf16 loses nothing)."""
+    if tensor.dtype == torch.bfloat16:
+        return True
+    if tensor.dtype != torch.float32:
+        return False
+    bits = tensor.detach().contiguous().view(torch.int32)
+    return not bool((bits & 0xFFFF).any())
