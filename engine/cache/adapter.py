@@ -64,16 +64,18 @@ def register() -> None:
     _registered = True
 
 
-def install(model, *, fast: bool = True, pack: bool = True, pack_rounding: bool = False) -> None:
+def install(model, *, fast: bool = True, pack: bool = True, pack_rounding: bool = False,
+            pack_format: str = "bf16") -> None:
     """Switch a loaded HF causal LM to the DS-V4.1 attention path (and our fused decoder where it applies).
     `pack`: on CPU, hold the decoder's matrices as bf16 for our kernels when that is exact, or with
-    `pack_rounding` also when it rounds (pack_weights)."""
+    `pack_rounding` also when it rounds; `pack_format="int8"` quantizes them to int8 (pack_weights)."""
     check_architecture(getattr(model.config, "model_type", None))
     register()
     model.set_attn_implementation(ATTENTION_NAME)
     model._dsv41_compute_dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     weights = decoder_weights(model) if fast else None
-    model._dsv41_packed = pack_weights(model, weights, rounding=pack_rounding) if weights is not None and pack else None
+    model._dsv41_packed = pack_weights(model, weights, rounding=pack_rounding, fmt=pack_format) \
+        if weights is not None and pack else None
     model._dsv41_decoder = Decoder(weights) if weights is not None else None
 
 
@@ -89,14 +91,17 @@ def packed_format(model) -> str | None:
 
 
 @torch.inference_mode()
-def pack_weights(model, weights: DecoderWeights, *, rounding: bool = False) -> str | None:
+def pack_weights(model, weights: DecoderWeights, *, rounding: bool = False, fmt: str = "bf16") -> str | None:
     """Hold every decoder matrix (and the embedding) as bf16 for engine.cpu_kernels, on CPU, when that is
     exact: a bf16 model, or a float32 model whose values are all bf16 values (a bf16 checkpoint loaded as
     float32, like the default model). Activations and the KV cache keep the compute dtype. transformers'
     Linear modules are re-pointed at slices of the bf16 matrices, so the float32 copies are freed and
     the model's parameters count what is really held. `rounding`: pack a float32 model whose values bf16
     cannot all hold (the loader allows it for checkpoints quantized coarser than bf16). Returns 'bf16', or
-    None where nothing changed (GPU, kernels unavailable, float16, inexact values without `rounding`)."""
+    None where nothing changed (GPU, kernels unavailable, float16, inexact values without `rounding`).
+
+    fmt="int8" (weight_quant="int8" on CPU): every matrix quantized per output row (absmax / 127, one
+    float32 scale per row), a quarter of float32's bytes; the float32 compute is unchanged."""
     from ..cpu_kernels import PackedMatrix, bf16_exact, load
 
     dtype = weights.final_norm.dtype
@@ -108,15 +113,20 @@ def pack_weights(model, weights: DecoderWeights, *, rounding: bool = False) -> s
     matrices.append(weights.lm_head)
     if not tied:
         matrices.append(weights.embed)
-    if dtype == torch.float32 and not rounding and not all(bf16_exact(m) for m in matrices):
+    if fmt == "bf16" and dtype == torch.float32 and not rounding and not all(bf16_exact(m) for m in matrices):
         return None
 
     def packed(tensor: torch.Tensor, modules) -> PackedMatrix:
-        matrix = PackedMatrix(tensor.detach().to(torch.bfloat16).contiguous())
+        if fmt == "int8":
+            matrix = PackedMatrix(*quantize_rows_int8(tensor))
+        else:
+            matrix = PackedMatrix(tensor.detach().to(torch.bfloat16).contiguous())
         row = 0
         for module in modules:
             n = module.weight.shape[0]
             module.weight = torch.nn.Parameter(matrix.data[row:row + n], requires_grad=False)
+            if matrix.scale is not None:  # counted with the module's memory
+                module.register_buffer("dsv41_weight_scale", matrix.scale[row:row + n], persistent=False)
             row += n
         return matrix
 
@@ -132,7 +142,15 @@ def pack_weights(model, weights: DecoderWeights, *, rounding: bool = False) -> s
         weights.embed = weights.lm_head
     else:
         weights.embed = packed(weights.embed, [base.embed_tokens])
-    return "bf16"
+    return fmt
+
+
+def quantize_rows_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per output row: (int8 [out, in], float32 scale [out]) with weight ~ q * scale."""
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
+    return q, scale
 
 
 def uses_fast_decoder(model) -> bool:

@@ -140,3 +140,30 @@ def test_turned_off_by_environment(monkeypatch):
     monkeypatch.setenv("DSV41_CPU_KERNELS", "0")
     assert cpu_kernels.load() is None
     assert "DSV41_CPU_KERNELS=0" in cpu_kernels.unavailable_reason()
+
+
+def test_int8_rows_quantize_within_half_a_step():
+    torch.manual_seed(1)
+    w = torch.randn(20, 33) * torch.rand(20, 1)
+    q, scale = adapter.quantize_rows_int8(w)
+    assert q.dtype == torch.int8 and scale.shape == (20,)
+    assert q.abs().max() == 127  # each row's largest weight uses the full range
+    assert torch.all((q.float() * scale[:, None] - w).abs() <= scale[:, None] / 2 + 1e-7)
+
+
+@needs_kernels
+def test_int8_weights_run_through_the_decoder(tiny_model):
+    """weight_quant="int8" on CPU: every matrix int8 with row scales (about a quarter of the bytes), float32
+    compute, logits close to the float32 model's."""
+    reference = tiny_model("qwen2")
+    model = tiny_model("qwen2")
+    adapter.install(reference, pack=False)
+    before = module_bytes(model)
+    adapter.install(model, pack_format="int8")
+    assert adapter.packed_format(model) == "int8" and adapter.compute_dtype(model) == torch.float32
+    assert module_bytes(model) < 0.4 * before
+    ids = torch.randint(0, 256, (1, 30))
+    expected = run_ids(reference, make_cache(reference, kv_cache_ratio=1.0, csa2_topk=0), ids)
+    got = run_ids(model, make_cache(model, kv_cache_ratio=1.0, csa2_topk=0), ids)
+    assert (got - expected).abs().max() < 0.05 * expected.abs().max()
+    assert (got.argmax(-1) == expected.argmax(-1)).float().mean() > 0.9
