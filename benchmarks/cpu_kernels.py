@@ -27,6 +27,7 @@ from engine.cache import adapter
 
 from .common import RESULTS, machine, write_results
 from .corpus import speech
+from .quality import _ratio_keys
 
 LAYERS, HIDDEN, INTERMEDIATE, QKV_ROWS, VOCAB = 30, 576, 1536, 960, 49152
 SPEECHES = ["2024-Biden-1", "2016-Obama-1", "1962-Kennedy-1", "2019-Trump-1"]
@@ -150,26 +151,13 @@ def _table(p: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-def _keys(obj):
-    if isinstance(obj, dict):
-        out = {}
-        for k, v in obj.items():
-            try:
-                k = float(k)
-            except ValueError:
-                pass
-            out[k] = _keys(v)
-        return out
-    return obj
-
-
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--sections", default="matvec,step,quality")
     args = parser.parse_args(argv)
     sections = set(args.sections.split(","))
     previous = RESULTS / "cpu-kernels" / "cpu-kernels.json"
-    payload = _keys(json.loads(previous.read_text())) if previous.exists() else {}
+    payload = _ratio_keys(json.loads(previous.read_text())) if previous.exists() else {}
     payload["machine"] = machine()
     payload["threads"] = torch.get_num_threads()
     library = cpu_kernels.load()
