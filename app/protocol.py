@@ -96,4 +96,4 @@ class ModelFacts:
     kv_bytes_per_token: int
     config: dict
     load_seconds: float = 0.0
-    weight_storage: str = ""  # "bf16": float32 compute on weights held as bf16 (lossless; engine.cpu_kernels)
+    weight_storage: str = ""  # "bf16"/"int8": float32 compute on weights held so (engine.cpu_kernels)

@@ -188,15 +188,16 @@ class PackedMatrix:
         """(residual +) x [T, in] @ W^T (+ bias) -> [T, out] in x's dtype."""
         dtype = x.dtype
         if x.shape[0] == 1:
-            vector = x[0].to(torch.float32).contiguous()
+            native = dtype == torch.float32
+            vector = x.view(-1) if native and x.is_contiguous() else x[0].to(torch.float32).contiguous()
             if residual is not None:
-                out = residual[0].to(torch.float32, copy=True)
+                out = residual.reshape(-1).clone() if native else residual[0].to(torch.float32, copy=True)
                 self.matvec(vector, out, accumulate=True)
             else:
                 out = self.matvec(vector)
             if bias is not None:
-                out += bias.float()
-            return out.to(dtype)[None]
+                out += bias if native else bias.float()
+            return out.view(1, -1) if native else out.to(dtype)[None]
         weight = self.dense(dtype)
         if residual is not None and bias is None:
             return torch.addmm(residual, x, weight.t())

@@ -122,7 +122,7 @@ class ModelPanel(QWidget):
         self.progress.hide()
         self.load_button.setEnabled(True)
         weights = facts.weight_quant if facts.weight_quant != "none" or not facts.weight_storage else \
-            f"held as {facts.weight_storage} (lossless)"
+            f"held as {facts.weight_storage}"
         text = (f"{facts.display_name} · {facts.device} · {facts.dtype} · weights {weights}"
                 f" · {facts.attention_backend} · {facts.context_limit:,} tokens")
         self.status.setText(text)

@@ -33,6 +33,11 @@ def real_window(qtbot, make_window):
 def test_real_model_reply_streams_into_the_view_and_is_saved(qtbot, real_window, data_dir):
     window = real_window
     assert window.facts.display_name == "SmolLM2-135M-Instruct"
+    from engine import cpu_kernels
+
+    if cpu_kernels.load() is not None:  # the model panel says how the weights are held
+        assert window.facts.weight_storage == "bf16"
+        assert "weights held as bf16" in window.model_panel.status.text()
     window.composer.setPlainText("What is the capital of France?")
     window.send()
     qtbot.waitUntil(lambda: not window.turns.busy, timeout=120_000)
