@@ -21,6 +21,22 @@ def test_default_model_is_converted_once_and_reloads_fast(default_model):
     assert default_model.info.resolve_seconds < 1.0  # already converted: no second conversion
 
 
+def test_the_default_conversion_knows_its_gguf_was_quantized(default_model, tmp_path):
+    from engine.loader import source_is_quantized
+
+    folder = resolve_source("default").path
+    assert source_is_quantized(folder)  # Q4_1 / Q8_0: float32 values coarser than bf16 keeps
+    record = json.loads((folder / "dsv41_source.json").read_text())
+    assert record["quantized"] is True
+    # a conversion from before the flag learns it from its GGUF, once, and records it
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "dsv41_source.json").write_text(json.dumps({"gguf": record["gguf"]}))
+    assert source_is_quantized(old)
+    assert json.loads((old / "dsv41_source.json").read_text())["quantized"] is True
+    assert not source_is_quantized(tmp_path)  # a plain folder: nothing recorded, weights kept as they are
+
+
 def test_local_folder_loads_and_generates(tiny_folder):
     model = load(tiny_folder, max_seq_len=256)
     assert model.info.source_kind == "folder"
