@@ -2,8 +2,8 @@
  *
  * y = W x (+ y), W stored compactly (bf16 bits, or int8 with one float scale per row), x and y float32.
  * At batch 1 a decode step is memory-bound: it reads every weight once. float32 weights cost 4 bytes per
- * weight; the model's bf16 values are exact in 2 bytes, and torch's bf16 matrix-vector path reaches only
- * ~60 % of the machine's bandwidth here. These loops widen bf16 to float32 in registers (exact) and
+ * weight, bf16 2 (exact for bf16 checkpoints, a rounding for others), and torch's bf16 matrix-vector path
+ * reaches only ~60 % of the machine's bandwidth here. These loops widen bf16 to float32 in registers (exact) and
  * multiply-add in float32, so the products equal float32 arithmetic on the same values.
  *
  * bf16 widening: a 32-bit lane holding two bf16 values (w[2i] low, w[2i+1] high) gives w[2i+1] as a float
@@ -12,7 +12,8 @@
  *
  * Threads: OpenMP. Loaded into a process whose torch uses libgomp, this library binds to the same
  * runtime (same soname), so it shares torch's thread pool instead of competing with it; cpu_kernels.py
- * checks that. Built with -march=native on the user's machine; without AVX-512 or AVX2+FMA, a plain loop.
+ * checks that. Built with -march=native on the user's machine; without AVX-512 or AVX2+FMA only plain loops remain,
+ * and cpu_kernels.py does not use such a build.
  */
 #include <stdint.h>
 #include <stdlib.h>

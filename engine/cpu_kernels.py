@@ -1,10 +1,11 @@
-"""Compact weights for the CPU decode step: bf16 (lossless for bf16 checkpoints) or int8, through our own kernels.
+"""Compact weights for the CPU decode step: bf16 or int8, through our own kernels.
 
 At batch 1 a decode step reads every weight once, so its time is the weight bytes over the memory
-bandwidth. The default model's weights are bf16 values; held as float32 they cost twice the bytes, and
-torch's bf16 matrix-vector kernel reaches only ~60 % of the bandwidth on our machine. cpu_kernels.c
-widens bf16 to float32 in registers and accumulates in float32, so a step computes the same float32
-products from half the bytes (benchmarks/cpu_kernels.py measures it).
+bandwidth. Held as bf16 the weights cost half of float32's bytes, and torch's bf16 matrix-vector kernel
+reaches only ~60 % of the bandwidth on our machine. cpu_kernels.c widens bf16 to float32 in registers and
+accumulates in float32, so a step computes float32 products of the bf16 values from half the bytes: exact
+for bf16 checkpoints, a rounding for others (adapter.pack_weights decides; benchmarks/cpu_kernels.py
+measures speed and perplexity).
 
 The C file is compiled on first use with the system's C compiler (`cc -O3 -march=native -fopenmp`) into
 the user cache folder, keyed by a hash of the source and the compiler. Without a compiler, on a CPU the
@@ -36,7 +37,7 @@ _state: dict = {}
 class KernelLibrary:
     lib: ctypes.CDLL
     path: Path
-    isa: int  # 512 (AVX-512), 256 (AVX2 + FMA) or 0 (plain loops)
+    isa: int  # 512 (AVX-512) or 256 (AVX2 + FMA); plain-loop builds are refused (torch is faster)
 
 
 def _compiler() -> str | None:
@@ -148,10 +149,6 @@ class PackedMatrix:
         if library is None:
             raise RuntimeError(f"CPU kernels unavailable: {unavailable_reason()}")
         self._lib = library.lib
-
-    @property
-    def format(self) -> str:
-        return "int8" if self.scale is not None else "bf16"
 
     @property
     def nbytes(self) -> int:

@@ -99,7 +99,7 @@ def _cpu_kernels_check() -> Check:
     library = cpu_kernels.load()
     if library is not None:
         isa = {512: "AVX-512", 256: "AVX2"}.get(library.isa, "plain")
-        return Check("CPU kernels", "ok", f"built ({isa}): weights held as bf16, decode reads half the bytes")
+        return Check("CPU kernels", "ok", f"built ({isa}): CPU weights held as bf16 (or int8), decode reads half the bytes or less")
     return Check("CPU kernels", "warn", cpu_kernels.unavailable_reason() or "unavailable",
                  "Decoding on the CPU works without them, about 1.4x slower with twice the weight memory. "
                  "Install a C compiler (Debian/Ubuntu: sudo apt install gcc) and restart.")

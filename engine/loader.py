@@ -206,8 +206,8 @@ def gguf_is_quantized(path: Path) -> bool:
 
 
 def source_is_quantized(folder: Path) -> bool:
-    """True when `folder` is our conversion of a quantized GGUF: its float32 weights carry less precision than
-    bf16 (the default model: Q4_1 and Q8_0), so holding them as bf16 loses nothing that matters (perplexity
+    """True when `folder` is our conversion of a quantized GGUF: its float32 weights came from codes coarser than
+    bf16's precision (the default model: Q4_1 and Q8_0), so holding them as bf16 loses nothing that matters (perplexity
     -0.10 to +0.00 % on four speeches: benchmarks/cpu_kernels.py). Older conversions learn it from their GGUF once."""
     record = Path(folder) / "dsv41_source.json"
     try:

@@ -46,7 +46,7 @@ class LoadInfo:
     dtype: str
     weight_quant: str
     attention_backend: str
-    weight_storage: str = ""  # how the weights are held when it differs from dtype: "bf16" (cpu_kernels)
+    weight_storage: str = ""  # how the weights are held when it differs from dtype: "bf16" or "int8" (cpu_kernels)
 
 
 @dataclass(frozen=True)

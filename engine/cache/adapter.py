@@ -86,7 +86,7 @@ def compute_dtype(model) -> torch.dtype:
 
 
 def packed_format(model) -> str | None:
-    """'bf16' when pack_weights holds the decoder's matrices for our CPU kernels, else None."""
+    """'bf16' or 'int8' when pack_weights holds the decoder's matrices for our CPU kernels, else None."""
     return getattr(model, "_dsv41_packed", None)
 
 
@@ -94,10 +94,11 @@ def packed_format(model) -> str | None:
 def pack_weights(model, weights: DecoderWeights, *, rounding: bool = False, fmt: str = "bf16") -> str | None:
     """Hold every decoder matrix (and the embedding) as bf16 for engine.cpu_kernels, on CPU, when that is
     exact: a bf16 model, or a float32 model whose values are all bf16 values (a bf16 checkpoint loaded as
-    float32, like the default model). Activations and the KV cache keep the compute dtype. transformers'
+    float32). Activations and the KV cache keep the compute dtype. transformers'
     Linear modules are re-pointed at slices of the bf16 matrices, so the float32 copies are freed and
     the model's parameters count what is really held. `rounding`: pack a float32 model whose values bf16
-    cannot all hold (the loader allows it for checkpoints quantized coarser than bf16). Returns 'bf16', or
+    cannot all hold (the loader allows it for checkpoints quantized coarser than bf16, like the default
+    Q4_1 model). Returns the format held ('bf16' or 'int8'), or
     None where nothing changed (GPU, kernels unavailable, float16, inexact values without `rounding`).
 
     fmt="int8" (weight_quant="int8" on CPU): every matrix quantized per output row (absmax / 127, one
