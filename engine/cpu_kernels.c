@@ -18,12 +18,45 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <omp.h>
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
-#define PREFETCH 256 /* elements ahead (512 bytes of bf16) */
-#define BLOCK 64     /* rows per OpenMP work item */
+#define PREFETCH 256     /* long rows: elements ahead within each row (512 bytes of bf16) */
+#define LINEAR_BYTES 4096 /* rows up to this many bytes are prefetched as one linear stream (see below) */
+#define AHEAD 2           /* ... that many row groups ahead */
+
+/* Prefetching. A group of R rows is read in parallel, one vector per row per step. For short rows (the
+ * default model's are 576 or 1536 columns: 1,152 / 3,072 bytes of bf16) the group is one contiguous span,
+ * and per-row prefetching runs off the end of each row every few steps; instead the span AHEAD groups further
+ * on is prefetched linearly into L2, as many lines per step as the step consumes (measured on the default
+ * model's decode matrices, 2 cores: 21 -> 26 GB/s; into L1 instead: 23 GB/s). Long rows keep a per-row
+ * prefetch into L1. `limit` is the end of this thread's rows. */
+typedef struct {
+    const char *next, *limit;
+} Stream;
+
+static inline Stream stream_at(const void *w, int64_t row, int64_t row_bytes, int group, const void *limit) {
+    Stream st = {(const char *)w + (row + (int64_t)group * AHEAD) * row_bytes, (const char *)limit};
+    return st;
+}
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+static inline float hsum256(__m256 t) {
+    __m128 q = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+    q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    q = _mm_add_ss(q, _mm_movehdup_ps(q));
+    return _mm_cvtss_f32(q);
+}
+#endif
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+static inline void stream_to(Stream *st, const char *target) {
+    if (target > st->limit) target = st->limit;
+    for (; st->next < target; st->next += 64) _mm_prefetch(st->next, _MM_HINT_T1);
+}
+#endif
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -40,6 +73,9 @@ static inline void store(float *y, int64_t r, float s, int acc) { y[r] = acc ? y
 static void rows_bf16(const uint16_t *w, const float *xe, const float *xo, float *y, int64_t r0, int64_t r1,
                       int64_t cols, int acc) {
     int64_t r = r0;
+    const int64_t row_bytes = cols * 2;
+    const int linear = row_bytes <= LINEAR_BYTES;
+    const void *limit = w + r1 * cols;
 #if defined(__AVX512F__)
     const __m512i hi = _mm512_set1_epi32((int)0xFFFF0000u);
     for (; r + 8 <= r1; r += 8) {
@@ -50,12 +86,15 @@ static void rows_bf16(const uint16_t *w, const float *xe, const float *xo, float
             b[j] = a[j];
             p[j] = w + (r + j) * cols;
         }
+        Stream st = stream_at(w, r, row_bytes, 8, limit);
+        const char *base = st.next;
         int64_t k = 0;
         for (; k + 32 <= cols; k += 32) {
             __m512 ve = _mm512_loadu_ps(xe + k / 2), vo = _mm512_loadu_ps(xo + k / 2);
+            if (linear) stream_to(&st, base + (k + 32) * 16); /* 8 rows x 64 bytes per step */
 #pragma GCC unroll 8
             for (int j = 0; j < 8; j++) {
-                _mm_prefetch((const char *)(p[j] + k + PREFETCH), _MM_HINT_T0);
+                if (!linear) _mm_prefetch((const char *)(p[j] + k + PREFETCH), _MM_HINT_T0);
                 __m512i v = _mm512_loadu_si512((const void *)(p[j] + k));
                 a[j] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)), ve, a[j]);
                 b[j] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(v, hi)), vo, b[j]);
@@ -77,28 +116,29 @@ static void rows_bf16(const uint16_t *w, const float *xe, const float *xo, float
             b[j] = a[j];
             p[j] = w + (r + j) * cols;
         }
+        Stream st = stream_at(w, r, row_bytes, 4, limit);
+        const char *base = st.next;
         int64_t k = 0;
         for (; k + 16 <= cols; k += 16) {
             __m256 ve = _mm256_loadu_ps(xe + k / 2), vo = _mm256_loadu_ps(xo + k / 2);
+            if (linear) stream_to(&st, base + (k + 16) * 8); /* 4 rows x 32 bytes per step */
 #pragma GCC unroll 4
             for (int j = 0; j < 4; j++) {
-                _mm_prefetch((const char *)(p[j] + k + PREFETCH), _MM_HINT_T0);
+                if (!linear) _mm_prefetch((const char *)(p[j] + k + PREFETCH), _MM_HINT_T0);
                 __m256i v = _mm256_loadu_si256((const __m256i *)(p[j] + k));
                 a[j] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(v, 16)), ve, a[j]);
                 b[j] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(v, hi)), vo, b[j]);
             }
         }
         for (int j = 0; j < 4; j++) {
-            __m256 t = _mm256_add_ps(a[j], b[j]);
-            __m128 q = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-            q = _mm_add_ps(q, _mm_movehl_ps(q, q));
-            q = _mm_add_ss(q, _mm_movehdup_ps(q));
-            float s = _mm_cvtss_f32(q);
+            float s = hsum256(_mm256_add_ps(a[j], b[j]));
             for (int64_t kk = k; kk < cols; kk++) s += bf16_to_f32(p[j][kk]) * x_at(xe, xo, kk);
             store(y, r + j, s, acc);
         }
     }
 #endif
+    (void)linear;
+    (void)limit;
     for (; r < r1; r++) {
         const uint16_t *p = w + r * cols;
         float s = 0.f;
@@ -111,6 +151,8 @@ static void rows_bf16(const uint16_t *w, const float *xe, const float *xo, float
 static void rows_int8(const int8_t *w, const float *scale, const float *x, float *y, int64_t r0, int64_t r1,
                       int64_t cols, int acc) {
     int64_t r = r0;
+    const int linear = cols <= LINEAR_BYTES;
+    const void *limit = w + r1 * cols;
 #if defined(__AVX512F__)
     for (; r + 4 <= r1; r += 4) {
         __m512 a[4][4];
@@ -119,13 +161,16 @@ static void rows_int8(const int8_t *w, const float *scale, const float *x, float
             for (int u = 0; u < 4; u++) a[j][u] = _mm512_setzero_ps();
             p[j] = w + (r + j) * cols;
         }
+        Stream st = stream_at(w, r, cols, 4, limit);
+        const char *base = st.next;
         int64_t k = 0;
         for (; k + 64 <= cols; k += 64) {
             __m512 xv[4];
             for (int u = 0; u < 4; u++) xv[u] = _mm512_loadu_ps(x + k + 16 * u);
+            if (linear) stream_to(&st, base + (k + 64) * 4); /* 4 rows x 64 bytes per step */
 #pragma GCC unroll 4
             for (int j = 0; j < 4; j++) {
-                _mm_prefetch((const char *)(p[j] + k + 2 * PREFETCH), _MM_HINT_T0);
+                if (!linear) _mm_prefetch((const char *)(p[j] + k + 2 * PREFETCH), _MM_HINT_T0);
                 __m512i v = _mm512_loadu_si512((const void *)(p[j] + k));
                 for (int u = 0; u < 4; u++) {
                     __m128i part = _mm512_extracti32x4_epi32(v, 0);
@@ -151,28 +196,29 @@ static void rows_int8(const int8_t *w, const float *scale, const float *x, float
             a[j][1] = a[j][0];
             p[j] = w + (r + j) * cols;
         }
+        Stream st = stream_at(w, r, cols, 4, limit);
+        const char *base = st.next;
         int64_t k = 0;
         for (; k + 16 <= cols; k += 16) {
             __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
+            if (linear) stream_to(&st, base + (k + 16) * 4); /* 4 rows x 16 bytes per step */
 #pragma GCC unroll 4
             for (int j = 0; j < 4; j++) {
-                _mm_prefetch((const char *)(p[j] + k + 2 * PREFETCH), _MM_HINT_T0);
+                if (!linear) _mm_prefetch((const char *)(p[j] + k + 2 * PREFETCH), _MM_HINT_T0);
                 __m128i v = _mm_loadu_si128((const __m128i *)(p[j] + k));
                 a[j][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), x0, a[j][0]);
                 a[j][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8))), x1, a[j][1]);
             }
         }
         for (int j = 0; j < 4; j++) {
-            __m256 t = _mm256_add_ps(a[j][0], a[j][1]);
-            __m128 q = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-            q = _mm_add_ps(q, _mm_movehl_ps(q, q));
-            q = _mm_add_ss(q, _mm_movehdup_ps(q));
-            float s = _mm_cvtss_f32(q);
+            float s = hsum256(_mm256_add_ps(a[j][0], a[j][1]));
             for (int64_t kk = k; kk < cols; kk++) s += (float)p[j][kk] * x[kk];
             store(y, r + j, s * scale[r + j], acc);
         }
     }
 #endif
+    (void)linear;
+    (void)limit;
     for (; r < r1; r++) {
         const int8_t *p = w + r * cols;
         float s = 0.f;
@@ -182,6 +228,16 @@ static void rows_int8(const int8_t *w, const float *scale, const float *x, float
 }
 
 /* ---------------------------------------------------------------------------------------- entry points */
+/* This thread's share of `rows`: a contiguous range in whole groups of 8 rows (one linear stream per thread,
+ * balanced to within 8 rows). */
+static void thread_rows(int64_t rows, int64_t *r0, int64_t *r1) {
+    int64_t t = omp_get_thread_num(), n = omp_get_num_threads(), groups = (rows + 7) / 8;
+    *r0 = groups * t / n * 8;
+    *r1 = groups * (t + 1) / n * 8;
+    if (*r1 > rows) *r1 = rows;
+    if (*r0 > rows) *r0 = rows;
+}
+
 int dsv41_kernels_isa(void) {
 #if defined(__AVX512F__)
     return 512;
@@ -203,12 +259,11 @@ void dsv41_mv_bf16(const uint16_t *w, const float *x, float *y, int64_t rows, in
         if (k & 1) xo[k / 2] = x[k];
         else xe[k / 2] = x[k];
     }
-    int64_t blocks = (rows + BLOCK - 1) / BLOCK;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t b = 0; b < blocks; b++) {
-        int64_t r1 = (b + 1) * BLOCK;
-        if (r1 > rows) r1 = rows;
-        rows_bf16(w, xe, xo, y, b * BLOCK, r1, cols, acc);
+#pragma omp parallel num_threads(threads)
+    {
+        int64_t r0, r1;
+        thread_rows(rows, &r0, &r1);
+        rows_bf16(w, xe, xo, y, r0, r1, cols, acc);
     }
     if (buf != stack) free(buf);
 }
@@ -216,11 +271,332 @@ void dsv41_mv_bf16(const uint16_t *w, const float *x, float *y, int64_t rows, in
 /* y[rows] = (W[rows, cols] x) * scale[rows] (+ y when acc); W as int8. */
 void dsv41_mv_int8(const int8_t *w, const float *scale, const float *x, float *y, int64_t rows, int64_t cols, int acc,
                    int threads) {
-    int64_t blocks = (rows + BLOCK - 1) / BLOCK;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t b = 0; b < blocks; b++) {
-        int64_t r1 = (b + 1) * BLOCK;
-        if (r1 > rows) r1 = rows;
-        rows_int8(w, scale, x, y, b * BLOCK, r1, cols, acc);
+#pragma omp parallel num_threads(threads)
+    {
+        int64_t r0, r1;
+        thread_rows(rows, &r0, &r1);
+        rows_int8(w, scale, x, y, r0, r1, cols, acc);
     }
+}
+
+/* ---------------------------------------------------------------------------------------- fused decode step */
+/* One decode step of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) in one call: what
+ * engine/cache/decoder.py does for one token, with the DS-V4.1 cache's dense attention and CED scoring, for
+ * float32 activations, weights packed as above and a float32 KV cache. At batch 1 the per-layer work
+ * besides the weight reads is a few thousand flops; issued as ~30 torch ops per layer it cost ~6 ms of a
+ * 17 ms step (dispatch, allocation, threads waking). cpu_kernels.py decides when this runs, and the Python path
+ * stays the reference (tests compare the two).
+ *
+ * Per layer: h = rmsnorm(x); qkv = Wqkv h (+ b); [Qwen3: rmsnorm per head of q and k]; RoPE on q and k;
+ * the new k, v appended at entry `length` of the layer's storage (and its position); attention of every
+ * query head over the entries of its KV head: softmax(q.k * scaling + log n) in float32; CED: scores =
+ * scores * decay + the attention each entry received, summed over its group's query heads; x += Wo a (+ b);
+ * h = rmsnorm(x); x += Wdown (silu(gate) * up). Then logits = Whead rmsnorm(x) (+ b). */
+
+#include <math.h>
+
+typedef struct {
+    const float *input_norm, *post_norm, *q_norm, *k_norm; /* q_norm / k_norm: [head_dim] or NULL */
+    const void *qkv, *o, *gate_up, *down;                  /* bf16 bits, or int8 with the scales below */
+    const float *qkv_scale, *o_scale, *gate_up_scale, *down_scale; /* NULL for bf16 */
+    const float *qkv_bias, *o_bias;                                 /* or NULL */
+} StepLayer;
+
+typedef struct {
+    float *keys, *values;   /* [kv_heads, capacity, head_dim] */
+    int32_t *positions;     /* [kv_heads, capacity] */
+    float *scores;          /* [kv_heads, capacity] (read and written only when scoring) */
+    const float *log_counts; /* [kv_heads, capacity] or NULL (no merged entries) */
+    int64_t length, capacity; /* entries before this step; the new one goes at `length` */
+} StepCache;
+
+typedef struct {
+    int64_t hidden, heads, kv_heads, head_dim, inter, vocab, layers;
+    float eps, scaling;
+    const float *final_norm;
+    const void *lm_head;
+    const float *lm_head_scale, *lm_head_bias;
+} StepModel;
+
+#define ATTN_CHUNK 256 /* entries per attention work item */
+#define MAX_GROUP 64   /* query heads per KV head the fused step handles */
+
+static void mv(const void *w, const float *scale, const float *x, float *y, int64_t rows, int64_t cols, int acc,
+               int threads) {
+    if (scale) dsv41_mv_int8((const int8_t *)w, scale, x, y, rows, cols, acc, threads);
+    else dsv41_mv_bf16((const uint16_t *)w, x, y, rows, cols, acc, threads);
+}
+
+/* exp for float32, vectorisable (no libm call): 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], Cephes'
+ * degree-6 polynomial; relative error ~2e-7 (about one ulp) over the clamped range. */
+static inline float exp_approx(float x) {
+    x = x < -87.3f ? -87.3f : (x > 88.7f ? 88.7f : x);
+    float n = floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return p * scale;
+}
+
+static void rms_norm(const float *x, const float *w, float *out, int64_t n, float eps) {
+    float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
+    float inv = 1.0f / sqrtf(ss / (float)n + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) out[i] = w[i] * (x[i] * inv);
+}
+
+/* rotate-half RoPE of one head in place; cos/sin [d] with both halves equal (only the first half is read). */
+static void rope_head(float *v, const float *cs, const float *sn, int64_t d) {
+    int64_t half = d / 2;
+#pragma omp simd
+    for (int64_t i = 0; i < half; i++) {
+        float a = v[i], b = v[i + half];
+        v[i] = a * cs[i] - b * sn[i];
+        v[i + half] = b * cs[i] + a * sn[i];
+    }
+}
+
+static inline float dot(const float *a, const float *b, int64_t n) {
+    float s = 0.f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+#if defined(__AVX512F__)
+/* 16 dot products (one per vector's lanes) as one vector: v[i] lanes summed -> lane i. */
+static inline __m512 sum16(__m512 *v) {
+    __m512 t[8], w[4];
+    for (int i = 0; i < 8; i++)
+        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {
+        __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
+        w[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    __m512 y01 = _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+    __m512 y23 = _mm512_add_ps(_mm512_shuffle_f32x4(w[2], w[3], 0x88), _mm512_shuffle_f32x4(w[2], w[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(y01, y23, 0x88), _mm512_shuffle_f32x4(y01, y23, 0xDD));
+}
+
+/* logits of one query over entries [j0, j1) in blocks of 16 -> row[j]; returns where it stopped. */
+static int64_t logits16(const float *q, const float *K, const float *lc, int64_t d, float scaling, int64_t j0,
+                        int64_t j1, float *row, float *mx) {
+    __m512 qv[16];
+    const int64_t dv = d / 16;
+    for (int64_t u = 0; u < dv; u++) qv[u] = _mm512_mul_ps(_mm512_loadu_ps(q + 16 * u), _mm512_set1_ps(scaling));
+    __m512 best = _mm512_set1_ps(-INFINITY);
+    int64_t j = j0;
+    for (; j + 16 <= j1; j += 16) {
+        __m512 acc[16];
+        for (int e = 0; e < 16; e++) {
+            const float *kr = K + (j + e) * d;
+            __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kr));
+            for (int64_t u = 1; u < dv; u++) a = _mm512_fmadd_ps(qv[u], _mm512_loadu_ps(kr + 16 * u), a);
+            acc[e] = a;
+        }
+        __m512 l = sum16(acc);
+        if (lc) l = _mm512_add_ps(l, _mm512_loadu_ps(lc + j));
+        _mm512_storeu_ps(row + j, l);
+        best = _mm512_max_ps(best, l);
+    }
+    float m = _mm512_reduce_max_ps(best);
+    *mx = m > *mx ? m : *mx;
+    return j;
+}
+
+/* acc[d] = sum over [j0, j1) of p[j] V[j]. */
+static void weighted16(const float *p, const float *V, int64_t d, int64_t j0, int64_t j1, float *out) {
+    __m512 acc[16];
+    const int64_t dv = d / 16;
+    for (int64_t u = 0; u < dv; u++) acc[u] = _mm512_setzero_ps();
+    for (int64_t j = j0; j < j1; j++) {
+        const __m512 pj = _mm512_set1_ps(p[j]);
+        const float *v = V + j * d;
+        for (int64_t u = 0; u < dv; u++) acc[u] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(v + 16 * u), acc[u]);
+    }
+    for (int64_t u = 0; u < dv; u++) _mm512_storeu_ps(out + 16 * u, acc[u]);
+}
+#endif
+
+/* Attention of the H query heads q [H, d] over the layer's S = length entries -> out [H, d].
+ * scratch: probs [H, S], stats [2, H, chunks], partial [H, chunks, d]. */
+static void attend(const StepModel *m, StepCache *c, const float *q, float *out, float *probs, float *stats,
+                   float *partial, int score, float decay, int threads) {
+    const int64_t H = m->heads, h = m->kv_heads, d = m->head_dim, G = H / h, S = c->length, cap = c->capacity;
+    const int64_t chunks = (S + ATTN_CHUNK - 1) / ATTN_CHUNK, items = h * chunks;
+    float *cmax = stats, *csum = stats + H * chunks;
+    const float scaling = m->scaling;
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t it = 0; it < items; it++) {
+            int64_t g = it / chunks, ch = it % chunks, j0 = ch * ATTN_CHUNK, j1 = j0 + ATTN_CHUNK < S ? j0 + ATTN_CHUNK : S;
+            const float *K = c->keys + g * cap * d;
+            const float *lc = c->log_counts ? c->log_counts + g * cap : NULL;
+            float mx[MAX_GROUP];
+            for (int64_t gg = 0; gg < G; gg++) mx[gg] = -INFINITY;
+            int64_t j = j0;
+#if defined(__AVX512F__)
+            if (d % 16 == 0 && d <= 256) /* 16 entries at a time, one transposing reduction for 16 logits */
+                for (int64_t gg = 0; gg < G; gg++) {
+                    const int64_t hq = g * G + gg;
+                    j = logits16(q + hq * d, K, lc, d, scaling, j0, j1, probs + hq * S, &mx[gg]);
+                }
+#endif
+            for (; j < j1; j++) { /* each key row once, for the whole group */
+                const float *kr = K + j * d, bias = lc ? lc[j] : 0.f;
+                for (int64_t gg = 0; gg < G; gg++) {
+                    const int64_t hq = g * G + gg;
+                    float l = dot(q + hq * d, kr, d) * scaling + bias;
+                    probs[hq * S + j] = l;
+                    mx[gg] = l > mx[gg] ? l : mx[gg];
+                }
+            }
+            for (int64_t gg = 0; gg < G; gg++) cmax[(g * G + gg) * chunks + ch] = mx[gg];
+        }
+#pragma omp for schedule(static)
+        for (int64_t it = 0; it < items; it++) {
+            int64_t g = it / chunks, ch = it % chunks, j0 = ch * ATTN_CHUNK, j1 = j0 + ATTN_CHUNK < S ? j0 + ATTN_CHUNK : S;
+            for (int64_t gg = 0; gg < G; gg++) {
+                const int64_t hq = g * G + gg;
+                float mx = -INFINITY, sum = 0.f;
+                for (int64_t k = 0; k < chunks; k++) mx = cmax[hq * chunks + k] > mx ? cmax[hq * chunks + k] : mx;
+                float *row = probs + hq * S;
+#pragma omp simd reduction(+ : sum)
+                for (int64_t j = j0; j < j1; j++) {
+                    float e = exp_approx(row[j] - mx);
+                    row[j] = e;
+                    sum += e;
+                }
+                csum[hq * chunks + ch] = sum;
+            }
+        }
+#pragma omp for schedule(static)
+        for (int64_t it = 0; it < items; it++) {
+            int64_t g = it / chunks, ch = it % chunks, j0 = ch * ATTN_CHUNK, j1 = j0 + ATTN_CHUNK < S ? j0 + ATTN_CHUNK : S;
+            const float *V = c->values + g * cap * d;
+            for (int64_t gg = 0; gg < G; gg++) {
+                const int64_t hq = g * G + gg;
+                float total = 0.f;
+                for (int64_t k = 0; k < chunks; k++) total += csum[hq * chunks + k];
+                const float inv = 1.0f / total;
+                float *row = probs + hq * S, *acc = partial + (hq * chunks + ch) * d;
+#pragma omp simd
+                for (int64_t j = j0; j < j1; j++) row[j] *= inv;
+                for (int64_t i = 0; i < d; i++) acc[i] = 0.f;
+            }
+            int64_t jv = j0;
+#if defined(__AVX512F__)
+            if (d % 16 == 0 && d <= 256) {
+                for (int64_t gg = 0; gg < G; gg++) {
+                    const int64_t hq = g * G + gg;
+                    weighted16(probs + hq * S, V, d, j0, j1, partial + (hq * chunks + ch) * d);
+                }
+                jv = j1;
+            }
+#endif
+            for (int64_t j = jv; j < j1; j++) { /* each value row once, for the whole group */
+                const float *v = V + j * d;
+                for (int64_t gg = 0; gg < G; gg++) {
+                    const int64_t hq = g * G + gg;
+                    const float p = probs[hq * S + j];
+                    float *acc = partial + (hq * chunks + ch) * d;
+#pragma omp simd
+                    for (int64_t i = 0; i < d; i++) acc[i] += p * v[i];
+                }
+            }
+            if (score) {
+                float *sc = c->scores + g * cap;
+                for (int64_t j = j0; j < j1; j++) {
+                    float a = 0.f;
+                    for (int64_t gg = 0; gg < G; gg++) a += probs[(g * G + gg) * S + j];
+                    sc[j] = sc[j] * decay + a;
+                }
+            }
+        }
+    }
+    for (int64_t hq = 0; hq < H; hq++) {
+        float *o = out + hq * d;
+        for (int64_t i = 0; i < d; i++) o[i] = 0.f;
+        for (int64_t k = 0; k < chunks; k++) {
+            const float *p = partial + (hq * chunks + k) * d;
+#pragma omp simd
+            for (int64_t i = 0; i < d; i++) o[i] += p[i];
+        }
+    }
+}
+
+/* floats of `work` one step needs when no layer holds more than max_entries entries after appending. */
+int64_t dsv41_step_work_floats(const StepModel *m, int64_t max_entries) {
+    const int64_t H = m->heads, d = m->head_dim, chunks = (max_entries + ATTN_CHUNK - 1) / ATTN_CHUNK;
+    return 2 * m->hidden + (H + 2 * m->kv_heads) * d + H * d + 3 * m->inter + H * max_entries + 2 * H * chunks +
+           H * chunks * d + 64;
+}
+
+/* x_in [hidden]: the token's embedding; cos/sin [head_dim] at `position`. Appends one entry to every layer's
+ * cache (the caller raises its length afterwards) and writes logits [vocab]. score: fold attention into the
+ * scores with `decay`. Returns 0, or -1 if some layer lacks room for the entry or `work` is too small. */
+int dsv41_decode_step(const StepModel *m, const StepLayer *layers, StepCache *caches, const float *x_in,
+                      int32_t position, const float *cs, const float *sn, int score, float decay, float *logits,
+                      float *work, int64_t work_floats, int threads) {
+    const int64_t D = m->hidden, H = m->heads, h = m->kv_heads, d = m->head_dim, I = m->inter;
+    int64_t most = 0;
+    for (int64_t l = 0; l < m->layers; l++) {
+        if (caches[l].length + 1 > caches[l].capacity) return -1;
+        if (caches[l].length + 1 > most) most = caches[l].length + 1;
+    }
+    if (dsv41_step_work_floats(m, most) > work_floats) return -1;
+    const int64_t chunks = (most + ATTN_CHUNK - 1) / ATTN_CHUNK;
+    float *x = work, *hbuf = x + D, *qkv = hbuf + D, *attn = qkv + (H + 2 * h) * d, *gu = attn + H * d,
+          *act = gu + 2 * I, *probs = act + I, *stats = probs + H * most, *partial = stats + 2 * H * chunks;
+    memcpy(x, x_in, sizeof(float) * D);
+    for (int64_t l = 0; l < m->layers; l++) {
+        const StepLayer *L = layers + l;
+        StepCache *c = caches + l;
+        rms_norm(x, L->input_norm, hbuf, D, m->eps);
+        mv(L->qkv, L->qkv_scale, hbuf, qkv, (H + 2 * h) * d, D, 0, threads);
+        if (L->qkv_bias)
+            for (int64_t i = 0; i < (H + 2 * h) * d; i++) qkv[i] += L->qkv_bias[i];
+        for (int64_t hd = 0; hd < H + h; hd++) {
+            float *v = qkv + hd * d;
+            const float *nw = hd < H ? L->q_norm : L->k_norm;
+            if (nw) rms_norm(v, nw, v, d, m->eps);
+            rope_head(v, cs, sn, d);
+        }
+        const int64_t n = c->length;
+        for (int64_t g = 0; g < h; g++) {
+            memcpy(c->keys + (g * c->capacity + n) * d, qkv + (H + g) * d, sizeof(float) * d);
+            memcpy(c->values + (g * c->capacity + n) * d, qkv + (H + h + g) * d, sizeof(float) * d);
+            c->positions[g * c->capacity + n] = position;
+        }
+        StepCache view = *c;
+        view.length = n + 1;
+        attend(m, &view, qkv, attn, probs, stats, partial, score, decay, threads);
+        mv(L->o, L->o_scale, attn, x, D, H * d, 1, threads);
+        if (L->o_bias)
+            for (int64_t i = 0; i < D; i++) x[i] += L->o_bias[i];
+        rms_norm(x, L->post_norm, hbuf, D, m->eps);
+        mv(L->gate_up, L->gate_up_scale, hbuf, gu, 2 * I, D, 0, threads);
+#pragma omp simd
+        for (int64_t i = 0; i < I; i++) {
+            float g = gu[i];
+            act[i] = g / (1.0f + exp_approx(-g)) * gu[I + i];
+        }
+        mv(L->down, L->down_scale, act, x, D, I, 1, threads);
+    }
+    rms_norm(x, m->final_norm, hbuf, D, m->eps);
+    mv(m->lm_head, m->lm_head_scale, hbuf, logits, m->vocab, D, 0, threads);
+    if (m->lm_head_bias)
+        for (int64_t i = 0; i < m->vocab; i++) logits[i] += m->lm_head_bias[i];
+    return 0;
 }

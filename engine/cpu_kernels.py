@@ -70,28 +70,34 @@ def load() -> KernelLibrary | None:
         _state["library"] = None
         try:
             _state["library"] = _build_and_load()
-        except _Unavailable as exc:
+        except KernelsUnavailable as exc:
             _state["reason"] = str(exc)
         return _state["library"]
 
 
-class _Unavailable(Exception):
+class KernelsUnavailable(Exception):
     pass
 
 
 def _build_and_load() -> KernelLibrary:
     if os.environ.get("DSV41_CPU_KERNELS", "1") == "0":
-        raise _Unavailable("turned off by DSV41_CPU_KERNELS=0")
+        raise KernelsUnavailable("turned off by DSV41_CPU_KERNELS=0")
+    return build()
+
+
+def build(extra_flags: tuple[str, ...] = ()) -> KernelLibrary:
+    """Compile (once, cached) and load the kernels; `extra_flags` make a variant build, e.g. ("-mno-avx512f",)
+    for the AVX2 path on an AVX-512 machine (the tests check both). Raises KernelsUnavailable."""
     if not sys.platform.startswith("linux"):
-        raise _Unavailable(f"built on Linux only (this is {sys.platform})")
+        raise KernelsUnavailable(f"built on Linux only (this is {sys.platform})")
     if torch.backends.openmp.is_available() is False:
-        raise _Unavailable("torch is built without OpenMP")
+        raise KernelsUnavailable("torch is built without OpenMP")
     compiler = _compiler()
     if compiler is None:
-        raise _Unavailable("no C compiler found (install gcc to enable the bf16 CPU kernels)")
+        raise KernelsUnavailable("no C compiler found (install gcc to enable the bf16 CPU kernels)")
     source = SOURCE.read_bytes()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+    flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", *extra_flags]
     key = hashlib.sha256(source + version.encode() + " ".join(flags).encode() + os.uname().machine.encode()).hexdigest()[:16]
     from .loader import user_cache_dir
 
@@ -100,30 +106,31 @@ def _build_and_load() -> KernelLibrary:
     if not target.exists():
         folder.mkdir(parents=True, exist_ok=True)
         scratch = folder / f".build-{os.getpid()}-{threading.get_ident()}.so"
-        done = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(scratch)], capture_output=True, text=True,
-                              timeout=120)
+        done = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(scratch), "-lm"], capture_output=True,
+                              text=True, timeout=120)
         if done.returncode != 0:
             scratch.unlink(missing_ok=True)
-            raise _Unavailable(f"compiling {SOURCE.name} failed: {done.stderr.strip()[-400:]}")
+            raise KernelsUnavailable(f"compiling {SOURCE.name} failed: {done.stderr.strip()[-400:]}")
         os.replace(scratch, target)
     before = _openmp_libraries()
     try:
         lib = ctypes.CDLL(str(target))
     except OSError as exc:
-        raise _Unavailable(f"loading the kernels failed: {exc}") from exc
+        raise KernelsUnavailable(f"loading the kernels failed: {exc}") from exc
     after = _openmp_libraries()
     if before and after != before:
         # A second OpenMP runtime would spin its own threads against torch's on the same cores.
-        raise _Unavailable("the kernels did not bind to torch's OpenMP runtime")
+        raise KernelsUnavailable("the kernels did not bind to torch's OpenMP runtime")
     ptr, i64, cint = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.dsv41_kernels_isa.restype = cint
     lib.dsv41_mv_bf16.argtypes = [ptr, ptr, ptr, i64, i64, cint, cint]
     lib.dsv41_mv_bf16.restype = None
     lib.dsv41_mv_int8.argtypes = [ptr, ptr, ptr, ptr, i64, i64, cint, cint]
     lib.dsv41_mv_int8.restype = None
+    _bind_step(lib)
     isa = lib.dsv41_kernels_isa()
     if isa == 0:
-        raise _Unavailable("this CPU has neither AVX-512 nor AVX2+FMA; torch's path is faster")
+        raise KernelsUnavailable("this CPU has neither AVX-512 nor AVX2+FMA; torch's path is faster")
     return KernelLibrary(lib, target, isa)
 
 
@@ -135,7 +142,7 @@ class PackedMatrix:
     format; other activation dtypes are converted in and out.
     """
 
-    def __init__(self, data: torch.Tensor, scale: torch.Tensor | None = None):
+    def __init__(self, data: torch.Tensor, scale: torch.Tensor | None = None, library: KernelLibrary | None = None):
         if data.dim() != 2 or not data.is_contiguous() or data.device.type != "cpu":
             raise ValueError("PackedMatrix needs a contiguous 2-D CPU tensor")
         if scale is None and data.dtype != torch.bfloat16:
@@ -145,7 +152,7 @@ class PackedMatrix:
         self.data = data
         self.scale = scale.float().contiguous() if scale is not None else None
         self.shape = data.shape
-        library = load()
+        library = library or load()
         if library is None:
             raise RuntimeError(f"CPU kernels unavailable: {unavailable_reason()}")
         self._lib = library.lib
@@ -210,3 +217,149 @@ def bf16_exact(tensor: torch.Tensor) -> bool:
         return False
     bits = tensor.detach().contiguous().view(torch.int32)
     return not bool((bits & 0xFFFF).any())
+
+
+# ------------------------------------------------------------------------------------------ fused decode step
+class _StepLayer(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in (
+        "input_norm", "post_norm", "q_norm", "k_norm", "qkv", "o", "gate_up", "down",
+        "qkv_scale", "o_scale", "gate_up_scale", "down_scale", "qkv_bias", "o_bias")]
+
+
+class _StepCache(ctypes.Structure):
+    _fields_ = [("keys", ctypes.c_void_p), ("values", ctypes.c_void_p), ("positions", ctypes.c_void_p),
+                ("scores", ctypes.c_void_p), ("log_counts", ctypes.c_void_p), ("length", ctypes.c_int64),
+                ("capacity", ctypes.c_int64)]
+
+
+class _StepModel(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int64) for name in ("hidden", "heads", "kv_heads", "head_dim", "inter", "vocab",
+                                                     "layers")] + [
+        ("eps", ctypes.c_float), ("scaling", ctypes.c_float), ("final_norm", ctypes.c_void_p),
+        ("lm_head", ctypes.c_void_p), ("lm_head_scale", ctypes.c_void_p), ("lm_head_bias", ctypes.c_void_p)]
+
+
+def _bind_step(lib: ctypes.CDLL) -> None:
+    ptr, i64, cint, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    lib.dsv41_step_work_floats.argtypes = [ptr, i64]
+    lib.dsv41_step_work_floats.restype = i64
+    lib.dsv41_decode_step.argtypes = [ptr, ptr, ptr, ptr, ctypes.c_int32, ptr, ptr, cint, f32, ptr, ptr, i64, cint]
+    lib.dsv41_decode_step.restype = cint
+
+
+def _float_vector(t: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    if t is None:
+        return None
+    if t.dtype != torch.float32 or t.shape != (n,) or not t.is_contiguous() or t.device.type != "cpu":
+        raise _NotFusable("a norm or bias is not a contiguous float32 CPU vector")
+    return t
+
+
+class _NotFusable(Exception):
+    pass
+
+
+class FusedDecodeStep:
+    """One decode step of the whole decoder in one call to cpu_kernels.c (dsv41_decode_step).
+
+    Built from engine.cache.decoder's weights when they fit: every matrix packed (one format), float32
+    norms and biases, SiLU gating. The cache side (which layers, when) is DSV41Cache.fused_layers'. `build`
+    returns None when the weights do not fit or DSV41_FUSED_STEP=0, and the per-op Python step runs.
+    """
+
+    def __init__(self, weights, library: KernelLibrary):
+        w = weights
+        self._lib = library.lib
+        layers = w.layers
+        first = layers[0]
+        if not isinstance(w.lm_head, PackedMatrix):
+            raise _NotFusable("the output matrix is not packed")
+        if w.act_name != "silu":
+            raise _NotFusable(f"activation {w.act_name!r} (only SiLU is fused)")
+        hidden, d, heads, kv_heads = first.o.shape[0], w.head_dim, w.heads, w.kv_heads
+        inter = first.down.shape[1]
+        int8 = w.lm_head.scale is not None
+        self._keep = []  # everything a pointer below refers to
+
+        def matrix(m, rows, cols):
+            if not isinstance(m, PackedMatrix) or tuple(m.shape) != (rows, cols) or (m.scale is not None) != int8:
+                raise _NotFusable("a matrix is not packed like the others")
+            self._keep.append(m)
+            return m.data.data_ptr(), (m.scale.data_ptr() if m.scale is not None else None)
+
+        def vec(t, n):
+            t = _float_vector(t, n)
+            if t is None:
+                return None
+            self._keep.append(t)
+            return t.data_ptr()
+
+        self._layers = (_StepLayer * len(layers))()
+        for spec, layer in zip(self._layers, layers, strict=True):
+            spec.input_norm, spec.post_norm = vec(layer.input_norm, hidden), vec(layer.post_norm, hidden)
+            spec.q_norm, spec.k_norm = vec(layer.q_norm, d), vec(layer.k_norm, d)
+            if spec.input_norm is None or spec.post_norm is None:
+                raise _NotFusable("missing norm")
+            spec.qkv, spec.qkv_scale = matrix(layer.qkv, (heads + 2 * kv_heads) * d, hidden)
+            spec.o, spec.o_scale = matrix(layer.o, hidden, heads * d)
+            spec.gate_up, spec.gate_up_scale = matrix(layer.gate_up, 2 * inter, hidden)
+            spec.down, spec.down_scale = matrix(layer.down, hidden, inter)
+            spec.qkv_bias = vec(layer.qkv_bias, (heads + 2 * kv_heads) * d)
+            spec.o_bias = vec(layer.o_bias, hidden)
+        vocab = w.lm_head.shape[0]
+        model = _StepModel(hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=d, inter=inter, vocab=vocab,
+                           layers=len(layers), eps=float(w.eps), scaling=float(w.scaling))
+        model.final_norm = vec(w.final_norm, hidden)
+        model.lm_head, model.lm_head_scale = matrix(w.lm_head, vocab, hidden)
+        model.lm_head_bias = vec(w.lm_head_bias, vocab)
+        self._model = model
+        self._caches = (_StepCache * len(layers))()
+        self._cache_key: list = [None] * len(layers)
+        self._work = torch.empty(0)
+        self.vocab, self.hidden = vocab, hidden
+
+    @classmethod
+    def build(cls, weights) -> FusedDecodeStep | None:
+        if os.environ.get("DSV41_FUSED_STEP", "1") == "0":
+            return None
+        library = load()
+        if library is None or not weights.layers:
+            return None
+        try:
+            return cls(weights, library)
+        except _NotFusable:
+            return None
+
+    def _refresh(self, index: int, layer) -> None:
+        """Point descriptor `index` at a LayerKV's storage (again, after it was reallocated)."""
+        spec = self._caches[index]
+        spec.keys, spec.values = layer.keys.data_ptr(), layer.values.data_ptr()
+        spec.positions, spec.scores = layer.positions.data_ptr(), layer.scores.data_ptr()
+        spec.log_counts = layer.log_counts.data_ptr() if layer.merged_any else None
+        spec.capacity = layer.capacity
+        self._cache_key[index] = (id(layer), layer.storage_version, layer.merged_any)
+
+    def step(self, x: torch.Tensor, position: int, cos: torch.Tensor, sin: torch.Tensor, layers, *,
+             score: bool, decay: float) -> torch.Tensor:
+        """x [hidden] float32 (the token's embedding); cos/sin [head_dim] float32 at `position`; `layers` the
+        cache's LayerKV (float32, each with room for one more entry). Appends the token to every layer, raising
+        its length, and returns logits [vocab] float32."""
+        most = 0
+        for index, layer in enumerate(layers):
+            if self._cache_key[index] != (id(layer), layer.storage_version, layer.merged_any):
+                self._refresh(index, layer)
+            self._caches[index].length = layer.length
+            most = max(most, layer.length + 1)
+        needed = self._lib.dsv41_step_work_floats(ctypes.byref(self._model), most)
+        if self._work.numel() < needed:
+            self._work = torch.empty(needed + needed // 4, dtype=torch.float32)
+        logits = torch.empty(self.vocab, dtype=torch.float32)
+        status = self._lib.dsv41_decode_step(
+            ctypes.byref(self._model), self._layers, self._caches, x.data_ptr(), position, cos.data_ptr(),
+            sin.data_ptr(), int(score), float(decay), logits.data_ptr(), self._work.data_ptr(), self._work.numel(),
+            torch.get_num_threads())
+        if status != 0:
+            raise RuntimeError("fused decode step: a layer's cache had no room for the new entry")
+        for layer in layers:
+            layer.length += 1
+        return logits

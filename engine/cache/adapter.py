@@ -257,7 +257,8 @@ def decoder_weights(model) -> DecoderWeights | None:
     return DecoderWeights(
         embed=base.embed_tokens.weight, layers=out, final_norm=base.norm.weight, lm_head=lm_head.weight,
         lm_head_bias=lm_head.bias, heads=heads, kv_heads=kv_heads, head_dim=head_dim, eps=eps,
-        scaling=attn0.scaling, rotary=lambda x, pos: rotary(x, position_ids=pos), act=layers[0].mlp.act_fn)
+        scaling=attn0.scaling, rotary=lambda x, pos: rotary(x, position_ids=pos), act=layers[0].mlp.act_fn,
+        act_name=getattr(cfg, "hidden_act", None))
 
 
 def step_matrices(model) -> list | None:

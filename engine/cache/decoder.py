@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..cpu_kernels import PackedMatrix
+from ..cpu_kernels import FusedDecodeStep, PackedMatrix
 
 
 @dataclass
@@ -51,6 +51,7 @@ class DecoderWeights:
     scaling: float
     rotary: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # (x, position_ids) -> cos, sin
     act: Callable[[torch.Tensor], torch.Tensor]
+    act_name: str | None = None  # the config's name for `act` ("silu"): what a fused kernel may compute instead
 
 
 _FUSED_RMS_NORM = hasattr(F, "rms_norm")
@@ -118,6 +119,8 @@ class Decoder:
 
     def __init__(self, weights: DecoderWeights):
         self.w = weights
+        # One C call per decode step where the weights are packed for our CPU kernels (see FusedDecodeStep).
+        self.fused = FusedDecodeStep.build(weights) if weights.final_norm.dtype == torch.float32 else None
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache, logits_to_keep: int = 1):
@@ -129,6 +132,13 @@ class Decoder:
             x = F.embedding(input_ids[0], w.embed)
         t = x.shape[0]
         cos, sin = w.rotary(x[None], position_ids)
+        if t == 1 and self.fused is not None:
+            layers = cache.fused_layers()
+            if layers is not None:
+                score, decay = cache.fused_scoring()
+                logits = self.fused.step(x[0].contiguous(), int(position_ids[0, 0]), cos[0, 0].float().contiguous(),
+                                         sin[0, 0].float().contiguous(), layers, score=score, decay=decay)
+                return logits.view(1, 1, -1)
         cos, sin = cos[0, :, None, :].to(x.dtype), sin[0, :, None, :].to(x.dtype)  # [T, 1, d]
         rot = rope_matrix(cos[0, 0], sin[0, 0]) if t == 1 else None
         qk_heads = heads + kv_heads

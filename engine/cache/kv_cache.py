@@ -222,6 +222,29 @@ class DSV41Cache:
                 ced.observe(layer, s.ced_policy, s.ced_decay, mass, window, prefill=True)
         return out.transpose(0, 1)[None]
 
+    def fused_layers(self) -> list[LayerKV] | None:
+        """The layers, each with room for one more entry, when this decode step can run as one fused CPU call
+        (engine.cpu_kernels.FusedDecodeStep): float32 storage on the CPU, no INT8 KV, no CSA2 side cache (so no
+        sparse layer), no probe. None otherwise: the per-layer `attend` path runs. The fused step does what
+        `attend` does for one token on such layers: append, dense attention (with merge counts), CED scoring
+        (`fused_scoring`)."""
+        fwd = self._fwd
+        if (fwd.tokens != 1 or fwd.prefill or self._capture is not None or self.device.type != "cpu"
+                or self.dtype != torch.float32 or self.settings.kv_int8):
+            return None
+        for layer in self.layers:
+            if layer.projected_keys is not None:
+                return None
+            layer.ensure_capacity(layer.length + 1)
+        return self.layers
+
+    def fused_scoring(self) -> tuple[bool, float]:
+        """(whether a decode step folds its attention into the scores, the decay it applies first), as
+        `attend` + ced.observe do for one token."""
+        s = self.settings
+        scoring = s.compressing and s.ced_policy in ("ced", "h2o", "snapkv")
+        return scoring, (s.ced_decay if s.ced_policy == "ced" else 1.0)
+
     # ------------------------------------------------------------------ question probe
     def start_capture(self) -> None:
         """The next forward is a probe: its per-layer queries are kept, its entries are dropped after."""

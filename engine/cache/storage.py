@@ -29,6 +29,7 @@ class LayerKV:
         self.kv_heads, self.head_dim = kv_heads, head_dim
         self.dtype, self.device, self.int8 = dtype, torch.device(device), int8
         self.length = 0
+        self.storage_version = 0  # raised whenever the tensors below are reallocated (pointers held elsewhere)
         self.merged_any = False
         self.merged_tokens = 0  # tokens folded into other slots (merge mode), for statistics
         self._alloc(_round_up(max(initial_capacity, 1)))
@@ -36,6 +37,7 @@ class LayerKV:
     # ------------------------------------------------------------------ allocation
     def _alloc(self, capacity: int) -> None:
         h, d, dev = self.kv_heads, self.head_dim, self.device
+        self.storage_version = getattr(self, "storage_version", 0) + 1
         store_dtype = torch.int8 if self.int8 else self.dtype
         # Uninitialised: nothing past `length` is ever read, and on CPU untouched pages cost no RAM, so a
         # large reservation (max_seq_len x kv_cache_ratio) is only paid for as it fills.
@@ -69,6 +71,7 @@ class LayerKV:
         if capacity == self.capacity:
             return
         n = self.length
+        self.storage_version += 1
         for name in self._tensors():
             old = getattr(self, name)
             shape = (old.shape[0], capacity, *old.shape[2:])

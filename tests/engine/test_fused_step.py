@@ -1,0 +1,214 @@
+"""engine.cpu_kernels.FusedDecodeStep: one C call per decode step against the per-op Python step it replaces.
+
+The Python decoder (engine/cache/decoder.py + DSV41Cache.attend) is the reference; these tests run the same
+tokens through both and compare the logits and everything the step leaves in the cache: keys, values,
+positions, CED scores, lengths, merged entries' counts, across block reallocations and compactions.
+"""
+
+import pytest
+import torch
+
+from engine import cpu_kernels
+from engine.cache import adapter
+
+from .test_cache import make_cache
+
+needs_kernels = pytest.mark.skipif(cpu_kernels.load() is None, reason=f"CPU kernels: {cpu_kernels.unavailable_reason()}")
+
+
+def _packed(tiny_model, arch, fmt="bf16", **kwargs):
+    model = tiny_model(arch, **kwargs)
+    adapter.install(model, pack_rounding=True, pack_format=fmt)
+    assert adapter.packed_format(model) == fmt
+    return model
+
+
+def _decode(model, cache, ids, prefill: int, compact_at=(), compact_to=None):
+    """Prefill ids[:prefill] in one forward, then one token at a time (compacting after the steps in
+    `compact_at`); returns the decode logits [steps, V]."""
+    out = []
+    adapter.forward(model, ids[:, :prefill], cache, prefill=True)
+    for i in range(prefill, ids.shape[1]):
+        out.append(adapter.forward(model, ids[:, i:i + 1], cache, prefill=False)[0, -1])
+        if i in compact_at:
+            cache.compact(compact_to)
+    return torch.stack(out)
+
+
+def _both(model, ids, prefill, *, threads=None, compact_at=(), compact_to=None, **knobs):
+    """(fused logits, fused cache, per-op logits, per-op cache) for the same tokens."""
+    decoder = model._dsv41_decoder
+    fused = decoder.fused
+    assert fused is not None
+    previous = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        cache_a = make_cache(model, **knobs)
+        got = _decode(model, cache_a, ids, prefill, compact_at, compact_to)
+        decoder.fused = None
+        cache_b = make_cache(model, **knobs)
+        expected = _decode(model, cache_b, ids, prefill, compact_at, compact_to)
+    finally:
+        decoder.fused = fused
+        torch.set_num_threads(previous)
+    return got, cache_a, expected, cache_b
+
+
+def _assert_same_cache(a, b, *, scores=True):
+    assert a.seen == b.seen
+    for la, lb in zip(a.layers, b.layers, strict=True):
+        assert la.length == lb.length
+        n = la.length
+        assert torch.allclose(la.keys[:, :n], lb.keys[:, :n], atol=1e-5, rtol=1e-4)
+        assert torch.allclose(la.values[:, :n], lb.values[:, :n], atol=1e-5, rtol=1e-4)
+        assert torch.equal(la.positions[:, :n], lb.positions[:, :n])
+        assert torch.equal(la.log_counts[:, :n], lb.log_counts[:, :n])
+        if scores:
+            assert torch.allclose(la.scores[:, :n], lb.scores[:, :n], atol=1e-5, rtol=1e-4), \
+                (la.scores[:, :n] - lb.scores[:, :n]).abs().max()
+        assert not la.scores[:, n:].any()  # past `length` stays zero (storage.py relies on it)
+
+
+@needs_kernels
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_fused_step_equals_the_per_op_step(arch, threads, tiny_model):
+    """Qwen2 has QKV biases, Qwen3 per-head q/k norms; 4 query heads over 2 KV heads (GQA). The cache grows
+    past its first 256-entry block while decoding (reallocated storage), and attention spans two 256-entry
+    chunks with a tail that is not a multiple of 16."""
+    model = _packed(tiny_model, arch)
+    torch.manual_seed(1)
+    ids = torch.randint(0, 256, (1, 270))
+    got, cache_a, expected, cache_b = _both(model, ids, 250, threads=threads, kv_cache_ratio=1.0, csa2_topk=0)
+    assert torch.allclose(got, expected, atol=1e-4, rtol=1e-4), (got - expected).abs().max()
+    assert cache_a.stored == 270 and cache_a.layers[0].capacity > 256
+    _assert_same_cache(cache_a, cache_b)
+
+
+@needs_kernels
+@pytest.mark.parametrize("policy,mode", [("ced", "evict"), ("ced", "merge"), ("h2o", "evict"), ("snapkv", "evict")])
+def test_fused_step_scores_and_compacts_like_the_per_op_step(policy, mode, tiny_model):
+    """While compressing, each step folds its attention into the scores (CED: after decaying them), and
+    compactions in between choose the same entries; merged entries' counts enter the logits."""
+    model = _packed(tiny_model, "llama")
+    torch.manual_seed(2)
+    ids = torch.randint(0, 256, (1, 90))
+    knobs = dict(kv_cache_ratio=0.5, csa2_topk=0, ced_policy=policy, ced_mode=mode, ced_decay=0.9,
+                 ced_sink_tokens=2, ced_recent_tokens=4, min_entries=8)
+    got, cache_a, expected, cache_b = _both(model, ids, 40, compact_at=(50, 65, 80), **knobs)
+    assert cache_a.compactions == 3 and cache_a.stored < 60
+    if mode == "merge":
+        assert any(layer.merged_any for layer in cache_a.layers)
+    assert torch.allclose(got, expected, atol=1e-4, rtol=1e-4), (got - expected).abs().max()
+    _assert_same_cache(cache_a, cache_b)
+
+
+@needs_kernels
+def test_fused_step_with_int8_weights(tiny_model):
+    model = _packed(tiny_model, "qwen2", fmt="int8")
+    torch.manual_seed(3)
+    ids = torch.randint(0, 256, (1, 60))
+    got, cache_a, expected, cache_b = _both(model, ids, 40, kv_cache_ratio=1.0, csa2_topk=0)
+    assert torch.allclose(got, expected, atol=1e-4, rtol=1e-4), (got - expected).abs().max()
+    _assert_same_cache(cache_a, cache_b)
+
+
+@needs_kernels
+def test_decode_steps_run_fused_and_other_steps_do_not(tiny_model, monkeypatch):
+    """The fused call replaces every layer's `attend` for a plain decode step; prefill, INT8 KV and a CSA2
+    side cache take the per-op path."""
+    model = _packed(tiny_model, "llama")
+    ids = torch.randint(0, 256, (1, 30))
+    calls = []
+    cache = make_cache(model, kv_cache_ratio=1.0, csa2_topk=0)
+    original = type(cache).attend
+
+    def counting(self, *args, **kwargs):
+        calls.append(args[0])
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(cache), "attend", counting)
+    adapter.forward(model, ids[:, :20], cache, prefill=True)
+    assert len(calls) == 2  # prefill: per layer
+    adapter.forward(model, ids[:, 20:21], cache, prefill=False)
+    assert len(calls) == 2  # decode: one fused call, no attend
+    assert cache.stored == 21 and cache.seen == 21
+
+    int8_cache = make_cache(model, kv_cache_ratio=1.0, csa2_topk=0, kv_int8=True)
+    adapter.forward(model, ids[:, :20], int8_cache, prefill=True)
+    adapter.forward(model, ids[:, 20:21], int8_cache, prefill=False)
+    assert len(calls) == 6
+
+    sparse = make_cache(model, kv_cache_ratio=1.0, csa2_topk=4)
+    adapter.forward(model, ids[:, :20], sparse, prefill=True)
+    sparse.fit_sparse()
+    for layer in sparse.layers:  # as if the cache were long enough for CSA2 to pay
+        layer.projected_keys = torch.zeros(layer.kv_heads, layer.capacity, 2)
+    assert sparse.fused_layers() is None
+
+
+@needs_kernels
+def test_fused_step_is_built_only_for_packed_weights(tiny_model, monkeypatch):
+    plain = tiny_model("llama")
+    adapter.install(plain)  # random float32 values: not packed
+    assert plain._dsv41_decoder.fused is None
+    monkeypatch.setenv("DSV41_FUSED_STEP", "0")
+    assert _packed(tiny_model, "llama")._dsv41_decoder.fused is None
+
+
+@needs_kernels
+def test_fused_step_on_the_default_model(default_model):
+    """The shipped model (bf16-held weights) decodes through the fused step, with the per-op step's logits."""
+    hf = default_model.hf_model
+    decoder = hf._dsv41_decoder
+    assert decoder.fused is not None
+    ids = torch.tensor([default_model.tokenizer.encode("The capital of France is Paris. The capital of Italy is")])
+    prefill = ids.shape[1] - 4
+    got, cache_a, expected, cache_b = _both(hf, ids, prefill, kv_cache_ratio=1.0, csa2_topk=0)
+    assert torch.allclose(got, expected, atol=2e-4, rtol=1e-4), (got - expected).abs().max()
+    _assert_same_cache(cache_a, cache_b)
+
+
+def _avx2_library():
+    """The kernels built for AVX2 + FMA only (the path CPUs without AVX-512 take), where this CPU can run it."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            flags = info.read()
+    except OSError:
+        pytest.skip("no /proc/cpuinfo")
+    if cpu_kernels.load() is None or " avx2" not in flags or " fma" not in flags:
+        pytest.skip("needs the kernels and an AVX2 + FMA CPU")
+    library = cpu_kernels.build(("-mno-avx512f",))
+    assert library.isa == 256
+    return library
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows,cols", [(96, 576), (13, 70), (64, 9000)])
+def test_avx2_matvec_equals_float32_arithmetic(rows, cols):
+    library = _avx2_library()
+    torch.manual_seed(rows)
+    w = torch.randn(rows, cols)
+    x = torch.randn(cols)
+    got = cpu_kernels.PackedMatrix(w.bfloat16().contiguous(), library=library).matvec(x)
+    reference = w.bfloat16().double() @ x.double()
+    assert torch.allclose(got.double(), reference, atol=1e-4, rtol=1e-5)
+    q, scale = adapter.quantize_rows_int8(w)
+    got = cpu_kernels.PackedMatrix(q, scale, library=library).matvec(x)
+    reference = (q.double() * scale.double()[:, None]) @ x.double()
+    assert torch.allclose(got.double(), reference, atol=1e-4, rtol=1e-5)
+
+
+@needs_kernels
+def test_avx2_fused_step_equals_the_per_op_step(tiny_model):
+    library = _avx2_library()
+    model = _packed(tiny_model, "qwen3")
+    model._dsv41_decoder.fused = cpu_kernels.FusedDecodeStep(model._dsv41_decoder.w, library)
+    torch.manual_seed(4)
+    ids = torch.randint(0, 256, (1, 90))
+    knobs = dict(kv_cache_ratio=0.5, csa2_topk=0, ced_mode="merge", ced_sink_tokens=2, ced_recent_tokens=4,
+                 min_entries=8)
+    got, cache_a, expected, cache_b = _both(model, ids, 40, compact_at=(60,), **knobs)
+    assert torch.allclose(got, expected, atol=1e-4, rtol=1e-4), (got - expected).abs().max()
+    _assert_same_cache(cache_a, cache_b)
