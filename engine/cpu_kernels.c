@@ -303,15 +303,21 @@ typedef struct {
 } StepLayer;
 
 typedef struct {
-    float *keys, *values;   /* [kv_heads, capacity, head_dim] */
+    void *keys, *values;    /* [kv_heads, capacity, head_dim], float32 or bf16 (StepModel.kv_bf16) */
     int32_t *positions;     /* [kv_heads, capacity] */
     float *scores;          /* [kv_heads, capacity] (read and written only when scoring) */
     const float *log_counts; /* [kv_heads, capacity] or NULL (no merged entries) */
     int64_t length, capacity; /* entries before this step; the new one goes at `length` */
+    int64_t by_callback;      /* this layer's append + attention are the caller's (see dsv41_decode_step) */
 } StepCache;
+
+/* The caller's attention for layer `layer`: reads q, k, v from the work buffer's qkv region, writes the
+ * attention output into its attn region; nonzero = failed (the step stops). */
+typedef int (*AttendCallback)(int64_t layer);
 
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, inter, vocab, layers;
+    int64_t kv_bf16; /* the KV cache holds bf16 (dtype="bfloat16"): read widened, written rounded to nearest even */
     float eps, scaling;
     const float *final_norm;
     const void *lm_head;
@@ -320,6 +326,25 @@ typedef struct {
 
 #define ATTN_CHUNK 256 /* entries per attention work item */
 #define MAX_GROUP 64   /* query heads per KV head the fused step handles */
+#define MAX_HEAD_DIM 256
+
+/* float32 -> bf16, round to nearest even (what torch's .to(torch.bfloat16) does), NaN kept a quiet NaN. */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* Entry j's row of a KV head (base: that head's [capacity, d] block) as float32: in place when float32,
+ * widened into `buf` when bf16. */
+static inline const float *kv_row(const void *base, int64_t j, int64_t d, int bf16, float *buf) {
+    if (!bf16) return (const float *)base + j * d;
+    const uint16_t *r = (const uint16_t *)base + j * d;
+    for (int64_t i = 0; i < d; i++) buf[i] = bf16_to_f32(r[i]);
+    return buf;
+}
 
 static void mv(const void *w, const float *scale, const float *x, float *y, int64_t rows, int64_t cols, int acc,
                int threads) {
@@ -388,9 +413,16 @@ static inline __m512 sum16(__m512 *v) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(y01, y23, 0x88), _mm512_shuffle_f32x4(y01, y23, 0xDD));
 }
 
+static inline __m512 load16(const void *row, int64_t u, int bf16) {
+    if (!bf16) return _mm512_loadu_ps((const float *)row + 16 * u);
+    __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)row + 16 * u));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
 /* logits of one query over entries [j0, j1) in blocks of 16 -> row[j]; returns where it stopped. */
-static int64_t logits16(const float *q, const float *K, const float *lc, int64_t d, float scaling, int64_t j0,
-                        int64_t j1, float *row, float *mx) {
+static int64_t logits16(const float *q, const void *K, int bf16, const float *lc, int64_t d, float scaling,
+                        int64_t j0, int64_t j1, float *row, float *mx) {
+    const int64_t esize = bf16 ? 2 : 4;
     __m512 qv[16];
     const int64_t dv = d / 16;
     for (int64_t u = 0; u < dv; u++) qv[u] = _mm512_mul_ps(_mm512_loadu_ps(q + 16 * u), _mm512_set1_ps(scaling));
@@ -399,9 +431,9 @@ static int64_t logits16(const float *q, const float *K, const float *lc, int64_t
     for (; j + 16 <= j1; j += 16) {
         __m512 acc[16];
         for (int e = 0; e < 16; e++) {
-            const float *kr = K + (j + e) * d;
-            __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kr));
-            for (int64_t u = 1; u < dv; u++) a = _mm512_fmadd_ps(qv[u], _mm512_loadu_ps(kr + 16 * u), a);
+            const char *kr = (const char *)K + (j + e) * d * esize;
+            __m512 a = _mm512_mul_ps(qv[0], load16(kr, 0, bf16));
+            for (int64_t u = 1; u < dv; u++) a = _mm512_fmadd_ps(qv[u], load16(kr, u, bf16), a);
             acc[e] = a;
         }
         __m512 l = sum16(acc);
@@ -415,14 +447,15 @@ static int64_t logits16(const float *q, const float *K, const float *lc, int64_t
 }
 
 /* acc[d] = sum over [j0, j1) of p[j] V[j]. */
-static void weighted16(const float *p, const float *V, int64_t d, int64_t j0, int64_t j1, float *out) {
+static void weighted16(const float *p, const void *V, int bf16, int64_t d, int64_t j0, int64_t j1, float *out) {
+    const int64_t esize = bf16 ? 2 : 4;
     __m512 acc[16];
     const int64_t dv = d / 16;
     for (int64_t u = 0; u < dv; u++) acc[u] = _mm512_setzero_ps();
     for (int64_t j = j0; j < j1; j++) {
         const __m512 pj = _mm512_set1_ps(p[j]);
-        const float *v = V + j * d;
-        for (int64_t u = 0; u < dv; u++) acc[u] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(v + 16 * u), acc[u]);
+        const char *v = (const char *)V + j * d * esize;
+        for (int64_t u = 0; u < dv; u++) acc[u] = _mm512_fmadd_ps(pj, load16(v, u, bf16), acc[u]);
     }
     for (int64_t u = 0; u < dv; u++) _mm512_storeu_ps(out + 16 * u, acc[u]);
 }
@@ -436,12 +469,15 @@ static void attend(const StepModel *m, StepCache *c, const float *q, float *out,
     const int64_t chunks = (S + ATTN_CHUNK - 1) / ATTN_CHUNK, items = h * chunks;
     float *cmax = stats, *csum = stats + H * chunks;
     const float scaling = m->scaling;
+    const int bf16 = (int)m->kv_bf16;
+    const int64_t esize = bf16 ? 2 : 4;
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static)
         for (int64_t it = 0; it < items; it++) {
             int64_t g = it / chunks, ch = it % chunks, j0 = ch * ATTN_CHUNK, j1 = j0 + ATTN_CHUNK < S ? j0 + ATTN_CHUNK : S;
-            const float *K = c->keys + g * cap * d;
+            const char *K = (const char *)c->keys + g * cap * d * esize;
+            float buf[MAX_HEAD_DIM];
             const float *lc = c->log_counts ? c->log_counts + g * cap : NULL;
             float mx[MAX_GROUP];
             for (int64_t gg = 0; gg < G; gg++) mx[gg] = -INFINITY;
@@ -450,11 +486,11 @@ static void attend(const StepModel *m, StepCache *c, const float *q, float *out,
             if (d % 16 == 0 && d <= 256) /* 16 entries at a time, one transposing reduction for 16 logits */
                 for (int64_t gg = 0; gg < G; gg++) {
                     const int64_t hq = g * G + gg;
-                    j = logits16(q + hq * d, K, lc, d, scaling, j0, j1, probs + hq * S, &mx[gg]);
+                    j = logits16(q + hq * d, K, bf16, lc, d, scaling, j0, j1, probs + hq * S, &mx[gg]);
                 }
 #endif
             for (; j < j1; j++) { /* each key row once, for the whole group */
-                const float *kr = K + j * d, bias = lc ? lc[j] : 0.f;
+                const float *kr = kv_row(K, j, d, bf16, buf), bias = lc ? lc[j] : 0.f;
                 for (int64_t gg = 0; gg < G; gg++) {
                     const int64_t hq = g * G + gg;
                     float l = dot(q + hq * d, kr, d) * scaling + bias;
@@ -484,7 +520,8 @@ static void attend(const StepModel *m, StepCache *c, const float *q, float *out,
 #pragma omp for schedule(static)
         for (int64_t it = 0; it < items; it++) {
             int64_t g = it / chunks, ch = it % chunks, j0 = ch * ATTN_CHUNK, j1 = j0 + ATTN_CHUNK < S ? j0 + ATTN_CHUNK : S;
-            const float *V = c->values + g * cap * d;
+            const char *V = (const char *)c->values + g * cap * d * esize;
+            float buf[MAX_HEAD_DIM];
             for (int64_t gg = 0; gg < G; gg++) {
                 const int64_t hq = g * G + gg;
                 float total = 0.f;
@@ -500,13 +537,13 @@ static void attend(const StepModel *m, StepCache *c, const float *q, float *out,
             if (d % 16 == 0 && d <= 256) {
                 for (int64_t gg = 0; gg < G; gg++) {
                     const int64_t hq = g * G + gg;
-                    weighted16(probs + hq * S, V, d, j0, j1, partial + (hq * chunks + ch) * d);
+                    weighted16(probs + hq * S, V, bf16, d, j0, j1, partial + (hq * chunks + ch) * d);
                 }
                 jv = j1;
             }
 #endif
             for (int64_t j = jv; j < j1; j++) { /* each value row once, for the whole group */
-                const float *v = V + j * d;
+                const float *v = kv_row(V, j, d, bf16, buf);
                 for (int64_t gg = 0; gg < G; gg++) {
                     const int64_t hq = g * G + gg;
                     const float p = probs[hq * S + j];
@@ -545,13 +582,22 @@ int64_t dsv41_step_work_floats(const StepModel *m, int64_t max_entries) {
 
 /* x_in [hidden]: the token's embedding; cos/sin [head_dim] at `position`. Appends one entry to every layer's
  * cache (the caller raises its length afterwards) and writes logits [vocab]. score: fold attention into the
- * scores with `decay`. Returns 0, or -1 if some layer lacks room for the entry or `work` is too small. */
+ * scores with `decay`. A layer marked by_callback (a CSA2 sparse layer, an INT8 cache: what only the Python
+ * cache does) calls `callback` instead of appending and attending here; q, k, v (after RoPE) are then at
+ * work[2 * hidden ...] ([heads + 2 * kv_heads, head_dim]) and the output is expected right after them
+ * ([heads, head_dim]). Returns 0; -1 if a layer lacks room for its entry or `work` is too small; -2 for
+ * head geometry beyond the limits; -3 if the callback failed. */
 int dsv41_decode_step(const StepModel *m, const StepLayer *layers, StepCache *caches, const float *x_in,
                       int32_t position, const float *cs, const float *sn, int score, float decay, float *logits,
-                      float *work, int64_t work_floats, int threads) {
+                      float *work, int64_t work_floats, AttendCallback callback, int threads) {
     const int64_t D = m->hidden, H = m->heads, h = m->kv_heads, d = m->head_dim, I = m->inter;
     int64_t most = 0;
+    if (d > MAX_HEAD_DIM || H % h != 0 || H / h > MAX_GROUP) return -2;
     for (int64_t l = 0; l < m->layers; l++) {
+        if (caches[l].by_callback) {
+            if (!callback) return -3;
+            continue;
+        }
         if (caches[l].length + 1 > caches[l].capacity) return -1;
         if (caches[l].length + 1 > most) most = caches[l].length + 1;
     }
@@ -573,15 +619,28 @@ int dsv41_decode_step(const StepModel *m, const StepLayer *layers, StepCache *ca
             if (nw) rms_norm(v, nw, v, d, m->eps);
             rope_head(v, cs, sn, d);
         }
-        const int64_t n = c->length;
-        for (int64_t g = 0; g < h; g++) {
-            memcpy(c->keys + (g * c->capacity + n) * d, qkv + (H + g) * d, sizeof(float) * d);
-            memcpy(c->values + (g * c->capacity + n) * d, qkv + (H + h + g) * d, sizeof(float) * d);
-            c->positions[g * c->capacity + n] = position;
+        if (c->by_callback) {
+            if (callback(l) != 0) return -3;
+        } else {
+            const int64_t n = c->length;
+            for (int64_t g = 0; g < h; g++) {
+                const float *k = qkv + (H + g) * d, *v = qkv + (H + h + g) * d;
+                const int64_t at = (g * c->capacity + n) * d;
+                if (m->kv_bf16) {
+                    for (int64_t i = 0; i < d; i++) {
+                        ((uint16_t *)c->keys)[at + i] = f32_to_bf16(k[i]);
+                        ((uint16_t *)c->values)[at + i] = f32_to_bf16(v[i]);
+                    }
+                } else {
+                    memcpy((float *)c->keys + at, k, sizeof(float) * d);
+                    memcpy((float *)c->values + at, v, sizeof(float) * d);
+                }
+                c->positions[g * c->capacity + n] = position;
+            }
+            StepCache view = *c;
+            view.length = n + 1;
+            attend(m, &view, qkv, attn, probs, stats, partial, score, decay, threads);
         }
-        StepCache view = *c;
-        view.length = n + 1;
-        attend(m, &view, qkv, attn, probs, stats, partial, score, decay, threads);
         mv(L->o, L->o_scale, attn, x, D, H * d, 1, threads);
         if (L->o_bias)
             for (int64_t i = 0; i < D; i++) x[i] += L->o_bias[i];

@@ -229,30 +229,35 @@ class _StepLayer(ctypes.Structure):
 class _StepCache(ctypes.Structure):
     _fields_ = [("keys", ctypes.c_void_p), ("values", ctypes.c_void_p), ("positions", ctypes.c_void_p),
                 ("scores", ctypes.c_void_p), ("log_counts", ctypes.c_void_p), ("length", ctypes.c_int64),
-                ("capacity", ctypes.c_int64)]
+                ("capacity", ctypes.c_int64), ("by_callback", ctypes.c_int64)]
 
 
 class _StepModel(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int64) for name in ("hidden", "heads", "kv_heads", "head_dim", "inter", "vocab",
-                                                     "layers")] + [
+                                                     "layers", "kv_bf16")] + [
         ("eps", ctypes.c_float), ("scaling", ctypes.c_float), ("final_norm", ctypes.c_void_p),
         ("lm_head", ctypes.c_void_p), ("lm_head_scale", ctypes.c_void_p), ("lm_head_bias", ctypes.c_void_p)]
+
+
+_ATTEND_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int64)
 
 
 def _bind_step(lib: ctypes.CDLL) -> None:
     ptr, i64, cint, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     lib.dsv41_step_work_floats.argtypes = [ptr, i64]
     lib.dsv41_step_work_floats.restype = i64
-    lib.dsv41_decode_step.argtypes = [ptr, ptr, ptr, ptr, ctypes.c_int32, ptr, ptr, cint, f32, ptr, ptr, i64, cint]
+    lib.dsv41_decode_step.argtypes = [ptr, ptr, ptr, ptr, ctypes.c_int32, ptr, ptr, cint, f32, ptr, ptr, i64,
+                                      _ATTEND_CALLBACK, cint]
     lib.dsv41_decode_step.restype = cint
 
 
 def _float_vector(t: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    """A norm weight or bias as a contiguous float32 vector (a float32 copy of a bf16 one: it is small)."""
     if t is None:
         return None
-    if t.dtype != torch.float32 or t.shape != (n,) or not t.is_contiguous() or t.device.type != "cpu":
-        raise _NotFusable("a norm or bias is not a contiguous float32 CPU vector")
-    return t
+    if t.dtype not in (torch.float32, torch.bfloat16) or t.shape != (n,) or t.device.type != "cpu":
+        raise _NotFusable("a norm or bias is not a float32/bf16 CPU vector")
+    return t.detach().to(torch.float32).contiguous()
 
 
 class _NotFusable(Exception):
@@ -262,8 +267,9 @@ class _NotFusable(Exception):
 class FusedDecodeStep:
     """One decode step of the whole decoder in one call to cpu_kernels.c (dsv41_decode_step).
 
-    Built from engine.cache.decoder's weights when they fit: every matrix packed (one format), float32
-    norms and biases, SiLU gating. The cache side (which layers, when) is DSV41Cache.fused_layers'. `build`
+    Built from engine.cache.decoder's weights when they fit: every matrix packed (one format), SiLU gating.
+    The step computes in float32; a bf16 model (dtype="bfloat16") keeps its KV cache in bf16 (read widened,
+    written rounded) and gets float32 logits. The cache side (which layers, when) is DSV41Cache.fused_plan's. `build`
     returns None when the weights do not fit or DSV41_FUSED_STEP=0, and the per-op Python step runs.
     """
 
@@ -277,6 +283,8 @@ class FusedDecodeStep:
         if w.act_name != "silu":
             raise _NotFusable(f"activation {w.act_name!r} (only SiLU is fused)")
         hidden, d, heads, kv_heads = first.o.shape[0], w.head_dim, w.heads, w.kv_heads
+        if d > 256 or heads % kv_heads or heads // kv_heads > 64:
+            raise _NotFusable("head geometry outside the kernel's limits (head_dim <= 256, groups <= 64)")
         inter = first.down.shape[1]
         int8 = w.lm_head.scale is not None
         self._keep = []  # everything a pointer below refers to
@@ -317,6 +325,9 @@ class FusedDecodeStep:
         self._cache_key: list = [None] * len(layers)
         self._work = torch.empty(0)
         self.vocab, self.hidden = vocab, hidden
+        self._qkv_size = (heads + 2 * kv_heads) * d
+        self._call: dict = {}  # the step in progress, for the callback
+        self._callback = _ATTEND_CALLBACK(self._attend_in_python)  # kept alive as long as self
 
     @classmethod
     def build(cls, weights) -> FusedDecodeStep | None:
@@ -339,27 +350,66 @@ class FusedDecodeStep:
         spec.capacity = layer.capacity
         self._cache_key[index] = (id(layer), layer.storage_version, layer.merged_any)
 
-    def step(self, x: torch.Tensor, position: int, cos: torch.Tensor, sin: torch.Tensor, layers, *,
-             score: bool, decay: float) -> torch.Tensor:
-        """x [hidden] float32 (the token's embedding); cos/sin [head_dim] float32 at `position`; `layers` the
-        cache's LayerKV (float32, each with room for one more entry). Appends the token to every layer, raising
-        its length, and returns logits [vocab] float32."""
+    def step(self, x: torch.Tensor, position: int, cos: torch.Tensor, sin: torch.Tensor, cache, by_python: list[bool],
+             *, score: bool, decay: float) -> torch.Tensor:
+        """x [hidden] float32 (the token's embedding); cos/sin [head_dim] float32 at `position`; `cache` a
+        DSV41Cache inside a one-token forward, whose layers marked in `by_python` are appended to and attended
+        by its own `attend` (called back from C), the others here (float32 or bf16 storage, each with room for
+        one more entry; see DSV41Cache.fused_plan). Every layer gains the token; returns logits [vocab] float32."""
+        layers = cache.layers
+        self._model.kv_bf16 = int(layers[0].dtype == torch.bfloat16)
         most = 0
         for index, layer in enumerate(layers):
+            spec = self._caches[index]
+            spec.by_callback = int(by_python[index])
+            if by_python[index]:
+                continue
             if self._cache_key[index] != (id(layer), layer.storage_version, layer.merged_any):
                 self._refresh(index, layer)
-            self._caches[index].length = layer.length
+            spec.length = layer.length
             most = max(most, layer.length + 1)
         needed = self._lib.dsv41_step_work_floats(ctypes.byref(self._model), most)
         if self._work.numel() < needed:
             self._work = torch.empty(needed + needed // 4, dtype=torch.float32)
         logits = torch.empty(self.vocab, dtype=torch.float32)
-        status = self._lib.dsv41_decode_step(
-            ctypes.byref(self._model), self._layers, self._caches, x.data_ptr(), position, cos.data_ptr(),
-            sin.data_ptr(), int(score), float(decay), logits.data_ptr(), self._work.data_ptr(), self._work.numel(),
-            torch.get_num_threads())
+        self._call = {"cache": cache, "error": None}
+        try:
+            status = self._lib.dsv41_decode_step(
+                ctypes.byref(self._model), self._layers, self._caches, x.data_ptr(), position, cos.data_ptr(),
+                sin.data_ptr(), int(score), float(decay), logits.data_ptr(), self._work.data_ptr(),
+                self._work.numel(), self._callback, torch.get_num_threads())
+            error = self._call["error"]
+        finally:
+            self._call = {}
         if status != 0:
-            raise RuntimeError("fused decode step: a layer's cache had no room for the new entry")
-        for layer in layers:
-            layer.length += 1
+            for index, layer in enumerate(layers):  # an entry written past `length` must leave no score behind
+                if not by_python[index] and layer.length < layer.capacity:
+                    layer.scores[:, layer.length] = 0.0
+            if error is not None:
+                raise error
+            raise RuntimeError(f"fused decode step failed ({status}): a layer had no room for its entry")
+        for index, layer in enumerate(layers):
+            if not by_python[index]:
+                layer.length += 1
         return logits
+
+    def _attend_in_python(self, index: int) -> int:
+        """Called from C for a layer marked by_python: the cache's own append + attention on the q, k, v the
+        step left in the work buffer; the output goes where the step reads it. Errors are kept for step()
+        to raise (an exception must not cross the C frames)."""
+        try:
+            hidden, d = self.hidden, self._model.head_dim
+            heads, kv_heads = self._model.heads, self._model.kv_heads
+            qkv = self._work[2 * hidden: 2 * hidden + self._qkv_size]
+            q = qkv[: heads * d].view(1, heads, 1, d)
+            k = qkv[heads * d: (heads + kv_heads) * d].view(1, kv_heads, 1, d)
+            v = qkv[(heads + kv_heads) * d:].view(1, kv_heads, 1, d)
+            cache = self._call["cache"]
+            dtype = cache.dtype
+            out = cache.attend(int(index), q.to(dtype), k.to(dtype), v.to(dtype), float(self._model.scaling))
+            start = 2 * hidden + self._qkv_size
+            self._work[start: start + heads * d].copy_(out.reshape(-1))
+            return 0
+        except BaseException as exc:  # noqa: BLE001 - handed to step(), raised there
+            self._call["error"] = exc
+            return 1

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import platform
 import re
 import shutil
@@ -99,9 +100,11 @@ def _cpu_kernels_check() -> Check:
     library = cpu_kernels.load()
     if library is not None:
         isa = {512: "AVX-512", 256: "AVX2"}.get(library.isa, "plain")
-        return Check("CPU kernels", "ok", f"built ({isa}): CPU weights held as bf16 (or int8), decode reads half the bytes or less")
+        fused = "" if os.environ.get("DSV41_FUSED_STEP", "1") != "0" else " (fused decode step off: DSV41_FUSED_STEP=0)"
+        return Check("CPU kernels", "ok", f"built ({isa}): CPU weights held as bf16 (or int8), decode reads half the "
+                     f"bytes or less, one fused call per decode step{fused}")
     return Check("CPU kernels", "warn", cpu_kernels.unavailable_reason() or "unavailable",
-                 "Decoding on the CPU works without them, about 1.4x slower with twice the weight memory. "
+                 "Decoding on the CPU works without them, about 2x slower with twice the weight memory. "
                  "Install a C compiler (Debian/Ubuntu: sudo apt install gcc) and restart.")
 
 

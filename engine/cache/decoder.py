@@ -120,7 +120,8 @@ class Decoder:
     def __init__(self, weights: DecoderWeights):
         self.w = weights
         # One C call per decode step where the weights are packed for our CPU kernels (see FusedDecodeStep).
-        self.fused = FusedDecodeStep.build(weights) if weights.final_norm.dtype == torch.float32 else None
+        self.fused = FusedDecodeStep.build(weights) if weights.final_norm.dtype in (torch.float32, torch.bfloat16) \
+            else None
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache, logits_to_keep: int = 1):
@@ -133,11 +134,12 @@ class Decoder:
         t = x.shape[0]
         cos, sin = w.rotary(x[None], position_ids)
         if t == 1 and self.fused is not None:
-            layers = cache.fused_layers()
-            if layers is not None:
+            plan = cache.fused_plan()
+            if plan is not None:
                 score, decay = cache.fused_scoring()
-                logits = self.fused.step(x[0].contiguous(), int(position_ids[0, 0]), cos[0, 0].float().contiguous(),
-                                         sin[0, 0].float().contiguous(), layers, score=score, decay=decay)
+                logits = self.fused.step(x[0].float().contiguous(), int(position_ids[0, 0]),
+                                         cos[0, 0].float().contiguous(), sin[0, 0].float().contiguous(), cache, plan,
+                                         score=score, decay=decay)
                 return logits.view(1, 1, -1)
         cos, sin = cos[0, :, None, :].to(x.dtype), sin[0, :, None, :].to(x.dtype)  # [T, 1, d]
         rot = rope_matrix(cos[0, 0], sin[0, 0]) if t == 1 else None

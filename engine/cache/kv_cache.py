@@ -29,9 +29,11 @@ from .storage import LayerKV
 
 CSA2_RECALL_EVERY = 64  # decode steps between sampled recall measurements (one layer each)
 # CSA2 pays only on a long cache: below this many entries per top-k slot, dense attention is faster.
-# Measured on 2 CPU cores (default model, top-k 256): dense/sparse step 43/48 ms at 2k entries,
-# 54/48 at 4k, 72/54 at 8k -> the crossover is near 3k = 12 x top-k.
-CSA2_DENSE_BELOW = 12
+# Measured on 2 CPU cores (default model, top-k 256, every layer at the same length), decode step in ms,
+# dense attention inside the fused C step against CSA2's screening in Python (called back from it):
+# 16.2 / 24.5 at 2k entries, 21.2 / 26.8 at 4k, 31.7 / 29.2 at 8k -> the crossover is near 7k = 28 x top-k.
+# (With the per-op Python step it was near 3k: 43/48 ms at 2k, 54/48 at 4k, 72/54 at 8k.)
+CSA2_DENSE_BELOW = 28
 
 
 def kv_bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, element_bytes: int, int8: bool) -> int:
@@ -222,21 +224,24 @@ class DSV41Cache:
                 ced.observe(layer, s.ced_policy, s.ced_decay, mass, window, prefill=True)
         return out.transpose(0, 1)[None]
 
-    def fused_layers(self) -> list[LayerKV] | None:
-        """The layers, each with room for one more entry, when this decode step can run as one fused CPU call
-        (engine.cpu_kernels.FusedDecodeStep): float32 storage on the CPU, no INT8 KV, no CSA2 side cache (so no
-        sparse layer), no probe. None otherwise: the per-layer `attend` path runs. The fused step does what
-        `attend` does for one token on such layers: append, dense attention (with merge counts), CED scoring
-        (`fused_scoring`)."""
+    def fused_plan(self) -> list[bool] | None:
+        """For a decode step run as one fused CPU call (engine.cpu_kernels.FusedDecodeStep): per layer, whether
+        its append and attention stay with `attend` (called back from the C step): a layer with a CSA2 side
+        cache (sparse screening), or an INT8 cache. The other layers are appended to and attended in C, as
+        `attend` would for one token: dense attention with merge counts, CED scoring (`fused_scoring`); they
+        get room for one more entry here. None when the step cannot be fused: not a one-token decode, a probe,
+        or not a CPU float32/bf16 cache."""
         fwd = self._fwd
         if (fwd.tokens != 1 or fwd.prefill or self._capture is not None or self.device.type != "cpu"
-                or self.dtype != torch.float32 or self.settings.kv_int8):
+                or self.dtype not in (torch.float32, torch.bfloat16)):
             return None
+        plan = []
         for layer in self.layers:
-            if layer.projected_keys is not None:
-                return None
-            layer.ensure_capacity(layer.length + 1)
-        return self.layers
+            by_python = self.settings.kv_int8 or layer.projected_keys is not None
+            if not by_python:
+                layer.ensure_capacity(layer.length + 1)
+            plan.append(by_python)
+        return plan
 
     def fused_scoring(self) -> tuple[bool, float]:
         """(whether a decode step folds its attention into the scores, the decay it applies first), as

@@ -85,7 +85,10 @@ def test_read_bandwidth_is_measured():
     assert set(bw["by_kernel"]) == {"sum", "mv"}
 
 
-def test_kv_read_per_step_counts_dense_and_sparse_reads():
+def test_kv_read_per_step_counts_dense_and_sparse_reads(monkeypatch):
+    from engine.cache import kv_cache
+
+    monkeypatch.setattr(kv_cache, "CSA2_DENSE_BELOW", 12)
     settings = CacheSettings(kv_cache_ratio=1.0, csa2_topk=16, ced_sink_tokens=4, ced_recent_tokens=8)
     cache = DSV41Cache(2, 2, 16, torch.float32, "cpu", settings)
     for layer in cache.layers:

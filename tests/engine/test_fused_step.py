@@ -115,37 +115,91 @@ def test_fused_step_with_int8_weights(tiny_model):
 
 
 @needs_kernels
-def test_decode_steps_run_fused_and_other_steps_do_not(tiny_model, monkeypatch):
-    """The fused call replaces every layer's `attend` for a plain decode step; prefill, INT8 KV and a CSA2
-    side cache take the per-op path."""
+def test_which_layers_the_fused_step_hands_back_to_the_cache(tiny_model, monkeypatch):
+    """A plain decode step runs every layer in C (no `attend`); prefill runs per layer; an INT8 cache and a
+    layer with a CSA2 side cache are appended to and attended by `attend`, called back from the C step,
+    with the per-op step's results."""
     model = _packed(tiny_model, "llama")
     ids = torch.randint(0, 256, (1, 30))
     calls = []
     cache = make_cache(model, kv_cache_ratio=1.0, csa2_topk=0)
     original = type(cache).attend
 
-    def counting(self, *args, **kwargs):
-        calls.append(args[0])
-        return original(self, *args, **kwargs)
+    def counting(self, index, *args, **kwargs):
+        calls.append(index)
+        return original(self, index, *args, **kwargs)
 
     monkeypatch.setattr(type(cache), "attend", counting)
     adapter.forward(model, ids[:, :20], cache, prefill=True)
-    assert len(calls) == 2  # prefill: per layer
+    assert calls == [0, 1]  # prefill: per layer
     adapter.forward(model, ids[:, 20:21], cache, prefill=False)
-    assert len(calls) == 2  # decode: one fused call, no attend
+    assert calls == [0, 1]  # decode: one fused call, no attend
     assert cache.stored == 21 and cache.seen == 21
 
-    int8_cache = make_cache(model, kv_cache_ratio=1.0, csa2_topk=0, kv_int8=True)
-    adapter.forward(model, ids[:, :20], int8_cache, prefill=True)
-    adapter.forward(model, ids[:, 20:21], int8_cache, prefill=False)
-    assert len(calls) == 6
+    calls.clear()
+    got, int8_cache, expected, int8_reference = _both(model, ids, 20, kv_cache_ratio=1.0, csa2_topk=0, kv_int8=True)
+    assert int8_cache.fused_plan() is None  # outside a forward
+    assert torch.allclose(got, expected, atol=1e-4, rtol=1e-4)
+    _assert_same_cache(int8_cache, int8_reference)
+    assert torch.allclose(int8_cache.layers[1].key_scales[:, :30], int8_reference.layers[1].key_scales[:, :30], rtol=1e-4)
+    assert calls.count(1) == 2 * 11  # both paths: the prefill's call, then one per decode step, per layer
 
-    sparse = make_cache(model, kv_cache_ratio=1.0, csa2_topk=4)
-    adapter.forward(model, ids[:, :20], sparse, prefill=True)
+    torch.manual_seed(6)
+    long_ids = torch.randint(0, 256, (1, 80))
+    knobs = dict(kv_cache_ratio=1.0, csa2_topk=4, ced_sink_tokens=2, ced_recent_tokens=4)
+    monkeypatch.setattr("engine.cache.kv_cache.CSA2_DENSE_BELOW", 1)  # sparse from 11 entries on
+    calls.clear()
+    decoder = model._dsv41_decoder
+    sparse = make_cache(model, **knobs)
+    adapter.forward(model, long_ids[:, :60], sparse, prefill=True)
     sparse.fit_sparse()
-    for layer in sparse.layers:  # as if the cache were long enough for CSA2 to pay
-        layer.projected_keys = torch.zeros(layer.kv_heads, layer.capacity, 2)
-    assert sparse.fused_layers() is None
+    sparse.layers[1].projected_keys = None  # layer 0 sparse (Python), layer 1 dense (C)
+    reference = make_cache(model, **knobs)
+    adapter.forward(model, long_ids[:, :60], reference, prefill=True)
+    reference.fit_sparse()
+    reference.layers[1].projected_keys = None
+    calls.clear()
+    fused = decoder.fused
+    got, expected = [], []
+    for i in range(60, 80):
+        got.append(adapter.forward(model, long_ids[:, i:i + 1], sparse, prefill=False)[0, -1])
+    assert calls == [0] * 20
+    decoder.fused = None
+    try:
+        for i in range(60, 80):
+            expected.append(adapter.forward(model, long_ids[:, i:i + 1], reference, prefill=False)[0, -1])
+    finally:
+        decoder.fused = fused
+    assert sparse.stats().csa2_steps == 20
+    assert torch.allclose(torch.stack(got), torch.stack(expected), atol=1e-4, rtol=1e-4)
+    _assert_same_cache(sparse, reference)
+
+
+@needs_kernels
+def test_an_error_in_the_called_back_attention_leaves_the_cache_as_it_was(tiny_model, monkeypatch):
+    """Out of memory (or any error) in a layer's Python attention mid-step: the error reaches the caller
+    and the forward is undone; no layer keeps the half-made entry or a score for it."""
+    model = _packed(tiny_model, "llama")
+    ids = torch.randint(0, 256, (1, 30))
+    cache = make_cache(model, kv_cache_ratio=0.5, csa2_topk=0, kv_int8=False, min_entries=8)
+    adapter.forward(model, ids[:, :20], cache, prefill=True)
+    before = [layer.length for layer in cache.layers]
+    monkeypatch.setattr(type(cache), "fused_plan", lambda self: [False, True])  # layer 1 through attend
+
+    def failing(self, index, *args, **kwargs):
+        raise torch.OutOfMemoryError("no memory for layer 1")
+
+    monkeypatch.setattr(type(cache), "attend", failing)
+    with pytest.raises(torch.OutOfMemoryError):
+        adapter.forward(model, ids[:, 20:21], cache, prefill=False)
+    assert cache.seen == 20
+    for layer, length in zip(cache.layers, before, strict=True):
+        assert layer.length == length
+        assert not layer.scores[:, length:].any()  # as after the per-op step's failure: no trace of the entry
+    # the cache stays usable: the same step again succeeds
+    monkeypatch.undo()
+    adapter.forward(model, ids[:, 20:21], cache, prefill=False)
+    assert cache.seen == 21 and all(layer.length == 21 for layer in cache.layers)
 
 
 @needs_kernels
@@ -212,3 +266,41 @@ def test_avx2_fused_step_equals_the_per_op_step(tiny_model):
     got, cache_a, expected, cache_b = _both(model, ids, 40, compact_at=(60,), **knobs)
     assert torch.allclose(got, expected, atol=1e-4, rtol=1e-4), (got - expected).abs().max()
     _assert_same_cache(cache_a, cache_b)
+
+
+@needs_kernels
+def test_bf16_model_decodes_fused_with_a_bf16_cache(tiny_model):
+    """dtype="bfloat16": the cache holds bf16 keys and values; the fused step reads them widened, computes in
+    float32 and writes the new entry rounded to nearest even. The per-op step computes in bf16 throughout, so
+    the two agree to bf16's precision (not to float32's), with the same greedy tokens."""
+    from engine.cache import CacheSettings, DSV41Cache
+
+    model = tiny_model("llama").to(torch.bfloat16)
+    adapter.install(model)
+    assert adapter.packed_format(model) == "bf16" and adapter.compute_dtype(model) == torch.bfloat16
+    decoder = model._dsv41_decoder
+    assert decoder.fused is not None
+    torch.manual_seed(5)
+    ids = torch.randint(0, 256, (1, 60))
+
+    def run(fused):
+        saved = decoder.fused
+        decoder.fused = fused
+        try:
+            layers, kv_heads, head_dim = adapter.kv_geometry(model)
+            cache = DSV41Cache(layers, kv_heads, head_dim, torch.bfloat16, "cpu",
+                               CacheSettings(kv_cache_ratio=1.0, csa2_topk=0))
+            return _decode(model, cache, ids, 30), cache
+        finally:
+            decoder.fused = saved
+
+    got, cache_a = run(decoder.fused)
+    expected, cache_b = run(None)
+    scale = expected.abs().max()
+    assert (got - expected).abs().max() < 0.03 * scale
+    assert (got.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.9
+    for la, lb in zip(cache_a.layers, cache_b.layers, strict=True):
+        assert la.keys.dtype == torch.bfloat16 and la.length == lb.length == 60
+        n = la.length
+        assert torch.allclose(la.keys[:, :n].float(), lb.keys[:, :n].float(), atol=0.05 * lb.keys[:, :n].float().abs().max())
+        assert torch.equal(la.keys[:, :30], lb.keys[:, :30])  # the prefill's entries are the same path's
