@@ -97,3 +97,4 @@ class ModelFacts:
     config: dict
     load_seconds: float = 0.0
     weight_storage: str = ""  # "bf16"/"int8": float32 compute on weights held so (engine.cpu_kernels)
+    prefill_bf16: bool = False  # prefill multiplies those weights in bf16 (adapter.set_prefill_bf16)

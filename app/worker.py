@@ -115,7 +115,7 @@ class EngineWorker(QObject):
             dtype=info.dtype, weight_quant=info.weight_quant, attention_backend=info.attention_backend,
             context_limit=int(model.context_limit), max_positions=int(getattr(model, "max_positions", 0) or 0),
             kv_bytes_per_token=int(model.kv_bytes_per_token()), config=config, load_seconds=load_seconds,
-            weight_storage=getattr(info, "weight_storage", ""))
+            weight_storage=getattr(info, "weight_storage", ""), prefill_bf16=bool(getattr(info, "prefill_bf16", False)))
 
     # ------------------------------------------------------------------ turns
     @Slot(object)

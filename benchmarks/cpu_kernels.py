@@ -3,12 +3,14 @@
 1. matvec: every weight matrix of one decode step of the default model's shape (30 layers + the tied
    LM head, 134.5M weights), streamed from memory, through torch float32 mv, torch bf16 mv, our bf16
    kernel (float32 accumulation) and our int8 kernel (scale per row): ms per step and GB/s. Medians of 21.
-2. step: the default model, dense, 1,024-token context, one decode step (60 steps, median of the last 50),
-   weights held as bf16 (the default load), dtype="float32" (float32-held) and weight_quant="int8" (our
-   per-row int8), in one process, interleaved three times.
+2. step: the default model, dense, 1,024-token context: the prefill of those 1,024 tokens (two 512-token
+   chunks) and one decode step (60 steps, median of the last 50), for the default load (weights held as
+   bf16, prefill products in bf16, the fused C decode step), the same with the per-op Python decode step,
+   with float32 prefill products, dtype="float32" (float32-held), dtype="bfloat16" (bf16 activations and KV)
+   and weight_quant="int8" (our per-row int8), in one process, interleaved three times.
 3. quality: perplexity of 2,048 tokens of each of four speeches, uncompressed and CED-evict at ratio 0.5,
-   bf16-held and int8 against float32-held weights (the default model is a Q4_1/Q8_0 checkpoint; bf16
-   rounds its dequantized values).
+   the default load, the default load with float32 prefill products, and int8, against float32-held
+   weights (the default model is a Q4_1/Q8_0 checkpoint; bf16 rounds its dequantized values).
 
 Writes results/cpu-kernels/cpu-kernels.json and .md.   Usage: python -m benchmarks.cpu_kernels [--sections ...]
 """
@@ -74,10 +76,13 @@ def matvec_section() -> dict:
     return out
 
 
-def _decode_ms(model: DSV41Model, ids: torch.Tensor, steps: int = 60) -> float:
+def _decode_ms(model: DSV41Model, ids: torch.Tensor, steps: int = 60) -> tuple[float, float]:
+    """(prefill ms of ids, median decode step ms)."""
     cache = model.new_cache()
+    started = time.perf_counter()
     for start in range(0, ids.shape[1], 512):
         logits = adapter.forward(model.hf_model, ids[:, start:start + 512], cache)
+    prefill_ms = (time.perf_counter() - started) * 1e3
     token = torch.tensor([[int(logits[0, -1].argmax())]])
     times = []
     for _ in range(steps):
@@ -85,42 +90,81 @@ def _decode_ms(model: DSV41Model, ids: torch.Tensor, steps: int = 60) -> float:
         logits = adapter.forward(model.hf_model, token, cache, prefill=False)
         times.append(time.perf_counter() - started)
         token = torch.tensor([[int(logits[0, -1].argmax())]])
-    return statistics.median(times[10:]) * 1e3
+    return prefill_ms, statistics.median(times[10:]) * 1e3
+
+
+class _Variant:
+    """A loaded model with a switch applied around each use (the per-op step, float32 prefill products)."""
+
+    def __init__(self, model: DSV41Model, per_op: bool = False, prefill_bf16: bool | None = None):
+        self.model, self.per_op, self.prefill_bf16 = model, per_op, prefill_bf16
+
+    def __enter__(self) -> DSV41Model:
+        hf = self.model.hf_model
+        self._fused = getattr(hf, "_dsv41_decoder", None) and hf._dsv41_decoder.fused
+        self._prefill = adapter.prefill_bf16(hf)
+        if self.per_op and self._fused is not None:
+            hf._dsv41_decoder.fused = None
+        if self.prefill_bf16 is not None:
+            adapter.set_prefill_bf16(hf, self.prefill_bf16)
+        return self.model
+
+    def __exit__(self, *exc) -> None:
+        hf = self.model.hf_model
+        if self._fused is not None:
+            hf._dsv41_decoder.fused = self._fused
+        adapter.set_prefill_bf16(hf, self._prefill)
 
 
 def step_section() -> dict:
-    models = {"bf16-held (default)": DSV41Model.from_pretrained(DSV41Config(kv_cache_ratio=1.0, csa2_topk=0)),
-              "float32-held (dtype=float32)": DSV41Model.from_pretrained(
-                  DSV41Config(kv_cache_ratio=1.0, csa2_topk=0, dtype="float32")),
-              "int8 (weight_quant=int8)": DSV41Model.from_pretrained(
-                  DSV41Config(kv_cache_ratio=1.0, csa2_topk=0, weight_quant="int8"))}
-    ids = models["bf16-held (default)"].tokenizer(speech("2024-Biden-1"), return_tensors="pt")["input_ids"][:, :1024]
-    runs: dict = {name: [] for name in models}
+    knobs = dict(kv_cache_ratio=1.0, csa2_topk=0)
+    default = DSV41Model.from_pretrained(DSV41Config(**knobs))
+    variants = {
+        "default (bf16-held, bf16 prefill products, fused step)": _Variant(default),
+        "default, per-op Python decode step": _Variant(default, per_op=True),
+        "default, float32 prefill products": _Variant(default, prefill_bf16=False),
+        "float32-held (dtype=float32)": _Variant(DSV41Model.from_pretrained(DSV41Config(dtype="float32", **knobs))),
+        "float32-held, per-op Python decode step": None,
+        "bf16 activations and KV (dtype=bfloat16)": _Variant(
+            DSV41Model.from_pretrained(DSV41Config(dtype="bfloat16", **knobs))),
+        "int8 (weight_quant=int8)": _Variant(DSV41Model.from_pretrained(DSV41Config(weight_quant="int8", **knobs))),
+    }
+    variants["float32-held, per-op Python decode step"] = _Variant(variants["float32-held (dtype=float32)"].model,
+                                                                  per_op=True)
+    ids = default.tokenizer(speech("2024-Biden-1"), return_tensors="pt")["input_ids"][:, :1024]
+    runs: dict = {name: [] for name in variants}
     for _ in range(3):
-        for name, model in models.items():
-            runs[name].append(_decode_ms(model, ids))
-            print(f"[step] {name}: {runs[name][-1]:.1f} ms", flush=True)
-    return {name: {"ms": statistics.median(v), "runs": v, "weights_mib": models[name].weights_bytes / 2**20,
-                   "weight_storage": models[name].info.weight_storage or "float32"} for name, v in runs.items()}
+        for name, variant in variants.items():
+            with variant as model:
+                runs[name].append(_decode_ms(model, ids))
+            print(f"[step] {name}: prefill {runs[name][-1][0]:.0f} ms, step {runs[name][-1][1]:.1f} ms", flush=True)
+    return {name: {"ms": statistics.median(r[1] for r in v), "prefill_ms": statistics.median(r[0] for r in v),
+                   "runs": v, "weights_mib": variants[name].model.weights_bytes / 2**20,
+                   "weight_storage": variants[name].model.info.weight_storage or "float32"}
+            for name, v in runs.items()}
 
 
 def quality_section() -> dict:
     from .quality import perplexity
 
     out: dict = {}
-    for label, dtype, quant in (("bf16-held (default)", "auto", "none"),
-                                ("float32-held (dtype=float32)", "float32", "none"),
-                                ("int8 (weight_quant=int8)", "auto", "int8")):
-        model = DSV41Model.from_pretrained(DSV41Config(dtype=dtype, weight_quant=quant))
-        tok = model.tokenizer
-        for name in SPEECHES:
-            ids = tok(speech(name), add_special_tokens=False)["input_ids"][:2048]
-            for ratio in (1.0, 0.5):
-                model.config = model.config.replace(kv_cache_ratio=ratio, csa2_topk=0, ced_threshold=0.0,
-                                                    ced_policy="ced", ced_mode="evict")
-                value = perplexity(model, ids)
-                out.setdefault(label, {}).setdefault(name, {})[ratio] = value
-                print(f"[quality] {label} {name} {ratio}: {value:.3f}", flush=True)
+    default = DSV41Model.from_pretrained(DSV41Config())
+    for label, variant in (("default (bf16-held, bf16 prefill products)", lambda: _Variant(default)),
+                           ("bf16-held, float32 prefill products", lambda: _Variant(default, prefill_bf16=False)),
+                           ("float32-held (dtype=float32)",
+                            lambda: _Variant(DSV41Model.from_pretrained(DSV41Config(dtype="float32")))),
+                           ("int8 (weight_quant=int8)",
+                            lambda: _Variant(DSV41Model.from_pretrained(DSV41Config(weight_quant="int8"))))):
+        with variant() as model:
+            tok = model.tokenizer
+            for name in SPEECHES:
+                ids = tok(speech(name), add_special_tokens=False)["input_ids"][:2048]
+                for ratio in (1.0, 0.5):
+                    model.config = model.config.replace(kv_cache_ratio=ratio, csa2_topk=0, ced_threshold=0.0,
+                                                        ced_policy="ced", ced_mode="evict")
+                    value = perplexity(model, ids)
+                    out.setdefault(label, {}).setdefault(name, {})[ratio] = value
+                    print(f"[quality] {label} {name} {ratio}: {value:.3f}", flush=True)
     return out
 
 
@@ -133,9 +177,10 @@ def _table(p: dict) -> str:
         out += [f"| {name} | {v['ms']:.2f} | {v['gb_s']:.1f} |" for name, v in m["variants"].items()]
     if "step" in p:
         s = p["step"]
-        out += ["", "Default model, dense, 1,024-token context: one decode step (median)\n",
-                "| weights | ms per step | weights MiB |", "|---|---|---|"]
-        out += [f"| {name} | {v['ms']:.1f} | {v['weights_mib']:.0f} |" for name, v in s.items()]
+        out += ["", "Default model, dense: prefill of 1,024 tokens and one decode step at that context (medians)\n",
+                "| variant | prefill ms | ms per decode step | weights MiB |", "|---|---|---|---|"]
+        out += [f"| {name} | {v['prefill_ms']:.0f} | {v['ms']:.1f} | {v['weights_mib']:.0f} |" if "prefill_ms" in v
+                else f"| {name} | | {v['ms']:.1f} | {v['weights_mib']:.0f} |" for name, v in s.items()]
     if "quality" in p:
         q = p["quality"]
         labels = list(q)

@@ -65,6 +65,8 @@ def _load(args):
     model = DSV41Model.from_pretrained(_config(args), progress=progress)
     i = model.info
     weights = i.weight_quant if i.weight_quant != "none" or not i.weight_storage else f"held as {i.weight_storage}"
+    if i.prefill_bf16:
+        weights += ", prefill in bf16"
     print(f"Loaded {i.display_name} on {i.device} ({i.dtype}, weights {weights}, attention {i.attention_backend}) "
           f"in {i.resolve_seconds + i.load_seconds:.1f} s", file=sys.stderr)
     return model

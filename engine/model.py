@@ -47,6 +47,7 @@ class LoadInfo:
     weight_quant: str
     attention_backend: str
     weight_storage: str = ""  # how the weights are held when it differs from dtype: "bf16" or "int8" (cpu_kernels)
+    prefill_bf16: bool = False  # prefill multiplies the bf16-held matrices in bf16 (adapter.set_prefill_bf16)
 
 
 @dataclass(frozen=True)
@@ -96,8 +97,12 @@ class DSV41Model:
                                                 **load)
         # float32 compute; weights held as bf16 where that is exact, or (dtype "auto") where the checkpoint was
         # quantized coarser than bf16 anyway (adapter.pack_weights)
-        adapter.install(hf_model, pack_rounding=config.dtype == "auto" and loader.source_is_quantized(source.path),
-                        pack_format="int8" if own_int8 else "bf16")
+        # dtype "auto" on a checkpoint quantized coarser than bf16 (the default model): the weights are held
+        # rounded to bf16, and prefill multiplies them in bf16 too (activations rounded; float32 accumulation,
+        # norms, attention and decode): 1.8x faster prefill for +0.1 % perplexity (adapter.set_prefill_bf16)
+        rounded_source = config.dtype == "auto" and loader.source_is_quantized(source.path)
+        adapter.install(hf_model, pack_rounding=rounded_source, pack_format="int8" if own_int8 else "bf16",
+                        prefill_bf16=rounded_source)
         if own_int8 and adapter.packed_format(hf_model) != "int8":  # a layout our decoder does not cover
             del hf_model
             hf_model, tokenizer = loader.load_model(source.path, weight_quant="int8", **load)
@@ -106,7 +111,7 @@ class DSV41Model:
         info = LoadInfo(source.kind, source.display_name, str(source.path), resolved - started,
                         time.perf_counter() - resolved, str(next(hf_model.parameters()).device),
                         str(dtype).replace("torch.", ""), config.weight_quant, backend,
-                        adapter.packed_format(hf_model) or "")
+                        adapter.packed_format(hf_model) or "", adapter.prefill_bf16(hf_model))
         if progress:
             progress("Model ready", 1.0)
         return cls(config, hf_model, tokenizer, info, baseline_rss)

@@ -123,6 +123,8 @@ class ModelPanel(QWidget):
         self.load_button.setEnabled(True)
         weights = facts.weight_quant if facts.weight_quant != "none" or not facts.weight_storage else \
             f"held as {facts.weight_storage}"
+        if getattr(facts, "prefill_bf16", False):
+            weights += ", prefill in bf16"
         text = (f"{facts.display_name} · {facts.device} · {facts.dtype} · weights {weights}"
                 f" · {facts.attention_backend} · {facts.context_limit:,} tokens")
         self.status.setText(text)

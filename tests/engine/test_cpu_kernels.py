@@ -167,3 +167,23 @@ def test_int8_weights_run_through_the_decoder(tiny_model):
     got = run_ids(model, make_cache(model, kv_cache_ratio=1.0, csa2_topk=0), ids)
     assert (got - expected).abs().max() < 0.05 * expected.abs().max()
     assert (got.argmax(-1) == expected.argmax(-1)).float().mean() > 0.9
+
+
+@needs_kernels
+def test_bf16_rows_round_only_the_activations():
+    """A prefill chunk with bf16_rows: bf16(x) @ W^T with float32 accumulation, its result rounded to bf16 (what
+    torch's CPU bf16 GEMM returns), then + bias and + residual in float32."""
+    torch.manual_seed(7)
+    w = torch.randn(40, 96).bfloat16()
+    x, bias, residual = torch.randn(12, 96), torch.randn(40), torch.randn(12, 40)
+    packed = PackedMatrix(w.contiguous())
+    exact = packed.linear(x, bias, residual=residual)
+    packed.bf16_rows = True
+    got = packed.linear(x, bias, residual=residual)
+    product = x.bfloat16().double() @ w.double().t()
+    got_product = got.double() - residual.double() - bias.double()
+    assert torch.all((got_product - product).abs() <= 2.0 ** -8 * product.abs() + 1e-5)  # within one bf16 rounding
+    assert got.dtype == torch.float32 and not torch.equal(got, exact)
+    assert torch.allclose(got, exact, atol=0.05, rtol=0.02)
+    one = packed.linear(x[:1], bias)  # a decode step stays float32 (the matvec kernel)
+    assert torch.allclose(one.double(), x[:1].double() @ w.double().t() + bias.double(), atol=1e-5)

@@ -182,7 +182,7 @@ def test_plain_cache_reproduces_transformers_logits_on_the_default_model(default
     from transformers import AutoModelForCausalLM
 
     from engine import DSV41Config, DSV41Model
-    from engine.cache import CacheSettings, DSV41Cache, adapter
+    from engine.cache import adapter
 
     model = default_model if held == "as loaded" else DSV41Model.from_pretrained(DSV41Config(dtype="float32"))
     if held == "float32":
@@ -195,16 +195,57 @@ def test_plain_cache_reproduces_transformers_logits_on_the_default_model(default
                 if p.dim() == 2:
                     p.copy_(p.bfloat16().float())
     default_model = model
+    prefill_bf16 = adapter.prefill_bf16(model.hf_model)
+    adapter.set_prefill_bf16(model.hf_model, False)  # exactness: float32 products (the bf16 prefill: next test)
+    try:
+        got, reference = _against_reference(default_model, reference_model)
+    finally:
+        adapter.set_prefill_bf16(model.hf_model, prefill_bf16)
+    assert torch.allclose(got, reference, atol=2e-4, rtol=1e-4), (got - reference).abs().max()
+
+
+def test_default_model_prefills_in_bf16_within_bf16_rounding_of_float32(default_model):
+    """The default load (a Q4_1 checkpoint, weights held rounded to bf16) multiplies prefill chunks in bf16:
+    its logits stay close to the float32 products' (one-token steps keep float32 products: test_cpu_kernels)."""
+
+    from engine.cache import adapter
+
+    hf = default_model.hf_model
+    assert adapter.prefill_bf16(hf) and default_model.info.prefill_bf16
+    from engine import DSV41Config, DSV41Model
+
+    exact_model = DSV41Model.from_pretrained(DSV41Config(dtype="float32"))
+    assert not adapter.prefill_bf16(exact_model.hf_model) and not exact_model.info.prefill_bf16
+    got, _ = _against_reference(default_model, None)
+    adapter.set_prefill_bf16(hf, False)
+    try:
+        exact, _ = _against_reference(default_model, None)
+    finally:
+        adapter.set_prefill_bf16(hf, True)
+    n = got.shape[1] - 4
+    error = (got[:, :n] - exact[:, :n]).abs()
+    scale = exact.abs().max()
+    assert 0 < error.max() < 0.05 * scale and error.mean() < 0.005 * scale  # different products, same model
+    assert (got[:, :n].argmax(-1) == exact[:, :n].argmax(-1)).float().mean() > 0.9
+
+
+def _against_reference(default_model, reference_model):
+    """(our logits, transformers' logits or None) for a fixed prompt: prefill, then 4 decode steps."""
+    import torch
+
+    from engine.cache import CacheSettings, DSV41Cache, adapter
+
     ids = default_model.tokenizer("The State of the Union is strong, and our economy keeps growing because",
                                   return_tensors="pt")["input_ids"]
     ids = torch.cat([ids, torch.tensor([[260, 1345, 314, 2209]])], dim=1)
-    with torch.no_grad():
-        reference = reference_model(ids).logits
+    reference = None
+    if reference_model is not None:
+        with torch.no_grad():
+            reference = reference_model(ids).logits
     cache = DSV41Cache(default_model.num_layers, default_model.kv_heads, default_model.head_dim, torch.float32, "cpu",
                        CacheSettings(kv_cache_ratio=1.0, csa2_topk=0))
     n = ids.shape[1] - 4
     outs = [adapter.forward(default_model.hf_model, ids[:, :n], cache, logits_to_keep=n)]
     for i in range(n, ids.shape[1]):
         outs.append(adapter.forward(default_model.hf_model, ids[:, i:i + 1], cache, prefill=False))
-    got = torch.cat(outs, dim=1)
-    assert torch.allclose(got, reference, atol=2e-4, rtol=1e-4), (got - reference).abs().max()
+    return torch.cat(outs, dim=1), reference
