@@ -227,6 +227,77 @@ static void rows_int8(const int8_t *w, const float *scale, const float *x, float
     }
 }
 
+/* ---------------------------------------------------------------------------------------- float32 */
+/* float32 weights (dtype="float32", or a model our packing does not cover): the same loop without widening,
+ * for the fused decode step (torch's own mv is as fast in isolation, but not callable from inside it). */
+static void rows_f32(const float *w, const float *x, float *y, int64_t r0, int64_t r1, int64_t cols, int acc) {
+    int64_t r = r0;
+    const int64_t row_bytes = cols * 4;
+    const int linear = row_bytes <= LINEAR_BYTES;
+    const void *limit = w + r1 * cols;
+#if defined(__AVX512F__)
+    for (; r + 8 <= r1; r += 8) {
+        __m512 a[8];
+        const float *p[8];
+        for (int j = 0; j < 8; j++) {
+            a[j] = _mm512_setzero_ps();
+            p[j] = w + (r + j) * cols;
+        }
+        Stream st = stream_at(w, r, row_bytes, 8, limit);
+        const char *base = st.next;
+        int64_t k = 0;
+        for (; k + 16 <= cols; k += 16) {
+            __m512 xv = _mm512_loadu_ps(x + k);
+            if (linear) stream_to(&st, base + (k + 16) * 32); /* 8 rows x 64 bytes per step */
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; j++) {
+                if (!linear) _mm_prefetch((const char *)(p[j] + k + PREFETCH / 2), _MM_HINT_T0);
+                a[j] = _mm512_fmadd_ps(_mm512_loadu_ps(p[j] + k), xv, a[j]);
+            }
+        }
+        for (int j = 0; j < 8; j++) {
+            float s = _mm512_reduce_add_ps(a[j]);
+            for (int64_t kk = k; kk < cols; kk++) s += p[j][kk] * x[kk];
+            store(y, r + j, s, acc);
+        }
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    for (; r + 4 <= r1; r += 4) {
+        __m256 a[4];
+        const float *p[4];
+        for (int j = 0; j < 4; j++) {
+            a[j] = _mm256_setzero_ps();
+            p[j] = w + (r + j) * cols;
+        }
+        Stream st = stream_at(w, r, row_bytes, 4, limit);
+        const char *base = st.next;
+        int64_t k = 0;
+        for (; k + 8 <= cols; k += 8) {
+            __m256 xv = _mm256_loadu_ps(x + k);
+            if (linear) stream_to(&st, base + (k + 8) * 16); /* 4 rows x 32 bytes per step */
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) {
+                if (!linear) _mm_prefetch((const char *)(p[j] + k + PREFETCH / 2), _MM_HINT_T0);
+                a[j] = _mm256_fmadd_ps(_mm256_loadu_ps(p[j] + k), xv, a[j]);
+            }
+        }
+        for (int j = 0; j < 4; j++) {
+            float s = hsum256(a[j]);
+            for (int64_t kk = k; kk < cols; kk++) s += p[j][kk] * x[kk];
+            store(y, r + j, s, acc);
+        }
+    }
+#endif
+    (void)linear;
+    (void)limit;
+    for (; r < r1; r++) {
+        const float *p = w + r * cols;
+        float s = 0.f;
+        for (int64_t k = 0; k < cols; k++) s += p[k] * x[k];
+        store(y, r, s, acc);
+    }
+}
+
 /* ---------------------------------------------------------------------------------------- entry points */
 /* This thread's share of `rows`: a contiguous range in whole groups of 8 rows (one linear stream per thread,
  * balanced to within 8 rows). */
@@ -268,6 +339,16 @@ void dsv41_mv_bf16(const uint16_t *w, const float *x, float *y, int64_t rows, in
     if (buf != stack) free(buf);
 }
 
+/* y[rows] = W[rows, cols] x (+ y when acc); W as float32. */
+void dsv41_mv_f32(const float *w, const float *x, float *y, int64_t rows, int64_t cols, int acc, int threads) {
+#pragma omp parallel num_threads(threads)
+    {
+        int64_t r0, r1;
+        thread_rows(rows, &r0, &r1);
+        rows_f32(w, x, y, r0, r1, cols, acc);
+    }
+}
+
 /* y[rows] = (W[rows, cols] x) * scale[rows] (+ y when acc); W as int8. */
 void dsv41_mv_int8(const int8_t *w, const float *scale, const float *x, float *y, int64_t rows, int64_t cols, int acc,
                    int threads) {
@@ -297,7 +378,7 @@ void dsv41_mv_int8(const int8_t *w, const float *scale, const float *x, float *y
 
 typedef struct {
     const float *input_norm, *post_norm, *q_norm, *k_norm; /* q_norm / k_norm: [head_dim] or NULL */
-    const void *qkv, *o, *gate_up, *down;                  /* bf16 bits, or int8 with the scales below */
+    const void *qkv, *o, *gate_up, *down;                  /* StepModel.weight_format; int8 with the scales below */
     const float *qkv_scale, *o_scale, *gate_up_scale, *down_scale; /* NULL for bf16 */
     const float *qkv_bias, *o_bias;                                 /* or NULL */
 } StepLayer;
@@ -318,6 +399,7 @@ typedef int (*AttendCallback)(int64_t layer);
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, inter, vocab, layers;
     int64_t kv_bf16; /* the KV cache holds bf16 (dtype="bfloat16"): read widened, written rounded to nearest even */
+    int64_t weight_format; /* every matrix: 0 bf16, 1 int8 (+ row scales), 2 float32 */
     float eps, scaling;
     const float *final_norm;
     const void *lm_head;
@@ -346,9 +428,10 @@ static inline const float *kv_row(const void *base, int64_t j, int64_t d, int bf
     return buf;
 }
 
-static void mv(const void *w, const float *scale, const float *x, float *y, int64_t rows, int64_t cols, int acc,
+static void mv(int64_t weight_format, const void *w, const float *scale, const float *x, float *y, int64_t rows, int64_t cols, int acc,
                int threads) {
-    if (scale) dsv41_mv_int8((const int8_t *)w, scale, x, y, rows, cols, acc, threads);
+    if (weight_format == 1) dsv41_mv_int8((const int8_t *)w, scale, x, y, rows, cols, acc, threads);
+    else if (weight_format == 2) dsv41_mv_f32((const float *)w, x, y, rows, cols, acc, threads);
     else dsv41_mv_bf16((const uint16_t *)w, x, y, rows, cols, acc, threads);
 }
 
@@ -591,6 +674,7 @@ int dsv41_decode_step(const StepModel *m, const StepLayer *layers, StepCache *ca
                       int32_t position, const float *cs, const float *sn, int score, float decay, float *logits,
                       float *work, int64_t work_floats, AttendCallback callback, int threads) {
     const int64_t D = m->hidden, H = m->heads, h = m->kv_heads, d = m->head_dim, I = m->inter;
+    const int64_t fmt = m->weight_format;
     int64_t most = 0;
     if (d > MAX_HEAD_DIM || H % h != 0 || H / h > MAX_GROUP) return -2;
     for (int64_t l = 0; l < m->layers; l++) {
@@ -610,7 +694,7 @@ int dsv41_decode_step(const StepModel *m, const StepLayer *layers, StepCache *ca
         const StepLayer *L = layers + l;
         StepCache *c = caches + l;
         rms_norm(x, L->input_norm, hbuf, D, m->eps);
-        mv(L->qkv, L->qkv_scale, hbuf, qkv, (H + 2 * h) * d, D, 0, threads);
+        mv(fmt, L->qkv, L->qkv_scale, hbuf, qkv, (H + 2 * h) * d, D, 0, threads);
         if (L->qkv_bias)
             for (int64_t i = 0; i < (H + 2 * h) * d; i++) qkv[i] += L->qkv_bias[i];
         for (int64_t hd = 0; hd < H + h; hd++) {
@@ -641,20 +725,20 @@ int dsv41_decode_step(const StepModel *m, const StepLayer *layers, StepCache *ca
             view.length = n + 1;
             attend(m, &view, qkv, attn, probs, stats, partial, score, decay, threads);
         }
-        mv(L->o, L->o_scale, attn, x, D, H * d, 1, threads);
+        mv(fmt, L->o, L->o_scale, attn, x, D, H * d, 1, threads);
         if (L->o_bias)
             for (int64_t i = 0; i < D; i++) x[i] += L->o_bias[i];
         rms_norm(x, L->post_norm, hbuf, D, m->eps);
-        mv(L->gate_up, L->gate_up_scale, hbuf, gu, 2 * I, D, 0, threads);
+        mv(fmt, L->gate_up, L->gate_up_scale, hbuf, gu, 2 * I, D, 0, threads);
 #pragma omp simd
         for (int64_t i = 0; i < I; i++) {
             float g = gu[i];
             act[i] = g / (1.0f + exp_approx(-g)) * gu[I + i];
         }
-        mv(L->down, L->down_scale, act, x, D, I, 1, threads);
+        mv(fmt, L->down, L->down_scale, act, x, D, I, 1, threads);
     }
     rms_norm(x, m->final_norm, hbuf, D, m->eps);
-    mv(m->lm_head, m->lm_head_scale, hbuf, logits, m->vocab, D, 0, threads);
+    mv(fmt, m->lm_head, m->lm_head_scale, hbuf, logits, m->vocab, D, 0, threads);
     if (m->lm_head_bias)
         for (int64_t i = 0; i < m->vocab; i++) logits[i] += m->lm_head_bias[i];
     return 0;

@@ -126,6 +126,8 @@ def build(extra_flags: tuple[str, ...] = ()) -> KernelLibrary:
     lib.dsv41_mv_bf16.argtypes = [ptr, ptr, ptr, i64, i64, cint, cint]
     lib.dsv41_mv_bf16.restype = None
     lib.dsv41_mv_int8.argtypes = [ptr, ptr, ptr, ptr, i64, i64, cint, cint]
+    lib.dsv41_mv_f32.argtypes = [ptr, ptr, ptr, i64, i64, cint, cint]
+    lib.dsv41_mv_f32.restype = None
     lib.dsv41_mv_int8.restype = None
     _bind_step(lib)
     isa = lib.dsv41_kernels_isa()
@@ -245,7 +247,7 @@ class _StepCache(ctypes.Structure):
 
 class _StepModel(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int64) for name in ("hidden", "heads", "kv_heads", "head_dim", "inter", "vocab",
-                                                     "layers", "kv_bf16")] + [
+                                                     "layers", "kv_bf16", "weight_format")] + [
         ("eps", ctypes.c_float), ("scaling", ctypes.c_float), ("final_norm", ctypes.c_void_p),
         ("lm_head", ctypes.c_void_p), ("lm_head_scale", ctypes.c_void_p), ("lm_head_bias", ctypes.c_void_p)]
 
@@ -275,10 +277,23 @@ class _NotFusable(Exception):
     pass
 
 
+def _weight_format(m) -> int:
+    """cpu_kernels.c's StepModel.weight_format of a decoder matrix: 0 bf16, 1 int8, 2 float32."""
+    if isinstance(m, PackedMatrix):
+        return 1 if m.scale is not None else 0
+    if isinstance(m, torch.Tensor) and m.dim() == 2 and m.is_contiguous() and m.device.type == "cpu":
+        if m.dtype == torch.float32:
+            return 2
+        if m.dtype == torch.bfloat16:
+            return 0
+    raise _NotFusable("a matrix the kernels cannot read (not packed, float32 or bf16 on the CPU)")
+
+
 class FusedDecodeStep:
     """One decode step of the whole decoder in one call to cpu_kernels.c (dsv41_decode_step).
 
-    Built from engine.cache.decoder's weights when they fit: every matrix packed (one format), SiLU gating.
+    Built from engine.cache.decoder's weights when they fit: every matrix in one format (packed bf16 or int8,
+    or plain float32 / bf16 tensors: dtype="float32" gets the fused step too), SiLU gating.
     The step computes in float32; a bf16 model (dtype="bfloat16") keeps its KV cache in bf16 (read widened,
     written rounded) and gets float32 logits. The cache side (which layers, when) is DSV41Cache.fused_plan's. `build`
     returns None when the weights do not fit or DSV41_FUSED_STEP=0, and the per-op Python step runs.
@@ -289,22 +304,22 @@ class FusedDecodeStep:
         self._lib = library.lib
         layers = w.layers
         first = layers[0]
-        if not isinstance(w.lm_head, PackedMatrix):
-            raise _NotFusable("the output matrix is not packed")
         if w.act_name != "silu":
             raise _NotFusable(f"activation {w.act_name!r} (only SiLU is fused)")
         hidden, d, heads, kv_heads = first.o.shape[0], w.head_dim, w.heads, w.kv_heads
         if d > 256 or heads % kv_heads or heads // kv_heads > 64:
             raise _NotFusable("head geometry outside the kernel's limits (head_dim <= 256, groups <= 64)")
         inter = first.down.shape[1]
-        int8 = w.lm_head.scale is not None
+        fmt = _weight_format(w.lm_head)
         self._keep = []  # everything a pointer below refers to
 
         def matrix(m, rows, cols):
-            if not isinstance(m, PackedMatrix) or tuple(m.shape) != (rows, cols) or (m.scale is not None) != int8:
-                raise _NotFusable("a matrix is not packed like the others")
+            if _weight_format(m) != fmt or tuple(m.shape) != (rows, cols):
+                raise _NotFusable("a matrix is not held like the others")
             self._keep.append(m)
-            return m.data.data_ptr(), (m.scale.data_ptr() if m.scale is not None else None)
+            if isinstance(m, PackedMatrix):
+                return m.data.data_ptr(), (m.scale.data_ptr() if m.scale is not None else None)
+            return m.data_ptr(), None
 
         def vec(t, n):
             t = _float_vector(t, n)
@@ -327,7 +342,7 @@ class FusedDecodeStep:
             spec.o_bias = vec(layer.o_bias, hidden)
         vocab = w.lm_head.shape[0]
         model = _StepModel(hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=d, inter=inter, vocab=vocab,
-                           layers=len(layers), eps=float(w.eps), scaling=float(w.scaling))
+                           layers=len(layers), weight_format=fmt, eps=float(w.eps), scaling=float(w.scaling))
         model.final_norm = vec(w.final_norm, hidden)
         model.lm_head, model.lm_head_scale = matrix(w.lm_head, vocab, hidden)
         model.lm_head_bias = vec(w.lm_head_bias, vocab)

@@ -17,9 +17,15 @@ needs_kernels = pytest.mark.skipif(cpu_kernels.load() is None, reason=f"CPU kern
 
 
 def _packed(tiny_model, arch, fmt="bf16", **kwargs):
+    """A tiny model installed with its matrices held as `fmt`: "bf16" / "int8" (packed for our kernels) or
+    "float32" (random float32 values are not bf16 values: left as torch tensors)."""
     model = tiny_model(arch, **kwargs)
-    adapter.install(model, pack_rounding=True, pack_format=fmt)
-    assert adapter.packed_format(model) == fmt
+    if fmt == "float32":
+        adapter.install(model)
+        assert adapter.packed_format(model) is None
+    else:
+        adapter.install(model, pack_rounding=True, pack_format=fmt)
+        assert adapter.packed_format(model) == fmt
     return model
 
 
@@ -73,11 +79,12 @@ def _assert_same_cache(a, b, *, scores=True):
 @needs_kernels
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_fused_step_equals_the_per_op_step(arch, threads, tiny_model):
+@pytest.mark.parametrize("fmt", ["bf16", "float32"])
+def test_fused_step_equals_the_per_op_step(arch, threads, fmt, tiny_model):
     """Qwen2 has QKV biases, Qwen3 per-head q/k norms; 4 query heads over 2 KV heads (GQA). The cache grows
     past its first 256-entry block while decoding (reallocated storage), and attention spans two 256-entry
-    chunks with a tail that is not a multiple of 16."""
-    model = _packed(tiny_model, arch)
+    chunks with a tail that is not a multiple of 16. Weights packed as bf16, or plain float32 tensors."""
+    model = _packed(tiny_model, arch, fmt)
     torch.manual_seed(1)
     ids = torch.randint(0, 256, (1, 270))
     got, cache_a, expected, cache_b = _both(model, ids, 250, threads=threads, kv_cache_ratio=1.0, csa2_topk=0)
@@ -203,10 +210,12 @@ def test_an_error_in_the_called_back_attention_leaves_the_cache_as_it_was(tiny_m
 
 
 @needs_kernels
-def test_fused_step_is_built_only_for_packed_weights(tiny_model, monkeypatch):
-    plain = tiny_model("llama")
-    adapter.install(plain)  # random float32 values: not packed
-    assert plain._dsv41_decoder.fused is None
+def test_fused_step_is_built_for_packed_and_float32_weights_unless_turned_off(tiny_model, monkeypatch):
+    assert _packed(tiny_model, "llama", "float32")._dsv41_decoder.fused is not None
+    assert _packed(tiny_model, "llama", "int8")._dsv41_decoder.fused is not None
+    half = tiny_model("llama").to(torch.float16)  # no kernel reads float16: the per-op step
+    adapter.install(half)
+    assert half._dsv41_decoder is None or half._dsv41_decoder.fused is None
     monkeypatch.setenv("DSV41_FUSED_STEP", "0")
     assert _packed(tiny_model, "llama")._dsv41_decoder.fused is None
 
@@ -304,3 +313,22 @@ def test_bf16_model_decodes_fused_with_a_bf16_cache(tiny_model):
         n = la.length
         assert torch.allclose(la.keys[:, :n].float(), lb.keys[:, :n].float(), atol=0.05 * lb.keys[:, :n].float().abs().max())
         assert torch.equal(la.keys[:, :30], lb.keys[:, :30])  # the prefill's entries are the same path's
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows,cols", [(96, 576), (13, 70), (40, 3000)])
+@pytest.mark.parametrize("isa", ["native", "avx2"])
+def test_float32_matvec_of_the_fused_step(rows, cols, isa):
+    """The float32 matrix-vector kernel the fused step uses for float32 weights (short rows: one linear
+    prefetch stream; rows over 4 KiB: per-row prefetch), on both instruction sets."""
+    library = cpu_kernels.load() if isa == "native" else _avx2_library()
+    torch.manual_seed(cols)
+    w, x = torch.randn(rows, cols), torch.randn(cols)
+    for threads in (1, 2):
+        out, acc = torch.empty(rows), torch.randn(rows)
+        summed = acc.clone()
+        library.lib.dsv41_mv_f32(w.data_ptr(), x.data_ptr(), out.data_ptr(), rows, cols, 0, threads)
+        library.lib.dsv41_mv_f32(w.data_ptr(), x.data_ptr(), summed.data_ptr(), rows, cols, 1, threads)
+        reference = w.double() @ x.double()
+        assert torch.allclose(out.double(), reference, atol=1e-4, rtol=1e-5)
+        assert torch.allclose(summed.double(), reference + acc.double(), atol=1e-4, rtol=1e-5)
