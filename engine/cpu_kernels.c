@@ -743,3 +743,22 @@ int dsv41_decode_step(const StepModel *m, const StepLayer *layers, StepCache *ca
         for (int64_t i = 0; i < m->vocab; i++) logits[i] += m->lm_head_bias[i];
     return 0;
 }
+
+/* Every matrix-vector product of one decode step (each layer's four, then the head) and nothing else, on
+ * whatever `work` holds: the ceiling of any decode step built on these kernels (the benchmark's "kernel
+ * ceiling", measured without Python between the products). work: dsv41_step_work_floats(m, 1) floats;
+ * logits: vocab floats. */
+void dsv41_step_matrices(const StepModel *m, const StepLayer *layers, float *logits, float *work, int threads) {
+    const int64_t D = m->hidden, H = m->heads, h = m->kv_heads, d = m->head_dim, I = m->inter;
+    const int64_t fmt = m->weight_format;
+    float *x = work, *hbuf = x + D, *qkv = hbuf + D, *attn = qkv + (H + 2 * h) * d, *gu = attn + H * d,
+          *act = gu + 2 * I;
+    for (int64_t l = 0; l < m->layers; l++) {
+        const StepLayer *L = layers + l;
+        mv(fmt, L->qkv, L->qkv_scale, hbuf, qkv, (H + 2 * h) * d, D, 0, threads);
+        mv(fmt, L->o, L->o_scale, attn, x, D, H * d, 1, threads);
+        mv(fmt, L->gate_up, L->gate_up_scale, hbuf, gu, 2 * I, D, 0, threads);
+        mv(fmt, L->down, L->down_scale, act, x, D, I, 1, threads);
+    }
+    mv(fmt, m->lm_head, m->lm_head_scale, hbuf, logits, m->vocab, D, 0, threads);
+}

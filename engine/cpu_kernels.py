@@ -262,6 +262,8 @@ def _bind_step(lib: ctypes.CDLL) -> None:
     lib.dsv41_decode_step.argtypes = [ptr, ptr, ptr, ptr, ctypes.c_int32, ptr, ptr, cint, f32, ptr, ptr, i64,
                                       _ATTEND_CALLBACK, cint]
     lib.dsv41_decode_step.restype = cint
+    lib.dsv41_step_matrices.argtypes = [ptr, ptr, ptr, ptr, cint]
+    lib.dsv41_step_matrices.restype = None
 
 
 def _float_vector(t: torch.Tensor | None, n: int) -> torch.Tensor | None:
@@ -418,6 +420,22 @@ class FusedDecodeStep:
             if not by_python[index]:
                 layer.length += 1
         return logits
+
+    def matrices_seconds(self, reps: int = 5) -> float:
+        """Median time of every matrix-vector product of one step and nothing else (dsv41_step_matrices)."""
+        import statistics
+        import time
+
+        work = torch.full((self._lib.dsv41_step_work_floats(ctypes.byref(self._model), 1),), 0.01)
+        logits = torch.empty(self.vocab)
+        args = (ctypes.byref(self._model), self._layers, logits.data_ptr(), work.data_ptr(), torch.get_num_threads())
+        self._lib.dsv41_step_matrices(*args)
+        times = []
+        for _ in range(reps):
+            started = time.perf_counter()
+            self._lib.dsv41_step_matrices(*args)
+            times.append(time.perf_counter() - started)
+        return statistics.median(times)
 
     def _attend_in_python(self, index: int) -> int:
         """Called from C for a layer marked by_python: the cache's own append + attention on the q, k, v the

@@ -305,6 +305,8 @@ def keep_previous_sections(previous: Path, payload: dict) -> None:
         if name not in payload["sections"]:
             payload["sections"][name] = section
             payload["section_dates"][name] = old.get("section_dates", {}).get(name, old_date)
+    if "row_weight_bytes" not in payload and "row_weight_bytes" in old:  # measured with the seed/scaling rows
+        payload["row_weight_bytes"] = old["row_weight_bytes"]
 
 
 def main(argv=None) -> int:

@@ -82,6 +82,11 @@ def matvec_ceiling(hf_model, reps: int = 5) -> dict:
 
     device = next(hf_model.parameters()).device
     unique = adapter.step_matrices(hf_model)  # our decoder's (fused, packed) matrices when it runs
+    decoder = getattr(hf_model, "_dsv41_decoder", None)
+    if decoder is not None and decoder.fused is not None:  # the fused C step's products, from C (no Python between)
+        seconds = decoder.fused.matrices_seconds(max(reps, 11))
+        nbytes = sum(m.nbytes if isinstance(m, PackedMatrix) else m.numel() * m.element_size() for m in unique)
+        return {"seconds": seconds, "bytes": nbytes, "bytes_per_s": nbytes / seconds, "from": "fused step (C)"}
     if unique is None:
         mats = [p for p in hf_model.parameters() if p.dim() == 2 and p.dtype.is_floating_point]
         seen, unique = set(), []

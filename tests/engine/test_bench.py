@@ -143,6 +143,11 @@ def test_sections_not_run_are_kept_from_the_previous_results(tmp_path):
     assert fresh["sections"]["seed"] == {"new": True}  # what this run measured wins
     assert fresh["sections"]["warmup"] == previous["sections"]["warmup"]
     assert fresh["section_dates"]["warmup"] == "2026-01-01"
+    previous["row_weight_bytes"] = {"transformers sdpa": 538}
+    (tmp_path / "bench.json").write_text(json.dumps(previous))
+    kept = {"mode": "full", "model": "m", "machine": {"date": "x"}, "sections": {"quant": {}}, "section_dates": {}}
+    keep_previous_sections(tmp_path / "bench.json", kept)
+    assert kept["row_weight_bytes"] == {"transformers sdpa": 538}  # the kept seed rows keep their weight bytes
     other_mode = {"mode": "quick", "model": "m", "machine": {"date": "x"}, "sections": {}, "section_dates": {}}
     keep_previous_sections(tmp_path / "bench.json", other_mode)
     assert other_mode["sections"] == {}  # a quick run never mixes with full-run figures

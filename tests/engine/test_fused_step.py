@@ -332,3 +332,27 @@ def test_float32_matvec_of_the_fused_step(rows, cols, isa):
         reference = w.double() @ x.double()
         assert torch.allclose(out.double(), reference, atol=1e-4, rtol=1e-5)
         assert torch.allclose(summed.double(), reference + acc.double(), atol=1e-4, rtol=1e-5)
+
+
+@needs_kernels
+def test_kernel_ceiling_is_measured_on_the_fused_steps_products(tiny_model):
+    """The bench's kernel ceiling: every product of one fused step, timed in C (no Python between them), so
+    a whole step can never be faster than it."""
+    from engine.bench import core
+
+    model = _packed(tiny_model, "llama")
+    ceiling = core.matvec_ceiling(model)
+    assert ceiling["from"] == "fused step (C)" and ceiling["seconds"] > 0
+    weights = sum(p.numel() * p.element_size() for p in model.parameters() if p.dim() == 2)
+    assert ceiling["bytes"] <= weights  # the tied head counted once
+    cache = make_cache(model, kv_cache_ratio=1.0, csa2_topk=0)
+    ids = torch.randint(0, 256, (1, 12))
+    adapter.forward(model, ids[:, :10], cache, prefill=True)
+    import time
+
+    steps = []
+    for i in range(10, 12):
+        started = time.perf_counter()
+        adapter.forward(model, ids[:, i:i + 1], cache, prefill=False)
+        steps.append(time.perf_counter() - started)
+    assert min(steps) > ceiling["seconds"]
