@@ -5,11 +5,11 @@
    kernel (float32 accumulation) and our int8 kernel (scale per row): ms per step and GB/s. Medians of 21.
 2. step: the default model, dense, 1,024-token context: the prefill of those 1,024 tokens (two 512-token
    chunks) and one decode step (60 steps, median of the last 50), for the default load (weights held as
-   bf16, prefill products in bf16, the fused C decode step), the same with the per-op Python decode step,
-   with float32 prefill products, dtype="float32" (float32-held), dtype="bfloat16" (bf16 activations and KV)
+   bf16, prefill products and attention in bf16, the fused C decode step), the same with the per-op Python
+   decode step, with a float32 prefill, dtype="float32" (float32-held), dtype="bfloat16" (bf16 activations and KV)
    and weight_quant="int8" (our per-row int8), in one process, interleaved three times.
 3. quality: perplexity of 2,048 tokens of each of four speeches, uncompressed and CED-evict at ratio 0.5,
-   the default load, the default load with float32 prefill products, and int8, against float32-held
+   the default load, the default load with a float32 prefill, and int8, against float32-held
    weights (the default model is a Q4_1/Q8_0 checkpoint; bf16 rounds its dequantized values).
 
 Writes results/cpu-kernels/cpu-kernels.json and .md.   Usage: python -m benchmarks.cpu_kernels [--sections ...]
@@ -120,9 +120,9 @@ def step_section() -> dict:
     knobs = dict(kv_cache_ratio=1.0, csa2_topk=0)
     default = DSV41Model.from_pretrained(DSV41Config(**knobs))
     variants = {
-        "default (bf16-held, bf16 prefill products, fused step)": _Variant(default),
+        "default (bf16-held, bf16 prefill, fused step)": _Variant(default),
         "default, per-op Python decode step": _Variant(default, per_op=True),
-        "default, float32 prefill products": _Variant(default, prefill_bf16=False),
+        "default, float32 prefill": _Variant(default, prefill_bf16=False),
         "float32-held (dtype=float32)": _Variant(DSV41Model.from_pretrained(DSV41Config(dtype="float32", **knobs))),
         "float32-held, per-op Python decode step": None,
         "bf16 activations and KV (dtype=bfloat16)": _Variant(
@@ -149,8 +149,8 @@ def quality_section() -> dict:
 
     out: dict = {}
     default = DSV41Model.from_pretrained(DSV41Config())
-    for label, variant in (("default (bf16-held, bf16 prefill products)", lambda: _Variant(default)),
-                           ("bf16-held, float32 prefill products", lambda: _Variant(default, prefill_bf16=False)),
+    for label, variant in (("default (bf16-held, bf16 prefill)", lambda: _Variant(default)),
+                           ("bf16-held, float32 prefill", lambda: _Variant(default, prefill_bf16=False)),
                            ("float32-held (dtype=float32)",
                             lambda: _Variant(DSV41Model.from_pretrained(DSV41Config(dtype="float32")))),
                            ("int8 (weight_quant=int8)",

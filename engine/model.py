@@ -141,7 +141,8 @@ class DSV41Model:
         settings = self.cache_settings()
         initial = max(256, int(self.config.max_seq_len * self.config.kv_cache_ratio))
         return DSV41Cache(self.num_layers, self.kv_heads, self.head_dim, self.dtype, self.device, settings,
-                          backend=self.info.attention_backend, initial_capacity=initial)
+                          backend=self.info.attention_backend, initial_capacity=initial,
+                          prefill_bf16=adapter.prefill_bf16(self.hf_model))
 
     def kv_bytes_per_token(self) -> int:
         """KV bytes per stored token at the current settings (for the GUI's document chips)."""

@@ -83,11 +83,14 @@ def install(model, *, fast: bool = True, pack: bool = True, pack_rounding: bool 
 
 
 def set_prefill_bf16(model, on: bool) -> bool:
-    """Prefill matrix products in bf16 (on) or float32 (off) for matrices held as bf16 for our CPU kernels:
-    bf16 activations x bf16 weights with float32 accumulation, the products rounded to bf16 (torch's CPU
-    bf16 GEMM); everything else (norms, attention, the residual stream, every decode step) stays float32. Measured on the default model (2
-    cores with AMX): 1k-token prompt 1.22 -> 0.67 s, 8k 17.0 -> 12.9 s; perplexity +0.06 to +0.23 % on
-    four speeches. Returns whether it is on (False where no matrix is held as bf16)."""
+    """Prefill in bf16 (on) or float32 (off) for a model whose matrices are held as bf16 for our CPU kernels:
+    matrix products of bf16 activations x bf16 weights with float32 accumulation, the products rounded to
+    bf16 (torch's CPU bf16 GEMM), and caches made by DSV41Model.new_cache attend prefill chunks in bf16
+    (DSV41Cache.prefill_bf16). Norms, the residual stream, the stored keys and values, CED scoring and every
+    decode step stay float32. Measured on the default model (2 cores with AMX; benchmarks/cpu_kernels.py):
+    products alone took a 1k-token prompt from 1.22 to 0.67 s and an 8k document from 17.0 to 12.9 s, bf16
+    attention then the 8k document to 6.8 s; perplexity on four speeches moved by -0.1 to +0.2 % (mean
+    about +0.05 %) against float32. Returns whether it is on (False where no matrix is held as bf16)."""
     step = step_matrices(model) or []
     decoder = getattr(model, "_dsv41_decoder", None)
     from ..cpu_kernels import PackedMatrix

@@ -114,6 +114,7 @@ class DSV41Cache:
     settings: CacheSettings
     backend: str = "sdpa"
     initial_capacity: int = 256
+    prefill_bf16: bool = False  # prefill chunks attend in bf16 (attention.dense_attention; the model's choice)
     kv_bytes_per_element: int = field(init=False)
 
     def __post_init__(self):
@@ -213,7 +214,7 @@ class DSV41Cache:
                 if fwd.mask is None or fwd.mask.shape != (t, keys.shape[1]) or fwd.mask.dtype != q.dtype:
                     fwd.mask = causal_bias(t, keys.shape[1], q.dtype, q.device)
                 mask = fwd.mask
-            out = dense_attention(q, keys, values, log_counts, scaling, self.backend, mask)
+            out = dense_attention(q, keys, values, log_counts, scaling, self.backend, mask, bf16=self.prefill_bf16)
             if s.csa2_topk > 0 and self._capture is None:
                 csa2.observe_queries(layer, q)
             window = t if fwd.score_window is None else min(fwd.score_window, t)

@@ -403,3 +403,36 @@ def test_streamed_chunk_is_scored_by_every_query_except_for_snapkv(tiny_model, p
     for layer in cache.layers:  # each query's weights sum to one, for each of the group's 2 query heads
         mass = layer.scores[:, : layer.length].sum(dim=1)
         assert torch.allclose(mass, torch.full_like(mass, 2.0 * scoring_queries), atol=1e-3)
+
+
+def test_bf16_prefill_attention_rounds_q_k_v_and_keeps_the_cache_float32(tiny_model):
+    """DSV41Cache.prefill_bf16: prefill chunks (the first, causal, and later ones over earlier entries) attend
+    with bf16 q, k, v; the result is float32 and within bf16 rounding of float32 attention; the stored keys
+    and values are the same float32 values; one-token steps are untouched."""
+    from engine.cache.attention import dense_attention
+
+    torch.manual_seed(3)
+    q, k, v = torch.randn(4, 20, 16), torch.randn(2, 50, 16), torch.randn(2, 50, 16)
+    for t, s in ((20, 20), (20, 50)):
+        exact = dense_attention(q[:, :t], k[:, :s], v[:, :s], None, 0.25, "sdpa")
+        rounded = dense_attention(q[:, :t], k[:, :s], v[:, :s], None, 0.25, "sdpa", bf16=True)
+        reference = dense_attention(q[:, :t].bfloat16().float(), k[:, :s].bfloat16().float(),
+                                    v[:, :s].bfloat16().float(), None, 0.25, "sdpa")
+        assert rounded.dtype == torch.float32 and not torch.equal(rounded, exact)
+        assert torch.allclose(rounded, reference, atol=2e-2, rtol=2e-2)
+        assert (rounded - exact).abs().max() < 0.05
+    one = dense_attention(q[:, :1], k, v, None, 0.25, "sdpa", bf16=True)
+    assert torch.equal(one, dense_attention(q[:, :1], k, v, None, 0.25, "sdpa"))
+
+    model = tiny_model("llama")
+    adapter.install(model)
+    ids = torch.randint(0, 256, (1, 30))
+    plain = make_cache(model, kv_cache_ratio=1.0, csa2_topk=0)
+    halved = make_cache(model, kv_cache_ratio=1.0, csa2_topk=0)
+    halved.prefill_bf16 = True
+    a = run_ids(model, plain, ids, prefill=24, chunk=10)
+    b = run_ids(model, halved, ids, prefill=24, chunk=10)
+    assert not torch.equal(a, b) and (a - b).abs().max() < 0.05 * a.abs().max()
+    layer_a, layer_b = plain.layers[0], halved.layers[0]
+    assert layer_b.keys.dtype == torch.float32
+    assert torch.equal(layer_a.keys[:, :10], layer_b.keys[:, :10])  # the first chunk's keys come before attention

@@ -249,3 +249,10 @@ def _against_reference(default_model, reference_model):
     for i in range(n, ids.shape[1]):
         outs.append(adapter.forward(default_model.hf_model, ids[:, i:i + 1], cache, prefill=False))
     return torch.cat(outs, dim=1), reference
+
+
+def test_default_model_caches_attend_prefill_in_bf16(default_model):
+    from engine import DSV41Config, DSV41Model
+
+    assert default_model.new_cache().prefill_bf16
+    assert not DSV41Model.from_pretrained(DSV41Config(dtype="float32")).new_cache().prefill_bf16
