@@ -95,10 +95,10 @@ def set_prefill_bf16(model, on: bool) -> bool:
     decoder = getattr(model, "_dsv41_decoder", None)
     from ..cpu_kernels import PackedMatrix
 
-    packed = [m for m in step if isinstance(m, PackedMatrix) and m.scale is None]
+    packed = [m for m in step if isinstance(m, PackedMatrix) and m.scale is None]  # bf16, not int8
     for matrix in packed:
         matrix.bf16_rows = on
-    if decoder is not None and isinstance(decoder.w.embed, PackedMatrix):
+    if decoder is not None and isinstance(decoder.w.embed, PackedMatrix) and decoder.w.embed.scale is None:
         decoder.w.embed.bf16_rows = on
     return bool(on and packed)
 
@@ -108,7 +108,7 @@ def prefill_bf16(model) -> bool:
     from ..cpu_kernels import PackedMatrix
 
     step = step_matrices(model) or []
-    return any(isinstance(m, PackedMatrix) and m.bf16_rows for m in step)
+    return any(isinstance(m, PackedMatrix) and m.scale is None and m.bf16_rows for m in step)
 
 
 def compute_dtype(model) -> torch.dtype:

@@ -187,3 +187,16 @@ def test_bf16_rows_round_only_the_activations():
     assert torch.allclose(got, exact, atol=0.05, rtol=0.02)
     one = packed.linear(x[:1], bias)  # a decode step stays float32 (the matvec kernel)
     assert torch.allclose(one.double(), x[:1].double() @ w.double().t() + bias.double(), atol=1e-5)
+
+
+@needs_kernels
+def test_prefill_in_bf16_only_where_the_matrices_are_bf16(tiny_model):
+    """set_prefill_bf16 applies to bf16-held matrices; int8 ones (their values are not bf16 values) keep a
+    float32 prefill, and so do the caches made for them."""
+    int8 = tiny_model("llama")
+    adapter.install(int8, pack_format="int8", prefill_bf16=True)
+    assert adapter.packed_format(int8) == "int8" and not adapter.prefill_bf16(int8)
+    bf16 = tiny_model("llama")
+    adapter.install(bf16, pack_rounding=True, prefill_bf16=True)
+    assert adapter.prefill_bf16(bf16)
+    assert not adapter.set_prefill_bf16(bf16, False) and not adapter.prefill_bf16(bf16)
