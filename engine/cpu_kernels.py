@@ -376,7 +376,7 @@ class FusedDecodeStep:
         spec.positions, spec.scores = layer.positions.data_ptr(), layer.scores.data_ptr()
         spec.log_counts = layer.log_counts.data_ptr() if layer.merged_any else None
         spec.capacity = layer.capacity
-        self._cache_key[index] = (id(layer), layer.storage_version, layer.merged_any)
+        self._cache_key[index] = (layer.storage_version, layer.merged_any)
 
     def step(self, x: torch.Tensor, position: int, cos: torch.Tensor, sin: torch.Tensor, cache, by_python: list[bool],
              *, score: bool, decay: float) -> torch.Tensor:
@@ -392,7 +392,7 @@ class FusedDecodeStep:
             spec.by_callback = int(by_python[index])
             if by_python[index]:
                 continue
-            if self._cache_key[index] != (id(layer), layer.storage_version, layer.merged_any):
+            if self._cache_key[index] != (layer.storage_version, layer.merged_any):
                 self._refresh(index, layer)
             spec.length = layer.length
             most = max(most, layer.length + 1)

@@ -16,11 +16,16 @@ is dequantized.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
 
 BLOCK_TOKENS = 256
+# Every allocation of a layer's tensors gets a number no other allocation in this process has had: whoever
+# holds raw pointers into them (cpu_kernels.FusedDecodeStep) knows when to fetch them again. (An object's
+# id() is not enough: a new cache's layers are often allocated where a freed cache's were.)
+_ALLOCATIONS = itertools.count(1)
 
 
 class LayerKV:
@@ -29,7 +34,7 @@ class LayerKV:
         self.kv_heads, self.head_dim = kv_heads, head_dim
         self.dtype, self.device, self.int8 = dtype, torch.device(device), int8
         self.length = 0
-        self.storage_version = 0  # raised whenever the tensors below are reallocated (pointers held elsewhere)
+        self.storage_version = 0  # unique per allocation of the tensors below (see _ALLOCATIONS)
         self.merged_any = False
         self.merged_tokens = 0  # tokens folded into other slots (merge mode), for statistics
         self._alloc(_round_up(max(initial_capacity, 1)))
@@ -37,7 +42,7 @@ class LayerKV:
     # ------------------------------------------------------------------ allocation
     def _alloc(self, capacity: int) -> None:
         h, d, dev = self.kv_heads, self.head_dim, self.device
-        self.storage_version = getattr(self, "storage_version", 0) + 1
+        self.storage_version = next(_ALLOCATIONS)
         store_dtype = torch.int8 if self.int8 else self.dtype
         # Uninitialised: nothing past `length` is ever read, and on CPU untouched pages cost no RAM, so a
         # large reservation (max_seq_len x kv_cache_ratio) is only paid for as it fills.
@@ -71,7 +76,7 @@ class LayerKV:
         if capacity == self.capacity:
             return
         n = self.length
-        self.storage_version += 1
+        self.storage_version = next(_ALLOCATIONS)
         for name in self._tensors():
             old = getattr(self, name)
             shape = (old.shape[0], capacity, *old.shape[2:])

@@ -356,3 +356,26 @@ def test_kernel_ceiling_is_measured_on_the_fused_steps_products(tiny_model):
         adapter.forward(model, ids[:, i:i + 1], cache, prefill=False)
         steps.append(time.perf_counter() - started)
     assert min(steps) > ceiling["seconds"]
+
+
+@needs_kernels
+def test_a_new_cache_is_never_mistaken_for_a_freed_one(tiny_model):
+    """The fused step keeps raw pointers into each layer's tensors. A cache made after another is freed is
+    often allocated at the same addresses (same id()): the step must still point at the new tensors, not
+    at freed memory (that corrupted the heap in a benchmark that made many caches in a row)."""
+    import gc
+
+    model = _packed(tiny_model, "llama")
+    fused = model._dsv41_decoder.fused
+    ids = torch.randint(0, 256, (1, 12))
+    for _ in range(6):
+        cache = make_cache(model, kv_cache_ratio=1.0, csa2_topk=0)
+        adapter.forward(model, ids[:, :10], cache, prefill=True)
+        adapter.forward(model, ids[:, 10:11], cache, prefill=False)
+        for index, layer in enumerate(cache.layers):
+            spec = fused._caches[index]
+            assert spec.keys == layer.keys.data_ptr() and spec.values == layer.values.data_ptr()
+            assert spec.scores == layer.scores.data_ptr() and spec.positions == layer.positions.data_ptr()
+        del cache, layer
+        gc.collect()
+    assert len({layer.storage_version for layer in make_cache(model).layers}) == 2  # one per allocation
