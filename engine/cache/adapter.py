@@ -69,8 +69,7 @@ def install(model, *, fast: bool = True, pack: bool = True, pack_rounding: bool 
     """Switch a loaded HF causal LM to the DS-V4.1 attention path (and our fused decoder where it applies).
     `pack`: on CPU, hold the decoder's matrices as bf16 for our kernels when that is exact, or with
     `pack_rounding` also when it rounds; `pack_format="int8"` quantizes them to int8 (pack_weights).
-    `prefill_bf16`: where the matrices are held as bf16, prefill chunks multiply them in bf16 (activations
-    rounded, float32 accumulation and results; see set_prefill_bf16)."""
+    `prefill_bf16`: where the matrices are held as bf16, prefill runs in bf16 (set_prefill_bf16)."""
     check_architecture(getattr(model.config, "model_type", None))
     register()
     model.set_attn_implementation(ATTENTION_NAME)

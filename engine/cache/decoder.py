@@ -7,6 +7,9 @@ and keys together, and two RMSNorms; the attention itself is the DS-V4.1 cache's
 are built once, and the model's own Linear weights are re-pointed at slices of them, so nothing is
 stored twice and transformers' forward (still used for quantized weights) sees the same numbers.
 
+On the CPU a decode step (one token) runs as a single C call instead (cpu_kernels.FusedDecodeStep, same
+numerics in float32); this per-op forward stays for prefill chunks, the GPU, and as its reference in tests.
+
 The weights come from adapter.decoder_weights (the only place that knows transformers' module
 names); numerics follow transformers' Llama code: RMSNorm in float32 then cast, RoPE in the model
 dtype with cos/sin computed by the model's own rotary module.
@@ -119,7 +122,8 @@ class Decoder:
 
     def __init__(self, weights: DecoderWeights):
         self.w = weights
-        # One C call per decode step where the weights are packed for our CPU kernels (see FusedDecodeStep).
+        # One C call per CPU decode step where the kernels can read the weights (packed bf16 / int8, or float32
+        # tensors); None elsewhere (GPU, float16, no compiler), and forward() runs the per-op step below.
         self.fused = FusedDecodeStep.build(weights) if weights.final_norm.dtype in (torch.float32, torch.bfloat16) \
             else None
 
