@@ -141,13 +141,23 @@ class DSV41Model:
     def new_cache(self) -> DSV41Cache:
         settings = self.cache_settings()
         initial = max(256, int(self.config.max_seq_len * self.config.kv_cache_ratio))
-        return DSV41Cache(self.num_layers, self.kv_heads, self.head_dim, self.dtype, self.device, settings,
+        return DSV41Cache(self.num_layers, self.kv_heads, self.head_dim, self.kv_dtype, self.device, settings,
                           backend=self.info.attention_backend, initial_capacity=initial,
                           prefill_bf16=adapter.prefill_bf16(self.hf_model))
 
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The dtype the KV cache stores (INT8 KV aside). A model that prefills in bf16 (the default load, see
+        adapter.set_prefill_bf16) stores bf16 keys and values: its prefill attention reads them rounded to bf16
+        anyway, so storing them so changes no prefill result, halves the cache, and the decode step reads them
+        widened to float32. Otherwise the compute dtype."""
+        if self.dtype == torch.float32 and adapter.prefill_bf16(self.hf_model):
+            return torch.bfloat16
+        return self.dtype
+
     def kv_bytes_per_token(self) -> int:
         """KV bytes per stored token at the current settings (for the GUI's document chips)."""
-        element_bytes = torch.empty((), dtype=self.dtype).element_size()
+        element_bytes = torch.empty((), dtype=self.kv_dtype).element_size()
         return kv_bytes_per_token(self.num_layers, self.kv_heads, self.head_dim, element_bytes,
                                   self.config.kv_cache_dtype == "int8")
 

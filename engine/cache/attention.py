@@ -92,6 +92,8 @@ def dense_attention(query, keys, values, log_counts, scaling: float, backend: st
         out = dense_attention(query.to(torch.bfloat16), keys.to(torch.bfloat16), values.to(torch.bfloat16), None,
                               scaling, backend, None if mask is None else mask.to(torch.bfloat16))
         return out.to(torch.float32)
+    if keys.dtype != query.dtype:  # a bf16 cache under float32 activations (merged entries, eager)
+        keys, values = keys.to(query.dtype), values.to(query.dtype)
     if backend == "flash" and log_counts is None:
         out = _flash_attn_func(query.transpose(0, 1)[None], keys.transpose(0, 1)[None],
                                values.transpose(0, 1)[None], softmax_scale=scaling, causal=True)
@@ -142,8 +144,9 @@ def decode_attention_output(query, keys, values, scaling: float):
     entries on the default model (benchmarks/attention_floor.py)."""
     h, s, d = keys.shape
     big_h = query.shape[0]
-    out = F.scaled_dot_product_attention(query.reshape(1, h, big_h // h, d), keys[None], values[None], scale=scaling)
-    return out.reshape(big_h, 1, d)
+    q = query.reshape(1, h, big_h // h, d).to(keys.dtype)
+    out = F.scaled_dot_product_attention(q, keys[None], values[None], scale=scaling)
+    return out.reshape(big_h, 1, d).to(query.dtype)
 
 
 def attention_probs(query, keys, log_counts, scaling: float, *, last: int | None = None):

@@ -223,7 +223,7 @@ class DSV41Cache:
                 # without scoring does not age what earlier turns found important (see ced.observe).
                 mass = attention_mass(q, keys, log_counts, scaling, last=window)
                 ced.observe(layer, s.ced_policy, s.ced_decay, mass, window, prefill=True)
-        return out.transpose(0, 1)[None]
+        return out.to(query.dtype).transpose(0, 1)[None]  # a bf16 cache under float32 activations
 
     def fused_plan(self) -> list[bool] | None:
         """For a decode step run as one fused CPU call (engine.cpu_kernels.FusedDecodeStep): per layer, whether

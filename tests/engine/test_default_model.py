@@ -163,7 +163,12 @@ def test_memory_report_and_seed_print(default_model, capsys):
         assert 0.25e9 < report.weights < 0.3e9
     else:
         assert 0.45e9 < report.weights < 0.6e9
-    expected_full = session.cache.seen * 30 * 2 * 3 * 64 * 4
+    import torch
+
+    # the KV cache holds bf16 under the default load's bf16 prefill (DSV41Model.kv_dtype): 2 bytes an element
+    element = 2 if adapter.prefill_bf16(default_model.hf_model) else 4
+    assert default_model.kv_dtype == (torch.bfloat16 if element == 2 else torch.float32)
+    expected_full = session.cache.seen * 30 * 2 * 3 * 64 * element
     assert report.kv_uncompressed == expected_full
     assert report.kv_stored > 0 and report.total > report.free > 0
 

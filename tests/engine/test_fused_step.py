@@ -379,3 +379,48 @@ def test_a_new_cache_is_never_mistaken_for_a_freed_one(tiny_model):
         del cache, layer
         gc.collect()
     assert len({layer.storage_version for layer in make_cache(model).layers}) == 2  # one per allocation
+
+
+@needs_kernels
+@pytest.mark.parametrize("mode", ["evict", "merge"])
+def test_the_default_models_bf16_cache_decodes_alike_fused_and_per_op(default_model, mode):
+    """The default load stores bf16 keys and values (DSV41Model.kv_dtype) under float32 activations. The fused
+    step and the per-op step (SDPA / decode_attention over the bf16 entries, merged entries' counts in the
+    prefill after a compaction) agree, and a cache holds bf16 throughout."""
+    hf = default_model.hf_model
+    decoder = hf._dsv41_decoder
+    ids = torch.tensor([default_model.tokenizer.encode(
+        "The State of the Union is strong. Our economy keeps growing, and our people keep working. " * 3)])
+    saved = default_model.config
+    default_model.config = saved.replace(kv_cache_ratio=0.5, csa2_topk=0, ced_mode=mode)
+
+    def run(fused):
+        keep = decoder.fused
+        decoder.fused = fused
+        try:
+            cache = default_model.new_cache()
+            cache.settings.min_entries = 8
+            assert cache.dtype == torch.bfloat16 and cache.layers[0].keys.dtype == torch.bfloat16
+            n = ids.shape[1] - 12
+            adapter.forward(hf, ids[:, : n - 8], cache, prefill=True)
+            cache.compact()
+            adapter.forward(hf, ids[:, n - 8: n], cache, prefill=True)  # a chunk over merged entries
+            out = [adapter.forward(hf, ids[:, i:i + 1], cache, prefill=False)[0, -1] for i in range(n, ids.shape[1])]
+            return torch.stack(out), cache
+        finally:
+            decoder.fused = keep
+
+    try:
+        got, cache_a = run(decoder.fused)
+        expected, cache_b = run(None)
+    finally:
+        default_model.config = saved
+    assert cache_a.compactions == 1 and (mode == "evict" or any(layer.merged_any for layer in cache_a.layers))
+    assert got.dtype == torch.float32
+    # the per-op step multiplies bf16 q by the bf16 entries (bf16 products); the fused one widens them to float32
+    assert (got - expected).abs().max() < 0.02 * expected.abs().max(), (got - expected).abs().max()
+    assert (got.argmax(-1) == expected.argmax(-1)).all()
+    for la, lb in zip(cache_a.layers, cache_b.layers, strict=True):
+        assert la.length == lb.length
+        a, b = la.keys[:, : la.length].float(), lb.keys[:, : lb.length].float()
+        assert (a - b).abs().max() <= 0.03 * b.abs().max()  # bf16 roundings apart, not different entries
