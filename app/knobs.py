@@ -42,7 +42,7 @@ SLIDERS = (
 
 CED_MODES = (("merge", "Merge"), ("evict", "Evict"))
 CED_MODE_TIP = "Merge folds each dropped entry into a kept one (it stands for their mass); Evict drops it."
-KV_DTYPES = (("auto", "Auto (bf16 with a bf16 prefill, else the model dtype)"), ("int8", "INT8"))
+KV_DTYPES = (("auto", "Auto (bf16 or model dtype)"), ("int8", "INT8"))
 KV_DTYPE_TIP = "INT8 stores keys and values in 8 bits with per-token scales: half of bf16, a quarter of fp32."
 HEADROOM_STEPS = (None, 1024, 2048, 4096, 8192, 16384, 32768, 65536)  # None = auto (what free memory allows)
 
