@@ -85,8 +85,8 @@ def set_prefill_bf16(model, on: bool) -> bool:
     """Prefill in bf16 (on) or float32 (off) for a model whose matrices are held as bf16 for our CPU kernels:
     matrix products of bf16 activations x bf16 weights with float32 accumulation, the products rounded to
     bf16 (torch's CPU bf16 GEMM), and caches made by DSV41Model.new_cache attend prefill chunks in bf16
-    (DSV41Cache.prefill_bf16). Norms, the residual stream, the stored keys and values, CED scoring and every
-    decode step stay float32. Measured on the default model (2 cores with AMX; benchmarks/cpu_kernels.py):
+    (DSV41Cache.prefill_bf16) and store bf16 keys and values (DSV41Model.kv_dtype: that attention reads them
+    rounded anyway). Norms, the residual stream, CED scoring and every decode step compute in float32. Measured on the default model (2 cores with AMX; benchmarks/cpu_kernels.py):
     products alone took a 1k-token prompt from 1.22 to 0.67 s and an 8k document from 17.0 to 12.9 s, bf16
     attention then the 8k document to 6.8 s; perplexity on four speeches moved by -0.1 to +0.2 % (mean
     about +0.05 %) against float32. Returns whether it is on (False where no matrix is held as bf16)."""
