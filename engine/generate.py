@@ -2,7 +2,8 @@
 
 `run_turn` is a generator of events (see events.py). Cancel is a threading.Event checked before every
 prefill chunk and every decode step. Out of memory mid-turn keeps what was generated and ends the
-turn with an ErrorEvent + Done("error").
+turn with an ErrorEvent + Done("error"). `eos_ids` end the reply and are never fed (ChatSession passes
+EOS and every control token of the tokenizer). `result` says at every yield exactly what was fed.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class TurnResult:
     fed_generated: int  # how many generated tokens were fed to the model (the last sampled one may not be)
     prefilled: int  # how many of plan.new_ids were fed
     compacted_during_prefill: bool
+    text: str = ""  # reply text yielded so far (what a reader of the events has seen)
 
 
 def is_oom(exc: BaseException) -> bool:
@@ -86,8 +88,9 @@ def run_turn(model, tokenizer, cache: DSV41Cache, plan: TurnPlan, settings: Gene
                 if len(safe) > len(shown):
                     if first_token_at is None:
                         first_token_at = time.perf_counter()
-                    yield TokenText(safe[len(shown):], token)
-                    shown = safe
+                    delta, shown = safe[len(shown):], safe
+                    result.text = shown
+                    yield TokenText(delta, token)
                 if hit:
                     reason = "stop"
                     break
@@ -104,23 +107,37 @@ def run_turn(model, tokenizer, cache: DSV41Cache, plan: TurnPlan, settings: Gene
                 cache.compact()  # the turn ends at the steady-state budget
     except Exception as exc:  # noqa: BLE001 - the turn ends, the session stays usable
         reason = "error"
-        if is_oom(exc):
-            yield ErrorEvent("Out of memory during the reply. What was generated is kept. Lower kv_cache_ratio "
-                             "or raise ced_threshold (compress harder), or lower max_seq_len, then retry.", "oom")
-        else:
-            yield ErrorEvent(f"Generation failed: {type(exc).__name__}: {exc}")
+        failure = _failure(exc, reading=result.prefilled < len(plan.new_ids))
+    else:
+        failure = None
+    if failure is not None:
+        # Yielded outside the except block: the traceback (and the tensors its frames hold) is gone by now,
+        # so the memory a failed step held is free again before the caller acts on the error.
+        if failure.kind == "oom" and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        yield failure
     if reason != "stop":
         detok.flush()
         text, _ = _cut_at_stop(detok.text, settings.stop)
         if len(text) > len(shown):
             if first_token_at is None:
                 first_token_at = time.perf_counter()
-            yield TokenText(text[len(shown):], result.generated[-1] if result.generated else -1)
-            shown = text
+            delta, shown = text[len(shown):], text
+            result.text = shown
+            yield TokenText(delta, result.generated[-1] if result.generated else -1)
     ended = time.perf_counter()
     stats = _stats(cache, plan, result, started, prefill_done, first_token_at, ended, compaction_before)
     yield stats
     yield Done(reason, shown, stats, tuple(result.generated))
+
+
+def _failure(exc: BaseException, *, reading: bool) -> ErrorEvent:
+    if is_oom(exc):
+        kept = ("Nothing of this turn was kept (the prompt had not been read yet)." if reading
+                else "What was generated is kept.")
+        return ErrorEvent(f"Out of memory during the reply. {kept} Lower kv_cache_ratio or raise ced_threshold "
+                          "(compress harder), or lower max_seq_len, then retry.", "oom")
+    return ErrorEvent(f"Generation failed: {type(exc).__name__}: {exc}")
 
 
 def _prefill(model, cache: DSV41Cache, plan: TurnPlan, cancel, device, result: TurnResult):

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import chat_template as template
 from .cache import CacheSettings, adapter
 from .documents import Document, format_for_prompt, load_document
 from .errors import BusyError, ContextOverflowError
@@ -33,6 +34,7 @@ class PreparedTurn:
     usage: ContextUsage
     rebuild: bool  # the template did not extend the transcript: the cache must be rebuilt
     documents: list[Document] = field(default_factory=list)
+    rendered: template.Rendered | None = None  # the whole conversation with this turn (delta_text is its end)
 
 
 class ChatSession:
@@ -42,8 +44,13 @@ class ChatSession:
         self.messages: list[dict] = [{"role": "system", "content": system_prompt}] if system_prompt else []
         self.cache = model.new_cache()
         self.transcript_ids: list[int] = []  # every token fed, in order (for rebuilds)
-        self.fed_text = ""  # the text those tokens stand for
-        self.system_tokens = self._count(self._render(self.messages, False)) if system_prompt else 0
+        self.fed_text = ""  # the rendered conversation those tokens stand for
+        self.fed_specials: tuple[tuple[int, int, int], ...] = ()  # where its control tokens are (template.Rendered)
+        self.system_tokens = len(template.encode(self.tokenizer, self._render(self.messages, False))) \
+            if system_prompt else 0
+        # A reply ends at the first control token the model generates (EOS or any other special token): a
+        # control token is never fed as reply text, so a reply cannot open a turn of its own.
+        self.stop_ids = frozenset(model.eos_ids) | template.special_ids(self.tokenizer)
         self.last_stats: TurnStats | None = None
         self._lock = threading.Lock()
         self._busy = False
@@ -58,20 +65,23 @@ class ChatSession:
     def busy(self) -> bool:
         return self._busy
 
-    def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
-        if not messages:
-            return ""
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-
-    def _encode(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+    def _render(self, messages: list[dict], add_generation_prompt: bool) -> template.Rendered:
+        return template.render(self.tokenizer, messages, add_generation_prompt)
 
     def _count(self, text: str) -> int:
-        return len(self._encode(text))
+        return template.count_text(self.tokenizer, text)
 
     @property
     def context_limit(self) -> int:
         return self.model.context_limit
+
+    @property
+    def consistent(self) -> bool:
+        """The cache holds exactly the transcript's tokens, and the transcript renders the messages' start."""
+        if self._dirty or self.cache.seen != len(self.transcript_ids):
+            return False
+        return self._render(self.messages, False).extends(self.fed_text, self.fed_specials) or \
+            self._render(self.messages, True).extends(self.fed_text, self.fed_specials)
 
     def usage(self, prompt: str = "", documents: Sequence[Document] = ()) -> ContextUsage:
         """What the context holds now, plus a pending prompt/documents (estimate, no template)."""
@@ -82,20 +92,26 @@ class ChatSession:
     # ------------------------------------------------------------------ turns
     def prepare(self, prompt: str, documents: Sequence[str | Document] = ()) -> PreparedTurn:
         """Everything a turn needs, computed before any model work; raises if it cannot fit."""
+        prompt = template.clean_text(prompt)
         docs = [d if isinstance(d, Document) else load_document(d) for d in documents]
-        blocks = [format_for_prompt(d) for d in docs]
+        blocks = [template.clean_text(format_for_prompt(d)) for d in docs]
         content = "\n\n".join(blocks + [prompt]) if blocks else prompt
         user = {"role": "user", "content": content}
         full = self._render(self.messages + [user], True)
-        rebuild = self._dirty or not full.startswith(self.fed_text)
-        delta = full if rebuild else full[len(self.fed_text):]
+        # Rebuild from the messages when the cache does not hold exactly the transcript (an interrupted
+        # turn that could not be undone), or when the messages no longer render what was fed.
+        rebuild = (self._dirty or self.cache.seen != len(self.transcript_ids)
+                   or not full.extends(self.fed_text, self.fed_specials))
+        offset = 0 if rebuild else len(self.fed_text)
+        delta = full.text[offset:]
         # Tokenize head (history tail + documents) and tail (question + assistant header) apart, so we
         # know exactly which tokens are the question.
         cut = delta.rfind(prompt) if prompt else -1
         if blocks and cut > 0:
-            head_ids, tail_ids = self._encode(delta[:cut]), self._encode(delta[cut:])
+            head_ids = template.encode(self.tokenizer, full, offset, offset + cut)
+            tail_ids = template.encode(self.tokenizer, full, offset + cut)
         else:
-            head_ids, tail_ids = [], self._encode(delta)
+            head_ids, tail_ids = [], template.encode(self.tokenizer, full, offset)
         new_ids = head_ids + tail_ids
         question = min(len(tail_ids), MAX_QUESTION_WINDOW)
         doc_tokens = sum(self._count(b) for b in blocks)
@@ -108,15 +124,19 @@ class ChatSession:
             raise ContextOverflowError(needed, self.context_limit, {
                 "system": usage.system, "history": usage.history, "documents": usage.documents,
                 "prompt": usage.prompt})
-        return PreparedTurn(user, delta, new_ids, question, usage, rebuild, docs)
+        return PreparedTurn(user, delta, new_ids, question, usage, rebuild, docs, full)
 
     def send(self, prompt: str, documents: Sequence[str | Document] = (), *, cancel: threading.Event | None = None,
              settings: GenerationSettings | None = None, **overrides) -> Iterator[Event]:
-        """Stream one turn. Errors in the inputs (documents, context) raise before the first event."""
+        """Stream one turn. Errors in the inputs (documents, context, settings) raise before the first event.
+
+        However the turn ends (done, stopped, an error, the generator closed or interrupted), the cache and
+        the transcript agree afterwards: a turn stopped before its prompt was read, or ended without any
+        reply text, is undone; one stopped while replying keeps the reply shown so far."""
         if self._busy:
             raise BusyError("A reply is still being generated in this chat; stop it or wait for it to finish.")
-        turn = self.prepare(prompt, documents)
         settings = settings or self.model.generation_settings(**overrides)
+        turn = self.prepare(prompt, documents)
         return self._run(turn, settings, cancel)
 
     def _run(self, turn: PreparedTurn, settings: GenerationSettings, cancel) -> Iterator[Event]:
@@ -124,49 +144,71 @@ class ChatSession:
             raise BusyError("A reply is still being generated in this chat; stop it or wait for it to finish.")
         self._busy = True
         result = TurnResult([], 0, 0, False)
+        committed = False
+        checkpoint = None
+        events = None
         try:
             if turn.rebuild:
                 self.cache.reset()
-                self.transcript_ids, self.fed_text = [], ""
-            before = (self.cache.seen, [layer.length for layer in self.cache.layers], self.cache.compactions)
+                self.transcript_ids, self.fed_text, self.fed_specials, self._dirty = [], "", (), False
+            checkpoint = self.cache.checkpoint()
             plan = TurnPlan(turn.new_ids, turn.question_tokens, self.model.prefill_chunk,
                             self.model.headroom_tokens(self.cache), self.context_limit)
             done = None
-            for event in run_turn(self.model.hf_model, self.tokenizer, self.cache, plan, settings,
-                                  cancel=cancel, eos_ids=self.model.eos_ids, result=result):
+            events = run_turn(self.model.hf_model, self.tokenizer, self.cache, plan, settings, cancel=cancel,
+                              eos_ids=self.stop_ids, result=result)
+            for event in events:
                 if isinstance(event, Done):
                     done = event
                     continue  # yielded after the transcript is updated
                 yield event
-            self._commit(turn, result, done, before)
+            committed = True
+            self._commit(turn, result, done, checkpoint)
             if done is not None:
                 done = Done(done.reason, done.text, _with_rebuild(done.stats, turn.rebuild), done.token_ids)
                 self.last_stats = done.stats
                 yield done
         finally:
-            self._busy = False
-            self._lock.release()
-            self.model._turn_finished(self)
-
-    def _commit(self, turn: PreparedTurn, result: TurnResult, done: Done | None, before) -> None:
-        """Record what was actually fed, so the next turn extends it (or rebuilds when it cannot)."""
-        if result.prefilled < len(turn.new_ids):
-            # Stopped during prefill: nothing of this turn is kept. Undo the partial prefill when no
-            # compaction touched the old entries; otherwise rebuild from the transcript next turn.
-            seen, lengths, compactions = before
-            if self.cache.compactions == compactions:
-                for layer, length in zip(self.cache.layers, lengths, strict=True):
-                    layer.truncate(length)
-                self.cache.seen = seen
+            if events is not None:
+                events.close()
+            if not committed:  # closed, interrupted (Ctrl-C) or failed outside the turn loop
+                try:
+                    self._commit(turn, result, None, checkpoint)
+                except BaseException:
+                    self._dirty = True  # the next turn rebuilds the cache from the messages
+                    raise
+                finally:
+                    self._release()
             else:
+                self._release()
+
+    def _release(self) -> None:
+        self._busy = False
+        self._lock.release()
+        self.model._turn_finished(self)
+
+    def _commit(self, turn: PreparedTurn, result: TurnResult, done: Done | None, checkpoint) -> None:
+        """Record what was actually fed, so the next turn extends it (or rebuilds when it cannot)."""
+        if checkpoint is None:  # stopped before anything was fed
+            return
+        reply = done.text if done is not None else result.text
+        if result.prefilled < len(turn.new_ids) or not reply:
+            # Stopped while the prompt was read, or no reply text at all: nothing of this turn is kept (a chat
+            # app keeps no exchange without a reply either). Undo it exactly when no compaction removed
+            # entries since the turn began; otherwise the next turn re-reads the conversation.
+            if not self.cache.restore(checkpoint):
                 self._dirty = True
             return
         fed_gen = result.generated[: result.fed_generated]
+        text, specials = template.decode_fed(self.tokenizer, fed_gen, len(self.fed_text) + len(turn.delta_text))
         self.transcript_ids += turn.new_ids + fed_gen
-        self.fed_text += turn.delta_text + self.tokenizer.decode(
-            fed_gen, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        reply = done.text if done is not None else ""
+        offset = len(self.fed_text)  # turn.rendered starts with fed_text (or both start afresh)
+        self.fed_specials = self.fed_specials + tuple(span for span in turn.rendered.specials
+                                                      if span[0] >= offset) + specials
+        self.fed_text += turn.delta_text + text
         self.messages += [turn.user_message, {"role": "assistant", "content": reply}]
+        if self.cache.seen != len(self.transcript_ids):  # interrupted between a forward and its record
+            self._dirty = True
 
     # ------------------------------------------------------------------ reconfigure / reset
     def rebuild(self, progress=None, cancel: threading.Event | None = None) -> None:
@@ -174,12 +216,12 @@ class ChatSession:
         with self._lock:
             ids = list(self.transcript_ids)
             self.cache.reset()
+            self._dirty = True  # until the whole transcript has been read again
             chunk = self.model.prefill_chunk
             device = self.model.device
             total = len(ids)
             for start in range(0, total, chunk):
                 if cancel is not None and cancel.is_set():
-                    self._dirty = True
                     return
                 part = torch.tensor([ids[start:start + chunk]], device=device)
                 adapter.forward(self.model.hf_model, part, self.cache, prefill=True)
@@ -190,7 +232,6 @@ class ChatSession:
                 self.cache.shrink()
             self.cache.fit_sparse()
             self._dirty = False
-
     def apply_settings(self, settings: CacheSettings, progress=None) -> str:
         """Apply new cache knobs: 'compacted' (tighter, done on the live cache) or 'rebuilt' (looser)."""
         old = self.cache.settings
@@ -208,7 +249,7 @@ class ChatSession:
         with self._lock:
             self.messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
             self.cache.reset()
-            self.transcript_ids, self.fed_text, self._dirty = [], "", False
+            self.transcript_ids, self.fed_text, self.fed_specials, self._dirty = [], "", (), False
 
 
 def _looser(old: CacheSettings, new: CacheSettings) -> bool:

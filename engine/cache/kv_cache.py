@@ -95,6 +95,19 @@ class CacheStats:
 
 
 @dataclass
+class Checkpoint:
+    """What a turn may change before its prompt has been read (DSV41Cache.checkpoint / restore)."""
+
+    seen: int
+    compactions: int
+    decode_steps: int
+    lengths: tuple[int, ...]
+    scores: tuple[torch.Tensor, ...]
+    query_moments: tuple[torch.Tensor | None, ...]
+    query_counts: tuple[int, ...]
+
+
+@dataclass
 class _Forward:
     tokens: int = 0
     positions: torch.Tensor | None = None
@@ -144,6 +157,31 @@ class DSV41Cache:
     def stored(self) -> int:
         return self.layers[0].length if self.layers else 0
 
+    @torch.inference_mode()
+    def checkpoint(self) -> Checkpoint:
+        """The state a half-read turn must be undone to: tokens seen, lengths, scores, CSA2 query moments."""
+        return Checkpoint(
+            self.seen, self.compactions, self.decode_steps, tuple(layer.length for layer in self.layers),
+            tuple(layer.scores[:, :layer.length].clone() for layer in self.layers),
+            tuple(None if layer.query_moment is None else layer.query_moment.clone() for layer in self.layers),
+            tuple(layer.query_count for layer in self.layers))
+
+    @torch.inference_mode()
+    def restore(self, checkpoint: Checkpoint) -> bool:
+        """Undo everything since `checkpoint` that only appended (a prefill stopped part-way). False, and
+        nothing changed, when a compaction has removed entries since: then only a rebuild can undo it."""
+        if (self.compactions != checkpoint.compactions or len(self.layers) != len(checkpoint.lengths)
+                or any(layer.length < n for layer, n in zip(self.layers, checkpoint.lengths, strict=True))):
+            return False
+        for layer, n, scores, moment, count in zip(self.layers, checkpoint.lengths, checkpoint.scores,
+                                                   checkpoint.query_moments, checkpoint.query_counts, strict=True):
+            layer.truncate(n)
+            layer.scores[:, :n] = scores
+            layer.query_moment, layer.query_count = moment, count
+        self.seen, self.decode_steps = checkpoint.seen, checkpoint.decode_steps
+        self._fwd = _Forward()
+        return True
+
     def budget(self, seen: int | None = None) -> int:
         s = self.settings
         return ced.budget_for(self.seen if seen is None else seen, s.kv_cache_ratio, s.ced_sink_tokens,
@@ -169,6 +207,7 @@ class DSV41Cache:
         +2.49 / +1.52 / +0.20 / +1.30 % (mean 1.79 -> 1.38 %)."""
         return self.settings.score_window if self.settings.ced_policy == "snapkv" else None
 
+    @torch.inference_mode()
     def abort_forward(self) -> None:
         """Undo a forward that failed part-way (OOM, error): drop what some layers appended."""
         for layer, length in zip(self.layers, self._fwd.start_lengths, strict=False):

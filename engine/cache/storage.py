@@ -70,19 +70,25 @@ class LayerKV:
             names.append("projected_keys")
         return names
 
+    @torch.inference_mode()
     def resize(self, capacity: int) -> None:
-        """Reallocate to `capacity` (rounded up to whole blocks), keeping the first `length` entries."""
+        """Reallocate to `capacity` (rounded up to whole blocks), keeping the first `length` entries.
+        All or nothing: every new tensor is allocated and filled before any replaces its old one, so running
+        out of memory part-way leaves the layer as it was."""
         capacity = _round_up(max(capacity, self.length, 1))
         if capacity == self.capacity:
             return
         n = self.length
-        self.storage_version = next(_ALLOCATIONS)
+        fresh = {}
         for name in self._tensors():
             old = getattr(self, name)
             shape = (old.shape[0], capacity, *old.shape[2:])
             new = old.new_zeros(shape) if name in ("scores", "log_counts") else old.new_empty(shape)
             new[:, :n] = old[:, :n]
+            fresh[name] = new
+        for name, new in fresh.items():
             setattr(self, name, new)
+        self.storage_version = next(_ALLOCATIONS)
 
     def ensure_capacity(self, needed: int) -> None:
         if needed > self.capacity:
@@ -94,6 +100,7 @@ class LayerKV:
             self.resize(self.length + spare_tokens)
 
     # ------------------------------------------------------------------ writes
+    @torch.inference_mode()
     def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
         """keys, values: [kv_heads, T, head_dim]; positions: [T] (same for every head)."""
         t = keys.shape[1]
@@ -112,6 +119,7 @@ class LayerKV:
         # step appends two tensors fewer.
         self.length = end
 
+    @torch.inference_mode()
     def truncate(self, length: int) -> None:
         """Forget the entries past `length` (an undone forward)."""
         if length < self.length:
@@ -152,13 +160,14 @@ class LayerKV:
             total += t.element_size() * t[:, :1].numel() * self.length
         return total
 
+    @torch.inference_mode()
     def keep(self, index: torch.Tensor) -> None:
-        """Keep only the entries at `index` [h, k] (ascending per head) in place; k is the new length."""
+        """Keep only the entries at `index` [h, k] (ascending per head) in place; k is the new length.
+        Every tensor is gathered before any is written, so running out of memory leaves the layer as it was."""
         k = index.shape[1]
-        for name in self._tensors():
-            t = getattr(self, name)
-            kept = _gather_rows(t[:, : self.length], index)
-            t[:, :k] = kept
+        kept = {name: _gather_rows(getattr(self, name)[:, : self.length], index) for name in self._tensors()}
+        for name, rows in kept.items():
+            getattr(self, name)[:, :k] = rows
         self.scores[:, k:self.length] = 0.0
         self.log_counts[:, k:self.length] = 0.0
         self.length = k

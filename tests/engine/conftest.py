@@ -38,27 +38,3 @@ def tiny_model_fixture():
     return tiny_model
 
 
-@pytest.fixture(scope="session")
-def default_model():
-    """The real default model (SmolLM2-135M-Instruct), converted once, loaded once per test session."""
-    from engine import DSV41Config, DSV41Model
-
-    return DSV41Model.from_pretrained(DSV41Config(max_seq_len=4096))
-
-
-@pytest.fixture(scope="session")
-def tiny_folder(tmp_path_factory):
-    """A tiny Llama saved as a HF folder (safetensors + the default model's tokenizer)."""
-    from transformers import AutoTokenizer
-
-    from engine.loader import resolve_source
-
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    model = tiny_model("llama")
-    # vocab must cover the tokenizer: use the default model's tokenizer but a 49152-token embedding
-    source = resolve_source("default")
-    tokenizer = AutoTokenizer.from_pretrained(str(source.path))
-    model.resize_token_embeddings(len(tokenizer))
-    model.save_pretrained(str(folder))
-    tokenizer.save_pretrained(str(folder))
-    return folder
