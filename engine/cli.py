@@ -51,9 +51,25 @@ def _config(args):
 
 
 def _sampling(args) -> dict:
-    return dict(max_new_tokens=args.max_new_tokens, greedy=args.greedy, temperature=args.temperature,
-                top_p=args.top_p, top_k=args.top_k, repetition_penalty=args.repetition_penalty, seed=args.seed,
-                stop=tuple(args.stop))
+    """The sampling flags, validated (a bad value fails before the model loads)."""
+    from .config import GenerationSettings
+
+    values = dict(max_new_tokens=args.max_new_tokens, greedy=args.greedy, temperature=args.temperature,
+                  top_p=args.top_p, top_k=args.top_k, repetition_penalty=args.repetition_penalty, seed=args.seed,
+                  stop=tuple(_text(s) for s in args.stop))
+    GenerationSettings(**values)
+    return values
+
+
+def _text(value: str, what: str = "") -> str:
+    """A command-line or terminal string as valid text: bytes that are not UTF-8 become U+FFFD (said once)."""
+    from .chat_template import clean_text, replaced_count
+
+    count = replaced_count(value)
+    if count and what:
+        print(f"note: {count} byte(s) of the {what} were not valid UTF-8 and were replaced with \ufffd",
+              file=sys.stderr)
+    return clean_text(value)
 
 
 def _load(args):
@@ -121,17 +137,38 @@ def _print_stats(done) -> None:
 
 
 def cmd_generate(args) -> int:
+    _sampling(args)
+    prompt = _text(args.prompt, "prompt")
     model = _load(args)
-    session = model.chat_session(args.system)
-    done = _stream(session, args.prompt, args.document, args, threading.Event())
+    session = model.chat_session(_text(args.system, "system prompt") if args.system else None)
+    done = _stream(session, prompt, args.document, args, threading.Event())
     _print_stats(done)
     return 0 if done is not None and done.reason != "error" else 1
 
 
+def _attach(path: str, pending: list) -> None:
+    """Read a /doc or --document file now: its error (or its size) is said at once, and only good files wait."""
+    from .documents import load_document
+
+    try:
+        doc = load_document(path)
+    except EngineError as exc:
+        print(f"error: {exc} (not attached)", file=sys.stderr)
+        return
+    pending.append(doc)
+    notes = "".join(f"; {note}" for note in doc.notes)
+    print(f"(attached {doc.name}, {doc.chars:,} characters, to the next message{notes})", file=sys.stderr)
+
+
 def cmd_chat(args) -> int:
+    _sampling(args)
+    if hasattr(sys.stdin, "reconfigure"):  # bytes that are not UTF-8 reach us as surrogate escapes, not a crash
+        sys.stdin.reconfigure(errors="surrogateescape")
     model = _load(args)
-    session = model.chat_session(args.system)
-    pending_docs: list[str] = list(args.document)
+    session = model.chat_session(_text(args.system, "system prompt") if args.system else None)
+    pending_docs: list = []
+    for path in args.document:
+        _attach(path, pending_docs)
     print("Chat with the model. Commands: /doc PATH (attach to the next message), /memory, /reset, /quit. "
           "Ctrl-C stops a reply.", file=sys.stderr)
     while True:
@@ -140,7 +177,7 @@ def cmd_chat(args) -> int:
         except (EOFError, KeyboardInterrupt):
             print()
             return 0
-        text = line.strip()
+        text = _text(line.strip(), "message")
         if not text:
             continue
         if text in ("/quit", "/exit"):
@@ -152,17 +189,20 @@ def cmd_chat(args) -> int:
             session.reset()
             print("(new conversation)", file=sys.stderr)
             continue
-        if text.startswith("/doc "):
-            pending_docs.append(text[5:].strip())
-            print(f"(attached {text[5:].strip()} to the next message)", file=sys.stderr)
+        if text.startswith("/doc"):
+            path = text[4:].strip()
+            if not path:
+                print("usage: /doc PATH", file=sys.stderr)
+            else:
+                _attach(path, pending_docs)
             continue
         try:
             done = _stream(session, text, pending_docs, args, threading.Event())
             pending_docs = []
             _print_stats(done)
         except EngineError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            pending_docs = []
+            kept = f" {len(pending_docs)} attached document(s) stay attached." if pending_docs else ""
+            print(f"error: {exc}\n(the message was not sent; type it again to retry.{kept})", file=sys.stderr)
 
 
 def cmd_memory(args) -> int:

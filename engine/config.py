@@ -66,6 +66,9 @@ class DSV41Config:
 
     def validate(self) -> None:
         _check_type(self, "model_path", str)
+        if not self.model_path.strip():
+            raise ConfigError("model_path", self.model_path, "'default', a model folder, a .gguf file or a hub id "
+                              "(an empty path would mean the current folder)")
         _int_range(self, "max_seq_len", 16, 1 << 20)
         _float_range(self, "kv_cache_ratio", 0.01, 1.0)
         _float_range(self, "ced_decay", 0.5, 1.0)
@@ -137,6 +140,9 @@ def _choice(cfg, name, choices):
         raise ConfigError(name, value, "one of " + ", ".join(repr(c) for c in choices))
 
 
+MAX_SEED = 2**64 - 1  # the range torch.Generator.manual_seed takes
+
+
 @dataclass(frozen=True)
 class GenerationSettings:
     max_new_tokens: int = 512
@@ -158,6 +164,9 @@ class GenerationSettings:
             ("top_k", isinstance(self.top_k, int) and self.top_k >= 0, "an integer >= 0 (0 = off)"),
             ("repetition_penalty", isinstance(self.repetition_penalty, (int, float)) and 1 <= self.repetition_penalty <= 3,
              "in [1, 3]"),
+            ("seed", self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)
+                                           and 0 <= self.seed <= MAX_SEED),
+             f"None (random) or an integer in [0, {MAX_SEED}]"),
         ]
         for name, ok, allowed in checks:
             if not ok:
