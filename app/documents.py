@@ -37,7 +37,7 @@ class _ParseJob(QRunnable):
             self.signals.failed.emit(self.key, self.path, message)
             return
         self.signals.parsed.emit(self.key, AttachedDocument(self.key, doc.name, doc.path, doc.kind, doc.text,
-                                                            doc.pages, doc.chars))
+                                                            doc.pages, doc.chars, tuple(doc.notes)))
 
 
 class DocumentLoader(QObject):

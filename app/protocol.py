@@ -24,6 +24,7 @@ class AttachedDocument:
     text: str
     pages: int | None
     chars: int
+    notes: tuple[str, ...] = ()  # from the reader: bytes replaced, the encoding guessed
 
     @property
     def estimated_tokens(self) -> int:

@@ -144,6 +144,7 @@ class Document:
     text: str  # normalised text: "\n" line endings, no NULs, at most two blank lines in a row
     pages: int | None  # number of pages for a PDF; None otherwise
     chars: int  # len(text)
+    notes: tuple[str, ...] = ()  # what the reader should know: bytes replaced, the encoding guessed
 
 
 class DocumentError(EngineError, ValueError):
@@ -239,12 +240,14 @@ def load_document(
 
     # --- extraction ------------------------------------------------------------------------------
     pages: int | None = None
+    notes: list[str] = []
     if kind == "pdf":
         text, pages = _pdf_text(data, label, fail, max_chars)
+        text = _normalise_pdf_spacing(text)
     elif kind == "docx":
         text = _docx_text(data, label, fail, max_bytes)
     else:
-        text = _decode_text(data, label, fail)
+        text = _decode_text(data, label, fail, notes)
 
     text = _normalise(text)
 
@@ -268,6 +271,7 @@ def load_document(
         text=text,
         pages=pages,
         chars=len(text),
+        notes=tuple(notes),
     )
 
 
@@ -348,7 +352,7 @@ def _control_ratio_chars(head: str) -> float:
     return sum(ch in _CONTROL_CHARS for ch in head) / len(head)
 
 
-def _decode_text(data: bytes, label: str, fail) -> str:
+def _decode_text(data: bytes, label: str, fail, notes: list[str]) -> str:
     not_text = (
         f"{label} doesn't look like a text file (it contains binary data). "
         "If it is text in another encoding, save it as UTF-8 and drop it again."
@@ -362,8 +366,10 @@ def _decode_text(data: bytes, label: str, fail) -> str:
                 text = body.decode(encoding)
             except UnicodeDecodeError:
                 text = body.decode(encoding, errors="replace")
-                if text.count("\ufffd") > max(1, len(text) // 1000):
+                bad = text.count("\ufffd")
+                if bad > max(1, len(text) // 1000):
                     raise fail("binary", not_text) from None
+                notes.append(_replaced_note(bad, encoding.upper()))
             if _control_ratio_chars(text[:_SNIFF]) > 0.05:
                 raise fail("binary", not_text)
             return text
@@ -385,24 +391,24 @@ def _decode_text(data: bytes, label: str, fail) -> str:
     except UnicodeDecodeError:
         pass
 
-    # 4. UTF-8 with a handful of stray bytes (e.g. one pasted Windows-1252 quote): keep the UTF-8.
+    # 4. UTF-8 with some invalid bytes (a pasted Windows-1252 quote, a damaged download): when it holds at
+    #    least as many valid multi-byte characters as invalid bytes it is UTF-8, whose characters a legacy
+    #    code page would turn into mojibake ("café" -> "cafÃ©"). The replaced bytes are said.
     lenient = data.decode("utf-8", errors="replace")
     bad = lenient.count("\ufffd") - data.count(b"\xef\xbf\xbd")
-    non_ascii = len(lenient) - len(lenient.encode("ascii", errors="ignore"))
-    good_non_ascii = non_ascii - lenient.count("\ufffd")
-    if bad <= max(1, len(lenient) // 1000) and good_non_ascii >= 4 * bad:
+    good_non_ascii = sum(1 for ch in lenient if ord(ch) > 127) - lenient.count("\ufffd")
+    if good_non_ascii >= bad > 0:
+        notes.append(_replaced_note(bad, "UTF-8"))
         return lenient
 
-    # 5. Legacy Chinese (GBK / GB2312 / GB18030), accepted only when it decodes cleanly into runs of
-    #    CJK characters; a Western legacy file decodes (if at all) into isolated ideographs.
-    try:
-        gb = data.decode("gb18030")
-    except UnicodeDecodeError:
-        gb = None
-    if gb is not None and _looks_chinese(gb):
-        return gb
+    # 5. A legacy encoding: a maintained detector (charset-normalizer) decides; never UTF-16/32 without a BOM.
+    guess = _detect_legacy(data)
+    if guess is not None:
+        encoding, text = guess
+        notes.append(f"not UTF-8: read as {encoding}")
+        return text
 
-    # 6. Western legacy encodings, only for bytes that look like text: few high bytes.
+    # 6. Nothing credible: Windows-1252 for bytes that look like text (few high bytes), else refuse.
     high = sum(1 for b in head if b >= 0x80)
     if high / max(1, len(head)) > 0.3:
         raise fail(
@@ -410,42 +416,50 @@ def _decode_text(data: bytes, label: str, fail) -> str:
             f"{label} is not UTF-8 and its encoding could not be recognised. "
             "Save it as UTF-8 and drop it again.",
         )
+    notes.append("not UTF-8: read as Windows-1252")
     try:
         return data.decode("cp1252")
     except UnicodeDecodeError:
         return data.decode("latin-1")
 
 
-def _is_cjk(ch: str) -> bool:
-    o = ord(ch)
-    return (
-        0x4E00 <= o <= 0x9FFF  # unified ideographs
-        or 0x3400 <= o <= 0x4DBF  # extension A
-        or 0x3000 <= o <= 0x303F  # CJK punctuation
-        or 0xFF00 <= o <= 0xFFEF  # full-width forms
-        or 0x20000 <= o <= 0x2FA1F  # extensions B.. and compatibility supplement
-    )
+def _replaced_note(count: int, encoding: str) -> str:
+    return f"{count} byte{'s' if count != 1 else ''} not valid {encoding}, replaced with \ufffd"
 
 
-def _looks_chinese(text: str) -> bool:
-    non_ascii = [ch for ch in text if ord(ch) > 127]
-    if not non_ascii:
-        return False
-    cjk = sum(_is_cjk(ch) for ch in non_ascii)
-    if cjk < 0.9 * len(non_ascii):
-        return False
-    in_runs = 0
-    run = 0
-    for ch in text:
-        if _is_cjk(ch):
-            run += 1
-        else:
-            if run >= 2:
-                in_runs += run
-            run = 0
-    if run >= 2:
-        in_runs += run
-    return in_runs >= 0.6 * cjk
+_WIDE_ENCODINGS = ("utf_16", "utf_16_be", "utf_16_le", "utf_32", "utf_32_be", "utf_32_le", "utf_7")
+
+
+def _detect_legacy(data: bytes) -> tuple[str, str] | None:
+    """(encoding, text) by charset-normalizer, or None when it finds nothing credible."""
+    try:
+        from charset_normalizer import from_bytes
+    except ImportError:  # pragma: no cover - a declared dependency
+        return None
+    matches = list(from_bytes(data, cp_exclusion=list(_WIDE_ENCODINGS)))
+    if not matches:
+        return None
+    best = matches[0]
+    # Code pages that decode a text equally well tie; the detector then names any of them (Central European
+    # cp1250 for mostly-English text with a few accents, say). Ties go to the code page most text is in.
+    tied = [m for m in matches if m.chaos == best.chaos and m.coherence == best.coherence]
+    for common in _COMMON_CODE_PAGES:
+        found = next((m for m in tied if common in m.could_be_from_charset), None)
+        if found is not None:
+            best, encoding = found, common
+            break
+    else:
+        encoding = best.encoding
+    if encoding.startswith("utf"):
+        return None
+    if len(data) < 64 and encoding != "cp1252":
+        return None  # too little text to tell one code page from another
+    return encoding.replace("_", "-"), data.decode(encoding, errors="replace")
+
+
+# By how much text is written in them (Windows-1252 first), for ties between equally good code pages.
+_COMMON_CODE_PAGES = ("cp1252", "gb18030", "big5", "cp932", "shift_jis", "cp949", "euc_kr", "cp1251", "cp1250",
+                      "cp1253", "cp1254", "cp1255", "cp1256", "cp1257", "cp1258", "koi8_r", "latin_1")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -458,6 +472,16 @@ def _scanned_message(label: str) -> str:
         f"{label} has no extractable text; it looks like a scanned document (pages stored as images). "
         "Run OCR on it first (for example with OCRmyPDF or Adobe Acrobat) and drop the result."
     )
+
+
+_PDF_SPACING = re.compile(r"[ \t\u00a0\u2000-\u200a\u202f\u205f\u3000]+")
+
+
+def _normalise_pdf_spacing(text: str) -> str:
+    """Runs of spaces, tabs and other spacing characters a PDF's text layer puts between words become one
+    space (Qt's QPdfWriter, for one, joins words with tabs, which tokenize as separate tokens and nearly
+    doubled a speech's token count); line breaks stay."""
+    return "\n".join(_PDF_SPACING.sub(" ", line).strip(" ") for line in text.split("\n"))
 
 
 def _looks_scanned(text: str, pages: int) -> bool:

@@ -61,8 +61,9 @@ class DocumentChip(QFrame):
         if kv_bytes is not None and ratio is not None:
             parts.append(f"KV ≈ {fmt_bytes(kv_bytes)} at ×{ratio:.2f}")
         self.figures.setText(" · ".join(parts))
-        self.warning.setText(("⚠ " + warning) if warning else "")
-        self.warning.setVisible(bool(warning))
+        lines = [f"ⓘ {note}" for note in getattr(doc, "notes", ())] + ([f"⚠ {warning}"] if warning else [])
+        self.warning.setText("\n".join(lines))
+        self.warning.setVisible(bool(lines))
         self.setProperty("state", "warning" if warning else "")
         self.style().unpolish(self)
         self.style().polish(self)
