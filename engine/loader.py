@@ -102,15 +102,55 @@ def _download_hub(repo_id: str) -> Path:
 
         folder = snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"],
                                    etag_timeout=10)
-    except Exception as exc:  # noqa: BLE001 - hub errors come in many types; all mean "could not fetch"
-        name = type(exc).__name__
-        if "NotFound" in name or "RepositoryNotFound" in name or "404" in str(exc):
-            raise ModelLoadError(f"Hub model '{repo_id}' does not exist or is private.", reason="missing",
-                                 source=repo_id) from exc
-        raise ModelLoadError(f"Could not download '{repo_id}' from the Hugging Face hub ({name}). The machine may "
-                             "be offline: download the model folder elsewhere and pick it, or use the default model.",
-                             reason="offline", source=repo_id) from exc
+    except Exception as exc:  # noqa: BLE001 - hub errors come in many types
+        raise _hub_error(repo_id, exc) from exc
     return Path(folder)
+
+
+def _hub_error(repo_id: str, exc: BaseException) -> ModelLoadError:
+    """What a failed hub download means: offline (no network; the most common), not found, gated, or other."""
+    try:
+        from huggingface_hub import errors as hub
+    except ImportError:  # pragma: no cover - a dependency of transformers
+        hub = None
+    offline_help = ("Connect to the internet and load it again, or download the model folder on a machine that is "
+                    "online and pick the folder here, or use the default model.")
+    if hub is not None and isinstance(exc, (hub.LocalEntryNotFoundError, hub.OfflineModeIsEnabled)):
+        # raised when the hub could not be reached and nothing is in the local cache
+        return ModelLoadError(f"Could not reach the Hugging Face hub to download '{repo_id}': this machine "
+                              f"looks offline ({_root_cause(exc)}). {offline_help}", reason="offline",
+                              source=repo_id)
+    if hub is not None and isinstance(exc, hub.GatedRepoError):
+        return ModelLoadError(f"Hub model '{repo_id}' is gated: accept its licence on huggingface.co and log in "
+                              "(huggingface-cli login), or pick a downloaded folder.", reason="missing",
+                              source=repo_id)
+    if hub is not None and isinstance(exc, hub.RepositoryNotFoundError):
+        return ModelLoadError(f"Hub model '{repo_id}' does not exist or is private. Check the name "
+                              "(owner/model, as on huggingface.co).", reason="missing", source=repo_id)
+    if _is_network_error(exc):
+        return ModelLoadError(f"Could not download '{repo_id}': the network failed ({_root_cause(exc)}). "
+                              f"{offline_help}", reason="offline", source=repo_id)
+    return ModelLoadError(f"Could not download '{repo_id}' from the Hugging Face hub ({type(exc).__name__}: "
+                          f"{_root_cause(exc)}). {offline_help}", reason="offline", source=repo_id)
+
+
+def _causes(exc: BaseException):
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
+def _root_cause(exc: BaseException) -> str:
+    last = list(_causes(exc))[-1]
+    return f"{type(last).__name__}: {str(last).splitlines()[0] if str(last) else ''}".rstrip(": ")[:200]
+
+
+def _is_network_error(exc: BaseException) -> bool:
+    names = ("ConnectError", "ConnectionError", "ConnectTimeout", "ReadTimeout", "Timeout", "NetworkError",
+             "gaierror", "ProxyError", "SSLError")
+    return any(type(e).__name__ in names or isinstance(e, (ConnectionError, TimeoutError)) for e in _causes(exc))
 
 
 # ---------------------------------------------------------------------------------------------- GGUF
@@ -166,7 +206,9 @@ def convert_gguf(path: Path, *, progress=None) -> Path:
             model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
         from safetensors.torch import save_model
 
-        # The weights are dequantized floats now; save them as a plain safetensors model.
+        # The weights are dequantized floats now; save them as a plain safetensors model -- unless some are
+        # not finite numbers (damaged bytes in the file decode to NaN/inf scales), which nothing can answer with.
+        check_finite(model, path.name, what="Re-download the .gguf file.")
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         tmp.mkdir(parents=True)
@@ -355,10 +397,40 @@ def load_model(folder: Path, *, dtype, device: str, device_map: str, weight_quan
     except Exception as exc:  # noqa: BLE001
         raise ModelLoadError(f"Could not load the model from {folder}: {type(exc).__name__}: {exc}",
                              reason="load_failed", source=str(folder)) from exc
+    check_finite(model, folder.name, what="Re-download the model (or, for a converted .gguf, the .gguf file).")
     model.eval()
     if tokenizer.chat_template is None:
         tokenizer.chat_template = _fallback_chat_template()
     return model, tokenizer
+
+
+def check_finite(model, name: str, *, what: str) -> None:
+    """Refuse a model whose floating-point weights hold NaN or infinity (damaged bytes): it would load and
+    answer with empty text. Quantized (integer) tensors are not checked."""
+    import torch
+
+    bad = []
+    with torch.no_grad():
+        for tensor_name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+            if tensor.is_floating_point() and tensor.numel() and not bool(torch.isfinite(tensor).all()):
+                bad.append(tensor_name)
+    if bad:
+        shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+        raise ModelLoadError(f"{name} is damaged: {len(bad)} weight tensor(s) hold values that are not numbers "
+                             f"(NaN or infinity): {shown}. {what}", reason="corrupt", source=name)
+
+
+def discard_conversion(folder: Path) -> bool:
+    """Remove a converted GGUF from the user cache dir (a damaged one must not be loaded again)."""
+    folder = Path(folder)
+    try:
+        inside = folder.resolve().is_relative_to((user_cache_dir() / "models").resolve())
+    except OSError:
+        return False
+    if inside and (folder / "dsv41_source.json").is_file():
+        shutil.rmtree(folder, ignore_errors=True)
+        return True
+    return False
 
 
 def _bnb_config(weight_quant: str, dtype):

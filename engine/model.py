@@ -24,7 +24,7 @@ from .cache import CacheSettings, DSV41Cache, adapter
 from .cache.attention import pick_backend
 from .cache.kv_cache import kv_bytes_per_token
 from .config import CACHE_KNOBS, DSV41Config
-from .errors import ConfigError
+from .errors import ConfigError, ModelLoadError
 from .events import Done, Event, TokenText
 from .memory import MemoryReport
 from .sampling import GenerationSettings
@@ -93,8 +93,13 @@ class DSV41Model:
         own_int8 = config.weight_quant == "int8" and device == "cpu" and cpu_kernels.load() is not None
         load = dict(dtype=dtype, device=device, device_map=config.device_map,
                     trust_remote_code=config.trust_remote_code, allow_pickled_weights=config.allow_pickled_weights)
-        hf_model, tokenizer = loader.load_model(source.path, weight_quant="none" if own_int8 else config.weight_quant,
-                                                **load)
+        try:
+            hf_model, tokenizer = loader.load_model(source.path, weight_quant="none" if own_int8 else
+                                                    config.weight_quant, **load)
+        except ModelLoadError as exc:
+            if exc.reason == "corrupt" and source.kind in ("default", "gguf"):
+                loader.discard_conversion(source.path)  # converted before damage was checked: convert again
+            raise
         # float32 compute; weights held as bf16 where that is exact, or (dtype "auto") where the checkpoint was
         # quantized coarser than bf16 anyway (adapter.pack_weights). In that second case (the default model)
         # prefill runs in bf16 too (matrix products and attention; norms, the residual and every decode step
