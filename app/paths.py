@@ -17,7 +17,10 @@ def data_dir() -> Path:
         import platformdirs
 
         path = Path(platformdirs.user_data_dir(APP_NAME, appauthor=False))
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError:  # read-only or full: the store says so (ConversationStore.read_only) and the app goes on
+        pass
     return path
 
 

@@ -91,19 +91,78 @@ class Message:
     attachments: tuple[AttachmentInfo, ...] = field(default=())
 
 
+class StoreUnavailable(Exception):
+    """The store cannot save (a read-only or full data folder): the message names the folder and what to do."""
+
+
 class ConversationStore:
+    """`read_only` is True when the data folder cannot be written (read-only, full, or missing and not
+    creatable): existing chats open to read, and `problem` says why nothing new can be saved and what to do."""
+
     def __init__(self, path: Path | str | None = None):
         self.path = Path(path) if path is not None else database_path()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.db = sqlite3.connect(str(self.path), timeout=5.0)
-        self.db.row_factory = sqlite3.Row
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: a killed process loses no commit
-        self.db.execute("PRAGMA foreign_keys=ON")
-        with self.db:
-            self.db.executescript(SCHEMA)
-            self.db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
-        self.recovered = self._recover_interrupted()
+        self.read_only = False
+        self.problem: str | None = None
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.db = self._open_writable()
+            self.recovered = self._recover_interrupted()
+        except (OSError, sqlite3.Error) as exc:
+            self.db = self._open_read_only(exc)
+            self.recovered = 0
+
+    def _open_writable(self) -> sqlite3.Connection:
+        db = sqlite3.connect(str(self.path), timeout=5.0)
+        try:
+            db.row_factory = sqlite3.Row
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: a killed process loses no commit
+            db.execute("PRAGMA foreign_keys=ON")
+            if db.execute("PRAGMA user_version").fetchone()[0] != SCHEMA_VERSION or not db.execute(
+                    "SELECT 1 FROM sqlite_master WHERE name='attachments'").fetchone():
+                with db:
+                    db.executescript(SCHEMA)
+                    db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+            # A write now, so that a folder that cannot take one is found at the start, not at the first send.
+            with db:
+                db.execute("CREATE TABLE IF NOT EXISTS write_check (x)")
+                db.execute("DROP TABLE write_check")
+        except BaseException:
+            db.close()
+            raise
+        return db
+
+    def _open_read_only(self, cause: BaseException) -> sqlite3.Connection:
+        folder = self.path.parent
+        detail = getattr(cause, "strerror", None) or str(cause)
+        full = "full" in str(cause).lower() or getattr(cause, "errno", None) == 28
+        fix = ("Free some space on that disk" if full else
+               f"Make the folder writable (for example: chmod u+w \"{folder}\")")
+        self.read_only = True
+        self.problem = (f"Your chats cannot be saved: the data folder {folder} is "
+                        f"{'full' if full else 'not writable'} ({detail}). Existing chats open to read; new "
+                        f"messages are not saved. {fix}, or start the app with DSV41_DATA_DIR set to a folder "
+                        "you can write to, then restart the app.")
+        db = None
+        if self.path.exists():
+            for query in ("mode=ro", "mode=ro&immutable=1"):  # immutable: a WAL database in a read-only folder
+                try:
+                    db = sqlite3.connect(f"{self.path.resolve().as_uri()}?{query}", uri=True, timeout=5.0)
+                    db.execute("SELECT count(*) FROM conversations").fetchone()
+                    break
+                except sqlite3.Error:
+                    if db is not None:
+                        db.close()
+                    db = None
+        if db is None:  # nothing to read: an empty store in memory keeps the app usable
+            db = sqlite3.connect(":memory:")
+            db.executescript(SCHEMA)
+        db.row_factory = sqlite3.Row
+        return db
+
+    def check_writable(self) -> None:
+        if self.read_only:
+            raise StoreUnavailable(self.problem)
 
     def close(self) -> None:
         self.db.close()
@@ -130,6 +189,7 @@ class ConversationStore:
         return Conversation(r["id"], r["title"], r["created"], r["updated"]) if r else None
 
     def create_conversation(self, title: str = "New chat") -> int:
+        self.check_writable()
         now = time.time()
         with self.db:
             cur = self.db.execute("INSERT INTO conversations(title, created, updated) VALUES (?, ?, ?)",
@@ -179,6 +239,32 @@ class ConversationStore:
                     (message_id, doc.name, doc.path, doc.kind, doc.pages, doc.chars, tokens, doc.text))
             self._touch(conversation_id, now)
         return message_id
+
+    def add_turn(self, conversation_id: int, prompt: str, documents=(), settings: dict | None = None, *,
+                 replace_from: int | None = None) -> tuple[int, int]:
+        """The user's message and an empty streaming reply, in one transaction (all or nothing); with
+        `replace_from`, that message and every later one go in the same transaction (edit and resend)."""
+        self.check_writable()
+        now = time.time()
+        with self.db:
+            if replace_from is not None:
+                self.db.execute("DELETE FROM messages WHERE conversation_id=? AND id>=?",
+                                (conversation_id, replace_from))
+            cur = self.db.execute(
+                "INSERT INTO messages(conversation_id, role, content, status, created, updated) "
+                "VALUES (?, 'user', ?, ?, ?, ?)", (conversation_id, prompt, DONE, now, now))
+            user_id = int(cur.lastrowid)
+            for doc, tokens in documents:
+                self.db.execute(
+                    "INSERT INTO attachments(message_id, name, path, kind, pages, chars, tokens, text) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    (user_id, doc.name, doc.path, doc.kind, doc.pages, doc.chars, tokens, doc.text))
+            cur = self.db.execute(
+                "INSERT INTO messages(conversation_id, role, content, status, settings_json, created, updated) "
+                "VALUES (?, 'assistant', '', ?, ?, ?, ?)", (conversation_id, STREAMING, _dumps(settings), now, now))
+            reply_id = int(cur.lastrowid)
+            self._touch(conversation_id, now)
+        return user_id, reply_id
 
     def set_model_content(self, message_id: int, content: str) -> None:
         with self.db:

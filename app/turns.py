@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import sqlite3
 import time
 from dataclasses import dataclass, field
 
@@ -40,12 +41,14 @@ class ActiveTurn:
     stats: object | None = None
     last_save: float = field(default_factory=time.monotonic)
     stopping: bool = False
+    save_failed: bool = False  # a write of this reply failed (said once)
 
 
 class TurnController(QObject):
     started = Signal()
     finished = Signal(object, object)  # TurnOutcome, ActiveTurn
     refused = Signal(object, object)  # TurnOutcome, ActiveTurn (rows already rolled back)
+    save_failed = Signal(str)  # a reply could not be saved (disk full): the message
 
     def __init__(self, store: S.ConversationStore, client, view: ChatView, parent: QObject | None = None):
         super().__init__(parent)
@@ -64,10 +67,12 @@ class TurnController(QObject):
     # ------------------------------------------------------------------ starting
     def start(self, conversation_id: int, prompt: str, documents: tuple[AttachedDocument, ...],
               doc_tokens: dict[str, int], generation: GenerationOptions, settings: dict,
-              history: tuple[HistoryTurn, ...]) -> ActiveTurn:
-        user_id = self.store.add_user_message(conversation_id, prompt,
-                                              [(d, doc_tokens.get(d.key)) for d in documents])
-        reply_id = self.store.add_reply(conversation_id, settings)
+              history: tuple[HistoryTurn, ...], *, replace_from: int | None = None) -> ActiveTurn:
+        """Save the user's message (raises sqlite3.Error / StoreUnavailable, with nothing changed, when it
+        cannot be saved), show it, and send the turn to the engine."""
+        user_id, reply_id = self.store.add_turn(conversation_id, prompt,
+                                                [(d, doc_tokens.get(d.key)) for d in documents], settings,
+                                                replace_from=replace_from)
         user = self.store.message(user_id)
         self.view.add(MessageBubble("user", prompt, message_id=user_id, attachments=user.attachments))
         bubble = self.view.add(MessageBubble("assistant", "", message_id=reply_id))
@@ -94,8 +99,21 @@ class TurnController(QObject):
 
     def save_now(self) -> None:
         if self.active is not None:
-            self.store.update_reply(self.active.reply_id, self.active.text)
+            self._write(self.store.update_reply, self.active.reply_id, self.active.text)
             self.active.last_save = time.monotonic()
+
+    def _write(self, write, *args, **kwargs) -> bool:
+        """A store write during a turn; a failure (disk full) is said once per turn, and the reply stays on
+        screen (the next write retries)."""
+        try:
+            write(*args, **kwargs)
+            return True
+        except (sqlite3.Error, S.StoreUnavailable) as exc:
+            if self.active is None or not self.active.save_failed:
+                if self.active is not None:
+                    self.active.save_failed = True
+                self.save_failed.emit(str(exc))
+            return False
 
     # ------------------------------------------------------------------ streaming
     def _current(self, turn_id: int) -> ActiveTurn | None:
@@ -136,9 +154,9 @@ class TurnController(QObject):
         text = outcome.text if outcome.text or not turn.text else turn.text
         stats = stats_dict(outcome.stats or turn.stats)
         status = FINISHED.get(outcome.reason, S.DONE)
-        self.store.finish_reply(turn.reply_id, text, status, stats=stats, error=outcome.error)
+        self._write(self.store.finish_reply, turn.reply_id, text, status, stats=stats, error=outcome.error)
         if outcome.model_content:
-            self.store.set_model_content(turn.user_id, outcome.model_content)
+            self._write(self.store.set_model_content, turn.user_id, outcome.model_content)
         if turn.bubble is not None:
             if text != turn.bubble.text:
                 turn.bubble.set_text(text)
@@ -152,7 +170,7 @@ class TurnController(QObject):
         self.finished.emit(outcome, turn)
 
     def _roll_back(self, turn: ActiveTurn) -> None:
-        self.store.delete_messages_from(turn.user_id)
+        self._write(self.store.delete_messages_from, turn.user_id)
         for bubble in list(self.view.bubbles):
             if bubble.message_id in (turn.user_id, turn.reply_id):
                 self.view.remove(bubble)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sqlite3
 import time
 from collections import OrderedDict
 from pathlib import Path
@@ -31,7 +32,7 @@ from . import knobs as K
 from .documents import DocumentLoader, assess_fit
 from .protocol import AttachedDocument, ContextFigures, UsageRequest
 from .settings import Key, Settings
-from .store import ConversationStore, reply_footer
+from .store import ConversationStore, StoreUnavailable, reply_footer
 from .turns import TurnController
 from .widgets.chat_view import ChatView, MessageBubble
 from .widgets.composer import Composer
@@ -96,6 +97,8 @@ class MainWindow(QMainWindow):
         if self.store.recovered:
             self.statusBar().showMessage(f"{self.store.recovered} reply(ies) were interrupted last time; "
                                          "what was shown is kept.", 8000)
+        if self.store.read_only:  # a read-only or full data folder: say which, and what to do
+            QTimer.singleShot(0, lambda: self.inform("Chats cannot be saved", self.store.problem))
         if autoload:
             QTimer.singleShot(0, self.model_panel.request_load)
 
@@ -185,6 +188,8 @@ class MainWindow(QMainWindow):
         worker.error.connect(lambda message: self.inform("Engine error", message))
         self.turns.started.connect(self._update_actions)
         self.turns.finished.connect(self._on_turn_finished)
+        self.turns.save_failed.connect(lambda message: self._save_failed(
+            f"The reply could not be saved ({message}); it stays on screen."))
         self.turns.refused.connect(self._on_turn_refused)
 
         self.model_panel.load_requested.connect(self.load_model)
@@ -246,7 +251,6 @@ class MainWindow(QMainWindow):
                         "finish, then load the other model.")
             return
         self.loading = True
-        self.facts = None
         self.model_panel.show_loading("Starting…", 0.0)
         self._update_actions()
         self.settings.set_json(Key.MODEL, options)
@@ -267,14 +271,19 @@ class MainWindow(QMainWindow):
             callback, self._after_load = self._after_load, None
             callback()
 
-    def _on_load_failed(self, message: str, reason: str) -> None:
+    def _on_load_failed(self, message: str, reason: str, kept=None) -> None:
         self.loading = False
-        self.facts = None
+        self.facts = kept  # the model that was working stays loaded and in use
         self._after_load = None
-        self.model_panel.show_failed(message)
+        if kept is not None:
+            self.model_panel.show_loaded(kept)
+            self.model_panel.show_kept(message, kept)
+        else:
+            self.model_panel.show_failed(message)
         self._update_actions()
         help_text = LOAD_HELP.get(reason, "Try the default model, or check the model's files.")
-        self.inform("Could not load the model", f"{message}\n\nWhat to do: {help_text}")
+        still = f"\n\n{kept.display_name} is still loaded; you can go on chatting with it." if kept is not None else ""
+        self.inform("Could not load the model", f"{message}\n\nWhat to do: {help_text}{still}")
 
     # ------------------------------------------------------------------ knobs
     def _on_knobs_changed(self, knobs: dict) -> None:
@@ -453,7 +462,12 @@ class MainWindow(QMainWindow):
         conv = self.store.conversation(conversation_id)
         if conv is None or not self.confirm("Delete chat", f"Delete “{conv.title}” and all its messages?"):
             return
-        self.store.delete(conversation_id)
+        try:
+            self.store.check_writable()
+            self.store.delete(conversation_id)
+        except (sqlite3.Error, StoreUnavailable) as exc:
+            self._save_failed(f"The chat was not deleted ({exc}).")
+            return
         self.client.forget_conversation.emit(conversation_id)
         if self.conversation_id == conversation_id:
             self.conversation_id = None
@@ -461,7 +475,11 @@ class MainWindow(QMainWindow):
         self._reload_conversations()
 
     def _on_renamed(self, conversation_id: int, title: str) -> None:
-        self.store.rename(conversation_id, title)
+        try:
+            self.store.check_writable()
+            self.store.rename(conversation_id, title)
+        except (sqlite3.Error, StoreUnavailable) as exc:
+            self._save_failed(f"The chat was not renamed ({exc}).")
         conv = self.store.conversation(conversation_id)
         if conv is not None:
             self.conversations.set_title(conversation_id, conv.title)
@@ -493,7 +511,10 @@ class MainWindow(QMainWindow):
         prompt = self.composer.toPlainText().strip()
         if self.turns.busy or not prompt:
             return
-        if self.facts is None:
+        if self.store.read_only:
+            self.inform("Chats cannot be saved", self.store.problem + "\n\nYour message is still in the box.")
+            return
+        if self.facts is None or self.loading:
             why = "The model is still loading; send again when it is ready." if self.loading else \
                 "No model is loaded. Pick one in the model bar and press Load."
             self.inform("No model", why)
@@ -502,25 +523,49 @@ class MainWindow(QMainWindow):
             self.inform("Still reading documents", "Wait until the attached documents are read, then send.")
             return
         documents = tuple(self.attached.values())
-        if self.conversation_id is None:
-            self.conversation_id = self.store.create_conversation(_title_from(prompt))
-            self.settings.set(Key.LAST_CONVERSATION, self.conversation_id)
-            self._reload_conversations(select=self.conversation_id)
+        # Nothing the user typed is lost: the composer is cleared only once the message is saved.
+        created = None
+        try:
+            if self.conversation_id is None:
+                created = self.store.create_conversation(_title_from(prompt))
+            conversation = created if created is not None else self.conversation_id
+            if self.editing_message_id is not None:
+                history = self.store.history(conversation, before_message_id=self.editing_message_id)
+            else:
+                history = self.store.history(conversation)
+            self._start_turn(prompt, documents, history, conversation, replace_from=self.editing_message_id)
+        except (sqlite3.Error, StoreUnavailable) as exc:
+            if created is not None:
+                try:
+                    self.store.delete(created)
+                except sqlite3.Error:
+                    pass
+            self._save_failed(f"Your message was not sent: it could not be saved ({exc}).\n\nIt is still in the "
+                              "message box.")
+            return
+        if created is not None:
+            self.conversation_id = created
+            self.settings.set(Key.LAST_CONVERSATION, created)
         if self.editing_message_id is not None:
-            history = self.store.history(self.conversation_id, before_message_id=self.editing_message_id)
-            self.store.delete_messages_from(self.editing_message_id)
             self._set_editing(None)
-            self.show_conversation(self.conversation_id)
-        else:
-            history = self.store.history(self.conversation_id)
+            self.show_conversation(self.conversation_id)  # the replaced messages leave the view
+        if created is not None:
+            self._reload_conversations(select=created)
         self.composer.clear()
         self.attached.clear()
         self.chips.clear()
-        self._start_turn(prompt, documents, history)
+        self._update_actions()
 
-    def _start_turn(self, prompt: str, documents, history) -> None:
-        self.turns.start(self.conversation_id, prompt, documents, dict(self.doc_tokens),
-                         self.knob_panel.generation(), self._reply_settings(), history)
+    def _save_failed(self, message: str) -> None:
+        where = self.store.path.parent
+        self.inform("Could not save", f"{message}\n\nThe chats are kept in {where}. Free some space on that disk "
+                    "(or make the folder writable), then send again.")
+
+    def _start_turn(self, prompt: str, documents, history, conversation_id: int | None = None, *,
+                    replace_from: int | None = None) -> None:
+        conversation_id = self.conversation_id if conversation_id is None else conversation_id
+        self.turns.start(conversation_id, prompt, documents, dict(self.doc_tokens), self.knob_panel.generation(),
+                         self._reply_settings(), history, replace_from=replace_from)
         self.settings.set_json(Key.GENERATION, self.knob_panel.generation().__dict__)
         self._update_actions()
 
@@ -547,11 +592,17 @@ class MainWindow(QMainWindow):
         user = self._last_user_message()
         if user is None:
             return
+        if self.store.read_only:
+            self.inform("Chats cannot be saved", self.store.problem)
+            return
         documents = self.store.attachments(user.id)
         history = self.store.history(self.conversation_id, before_message_id=user.id)
-        self.store.delete_messages_from(user.id)
-        self.show_conversation(self.conversation_id)
-        self._start_turn(user.content, documents, history)
+        try:
+            self._start_turn(user.content, documents, history, replace_from=user.id)
+        except (sqlite3.Error, StoreUnavailable) as exc:
+            self._save_failed(f"The reply was not regenerated: it could not be saved ({exc}).")
+            return
+        self.show_conversation(self.conversation_id)  # the replaced messages leave the view
 
     def edit_last(self) -> None:
         if self.turns.busy:
@@ -606,7 +657,10 @@ class MainWindow(QMainWindow):
                     self.chips.add_pending(doc.key, doc.path).show_document(doc)
             self._refresh_chips()
         if not self.store.messages(turn.conversation_id) and self.store.conversation(turn.conversation_id):
-            self.store.delete(turn.conversation_id)
+            try:
+                self.store.delete(turn.conversation_id)
+            except sqlite3.Error:
+                pass  # an empty chat stays in the list; nothing is lost
             if self.conversation_id == turn.conversation_id:
                 self.conversation_id = None
             self._reload_conversations()
@@ -639,7 +693,7 @@ class MainWindow(QMainWindow):
 
     def _update_actions(self) -> None:
         busy = self.turns.busy if hasattr(self, "turns") else False
-        ready = self.facts is not None
+        ready = self.facts is not None and not self.loading
         has_messages = bool(self.chat.bubbles)
         self.send_button.setEnabled(not busy and ready)
         self.stop_button.setEnabled(busy)
@@ -703,7 +757,10 @@ class MainWindow(QMainWindow):
         self.loader.wait(5000)
         log.debug("worker stopped in %.2f s", time.monotonic() - started)
         if self.turns.active is not None:
-            self.store.finish_reply(self.turns.active.reply_id, self.turns.active.text, "stopped")
+            try:
+                self.store.finish_reply(self.turns.active.reply_id, self.turns.active.text, "stopped")
+            except sqlite3.Error:
+                log.warning("could not save the reply being streamed at exit")
             self.turns.active = None
         self.store.close()
         super().closeEvent(event)

@@ -53,7 +53,7 @@ class EngineWorker(QObject):
     # ---- events out (all emitted on the worker thread; connections to the GUI are queued)
     load_progress = Signal(str, float)
     loaded = Signal(object)  # ModelFacts
-    load_failed = Signal(str, str)  # message, reason
+    load_failed = Signal(str, str, object)  # message, reason, ModelFacts of the model still loaded (or None)
     prefill_progress = Signal(int, int, int)  # turn id, done, total
     tokens = Signal(int, str)  # turn id, text batch
     stats = Signal(int, object)  # turn id, engine TurnStats
@@ -69,28 +69,53 @@ class EngineWorker(QObject):
         super().__init__()
         self._factory = model_factory or load_engine_model
         self.model = None
+        self._options: dict = {}
         self._sessions: OrderedDict[int, object] = OrderedDict()
         self._doc_tokens: dict[str, int] = {}
 
     # ------------------------------------------------------------------ model
     @Slot(object)
     def load_model(self, options: dict) -> None:
-        self._drop_model()
+        """Load a model; the one that is working stays loaded (and in use) until the new one has loaded.
+        Only where the new one ran out of memory beside it is the old one unloaded for a second try, and
+        loaded again when that fails too."""
         started = time.perf_counter()
+        previous, previous_options = self.model, self._options
         try:
             model = self._factory(dict(options), self._report_load_progress)
         except Exception as exc:  # noqa: BLE001 - every failure becomes a dialog, the app stays usable
-            reason = getattr(exc, "reason", None) or ("config" if _is_config_error(exc) else "load_failed")
-            message = str(exc) or type(exc).__name__
-            if reason == "load_failed" and not _is_engine_error(exc):
-                message = f"{type(exc).__name__}: {message}"
-            log.warning("model load failed: %s", message)
-            self.load_failed.emit(message, reason)
-            return
-        self.model = model
+            if previous is None or not _is_oom(exc):
+                self._load_failed(exc, kept=previous is not None)
+                return
+            log.warning("the new model ran out of memory beside the loaded one: unloading that and retrying")
+            self._drop_model()
+            try:
+                model = self._factory(dict(options), self._report_load_progress)
+            except Exception as retry_exc:  # noqa: BLE001
+                try:
+                    self.model = self._factory(dict(previous_options), self._report_load_progress)
+                    self._options = previous_options
+                except Exception:  # noqa: BLE001 - the previous model cannot come back either
+                    log.exception("could not load the previous model again")
+                    self._load_failed(retry_exc, kept=False)
+                    return
+                self._load_failed(retry_exc, kept=True)
+                return
+        if previous is not None:
+            self._drop_model()
+        self.model, self._options = model, dict(options)
         facts = self._facts(time.perf_counter() - started)
         self.loaded.emit(facts)
         self._emit_memory(None)
+
+    def _load_failed(self, exc: BaseException, *, kept: bool) -> None:
+        reason = getattr(exc, "reason", None) or ("config" if _is_config_error(exc) else "load_failed")
+        message = str(exc) or type(exc).__name__
+        if reason == "load_failed" and not _is_engine_error(exc):
+            message = f"{type(exc).__name__}: {message}"
+        log.warning("model load failed: %s", message)
+        # The facts of the model still loaded (the one that was working), or None: the window keeps using it.
+        self.load_failed.emit(message, reason, self._facts() if kept and self.model is not None else None)
 
     def _report_load_progress(self, message: str, fraction: float) -> None:
         self.load_progress.emit(str(message), float(fraction))
@@ -317,18 +342,23 @@ class EngineWorker(QObject):
         return self._doc_tokens[document.key]
 
     def _count(self, text: str) -> int:
+        """Tokens of `text` as the engine feeds it (as data: markers in it are plain text)."""
         tokenizer = getattr(self.model, "tokenizer", None)
         if not text:
             return 0
         if tokenizer is None:
             return max(len(text) // 4, 1)
-        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+        from engine import chat_template
+
+        return chat_template.count_text(tokenizer, text)
 
     def _count_chat(self, messages: list[dict]) -> int:
         tokenizer = getattr(self.model, "tokenizer", None)
         if tokenizer is None:
             return sum(self._count(m["content"]) + 4 for m in messages)
-        return self._count(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False))
+        from engine import chat_template
+
+        return len(chat_template.encode(tokenizer, chat_template.render(tokenizer, messages, False)))
 
 
 class EngineClient(QObject):
@@ -397,6 +427,12 @@ def _engine_document(document: AttachedDocument):
 
 def _is_engine_error(exc: BaseException) -> bool:
     return any(cls.__name__ == "EngineError" for cls in type(exc).__mro__)
+
+
+def _is_oom(exc: BaseException) -> bool:
+    if getattr(exc, "reason", None) == "oom" or isinstance(exc, MemoryError):
+        return True
+    return any("OutOfMemoryError" in cls.__name__ for cls in type(exc).__mro__) or "out of memory" in str(exc).lower()
 
 
 def _is_config_error(exc: BaseException) -> bool:

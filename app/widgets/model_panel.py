@@ -130,6 +130,11 @@ class ModelPanel(QWidget):
         self.status.setText(text)
         self.status.setToolTip(f"{text}\nLoaded in {facts.load_seconds:.1f} s from {facts.source}")
 
+    def show_kept(self, message: str, facts) -> None:
+        """A load failed and the model that was working stays: say both."""
+        self.status.setText(f"{facts.display_name} still loaded — the new model failed: {message.split('. ')[0][:70]}")
+        self.status.setToolTip(message)
+
     def show_failed(self, message: str) -> None:
         self.progress.hide()
         self.load_button.setEnabled(True)

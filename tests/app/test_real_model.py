@@ -104,3 +104,34 @@ def test_the_event_loop_answers_within_100ms_during_a_4k_token_prefill_and_decod
           f"gaps over 50 ms: {sum(g > 0.05 for g in during)}")
     assert len(during) > (ended - started) / 0.05  # the timer kept firing throughout
     assert worst < 0.100, f"the GUI froze for {worst * 1000:.0f} ms"
+
+
+def test_stop_while_a_document_is_read_then_the_chat_goes_on(qtbot, real_window, tmp_path):
+    """Stop during the prefill of a document undoes the turn: the next message is accepted (it was refused
+    as 'needs 9,953 tokens… history 9,939' until restart), and the context bar agrees with the engine."""
+    window = real_window
+    window.composer.setPlainText("Hello!")
+    window.send()
+    qtbot.waitUntil(lambda: not window.turns.busy, timeout=120_000)
+    session = next(reversed(window.client.worker._sessions.values()))
+    seen_before = session.cache.seen
+    path = tmp_path / "reference.md"
+    path.write_text(document_of_about(3000), encoding="utf-8")
+    window.attach_files([str(path)])
+    qtbot.waitUntil(lambda: all(d is not None for d in window.attached.values()), timeout=60_000)
+    window.composer.setPlainText("Summarise the document.")
+    window.send()
+    reading = []
+    window.client.worker.prefill_progress.connect(lambda _t, done, total: reading.append(done))
+    qtbot.waitUntil(lambda: len(reading) >= 2 and reading[-1] > 0, timeout=60_000)
+    window.stop()
+    qtbot.waitUntil(lambda: not window.turns.busy, timeout=60_000)
+    assert not [m for m in window.shown_messages if m[0] != "Could not save"], window.shown_messages
+    assert session.cache.seen == seen_before == len(session.transcript_ids)
+    window.composer.setPlainText("What is the capital of France?")
+    window.send()
+    qtbot.waitUntil(lambda: not window.turns.busy, timeout=120_000)
+    assert not window.shown_messages, window.shown_messages
+    assert "Paris" in window.chat.bubbles[-1].text
+    qtbot.waitUntil(lambda: window.figures is not None
+                    and window.figures.system + window.figures.history == session.cache.seen, timeout=10_000)
