@@ -1190,6 +1190,65 @@ def launch_app(cmd: list, env: dict, home: Path, show_errors: bool | None = None
     return rc
 
 
+def pyside_folder(py: Path) -> Path | None:
+    """The PySide6 package folder of the app's environment (found without importing Qt)."""
+    code = ("import importlib.util, os; s = importlib.util.find_spec('PySide6'); "
+            "print(os.path.dirname(s.origin) if s and s.origin else '')")
+    try:
+        out = subprocess.run([str(py), "-c", code], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    folder = out.stdout.strip()
+    return Path(folder) if out.returncode == 0 and folder else None
+
+
+def ensure_qt_libraries(py: Path, env: dict, *, system: str | None = None, interactive: bool | None = None,
+                        as_root: bool | None = None, which=shutil.which, folder: Path | None = None) -> int:
+    """Linux: find exactly which system libraries Qt's platform plugin lacks (ldd on the plugin), name their
+    packages for this distribution and install them when we can: as root, or with the user's consent (asked
+    in a terminal, then sudo; without a terminal pkexec asks for the password). Else say the one command to
+    run. Returns 0 when the plugin can load."""
+    system = platform.system() if system is None else system
+    if system != "Linux":
+        return 0
+    qt = _sibling("qt_libraries")
+    folder = folder if folder is not None else pyside_folder(py)
+    if qt is None or folder is None:
+        return 0  # nothing to check against; the app's own error hint remains
+    result = qt.check(folder, env)
+    if result.ok:
+        return 0
+    plugin = result.plugin.name if result.plugin else "platform"
+    say(f"Qt's {plugin} plugin cannot load: these system libraries are missing: {', '.join(result.missing)}.")
+    if result.packages:
+        say(f"  They are in: {' '.join(result.packages)}")
+    as_root = (hasattr(os, "geteuid") and os.geteuid() == 0) if as_root is None else as_root
+    interactive = _interactive() if interactive is None else interactive
+    tried = False
+    if result.packages and result.manager:
+        if as_root:
+            say(f"Installing them: {result.command(sudo=False)}")
+            tried = qt.install(result, as_root=True, sudo=None)
+        elif interactive and which("sudo") and _ask(f"Install them now with '{result.command()}'?"):
+            tried = qt.install(result, as_root=False, sudo="sudo")
+        elif not interactive and which("pkexec") and has_display(env):
+            say(f"Asking for the administrator password to run: {result.command(sudo=False)}")
+            tried = qt.install(result, as_root=False, sudo="pkexec")
+    if tried:
+        result = qt.check(folder, env)
+        if result.ok:
+            say("Installed; starting the app.")
+            return 0
+    message = (f"{APP_NAME} cannot open its window: Qt's {plugin} plugin is missing system libraries "
+               f"({', '.join(result.missing)}).\n\nRun this, then start the app again:\n  {result.command()}")
+    say(message)
+    if not interactive:
+        firstrun = _sibling("firstrun")
+        if firstrun is not None:
+            firstrun.show_error(f"{APP_NAME} could not start", message, "", None)
+    return 1
+
+
 def no_display_message(py: Path) -> str:
     return (f"No display found (DISPLAY and WAYLAND_DISPLAY are not set), so the {APP_NAME} window "
             "cannot open here.\n"
@@ -1398,6 +1457,9 @@ def main(argv: list | None = None) -> int:
     env = dict(os.environ, VIRTUAL_ENV=str(ctx.venv))
     env["PATH"] = str(py.parent) + os.pathsep + env.get("PATH", "")
     if command == "run":
+        rc = ensure_qt_libraries(py, env)
+        if rc:
+            return rc
         return launch_app([py, "-m", "app"] + rest, env, home)
     if command == "chat":
         return launch([py, "-m", "engine", "chat"] + rest, env=env)
