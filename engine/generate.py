@@ -184,7 +184,7 @@ def _prefill(model, cache: DSV41Cache, plan: TurnPlan, cancel, device, result: T
         result.prefilled = end
         yield PrefillProgress(end, total)
     if s.compressing:
-        cache.compact(pooled=True)  # query-aware: the question has now scored every entry
+        cache.compact(pooled=True, spans=True)  # query-aware: the question has now scored every entry
         cache.shrink()
     cache.fit_sparse()
     return logits

@@ -228,7 +228,7 @@ class ChatSession:
                 if progress:
                     progress(PrefillProgress(min(start + chunk, total), total))
             if self.cache.settings.compressing:
-                self.cache.compact(pooled=True)  # the transcript's last question scored it
+                self.cache.compact(pooled=True, spans=True)  # the transcript's last question scored it
                 self.cache.shrink()
             self.cache.fit_sparse()
             self._dirty = False
@@ -240,7 +240,7 @@ class ChatSession:
             self.rebuild(progress)
             return "rebuilt"
         if settings.compressing:
-            self.cache.compact(pooled=True)
+            self.cache.compact(pooled=True, spans=True)
             self.cache.shrink()
         self.cache.fit_sparse()
         return "compacted"

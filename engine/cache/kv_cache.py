@@ -358,11 +358,12 @@ class DSV41Cache:
 
     # ------------------------------------------------------------------ compaction
     @torch.inference_mode()
-    def compact(self, target: int | None = None, *, threshold: bool = True, pooled: bool = False) -> int:
+    def compact(self, target: int | None = None, *, threshold: bool = True, pooled: bool = False,
+                spans: bool = False) -> int:
         """Compact every layer down to `target` entries (default: the budget). Returns entries dropped per head.
 
-        `pooled`: rank by max-pooled scores (for the question-aware compaction after a document turn's
-        prefill; see ced.ranking)."""
+        `spans` / `pooled`: the compaction after a question has scored every entry: CED keeps whole spans, the
+        baselines rank by max-pooled scores (see ced.ranking)."""
         s = self.settings
         if not s.compressing:
             return 0
@@ -371,7 +372,7 @@ class DSV41Cache:
         dropped = 0
         use_threshold = s.ced_threshold if threshold and s.ced_policy in ("ced", "h2o", "snapkv") else 0.0
         for layer in self.layers:
-            rank = ced.ranking(layer, s.ced_policy, self._torch_rng, pooled=pooled)
+            rank = ced.ranking(layer, s.ced_policy, self._torch_rng, pooled=pooled, spans=spans)
             plan = ced.plan_compaction(rank, target, sink=s.ced_sink_tokens, recent=s.ced_recent_tokens,
                                        threshold=use_threshold, scores=layer.scores[:, : layer.length],
                                        floor=s.min_entries)

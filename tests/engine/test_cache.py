@@ -144,6 +144,38 @@ def test_evict_keeps_the_highest_scores(policy, pooled):
         assert kept == expected
 
 
+def test_question_aware_ced_compaction_keeps_whole_spans():
+    """After a question scored everything, CED keeps and drops whole spans of SPAN_TOKENS positions, chosen by
+    their total score, so the kept text reads as text; the baselines still pool."""
+    torch.manual_seed(1)
+    span = ced.SPAN_TOKENS
+    n = 12 * span
+    layer = LayerKV(2, 8, torch.float32, "cpu")
+    layer.append(torch.randn(2, n, 8), torch.randn(2, n, 8), torch.arange(n))
+    layer.scores[:, :n] = torch.rand(2, n) * 0.1
+    best = [3, 7, 9]  # the spans the question attended to, a few tokens each
+    for s_i in best:
+        layer.scores[:, s_i * span + 2: s_i * span + 5] += 1.0
+    layer.scores[:, 5 * span + 1] += 2.5  # one sharp token alone: its span totals less than the three above
+    rank = ced.ranking(layer, "ced", spans=True)
+    plan = ced.plan_compaction(rank, 3 * span, sink=0, recent=0, threshold=0.0)
+    layer.keep(plan.keep)
+    for head in range(2):
+        kept = sorted(layer.positions[head, : layer.length].tolist())
+        assert kept == [p for s_i in best for p in range(s_i * span, (s_i + 1) * span)]
+    # the baselines keep pooling: spans change nothing for them
+    assert torch.equal(ced.ranking(layer, "snapkv", pooled=True, spans=True),
+                       ced.ranking(layer, "snapkv", pooled=True))
+
+
+def test_span_ranking_follows_positions_not_storage_order():
+    scores = torch.tensor([[1.0, 1.0, 0.5, 3.0]])
+    positions = torch.tensor([[0, 1, 16, 40]])  # spans 0, 0, 1, 2 (entries between them were evicted before)
+    rank = ced.span_ranking(scores, positions, 16)
+    assert torch.allclose(rank[0, :2], torch.tensor([2 / 16 + 1e-3] * 2))
+    assert torch.allclose(rank[0, 2:], torch.tensor([0.5 / 16 + 5e-4, 3.0 / 16 + 3e-3]))
+
+
 def test_threshold_drops_low_entries_even_under_budget():
     layer = LayerKV(1, 4, torch.float32, "cpu")
     layer.append(torch.randn(1, 30, 4), torch.randn(1, 30, 4), torch.arange(30))
