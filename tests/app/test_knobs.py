@@ -75,6 +75,18 @@ def test_memory_panel_shows_the_kv_line_and_the_hint(qtbot, window, fake_model):
     assert "/ 8,192 tokens" in window.memory_panel.context_label.text()
 
 
+def test_memory_panel_warns_when_the_cache_keeps_too_little(qtbot, window, fake_model):
+    slider_to(window, "kv_cache_ratio", 0.2)
+    qtbot.waitUntil(lambda: fake_model.config.kv_cache_ratio == 0.2, timeout=3_000)
+    fake_model.reply_text = "ok"
+    send(qtbot, window, "x" * 4_000)  # ~1k tokens: the KV stays far below 30 % of the weights
+    qtbot.waitUntil(lambda: window.memory_panel.hint_label.isVisible(), timeout=5_000)
+    text = window.memory_panel.hint_label.text()
+    assert "answers measurably worsen" in text and "20 %" in text and "of the weights" not in text
+    slider_to(window, "kv_cache_ratio", 0.5)
+    qtbot.waitUntil(lambda: not window.memory_panel.hint_label.isVisible(), timeout=5_000)
+
+
 def test_knobs_and_model_choice_are_kept_across_starts(qtbot, make_window, fake_model):
     first = make_window()
     slider_to(first, "ced_threshold", 0.25)
