@@ -14,6 +14,10 @@ def _unit(n: float) -> tuple[float, str, int]:
     return 1024, "KB", 0
 
 
+def pages(n: int) -> str:
+    return f"{n} page" if n == 1 else f"{n} pages"
+
+
 def fmt_bytes(n: float, like: float | None = None) -> str:
     """GB from 0.1 GB up, MB below (a 2 MB KV cache is not '0.00 GB'); `like` picks the unit of another figure."""
     n = float(n or 0)

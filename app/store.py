@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .format import pages as page_count
 from .paths import database_path
 from .protocol import AttachedDocument, HistoryTurn
 
@@ -354,7 +355,7 @@ class ConversationStore:
             if m["role"] == "user":
                 lines += ["## You", ""]
                 for a in m.get("attachments", []):
-                    pages = f", {a['pages']} pages" if a.get("pages") else ""
+                    pages = f", {page_count(a['pages'])}" if a.get("pages") else ""
                     lines.append(f"> 📎 {a['name']} ({a['chars']:,} characters{pages})")
                 if m.get("attachments"):
                     lines.append("")

@@ -16,6 +16,7 @@ import io
 import os
 import re
 import stat
+import unicodedata
 import zipfile
 from dataclasses import dataclass
 
@@ -243,7 +244,7 @@ def load_document(
     notes: list[str] = []
     if kind == "pdf":
         text, pages = _pdf_text(data, label, fail, max_chars)
-        text = _normalise_pdf_spacing(text)
+        text = _clean_pdf_text(_normalise_pdf_spacing(text), notes)
     elif kind == "docx":
         text = _docx_text(data, label, fail, max_bytes)
     else:
@@ -475,6 +476,25 @@ def _scanned_message(label: str) -> str:
 
 
 _PDF_SPACING = re.compile(r"[ \t\u00a0\u2000-\u200a\u202f\u205f\u3000]+")
+
+
+# Presentation forms a PDF's text layer uses for what is plain text: ligatures (ﬁ ﬂ ﬀ, LaTeX and Qt
+# write them) and the Kangxi / CJK radicals Qt's writer maps ideographs such as 户 and 目 to.
+_PDF_COMPAT = re.compile("[\ufb00-\ufb06\u2e80-\u2ef3\u2f00-\u2fd5]")
+# C0 controls in extracted text are glyphs the PDF gives no character for (its ToUnicode map omits them)
+_PDF_UNMAPPED = re.compile("[\x01-\x08\x0b\x0c\x0e-\x1f\x7f]")
+
+
+def _clean_pdf_text(text: str, notes: list[str]) -> str:
+    """Ligatures and radicals become the characters they stand for (NFKC, for those alone); glyphs the PDF
+    maps to no character become U+FFFD, and a note says how many (the model must not read them as text)."""
+    text = _PDF_COMPAT.sub(lambda m: unicodedata.normalize("NFKC", m.group()), text)
+    text, unmapped = _PDF_UNMAPPED.subn("\ufffd", text)
+    if unmapped:
+        notes.append(f"{unmapped:,} character{'s' if unmapped != 1 else ''} of this PDF could not be read (its text "
+                     "layer gives no character for them; they show as \ufffd): numbers or names may be missing. "
+                     "Export the PDF again from its source, or drop the source file instead.")
+    return text
 
 
 def _normalise_pdf_spacing(text: str) -> str:

@@ -19,6 +19,8 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from ..format import pages as page_count
+
 _FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
 COPY_SCHEME = "copy"
 
@@ -141,7 +143,7 @@ class MessageBubble(QFrame):
         head.addWidget(self.copy_button)
         layout.addLayout(head)
         for info in attachments:
-            pages = f" · {info.pages} pages" if info.pages else ""
+            pages = f" · {page_count(info.pages)}" if info.pages else ""
             tokens = f" · ~{info.tokens:,} tokens" if info.tokens else ""
             chip = QLabel(f"❐ {info.name}{pages} · {info.chars:,} chars{tokens}")
             chip.setObjectName("bubbleAttachment")

@@ -7,7 +7,7 @@ from pathlib import Path
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QToolButton, QVBoxLayout, QWidget
 
-from ..format import fmt_bytes
+from ..format import fmt_bytes, pages
 
 BADGES = {"pdf": "PDF", "docx": "DOCX", "markdown": "MD", "source": "CODE", "text": "TXT"}
 
@@ -55,7 +55,7 @@ class DocumentChip(QFrame):
         doc = self.document
         parts = []
         if doc.pages:
-            parts.append(f"{doc.pages} pages")
+            parts.append(pages(doc.pages))
         parts.append(f"{doc.chars:,} chars")
         parts.append(f"{tokens:,} tokens" if counted else f"~{tokens:,} tokens (est.)")
         if kv_bytes is not None and ratio is not None:

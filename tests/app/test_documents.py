@@ -43,7 +43,7 @@ def test_dropped_md_pdf_docx_are_attached_and_their_text_reaches_the_engine(qtbo
     chips = list(window.chips.chips.values())
     assert [c.document.name for c in chips] == ["with-statement.md", "while-loop.pdf", "for-loop.docx"]
     pdf_chip = chips[1]
-    assert "1 pages" in pdf_chip.figures.text() and "chars" in pdf_chip.figures.text()
+    assert "1 page ·" in pdf_chip.figures.text() and "chars" in pdf_chip.figures.text()
     assert "KV ≈" in pdf_chip.figures.text() and "×0.50" in pdf_chip.figures.text()
     assert "tokens" in pdf_chip.figures.text()
     assert not pdf_chip.warning.isVisible()

@@ -49,3 +49,16 @@ def test_tab_joined_pdf_text_reads_like_the_text_file(tmp_path, default_model):
     assert "\t" not in tabs.text and "  " not in tabs.text
     count = default_model.chat_session()._count
     assert abs(count(tabs.text) - count(plain.text)) <= 0.02 * count(plain.text)
+
+
+def test_pdf_ligatures_radicals_and_unmapped_glyphs():
+    """A PDF's text layer: ligatures and the radicals Qt's writer maps ideographs to read as the characters
+    they stand for; glyphs it maps to nothing (they came out as control characters) are replaced and said."""
+    from engine.documents import _clean_pdf_text
+
+    notes: list[str] = []
+    text = _clean_pdf_text("The ﬁnal budget is \x18.\x19 million. 猎⼾座项⽬", notes)
+    assert text == "The final budget is \ufffd.\ufffd million. 猎戶座项目"
+    assert len(notes) == 1 and notes[0].startswith("2 characters of this PDF could not be read")
+    clean: list[str] = []
+    assert _clean_pdf_text("Plain text, 中文。\n", clean) == "Plain text, 中文。\n" and clean == []
