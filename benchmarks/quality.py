@@ -16,7 +16,7 @@
 5. Multi-turn: document 1 + question, document 2 + question, then document 1's question again with no
    document (what the cache kept of a conversation's history), per policy at ratio 0.5 and 0.3.
 
-Usage: python -m benchmarks.quality [--quick] [--sections ppl,retrieval,long,multiturn,csa2]
+Usage: python -m benchmarks.quality [--quick] [--sections ppl,retrieval,long,multiturn,csa2] [--rows ced-]
 """
 
 from __future__ import annotations
@@ -157,13 +157,14 @@ def _multiturn_section(model, tok, payload, quick):
                 for r in ratios]
     configs += [("ced-evict, decay 0.999", "ced", "evict", r, 0.999) for r in ratios]
     results: dict = {}
-    for label, policy, mode, ratio, decay in configs:
+    for label, policy, mode, ratio, decay in _rows(configs):
         model.config = model.config.replace(kv_cache_ratio=ratio, ced_policy=policy, ced_mode=mode, csa2_topk=256,
                                             ced_threshold=0.1, ced_decay=decay)
         turns = [multiturn_case(model, c[4], c[2], c[5], c[3]) for c in cases]
         results.setdefault(label, {})[ratio] = [sum(t[i] for t in turns) / len(turns) for i in range(3)]
         print(f"multiturn {label} {ratio}: {results[label][ratio]}", flush=True)
-    payload["multiturn"] = {"cases": [c[:4] for c in cases], "document_tokens": length, "accuracy": results}
+    payload["multiturn"] = {"cases": [c[:4] for c in cases], "document_tokens": length,
+                            "accuracy": _merged(payload, "multiturn", "accuracy", results)}
 
 
 # --------------------------------------------------------------------------------------------- CSA2
@@ -192,7 +193,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny sizes")
     parser.add_argument("--sections", default="ppl,retrieval,long,multiturn,csa2",
                         help="which parts to run; the others are kept from the previous results file")
+    parser.add_argument("--rows", default="",
+                        help="retrieval, long and multiturn: rerun only the rows whose label starts with one of "
+                             "these comma-separated prefixes (e.g. 'ced-'); the other rows are kept")
     args = parser.parse_args()
+    global ROWS
+    ROWS = tuple(r for r in args.rows.split(",") if r) or None
     quick = args.quick
     sections = set(args.sections.split(","))
     model = DSV41Model.from_pretrained(DSV41Config(max_seq_len=1 << 15))
@@ -220,6 +226,20 @@ def main() -> None:
     folder = write_results("quality" if not quick else "quality-quick", payload, _table(payload))
     _plots(payload, folder)
     print(_table(payload))
+
+
+ROWS: tuple[str, ...] | None = None  # --rows
+
+
+def _rows(configs: list) -> list:
+    return [c for c in configs if ROWS is None or c[0].startswith(ROWS)]
+
+
+def _merged(payload: dict, key: str, field: str, new: dict) -> dict:
+    """`new` rows over the previous results' rows of payload[key][field] (all of them when --rows is unset)."""
+    if ROWS is None:
+        return new
+    return {**payload.get(key, {}).get(field, {}), **new}
 
 
 def _ratio_keys(obj):
@@ -290,13 +310,14 @@ def _retrieval_section(model, tok, payload, quick):
     # The document exceeds a 256-token headroom and is compacted while it streams in (probed by the question).
     configs += [(f"{n} over headroom", POLICIES[n][0], POLICIES[n][1], r, 256)
                 for n in ("ced-evict", "snapkv", "h2o", "streaming") for r in retrieval_ratios]
-    for label, policy, mode, ratio, headroom in configs:
+    for label, policy, mode, ratio, headroom in _rows(configs):
         model.config = model.config.replace(kv_cache_ratio=ratio, ced_policy=policy, ced_mode=mode, csa2_topk=256,
                                             ced_threshold=0.1)
         hits = [retrieval_case(model, doc, city, word, headroom) for (_, _, _, city, word, doc) in cases]
         results.setdefault(label, {})[ratio] = sum(hits) / len(hits)
         print(f"retrieval {label} {ratio}: {sum(hits)}/{len(hits)}", flush=True)
-    payload["retrieval"] = {"cases": [(c[0], c[1], c[2], c[3], c[4]) for c in cases], "accuracy": results}
+    payload["retrieval"] = {"cases": [(c[0], c[1], c[2], c[3], c[4]) for c in cases],
+                            "accuracy": _merged(payload, "retrieval", "accuracy", results)}
 
 
 def _long_section(model, tok, payload, quick):
@@ -313,7 +334,7 @@ def _long_section(model, tok, payload, quick):
     configs += [(n, POLICIES[n][0], POLICIES[n][1], r) for n in ("ced-evict", "snapkv", "h2o", "streaming")
                 for r in ratios]
     results: dict = {}
-    for label, policy, mode, ratio in configs:
+    for label, policy, mode, ratio in _rows(configs):
         model.config = model.config.replace(kv_cache_ratio=ratio, ced_policy=policy, ced_mode=mode, csa2_topk=256,
                                             ced_threshold=0.1)
         for length, _, city, word, doc in cases:
@@ -322,7 +343,9 @@ def _long_section(model, tok, payload, quick):
         print(f"long {label} {ratio}: {results[label][ratio]}", flush=True)
     accuracy = {label: {ratio: {length: sum(h) / len(h) for length, h in by_len.items()}
                         for ratio, by_len in by_ratio.items()} for label, by_ratio in results.items()}
-    payload["long_retrieval"] = {"cases": [c[:4] for c in cases], "accuracy": accuracy, "hits": results}
+    payload["long_retrieval"] = {"cases": [c[:4] for c in cases],
+                                 "accuracy": _merged(payload, "long_retrieval", "accuracy", accuracy),
+                                 "hits": _merged(payload, "long_retrieval", "hits", results)}
 
 
 def _csa2_section(model, tok, payload, quick):
