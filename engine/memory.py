@@ -60,8 +60,9 @@ class MemoryReport:
         if self.weights and self.kv_over_weights() > 0.30:
             hints.append("KV cache is over 30 % of the weights: compress harder (lower kv_cache_ratio or raise "
                          "ced_threshold).")
-        if self.quality_hint():
-            hints.append(self.quality_hint())
+        quality = self.quality_hint()
+        if quality:
+            hints.append(quality)
         return " ".join(hints) or None
 
     def format_seed(self) -> str:
