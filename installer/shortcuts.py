@@ -350,7 +350,7 @@ def _platform_dir(kind: str, env: dict, system: str, home: Path) -> Path:
 
 
 def models_cache_dir(env: dict, system: str, home: Path) -> tuple:
-    """(folder, overridden): where converted models live (engine/loader.py user_cache_dir)."""
+    """(folder, overridden): where converted models live (engine/paths.py user_cache_dir)."""
     override = env.get("DSV41_CACHE_DIR")
     if override:
         return Path(override), True

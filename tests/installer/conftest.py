@@ -1,31 +1,26 @@
-"""Fixtures for the installer tests: the installer modules (loaded by path, as bootstrap loads them),
+"""Fixtures for the installer tests: the installer's modules (imported as the package ``installer``),
 a fake repository, a throw-away Xvfb display."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import os
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from installer import common
 
 REPO = Path(__file__).resolve().parents[2]
 INSTALLER = REPO / "installer"
 
 
 def load_bootstrap():
-    """The bootstrap module, shared with test_bootstrap.py (which registers it as dsv41_bootstrap)."""
-    mod = sys.modules.get("dsv41_bootstrap")
-    if mod is None:
-        spec = importlib.util.spec_from_file_location("dsv41_bootstrap", INSTALLER / "bootstrap.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["dsv41_bootstrap"] = mod
-        spec.loader.exec_module(mod)
-    return mod
+    """installer/bootstrap.py, the entry point (main); the other names live in the modules it uses."""
+    return importlib.import_module("installer.bootstrap")
 
 
 @pytest.fixture(scope="session")
@@ -34,13 +29,13 @@ def bs():
 
 
 @pytest.fixture(scope="session")
-def firstrun(bs):
-    return bs._sibling("firstrun")
+def firstrun():
+    return common.sibling("firstrun")
 
 
 @pytest.fixture(scope="session")
-def shortcuts(bs):
-    return bs._sibling("shortcuts")
+def shortcuts():
+    return common.sibling("shortcuts")
 
 
 class Printer:

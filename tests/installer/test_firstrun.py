@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from installer import commands, common, install_steps, setup_runner, torch_choice, venv_setup
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -20,7 +22,7 @@ def _repo(tmp_path: Path) -> Path:
     return repo
 
 
-def _steps(bs, calls, fail=None, sleep=0.0, wait_cancel=None):
+def _steps(calls, fail=None, sleep=0.0, wait_cancel=None):
     def make(key):
         def func(ctx):
             calls.append(key)
@@ -28,32 +30,33 @@ def _steps(bs, calls, fail=None, sleep=0.0, wait_cancel=None):
             if key == wait_cancel:
                 while not ctx.cancel.is_set():
                     time.sleep(0.01)
-                raise bs.StepError(f"{key}: command stopped")
+                raise common.StepError(f"{key}: command stopped")
             if sleep:
                 time.sleep(sleep)
             if fail is not None and fail.get(key):
-                raise bs.StepError(f"{key} broke", f"fix {key}", ["tail"], ["pip", "install", key],
+                raise common.StepError(f"{key} broke", f"fix {key}", ["tail"], ["pip", "install", key],
                                    Path("/tmp/setup.log"))
             if key == "venv":
                 venv = ctx.venv
-                py = bs.venv_python(venv)
+                py = common.venv_python(venv)
                 py.parent.mkdir(parents=True, exist_ok=True)
                 py.write_text("")
                 (venv / "pyvenv.cfg").write_text("version = 3.11.7\n")
-                (venv / bs.MARKER_NAME).write_text("{}")
+                (venv / venv_setup.MARKER_NAME).write_text("{}")
             return f"{key} fine"
         return func
-    return [bs.Step(k, f"Step {k}", make(k), always=(k == "python")) for k in ("python", "venv", "torch", "model")]
+    return [install_steps.Step(k, f"Step {k}", make(k), always=(k == "python"))
+            for k in ("python", "venv", "torch", "model")]
 
 
 # ------------------------------------------------------------------------------ observer events
 
 
-def test_run_steps_reports_each_step_to_the_observer(tmp_path, bs, printer):
+def test_run_steps_reports_each_step_to_the_observer(tmp_path, printer):
     events = []
-    ctx = bs.Context(_repo(tmp_path), tmp_path / "home", out=printer, observer=events.append)
-    state = bs.State(tmp_path / bs.STATE_NAME)
-    assert not bs.run_steps(_steps(bs, [], fail={"torch": True}), state, ctx)
+    ctx = setup_runner.Context(_repo(tmp_path), tmp_path / "home", out=printer, observer=events.append)
+    state = venv_setup.State(tmp_path / venv_setup.STATE_NAME)
+    assert not setup_runner.run_steps(_steps([], fail={"torch": True}), state, ctx)
     assert [(e.kind, e.index, e.key) for e in events] == [
         ("plan", 0, ""), ("start", 1, "python"), ("done", 1, "python"), ("start", 2, "venv"),
         ("done", 2, "venv"), ("start", 3, "torch"), ("failed", 3, "torch"), ("finished", 0, "")]
@@ -61,32 +64,32 @@ def test_run_steps_reports_each_step_to_the_observer(tmp_path, bs, printer):
                                ("model", "Step model"))
     failed = events[6]
     assert failed.detail == "torch broke" and failed.fix == "fix torch" and failed.total == 4
-    assert isinstance(failed.error, bs.StepError) and events[-1].detail == "failed"
+    assert isinstance(failed.error, common.StepError) and events[-1].detail == "failed"
     assert "ERROR in step [3/4] Step torch" in printer.text  # the console report is unchanged
 
     events.clear()
-    assert bs.run_steps(_steps(bs, []), bs.State.load(tmp_path / bs.STATE_NAME), ctx)
+    assert setup_runner.run_steps(_steps([]), venv_setup.State.load(tmp_path / venv_setup.STATE_NAME), ctx)
     assert [(e.kind, e.key) for e in events] == [
         ("plan", ""), ("start", "python"), ("done", "python"), ("skipped", "venv"), ("start", "torch"),
         ("done", "torch"), ("start", "model"), ("done", "model"), ("finished", "")]
     assert events[3].detail == "venv fine" and events[-1].detail == "ok"
 
 
-def test_a_failing_observer_never_breaks_setup(tmp_path, bs, printer):
+def test_a_failing_observer_never_breaks_setup(tmp_path, printer):
     def broken(event):
         raise RuntimeError("display gone")
 
-    ctx = bs.Context(_repo(tmp_path), tmp_path / "home", out=printer, observer=broken)
-    assert bs.run_steps(_steps(bs, []), bs.State(tmp_path / bs.STATE_NAME), ctx)
+    ctx = setup_runner.Context(_repo(tmp_path), tmp_path / "home", out=printer, observer=broken)
+    assert setup_runner.run_steps(_steps([]), venv_setup.State(tmp_path / venv_setup.STATE_NAME), ctx)
     assert "progress display failed: display gone" in printer.text
 
 
-def test_cancel_marks_the_running_step_and_the_next_start_resumes(tmp_path, bs, printer):
+def test_cancel_marks_the_running_step_and_the_next_start_resumes(tmp_path, printer):
     events, calls = [], []
-    ctx = bs.Context(_repo(tmp_path), tmp_path / "home", out=printer, observer=events.append)
+    ctx = setup_runner.Context(_repo(tmp_path), tmp_path / "home", out=printer, observer=events.append)
     result = {}
     worker = threading.Thread(target=lambda: result.setdefault(
-        "rc", bs.ensure_setup(ctx, _steps(bs, calls, wait_cancel="torch"))))
+        "rc", setup_runner.ensure_setup(ctx, _steps(calls, wait_cancel="torch"))))
     worker.start()
     deadline = time.monotonic() + 10
     while "torch" not in calls and time.monotonic() < deadline:
@@ -95,28 +98,28 @@ def test_cancel_marks_the_running_step_and_the_next_start_resumes(tmp_path, bs, 
     worker.join(10)
     assert result["rc"] == 1
     assert ("interrupted", "torch") in [(e.kind, e.key) for e in events]
-    state = bs.State.load(ctx.venv / bs.STATE_NAME)
+    state = venv_setup.State.load(ctx.venv / venv_setup.STATE_NAME)
     assert state.last_failure["step"] == "torch" and state.last_failure["message"] == "cancelled"
     assert "Rerun" in printer.text and "resume from this step" in printer.text
     calls.clear()
-    assert bs.ensure_setup(bs.Context(ctx.repo, ctx.home, out=printer), _steps(bs, calls)) == 0
+    assert setup_runner.ensure_setup(setup_runner.Context(ctx.repo, ctx.home, out=printer), _steps(calls)) == 0
     assert calls == ["python", "torch", "model"]
 
 
 @pytest.mark.skipif(os.name == "nt", reason="POSIX signals")
-def test_stop_running_commands_kills_the_pip_that_runs(tmp_path, bs, printer):
+def test_stop_running_commands_kills_the_pip_that_runs(tmp_path, printer):
     result = {}
     code = "import time; print('started', flush=True); time.sleep(60)"
     t = threading.Thread(target=lambda: result.setdefault(
-        "res", bs.run_logged([sys.executable, "-c", code], tmp_path / "log.txt", out=printer)))
+        "res", venv_setup.run_logged([sys.executable, "-c", code], tmp_path / "log.txt", out=printer)))
     t0 = time.monotonic()
     t.start()
-    while not bs._LIVE_PROCS and time.monotonic() - t0 < 10:
+    while not venv_setup._LIVE_PROCS and time.monotonic() - t0 < 10:
         time.sleep(0.01)
-    assert bs.stop_running_commands() == 1
+    assert venv_setup.stop_running_commands() == 1
     t.join(10)
     assert result["res"].returncode not in (0, None) and time.monotonic() - t0 < 10
-    assert not bs._LIVE_PROCS
+    assert not venv_setup._LIVE_PROCS
 
 
 # ---------------------------------------------------------------------------------- the model
@@ -130,11 +133,11 @@ class Clock:
         return self.now
 
 
-def test_model_follows_the_events(tmp_path, bs, firstrun, printer):
+def test_model_follows_the_events(tmp_path, firstrun, printer):
     clock = Clock()
     model = firstrun.FirstRunModel(clock=clock)
     assert model.status_text() == "Preparing \u2026" and model.progress() == 0.0
-    ctx = bs.Context(_repo(tmp_path), tmp_path / "home", out=printer)
+    ctx = setup_runner.Context(_repo(tmp_path), tmp_path / "home", out=printer)
     seen = []
 
     def observer(ev):
@@ -149,7 +152,8 @@ def test_model_follows_the_events(tmp_path, bs, firstrun, printer):
 
     ctx.observer = observer
     ctx.out = model.on_output
-    assert not bs.run_steps(_steps(bs, [], fail={"model": True}), bs.State(tmp_path / bs.STATE_NAME), ctx)
+    state = venv_setup.State(tmp_path / venv_setup.STATE_NAME)
+    assert not setup_runner.run_steps(_steps([], fail={"model": True}), state, ctx)
     assert [r.status for r in model.rows] == ["done", "done", "done", "failed"]
     assert model.phase == "failed" and model.finished
     assert model.status_text() == "Setup stopped at step 4 of 4: Step model"
@@ -160,19 +164,19 @@ def test_model_follows_the_events(tmp_path, bs, firstrun, printer):
     model.reset_for_retry()
     assert [r.status for r in model.rows] == ["done", "done", "done", "pending"] and not model.finished
     ctx.observer = model.on_event
-    assert bs.run_steps(_steps(bs, []), bs.State.load(tmp_path / bs.STATE_NAME), ctx)
+    assert setup_runner.run_steps(_steps([]), venv_setup.State.load(tmp_path / venv_setup.STATE_NAME), ctx)
     assert model.phase == "ok" and model.progress() == 1.0
     assert model.status_text().startswith("Setup complete. Starting DS-V4.1 Chat")
     assert [r.status for r in model.rows] == ["done", "skipped", "skipped", "done"]
 
 
-def test_runner_hands_events_over_and_survives_a_crash(firstrun, bs):
+def test_runner_hands_events_over_and_survives_a_crash(firstrun):
     def setup(out, observer):
-        observer(bs.StepEvent("plan", total=1, steps=(("a", "Step a"),)))
-        observer(bs.StepEvent("start", 1, 1, "a", "Step a"))
+        observer(setup_runner.StepEvent("plan", total=1, steps=(("a", "Step a"),)))
+        observer(setup_runner.StepEvent("start", 1, 1, "a", "Step a"))
         out("line one\nline two")
-        observer(bs.StepEvent("done", 1, 1, "a", "Step a", detail="fine"))
-        observer(bs.StepEvent("finished", total=1, detail="ok"))
+        observer(setup_runner.StepEvent("done", 1, 1, "a", "Step a", detail="fine"))
+        observer(setup_runner.StepEvent("finished", total=1, detail="ok"))
         return 0
 
     echoed = []
@@ -185,8 +189,8 @@ def test_runner_hands_events_over_and_survives_a_crash(firstrun, bs):
     assert model.log_tail() == ["line one", "line two"] and echoed == ["line one\nline two"]
 
     def crashing(out, observer):
-        observer(bs.StepEvent("plan", total=1, steps=(("a", "Step a"),)))
-        observer(bs.StepEvent("start", 1, 1, "a", "Step a"))
+        observer(setup_runner.StepEvent("plan", total=1, steps=(("a", "Step a"),)))
+        observer(setup_runner.StepEvent("start", 1, 1, "a", "Step a"))
         raise ValueError("unexpected")
 
     model = firstrun.FirstRunModel()
@@ -211,14 +215,14 @@ def test_gui_possible(firstrun):
         assert firstrun.gui_possible({}, "Windows") and firstrun.gui_possible({}, "Darwin")
 
 
-def test_setup_with_window_falls_back_to_console_without_tk(tmp_path, bs, firstrun, monkeypatch, printer):
+def test_setup_with_window_falls_back_to_console_without_tk(tmp_path, firstrun, monkeypatch, printer):
     monkeypatch.setattr(firstrun, "gui_possible", lambda env=None, system=None: False)
-    ctx = bs.Context(_repo(tmp_path), tmp_path / "home", out=printer)
-    assert bs.setup_with_window(ctx) is None
+    ctx = setup_runner.Context(_repo(tmp_path), tmp_path / "home", out=printer)
+    assert commands.setup_with_window(ctx) is None
     # Tk importable but no window (e.g. a broken display): also None, so the console takes over.
     monkeypatch.setattr(firstrun, "gui_possible", lambda env=None, system=None: True)
     monkeypatch.setattr(firstrun, "make_root", lambda: None)
-    assert bs.setup_with_window(ctx) is None
+    assert commands.setup_with_window(ctx) is None
     assert ctx.observer is None and ctx.out is printer
 
 
@@ -228,23 +232,23 @@ def test_setup_with_window_falls_back_to_console_without_tk(tmp_path, bs, firstr
 def test_run_shows_the_window_only_when_setup_is_due(tmp_path, bs, monkeypatch):
     monkeypatch.setenv("DSV41_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("DISPLAY", ":0")
-    monkeypatch.setattr(bs, "detect_nvidia", lambda: None)
+    monkeypatch.setattr(torch_choice, "detect_nvidia", lambda: None)
     order = []
     ready = {"value": False}
-    monkeypatch.setattr(bs, "is_ready", lambda ctx, steps=None: ready["value"])
-    monkeypatch.setattr(bs, "setup_with_window", lambda ctx, force=False: order.append("window") or 0)
-    monkeypatch.setattr(bs, "ensure_setup", lambda ctx, force=False: order.append("console") or 0)
-    monkeypatch.setattr(bs, "launch_app", lambda cmd, env, home: order.append(("app", cmd[1:])) or 0)
+    monkeypatch.setattr(setup_runner, "is_ready", lambda ctx, steps=None: ready["value"])
+    monkeypatch.setattr(commands, "setup_with_window", lambda ctx, force=False: order.append("window") or 0)
+    monkeypatch.setattr(setup_runner, "ensure_setup", lambda ctx, force=False: order.append("console") or 0)
+    monkeypatch.setattr(commands, "launch_app", lambda cmd, env, home: order.append(("app", cmd[1:])) or 0)
     assert bs.main(["run", "--x"]) == 0
     assert order == ["window", ("app", ["-m", "app", "--x"])]
     # No window possible: the console, as before.
     order.clear()
-    monkeypatch.setattr(bs, "setup_with_window", lambda ctx, force=False: None)
+    monkeypatch.setattr(commands, "setup_with_window", lambda ctx, force=False: None)
     assert bs.main(["run"]) == 0
     assert order == ["console", ("app", ["-m", "app"])]
     # A failed setup never starts the app (a half-made environment is never used).
     order.clear()
-    monkeypatch.setattr(bs, "setup_with_window", lambda ctx, force=False: order.append("window") or 1)
+    monkeypatch.setattr(commands, "setup_with_window", lambda ctx, force=False: order.append("window") or 1)
     assert bs.main(["run"]) == 1
     assert order == ["window"]
     # Set up already: straight to the app (ensure_setup's own fast path).
@@ -254,19 +258,19 @@ def test_run_shows_the_window_only_when_setup_is_due(tmp_path, bs, monkeypatch):
     assert order == ["console", ("app", ["-m", "app"])]
 
 
-def test_app_that_fails_to_start_gets_an_error_window(tmp_path, bs, firstrun, monkeypatch, capsys):
+def test_app_that_fails_to_start_gets_an_error_window(tmp_path, firstrun, monkeypatch, capsys):
     shown = []
     monkeypatch.setattr(firstrun, "show_error", lambda *a, **k: shown.append(a) or True)
     code = "import sys; print('qt.qpa.plugin: Could not load the Qt platform plugin \"xcb\"'); sys.exit(1)"
-    rc = bs.launch_app([sys.executable, "-c", code], dict(os.environ), tmp_path, show_errors=True)
+    rc = commands.launch_app([sys.executable, "-c", code], dict(os.environ), tmp_path, show_errors=True)
     assert rc == 1 and len(shown) == 1
     title, message, details, _log = shown[0]
     assert "could not start" in title and "libxkbcommon-x11-0" in message and "qt.qpa.plugin" in details
     shown.clear()
-    assert bs.launch_app([sys.executable, "-c", "pass"], dict(os.environ), tmp_path, show_errors=True) == 0
+    assert commands.launch_app([sys.executable, "-c", "pass"], dict(os.environ), tmp_path, show_errors=True) == 0
     assert shown == []
-    assert "xcb-cursor0" in bs.app_failure_hint(["xcb-cursor0 or libxcb-cursor0 is needed"])
-    assert "setup --force" in bs.app_failure_hint(["ModuleNotFoundError: No module named 'PySide6'"])
+    assert "xcb-cursor0" in commands.app_failure_hint(["xcb-cursor0 or libxcb-cursor0 is needed"])
+    assert "setup --force" in commands.app_failure_hint(["ModuleNotFoundError: No module named 'PySide6'"])
 
 
 # ------------------------------------------------------------------------------- under Xvfb
@@ -283,7 +287,7 @@ def _free_tk_objects_on_this_thread():
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="Xvfb")
-def test_window_under_xvfb_success_and_retry(tmp_path, bs, firstrun, xvfb_display, monkeypatch, printer):
+def test_window_under_xvfb_success_and_retry(tmp_path, firstrun, xvfb_display, monkeypatch, printer):
     pytest.importorskip("tkinter")
     monkeypatch.setenv("DISPLAY", xvfb_display)
     monkeypatch.delenv("DSV41_NO_GUI", raising=False)
@@ -292,9 +296,9 @@ def test_window_under_xvfb_success_and_retry(tmp_path, bs, firstrun, xvfb_displa
     (repo / "resources" / "icon-64.png").write_bytes((REPO / "resources" / "icon-64.png").read_bytes())
     calls = []
     fail = {"torch": True}
-    steps = _steps(bs, calls, fail=fail, sleep=0.05)
-    monkeypatch.setattr(bs, "default_steps", lambda: steps)
-    ctx = bs.Context(repo, tmp_path / "home", out=printer)
+    steps = _steps(calls, fail=fail, sleep=0.05)
+    monkeypatch.setattr(install_steps, "default_steps", lambda: steps)
+    ctx = setup_runner.Context(repo, tmp_path / "home", out=printer)
     seen = {}
 
     def hook(window):
@@ -313,26 +317,26 @@ def test_window_under_xvfb_success_and_retry(tmp_path, bs, firstrun, xvfb_displa
         window.root.after(50, watch)
 
     t0 = time.monotonic()
-    rc = bs.setup_with_window(ctx, hook=hook)
+    rc = commands.setup_with_window(ctx, hook=hook)
     assert rc == 0
     assert time.monotonic() - t0 < 20
     assert seen["title"] == "DS-V4.1 Chat \u2014 first-time setup"
     assert seen["error"] == "torch broke" and seen["buttons"] == [1, 1, 1]
     assert calls == ["python", "venv", "torch", "python", "torch", "model"]  # the retry resumed
-    assert bs.is_ready(ctx, steps)
+    assert setup_runner.is_ready(ctx, steps)
     assert "working on torch" in printer.text  # the console still gets the output
     assert ctx.observer is None and ctx.out is printer
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="Xvfb")
-def test_window_under_xvfb_cancel(tmp_path, bs, firstrun, xvfb_display, monkeypatch, printer):
+def test_window_under_xvfb_cancel(tmp_path, firstrun, xvfb_display, monkeypatch, printer):
     pytest.importorskip("tkinter")
     monkeypatch.setenv("DISPLAY", xvfb_display)
     calls = []
-    steps = _steps(bs, calls, wait_cancel="torch")
-    monkeypatch.setattr(bs, "default_steps", lambda: steps)
+    steps = _steps(calls, wait_cancel="torch")
+    monkeypatch.setattr(install_steps, "default_steps", lambda: steps)
     monkeypatch.setattr(firstrun.FirstRunWindow, "confirm_cancel", lambda self: True)
-    ctx = bs.Context(_repo(tmp_path), tmp_path / "home", out=printer)
+    ctx = setup_runner.Context(_repo(tmp_path), tmp_path / "home", out=printer)
 
     def hook(window):
         def watch():
@@ -342,8 +346,8 @@ def test_window_under_xvfb_cancel(tmp_path, bs, firstrun, xvfb_display, monkeypa
                 window.root.after(30, watch)
         window.root.after(30, watch)
 
-    assert bs.setup_with_window(ctx, hook=hook) == 1
-    state = bs.State.load(ctx.venv / bs.STATE_NAME)
+    assert commands.setup_with_window(ctx, hook=hook) == 1
+    state = venv_setup.State.load(ctx.venv / venv_setup.STATE_NAME)
     assert state.last_failure["step"] == "torch" and state.last_failure["message"] == "cancelled"
 
 

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from installer import commands, venv_setup
+
 REPO = Path(__file__).resolve().parents[2]
 INSTALLER = REPO / "installer"
 LINUX = INSTALLER / "launch-linux.sh"
@@ -334,13 +336,13 @@ def test_install_shortcut_windows_lnk_and_fallback(tmp_path, fake_repo, shortcut
 # ------------------------------------------------------------------------------------ uninstall
 
 
-def _installed(tmp_path: Path, bs) -> tuple:
+def _installed(tmp_path: Path) -> tuple:
     """A data home with a venv, logs, conversations; a cache with a converted model."""
     home = tmp_path / "data"
     venv = home / "venv"
     (venv / "bin").mkdir(parents=True)
     (venv / "pyvenv.cfg").write_text("version = 3.11.7\n")
-    (venv / bs.MARKER_NAME).write_text("{}")
+    (venv / venv_setup.MARKER_NAME).write_text("{}")
     (home / "logs").mkdir()
     (home / "logs" / "setup.log").write_text("log")
     (home / "conversations.sqlite3").write_text("chats")
@@ -352,11 +354,11 @@ def _installed(tmp_path: Path, bs) -> tuple:
     return home, cache, env
 
 
-def test_uninstall_keeps_data_unless_purged(tmp_path, bs, printer, monkeypatch, capsys):
-    home, cache, env = _installed(tmp_path, bs)
+def test_uninstall_keeps_data_unless_purged(tmp_path, printer, monkeypatch, capsys):
+    home, cache, env = _installed(tmp_path)
     # The app's data folder is where the conversations are (here: the same folder as the venv).
     env["DSV41_DATA_DIR"] = str(home)
-    rc = bs.cmd_uninstall([], REPO, home, "Linux", env, tmp_path / "user", interactive=False)
+    rc = commands.cmd_uninstall([], REPO, home, "Linux", env, tmp_path / "user", interactive=False)
     out = capsys.readouterr().out
     assert rc == 0, out
     assert not (home / "venv").exists() and not (home / "logs").exists()
@@ -364,35 +366,35 @@ def test_uninstall_keeps_data_unless_purged(tmp_path, bs, printer, monkeypatch, 
     assert "rerun with --purge" in out and "converted models" in out
     # Asked in a terminal: "n" keeps them ...
     monkeypatch.setattr("builtins.input", lambda prompt="": "n")
-    assert bs.cmd_uninstall([], REPO, home, "Linux", env, tmp_path / "user", interactive=True) == 0
+    assert commands.cmd_uninstall([], REPO, home, "Linux", env, tmp_path / "user", interactive=True) == 0
     assert (home / "conversations.sqlite3").exists()
     # ... "y" deletes them; a user-named data folder loses only the app's own files.
     (home / "my notes.txt").write_text("not the app's")
     monkeypatch.setattr("builtins.input", lambda prompt="": "y")
-    assert bs.cmd_uninstall([], REPO, home, "Linux", env, tmp_path / "user", interactive=True) == 0
+    assert commands.cmd_uninstall([], REPO, home, "Linux", env, tmp_path / "user", interactive=True) == 0
     assert not (home / "conversations.sqlite3").exists() and not (home / "settings.ini").exists()
     assert not cache.exists()
     assert (home / "my notes.txt").exists()
 
 
-def test_uninstall_purge_flag_default_places(tmp_path, bs, capsys):
-    home, cache, env = _installed(tmp_path, bs)
+def test_uninstall_purge_flag_default_places(tmp_path, capsys):
+    home, cache, env = _installed(tmp_path)
     data = tmp_path / "xdgdata" / "ds-v41-chat"  # platformdirs' user_data_dir under XDG_DATA_HOME
     data.mkdir(parents=True)
     (data / "conversations.sqlite3").write_text("chats")
-    assert bs.cmd_uninstall(["--purge"], REPO, home, "Linux", env, tmp_path / "user", interactive=False) == 0
+    assert commands.cmd_uninstall(["--purge"], REPO, home, "Linux", env, tmp_path / "user", interactive=False) == 0
     assert not data.exists() and not cache.exists()
     # The data home (DSV41_HOME here) is not the app's data folder: only the installer's parts went.
     assert sorted(p.name for p in home.iterdir()) == ["conversations.sqlite3", "settings.ini"]
-    assert bs.cmd_uninstall(["--purge", "--keep-data"], REPO, home, "Linux", env, tmp_path) == 2
-    assert bs.cmd_uninstall(["--bogus"], REPO, home, "Linux", env, tmp_path) == 2
+    assert commands.cmd_uninstall(["--purge", "--keep-data"], REPO, home, "Linux", env, tmp_path) == 2
+    assert commands.cmd_uninstall(["--bogus"], REPO, home, "Linux", env, tmp_path) == 2
 
 
-def test_uninstall_never_deletes_a_folder_that_is_not_a_venv(tmp_path, bs, capsys):
+def test_uninstall_never_deletes_a_folder_that_is_not_a_venv(tmp_path, capsys):
     home = tmp_path / "data"
     (home / "venv").mkdir(parents=True)
     (home / "venv" / "precious.txt").write_text("user data")
-    assert bs.cmd_uninstall(["--keep-data"], REPO, home, "Linux", {}, tmp_path, interactive=False) == 0
+    assert commands.cmd_uninstall(["--keep-data"], REPO, home, "Linux", {}, tmp_path, interactive=False) == 0
     assert (home / "venv" / "precious.txt").exists()
     assert "not a virtual environment" in capsys.readouterr().out
 

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from installer import commands, common
+
 LDD_BARE_DEBIAN = """\
 \tlinux-vdso.so.1 (0x00007ffd1a7f2000)
 \tlibQt6XcbQpa.so.6 => /venv/PySide6/Qt/plugins/platforms/../../lib/libQt6XcbQpa.so.6 (0x00007f0c)
@@ -21,8 +23,8 @@ LDD_BARE_DEBIAN = """\
 
 
 @pytest.fixture(scope="module")
-def qt(bs):
-    return bs._sibling("qt_libraries")
+def qt():
+    return common.sibling("qt_libraries")
 
 
 def test_ldd_output_names_the_missing_libraries_once(qt):
@@ -89,13 +91,13 @@ def test_the_plugin_follows_the_session_type(qt, tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("ldd") is None, reason="needs ldd (glibc)")
-def test_run_prints_the_one_command_when_it_may_not_install(bs, qt, tmp_path, capsys, monkeypatch):
+def test_run_prints_the_one_command_when_it_may_not_install(qt, tmp_path, capsys, monkeypatch):
     pyside = build_plugin(tmp_path)
     monkeypatch.setattr(qt, "package_manager", lambda which=None: "apt")
     monkeypatch.setattr(qt, "apt_knows", lambda name: False)
     shown = []
-    monkeypatch.setattr(bs._sibling("firstrun"), "show_error", lambda *args, **kwargs: shown.append(args))
-    rc = bs.ensure_qt_libraries(Path("python"), {"DISPLAY": ":0"}, system="Linux", interactive=False,
+    monkeypatch.setattr(common.sibling("firstrun"), "show_error", lambda *args, **kwargs: shown.append(args))
+    rc = commands.ensure_qt_libraries(Path("python"), {"DISPLAY": ":0"}, system="Linux", interactive=False,
                                 as_root=False, which=lambda exe: None, folder=pyside)
     out = capsys.readouterr().out
     assert rc == 1
@@ -105,7 +107,7 @@ def test_run_prints_the_one_command_when_it_may_not_install(bs, qt, tmp_path, ca
 
 
 @pytest.mark.skipif(shutil.which("ldd") is None, reason="needs ldd (glibc)")
-def test_run_installs_as_root_then_starts(bs, qt, tmp_path, capsys, monkeypatch):
+def test_run_installs_as_root_then_starts(qt, tmp_path, capsys, monkeypatch):
     pyside = build_plugin(tmp_path)
     monkeypatch.setattr(qt, "package_manager", lambda which=None: "apt")
     monkeypatch.setattr(qt, "apt_knows", lambda name: False)
@@ -118,11 +120,11 @@ def test_run_installs_as_root_then_starts(bs, qt, tmp_path, capsys, monkeypatch)
         return True
 
     monkeypatch.setattr(qt, "install", install)
-    rc = bs.ensure_qt_libraries(Path("python"), {"DISPLAY": ":0"}, system="Linux", interactive=False,
+    rc = commands.ensure_qt_libraries(Path("python"), {"DISPLAY": ":0"}, system="Linux", interactive=False,
                                 as_root=True, folder=pyside)
     assert rc == 0 and installed == [(("libxcb-dsv41test4",), True, None)]
     assert "Installing them: apt-get install" in capsys.readouterr().out
 
 
-def test_nothing_to_do_elsewhere(bs):
-    assert bs.ensure_qt_libraries(Path("python"), {}, system="Windows") == 0
+def test_nothing_to_do_elsewhere():
+    assert commands.ensure_qt_libraries(Path("python"), {}, system="Windows") == 0
