@@ -1,19 +1,43 @@
-"""Shared benchmark plumbing: machine facts and result files (the speed benchmark is `python -m engine bench`)."""
+"""Shared benchmark plumbing: machine facts and result files (the speed benchmark is benchmarks/speed/)."""
 
 from __future__ import annotations
 
 import json
+import os
+import platform
+import time
 from pathlib import Path
 
+import psutil
 import torch
-
-from engine.bench.core import machine as _machine
 
 RESULTS = Path(__file__).resolve().parent.parent / "results"
 
 
-def machine() -> dict:
-    return _machine(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine(device: torch.device | None = None) -> dict:
+    """What a results file says about where it was measured; `device` defaults to the GPU when one is visible."""
+    import transformers
+
+    if device is None:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return {
+        "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+        "cpu": cpu_name(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        "ram_gb": round(psutil.virtual_memory().total / 2**30, 1),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"), "platform": platform.platform(),
+    }
 
 
 def write_results(name: str, payload: dict, table_md: str) -> Path:

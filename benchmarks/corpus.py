@@ -19,3 +19,8 @@ def speech(name: str) -> str:
 
 def speech_names() -> list[str]:
     return sorted(p.stem for p in speeches_dir().glob("*.txt"))
+
+
+def recent_speeches(count: int) -> str:
+    """The last `count` speeches in file-name order (the most recent years), joined by blank lines."""
+    return "\n\n".join(speech(p.stem) for p in sorted(speeches_dir().glob("*.txt"))[-count:])

@@ -25,7 +25,7 @@ import time
 import torch
 
 from engine import DSV41Config, DSV41Model, cpu_kernels
-from engine.cache import adapter
+from engine.models import adapter
 
 from .common import RESULTS, machine, write_results
 from .corpus import speech
@@ -101,10 +101,10 @@ class _Variant:
 
     def __enter__(self) -> DSV41Model:
         hf = self.model.hf_model
-        self._fused = getattr(hf, "_dsv41_decoder", None) and hf._dsv41_decoder.fused
+        self._fused = adapter.runtime(hf).decoder and adapter.runtime(hf).decoder.fused
         self._prefill = adapter.prefill_bf16(hf)
         if self.per_op and self._fused is not None:
-            hf._dsv41_decoder.fused = None
+            adapter.runtime(hf).decoder.fused = None
         if self.prefill_bf16 is not None:
             adapter.set_prefill_bf16(hf, self.prefill_bf16)
         return self.model
@@ -112,7 +112,7 @@ class _Variant:
     def __exit__(self, *exc) -> None:
         hf = self.model.hf_model
         if self._fused is not None:
-            hf._dsv41_decoder.fused = self._fused
+            adapter.runtime(hf).decoder.fused = self._fused
         adapter.set_prefill_bf16(hf, self._prefill)
 
 

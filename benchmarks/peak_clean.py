@@ -1,6 +1,6 @@
 """Turn peak memory of an 8k-token document turn, each row in a fresh process.
 
-`python -m engine bench` measures every row's peak in one long process, where glibc serves new allocations from
+`python -m benchmarks.speed` measures every row's peak in one long process, where glibc serves new allocations from
 heap that earlier runs freed. Here every row runs in its own process with every allocation of 128 KiB or more
 its own mapping from the start (freed memory goes back to the system), after one short warm turn. Writes
 results/peak-clean/peak-clean.json and .md.
@@ -21,13 +21,14 @@ ROWS = ("transformers sdpa", "engine default", "engine default, headroom 4096")
 
 
 def _child(row: str, length: int) -> None:
-    from engine.bench import core
+    from .speed import core
 
     core._mallopt_threshold(128 * 1024)  # before anything large is allocated
     import torch
 
     from engine import DSV41Config, DSV41Model
-    from engine.bench import document_prompt, load_hf
+
+    from .speed import document_prompt, load_hf
 
     model = DSV41Model.from_pretrained(DSV41Config(max_seq_len=8192))
     ids, question = document_prompt(model, length)

@@ -29,10 +29,10 @@ import time
 import torch
 
 from engine import DSV41Config, DSV41Model
-from engine.cache import adapter
-from engine.cache import kv_cache as kv_cache_mod
+from engine.cache import csa2
 from engine.events import Done
 from engine.generate import TurnPlan, TurnResult, run_turn
+from engine.models import adapter
 from engine.sampling import GenerationSettings
 
 from .common import RESULTS, machine, write_results
@@ -170,8 +170,8 @@ def _multiturn_section(model, tok, payload, quick):
 # --------------------------------------------------------------------------------------------- CSA2
 def csa2_sweep(model, ids: list[int], topk: int, continuation: int = 96) -> dict:
     cache = model.new_cache()
-    kv_cache_mod.CSA2_RECALL_EVERY = 1  # measure every decode step (benchmark only)
-    kv_cache_mod.CSA2_DENSE_BELOW = 0  # measure the sparse path itself, even where dense would be faster
+    csa2.RECALL_EVERY = 1  # measure every decode step (benchmark only)
+    csa2.DENSE_BELOW = 0  # measure the sparse path itself, even where dense would be faster
     context, cont = ids[:-continuation], ids[-continuation:]
     with torch.inference_mode():
         for start in range(0, len(context), 512):

@@ -7,26 +7,33 @@ import queue
 import sys
 import threading
 
-from .config import DSV41Config
+from .config import KNOBS, KNOBS_LIST, DSV41Config
 from .errors import EngineError
 
 
+def _number(text: str) -> int | float:
+    """An int where the text is one, else a float (prefill_headroom: tokens, or a size in GB)."""
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)
+
+
 def _model_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("model")
-    g.add_argument("--model", default="default", help="'default', a model folder, a .gguf file or a hub id")
-    g.add_argument("--weight-quant", choices=["none", "int8", "int4"], default="none")
-    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
-    g.add_argument("--device-map", default="auto")
-    g.add_argument("--max-seq-len", type=int, default=8192)
-    g.add_argument("--kv-cache-ratio", type=float, default=DSV41Config.kv_cache_ratio)
-    g.add_argument("--ced-decay", type=float, default=DSV41Config.ced_decay)
-    g.add_argument("--ced-threshold", type=float, default=DSV41Config.ced_threshold)
-    g.add_argument("--ced-mode", choices=["merge", "evict"], default=DSV41Config.ced_mode)
-    g.add_argument("--csa2-topk", type=int, default=DSV41Config.csa2_topk)
-    g.add_argument("--kv-cache-dtype", choices=["auto", "int8"], default="auto")
-    g.add_argument("--prefill-headroom", type=int, default=None, help="tokens a document turn may hold before compacting")
-    g.add_argument("--no-flash", action="store_true", help="eager attention (the seed's baseline)")
-    g.add_argument("--trust-remote-code", action="store_true")
+    """--model, --no-flash, then one flag per registry knob marked `cli` (engine.config.KNOBS)."""
+    g = p.add_argument_group("model and cache (engine.config.KNOBS; checked before the model loads)")
+    g.add_argument("--model", default="default", help=KNOBS["model_path"].help)
+    g.add_argument("--no-flash", action="store_true", help="eager attention instead of fused kernels")
+    for knob in KNOBS_LIST:
+        if not knob.cli:
+            continue
+        if knob.kind is bool:
+            g.add_argument(knob.flag, action="store_true", help=knob.help)
+        elif isinstance(knob.kind, tuple):
+            g.add_argument(knob.flag, choices=knob.kind, default=knob.default, help=knob.help)
+        else:
+            kind = {int: int, float: float, str: str}.get(knob.kind, _number)
+            g.add_argument(knob.flag, type=kind, default=knob.default, help=f"{knob.help} (default {knob.default})")
     s = p.add_argument_group("sampling")
     s.add_argument("--max-new-tokens", type=int, default=512)
     s.add_argument("--greedy", action="store_true")
@@ -40,14 +47,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _config(args):
-    from .config import DSV41Config
-
-    return DSV41Config(
-        model_path=args.model, weight_quant=args.weight_quant, dtype=args.dtype, device_map=args.device_map,
-        max_seq_len=args.max_seq_len, kv_cache_ratio=args.kv_cache_ratio, ced_decay=args.ced_decay,
-        ced_threshold=args.ced_threshold, ced_mode=args.ced_mode, csa2_topk=args.csa2_topk,
-        kv_cache_dtype=args.kv_cache_dtype, prefill_headroom=args.prefill_headroom,
-        use_flash_attention=not args.no_flash, trust_remote_code=args.trust_remote_code)
+    knobs = {knob.name: getattr(args, knob.name) for knob in KNOBS_LIST if knob.cli}
+    return DSV41Config(model_path=args.model, use_flash_attention=not args.no_flash, **knobs)
 
 
 def _sampling(args) -> dict:
@@ -226,11 +227,16 @@ def cmd_doctor(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .bench import main as bench_main
-
-    argv = ["--out", args.out, "--sections", args.sections, "--model", args.model]
-    argv += ["--quick"] * args.quick + ["--gpu"] * args.gpu + (["--reps", str(args.reps)] if args.reps else [])
-    return bench_main(argv)
+    # The speed benchmark lives in benchmarks/speed/ at the repository root, which the wheel does not ship.
+    try:
+        from benchmarks.speed import main as bench_main
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("benchmarks", "benchmarks.speed"):
+            raise
+        print("error: the benchmarks are not part of the installed package; run this from a source checkout "
+              "(in the repository root: python -m engine bench, or python -m benchmarks.speed)", file=sys.stderr)
+        return 2
+    return bench_main(args.argv, prog="python -m engine bench")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -252,10 +258,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_memory, max_new_tokens=32)
     p = sub.add_parser("doctor", help="check the installation and suggest fixes")
     p.set_defaults(func=cmd_doctor)
-    p = sub.add_parser("bench", help="speed and memory against transformers generate (JSON, Markdown, plots)")
-    from .bench import build_parser as bench_parser
-
-    bench_parser(p)
+    # every argument goes to the benchmark's own parser (no "-" prefix here, so none is taken as an option)
+    p = sub.add_parser("bench", help="speed and memory against transformers generate (JSON, Markdown, plots; "
+                       "source checkout only)", add_help=False, prefix_chars="\0")
+    p.add_argument("argv", nargs="*")
     p.set_defaults(func=cmd_bench)
     return parser
 

@@ -1,143 +1,238 @@
-"""DSV41Config: every knob of the engine, validated once at the edge.
+"""DSV41Config and KNOBS: every knob of the engine, declared once and validated at the edge.
 
-The meaning of each knob is fixed in DESIGN.md ("Semantics of the knobs"). Cache knobs
-(CED, CSA2, KV dtype, headroom) can change between turns through `DSV41Model.reconfigure`.
+`KNOBS` is the registry: name, type and range, default, label and help, and when a change takes effect. It
+generates DSV41Config's fields and validation, the command-line flags (engine/cli.py), the GUI sliders' ranges
+and labels (app/knobs.py) and the table in docs/knobs.md (tests/engine/test_config.py checks that table against
+the registry). Adding a knob is one `Knob(...)` line here, plus the code that reads it.
+
+When a change applies (`Knob.applies`):
+    live     between turns, on the live cache; nothing is re-read
+    cache    between turns: a tighter value compacts the live cache, a looser one (`looser`) re-reads the
+             conversation with the new value, since what was dropped cannot come back
+    rebuild  between turns, always by re-reading the conversation (the stored format changes)
+    reload   only by loading the model again (DSV41Model.from_pretrained)
+A change asked for during a reply waits for the end of that turn (DSV41Model.reconfigure).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from .errors import ConfigError
 
-WEIGHT_QUANTS = ("none", "int8", "int4")
-KV_DTYPES = ("auto", "int8")
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-CED_MODES = ("merge", "evict")
-# Knobs that only change the cache; they may be changed between turns without reloading weights.
-CACHE_KNOBS = frozenset(
-    {
-        "kv_cache_ratio", "ced_decay", "ced_threshold", "ced_mode", "ced_sink_tokens", "ced_recent_tokens",
-        "csa2_topk", "csa2_rank", "kv_cache_dtype", "prefill_chunk", "prefill_headroom", "ced_policy",
-    }
+LIVE, CACHE, REBUILD, RELOAD = "live", "cache", "rebuild", "reload"
+
+
+@dataclass(frozen=True)
+class Slider:
+    """The part of a knob's range the GUI's slider covers (the config accepts the whole range)."""
+
+    minimum: float
+    maximum: float
+    step: float
+    decimals: int
+
+
+@dataclass(frozen=True)
+class Knob:
+    name: str
+    default: Any
+    kind: type | tuple[str, ...]  # bool, int, float, str, object (`check` decides) or the allowed values
+    label: str
+    help: str
+    applies: str = RELOAD
+    lo: float | None = None  # inclusive range of an int / float knob
+    hi: float | None = None
+    optional: bool = False  # None is allowed (and means what `help` says)
+    looser: str | None = None  # "up", "down" or "change": the direction that keeps more (cache knobs)
+    slider: Slider | None = None
+    check: Callable[[Any], str | None] | None = None  # extra check: returns what is allowed when the value is not
+    cli: bool = True  # a --flag of `python -m engine chat / generate / ask`
+
+    @property
+    def cache(self) -> bool:
+        """Changeable between turns without reloading the model."""
+        return self.applies != RELOAD
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    def allowed(self) -> str:
+        """What a valid value is, in words (ConfigError's message)."""
+        if isinstance(self.kind, tuple):
+            text = "one of " + ", ".join(repr(c) for c in self.kind)
+        elif self.kind is bool:
+            text = "of type bool (True or False)"
+        elif self.kind is int:
+            text = f"an integer in [{self.lo}, {self.hi}]"
+        elif self.kind is float:
+            text = f"a number in [{self.lo}, {self.hi}]"
+        elif self.kind is str:
+            text = "of type str"
+        else:
+            text = self.check(None) if self.check else "a value"
+        return f"None ({self.help_none}) or {text}" if self.optional else text
+
+    @property
+    def help_none(self) -> str:
+        return "auto"
+
+    def validate(self, value: Any) -> None:
+        if value is None and self.optional:
+            return
+        if not self._valid(value):
+            raise ConfigError(self.name, value, self.allowed())
+        if self.check is not None:
+            problem = self.check(value)
+            if problem:
+                raise ConfigError(self.name, value, problem)
+
+    def _valid(self, value: Any) -> bool:
+        if isinstance(self.kind, tuple):
+            return isinstance(value, str) and value in self.kind
+        if self.kind is bool:
+            return isinstance(value, bool)
+        if isinstance(value, bool):
+            return False
+        if self.kind is int:
+            return isinstance(value, int) and self.lo <= value <= self.hi
+        if self.kind is float:
+            return isinstance(value, (int, float)) and math.isfinite(value) and self.lo <= value <= self.hi
+        return isinstance(value, self.kind)
+
+    def is_looser(self, old: Any, new: Any) -> bool:
+        """Whether moving from `old` to `new` keeps more than the cache still holds (a re-read is needed)."""
+        if old == new:
+            return False
+        if self.applies == REBUILD or self.looser == "change":
+            return True
+        if self.looser == "up":
+            return (new is None) or (old is not None and new > old)
+        if self.looser == "down":
+            return old is not None and new is not None and new < old
+        return False
+
+
+def _model_path(value: str) -> str | None:
+    if not value.strip():
+        return "'default', a model folder, a .gguf file or a hub id (an empty path would mean the current folder)"
+    return None
+
+
+def _device_map(value: str) -> str | None:
+    if value in ("auto", "cpu", "cuda") or value.startswith("cuda:"):
+        return None
+    return "one of 'auto', 'cpu', 'cuda', 'cuda:N'"
+
+
+def _headroom(value) -> str | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        return "None (auto), a token count (int > 0) or a size in GB (float > 0)"
+    return None
+
+
+def _ratio_tip() -> str:
+    return "Share of the tokens seen that the KV cache keeps. 1.0 = a plain cache (no compression)."
+
+
+KNOBS_LIST: tuple[Knob, ...] = (
+    # --------------------------------------------------------------- the model (a change reloads it)
+    Knob("model_path", "default", str, "Model", "'default', a model folder, a .gguf file or a hub id",
+         check=_model_path, cli=False),
+    Knob("max_seq_len", 8192, int, "Context length", "tokens a conversation may hold (seen, not stored)",
+         lo=16, hi=1 << 20),
+    Knob("use_flash_attention", True, bool, "Flash attention", "fused attention kernels (SDPA / flash-attn); "
+         "off: eager attention", cli=False),
+    Knob("weight_quant", "none", ("none", "int8", "int4"), "Weights", "weight format: as loaded, int8 or int4"),
+    Knob("dtype", "auto", ("auto", "float32", "bfloat16", "float16"), "Compute dtype",
+         "activations and KV cache dtype; auto: float32 on CPU, bf16 on GPU"),
+    Knob("device_map", "auto", str, "Device", "'auto', 'cpu', 'cuda' or 'cuda:N'", check=_device_map),
+    Knob("kv_cache_shard", False, bool, "Shard the KV cache", "reserved for multi-GPU: each layer's KV on its "
+         "layer's GPU (not read yet)", cli=False),
+    Knob("trust_remote_code", False, bool, "Trust remote code", "run a model folder's own Python code"),
+    Knob("allow_pickled_weights", False, bool, "Allow pickled weights", "load .bin/.pt checkpoints, which can "
+         "run code when unpickled", cli=False),
+    Knob("allow_position_extrapolation", False, bool, "Allow position extrapolation",
+         "let tokens seen pass the model's trained positions (quality degrades past them)", cli=False),
+    # --------------------------------------------------------------- the cache (between turns)
+    Knob("kv_cache_ratio", 0.5, float, "Cache ratio", _ratio_tip(), CACHE, 0.01, 1.0, looser="up",
+         slider=Slider(0.01, 1.0, 0.01, 2)),
+    # 0.995 and a 32-token recent window: perplexity at ratio 0.5 over four speeches +1.12 % on average,
+    # +1.53 % on the hardest (0.99 and 64: +1.38 and +2.49 %; results/quality).
+    Knob("ced_decay", 0.995, float, "CED decay", "How slowly old attention fades from an entry's score. "
+         "Higher remembers a long document longer.", LIVE, 0.5, 1.0, slider=Slider(0.90, 0.999, 0.001, 3)),
+    Knob("ced_threshold", 0.1, float, "CED threshold", "Entries scoring below this × the mean are compressed "
+         "even under budget. 0 turns it off.", CACHE, 0.0, 1.0, looser="down", slider=Slider(0.0, 0.5, 0.01, 2)),
+    # "evict": with the question-aware layout it kept planted facts at every ratio where "merge" lost them
+    # (results/quality).
+    Knob("ced_mode", "evict", ("merge", "evict"), "CED mode", "Merge folds each dropped entry into a kept one "
+         "(it stands for their mass); Evict drops it.", CACHE, looser="change"),
+    Knob("ced_sink_tokens", 4, int, "Sink tokens", "first entries never compacted", CACHE, 0, 1024, looser="up"),
+    Knob("ced_recent_tokens", 32, int, "Recent window", "last entries never compacted", CACHE, 0, 8192,
+         looser="up"),
+    Knob("ced_policy", "ced", ("ced", "h2o", "snapkv", "streaming", "random"), "Policy",
+         "which scoring decides what is kept: 'ced' is the product, the others are baselines", CACHE,
+         looser="change"),
+    Knob("min_entries", 128, int, "Budget floor", "a cache this small is never compacted", CACHE, 0, 1 << 20,
+         looser="up", cli=False),
+    Knob("compact_every", 16, int, "Compact every", "decode steps between compactions of a growing reply", LIVE,
+         1, 4096, cli=False),
+    Knob("score_window", 32, int, "Score window", "SnapKV's observation window; the question tokens that "
+         "score at least", LIVE, 1, 8192, cli=False),
+    Knob("csa2_topk", 256, int, "CSA2 top-k", "Stored entries each decode step attends to exactly (plus sinks "
+         "and the recent window). 0 = dense.", LIVE, 0, 65536, slider=Slider(0, 1024, 16, 0)),
+    Knob("csa2_rank", None, int, "CSA2 rank", "screening rank; None: head_dim / 8", LIVE, 1, 1024, optional=True),
+    Knob("kv_cache_dtype", "auto", ("auto", "int8"), "KV dtype", "INT8 stores keys and values in 8 bits with "
+         "per-token scales: half of bf16, a quarter of fp32.", REBUILD),
+    Knob("prefill_chunk", None, int, "Prefill chunk", "tokens per prefill forward; None: by device", LIVE, 16,
+         65536, optional=True),
+    Knob("prefill_headroom", None, object, "Prefill headroom", "tokens a document turn may hold before "
+         "compacting as it streams in (int), or a size in GB (float); None: from free memory", LIVE,
+         optional=True, check=_headroom),
 )
-# Baseline policies live in the same code so the benchmark compares them at equal budgets.
-CED_POLICIES = ("ced", "h2o", "snapkv", "streaming", "random")
+KNOBS: dict[str, Knob] = {k.name: k for k in KNOBS_LIST}
+CACHE_KNOBS = frozenset(name for name, k in KNOBS.items() if k.cache)
 
 
-@dataclass
-class DSV41Config:
-    model_path: str = "default"
-    max_seq_len: int = 8192
-    kv_cache_ratio: float = 0.5
-    # 0.995 and a 32-token recent window (DESIGN: 0.99 and 64): perplexity at ratio 0.5 over four speeches
-    # +1.38 -> +1.12 % on average, +2.49 -> +1.53 % on the hardest (results/quality; see README). Shipping a
-    # 32-token window needed a budget floor of its own (ced.MIN_STORED_ENTRIES), so short chats stay whole.
-    ced_decay: float = 0.995
-    ced_threshold: float = 0.1
-    # "evict" ships: with the question-aware layout it kept planted facts at every ratio where "merge"
-    # lost them (results/quality); "merge" stays available (DESIGN.md: the benchmark decides).
-    ced_mode: str = "evict"
-    ced_sink_tokens: int = 4
-    ced_recent_tokens: int = 32
-    csa2_topk: int = 256
-    csa2_rank: int | None = None
-    use_flash_attention: bool = True
-    weight_quant: str = "none"
-    kv_cache_dtype: str = "auto"
-    dtype: str = "auto"
-    device_map: str = "auto"
-    kv_cache_shard: bool = False
-    prefill_chunk: int | None = None
-    prefill_headroom: int | float | None = None
-    # Not in the seed; safety switches the user must turn on explicitly.
-    trust_remote_code: bool = False
-    allow_pickled_weights: bool = False
-    # Let tokens seen pass the model's trained positions (max_seq_len then is the only limit). With a
-    # compressing cache the stored entries stay few, but RoPE positions past training degrade quality.
-    allow_position_extrapolation: bool = False
-    # Which scoring policy compacts the cache: "ced" is the product; the others are baselines.
-    ced_policy: str = "ced"
+def knobs_table() -> str:
+    """The registry as a Markdown table (docs/knobs.md holds it; tests/engine/test_config.py keeps them equal)."""
+    rows = ["| knob | default | allowed | applies | CLI flag | meaning |", "|---|---|---|---|---|---|"]
+    for k in KNOBS_LIST:
+        allowed = k.allowed().replace("|", "\\|")
+        flag = f"`{k.flag}`" if k.cli else {"model_path": "`--model`", "use_flash_attention": "`--no-flash`"}.get(k.name, "")
+        rows.append(f"| `{k.name}` | `{k.default!r}` | {allowed} | {k.applies} | {flag} | {k.help} |")
+    return "\n".join(rows) + "\n"
 
+
+class _ConfigMethods:
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
-        _check_type(self, "model_path", str)
-        if not self.model_path.strip():
-            raise ConfigError("model_path", self.model_path, "'default', a model folder, a .gguf file or a hub id "
-                              "(an empty path would mean the current folder)")
-        _int_range(self, "max_seq_len", 16, 1 << 20)
-        _float_range(self, "kv_cache_ratio", 0.01, 1.0)
-        _float_range(self, "ced_decay", 0.5, 1.0)
-        _float_range(self, "ced_threshold", 0.0, 1.0)
-        _choice(self, "ced_mode", CED_MODES)
-        _int_range(self, "ced_sink_tokens", 0, 1024)
-        _int_range(self, "ced_recent_tokens", 0, 8192)
-        _int_range(self, "csa2_topk", 0, 65536)
-        if self.csa2_rank is not None:
-            _int_range(self, "csa2_rank", 1, 1024)
-        _check_type(self, "use_flash_attention", bool)
-        _choice(self, "weight_quant", WEIGHT_QUANTS)
-        _choice(self, "kv_cache_dtype", KV_DTYPES)
-        _choice(self, "dtype", DTYPES)
-        _check_type(self, "device_map", str)
-        if self.device_map not in ("auto", "cpu", "cuda") and not self.device_map.startswith("cuda:"):
-            raise ConfigError("device_map", self.device_map, "one of 'auto', 'cpu', 'cuda', 'cuda:N'")
-        _check_type(self, "kv_cache_shard", bool)
-        if self.prefill_chunk is not None:
-            _int_range(self, "prefill_chunk", 16, 65536)
-        if self.prefill_headroom is not None:
-            value = self.prefill_headroom
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-                raise ConfigError(
-                    "prefill_headroom", value, "None (auto), a token count (int > 0) or a size in GB (float > 0)"
-                )
-        _check_type(self, "trust_remote_code", bool)
-        _check_type(self, "allow_pickled_weights", bool)
-        _check_type(self, "allow_position_extrapolation", bool)
-        _choice(self, "ced_policy", CED_POLICIES)
+        for knob in KNOBS_LIST:
+            knob.validate(getattr(self, knob.name))
 
     def replace(self, **changes) -> DSV41Config:
         """A validated copy with `changes` applied (unknown names raise ConfigError)."""
-        names = {f.name for f in dataclasses.fields(self)}
         for key in changes:
-            if key not in names:
-                raise ConfigError(key, changes[key], f"a DSV41Config field ({', '.join(sorted(names))})")
+            if key not in KNOBS:
+                raise ConfigError(key, changes[key], f"a DSV41Config field ({', '.join(sorted(KNOBS))})")
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
 
-def _check_type(cfg, name, kind):
-    value = getattr(cfg, name)
-    if kind is bool:
-        ok = isinstance(value, bool)
-    else:
-        ok = isinstance(value, kind) and not isinstance(value, bool)
-    if not ok:
-        raise ConfigError(name, value, f"of type {kind.__name__}")
-
-
-def _int_range(cfg, name, lo, hi):
-    value = getattr(cfg, name)
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise ConfigError(name, value, f"an integer in [{lo}, {hi}]")
-
-
-def _float_range(cfg, name, lo, hi):
-    value = getattr(cfg, name)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not lo <= value <= hi:
-        raise ConfigError(name, value, f"a number in [{lo}, {hi}]")
-
-
-def _choice(cfg, name, choices):
-    value = getattr(cfg, name)
-    if value not in choices:
-        raise ConfigError(name, value, "one of " + ", ".join(repr(c) for c in choices))
+DSV41Config = dataclasses.make_dataclass(
+    "DSV41Config", [(k.name, Any, dataclasses.field(default=k.default)) for k in KNOBS_LIST],
+    bases=(_ConfigMethods,))
+DSV41Config.__module__ = __name__
+DSV41Config.__doc__ = "Every knob of the engine (see KNOBS for each one's meaning and range); validated on creation."
 
 
 MAX_SEED = 2**64 - 1  # the range torch.Generator.manual_seed takes

@@ -1,4 +1,5 @@
-"""`python -m engine doctor`: the seed's troubleshooting table, automated.
+"""`python -m engine doctor`: the usual causes of a failed start or a slow one (device, driver, kernels,
+attention backend, the default model), checked one by one.
 
 Each check returns (status, what it found, the fix when it is a problem). status: ok | info | warn | fail.
 """
@@ -94,8 +95,8 @@ def run_checks() -> list[Check]:
 
 
 def _cpu_kernels_check() -> Check:
-    """The bf16 matrix-vector kernels (engine/cpu_kernels.c), built on first use with the C compiler."""
-    from . import cpu_kernels
+    """The bf16 matrix-vector kernels (engine/kernels/cpu_kernels.c), built on first use with the C compiler."""
+    from . import kernels as cpu_kernels
 
     library = cpu_kernels.load()
     if library is not None:
@@ -143,7 +144,9 @@ def _ram_check() -> Check:
 
 def _default_model_check() -> Check:
     from .errors import ModelLoadError
-    from .loader import DEFAULT_MODEL_PACKAGE, _gguf_key, default_gguf_path, user_cache_dir
+    from .gguf import _gguf_key
+    from .loader import DEFAULT_MODEL_PACKAGE, default_gguf_path
+    from .paths import user_cache_dir
 
     try:
         path = default_gguf_path()

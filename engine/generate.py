@@ -15,9 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .cache import DSV41Cache, adapter
+from .cache import DSV41Cache
 from .detokenizer import IncrementalDetokenizer
 from .events import Done, ErrorEvent, Event, PrefillProgress, TokenText, TurnStats
+from .models import adapter
 from .sampling import GenerationSettings, sample
 
 REPETITION_WINDOW = 256  # recent tokens the repetition penalty looks at
@@ -102,9 +103,8 @@ def run_turn(model, tokenizer, cache: DSV41Cache, plan: TurnPlan, settings: Gene
                     break
                 logits = adapter.forward(model, torch.tensor([[token]], device=device), cache, prefill=False)
                 result.fed_generated += 1
-                cache.maybe_compact_decode()
-            if cache.settings.compressing and cache.stored > cache.budget():
-                cache.compact()  # the turn ends at the steady-state budget
+                cache.after_decode_step()
+            cache.finish_turn()
     except Exception as exc:  # noqa: BLE001 - the turn ends, the session stays usable
         reason = "error"
         failure = _failure(exc, reading=result.prefilled < len(plan.new_ids))
@@ -141,52 +141,29 @@ def _failure(exc: BaseException, *, reading: bool) -> ErrorEvent:
 
 
 def _prefill(model, cache: DSV41Cache, plan: TurnPlan, cancel, device, result: TurnResult):
-    """Feed plan.new_ids in chunks; the last chunk holds the question so its attention scores the document."""
+    """Feed plan.new_ids in chunks; the last chunk holds the question so its attention scores the document.
+    The cache decides how the turn is read (DSV41Cache.start_prefill); this loop only runs the forwards."""
     ids = plan.new_ids
     total = len(ids)
     chunks = _chunk_bounds(total, plan.chunk, plan.question_tokens)
     logits = None
-    s = cache.settings
-    # Query-aware CED: when the turn fits its headroom, nothing is compacted until the question has
-    # been read, so the document is scored by the question's attention alone (window scores of the
-    # document's own chunks would dilute it). Only a turn that must compact mid-stream scores as it goes.
-    must_stream_compact = (plan.headroom_tokens is not None and s.compressing
-                           and cache.stored + total > plan.headroom_tokens)
-    probe = None
-    if must_stream_compact and plan.question_tokens and s.ced_policy == "ced":
-        # The document is larger than its headroom and must be compacted before the question is read.
-        # The question is known, so probe it first (at the positions it will have) and let its queries
-        # score the document as it streams in, instead of each chunk's own last tokens.
+    prefill = cache.start_prefill(total, plan.question_tokens, plan.headroom_tokens)
+    if prefill.wants_probe:
         question = torch.tensor([ids[total - plan.question_tokens:]], device=device)
-        probe = adapter.probe_queries(model, question, cache, cache.seen + total - plan.question_tokens)
-    middle_window = 0 if probe is not None else (
-        cache.stream_window() if (must_stream_compact or s.ced_policy != "ced") else 0)
-    room = cache.stored + total + 1
-    cache.reserve(min(room, plan.headroom_tokens) if must_stream_compact else room)
+        prefill.probe = adapter.probe_queries(model, question, cache, cache.seen + total - plan.question_tokens)
     yield PrefillProgress(0, total)
     for index, (start, end) in enumerate(chunks):
         if cancel.is_set():
             return None
         last = index == len(chunks) - 1
-        size = end - start
-        if (plan.headroom_tokens is not None and s.compressing
-                and cache.stored + size > plan.headroom_tokens):
-            # The document is larger than its headroom: compact while it streams in (query-agnostic).
-            target = max(min(plan.headroom_tokens - size, max(cache.budget(cache.seen), plan.headroom_tokens // 2)),
-                         cache.budget(0))  # the floor
-            if probe is not None:
-                cache.score_with_probe(probe)
-            cache.compact(target, threshold=False, pooled=probe is not None)
-            result.compacted_during_prefill = True
-        window = max(plan.question_tokens, s.score_window) if last else middle_window
+        cache.before_chunk(prefill, end - start)
+        result.compacted_during_prefill = prefill.compacted
         chunk_ids = torch.tensor([ids[start:end]], device=device)
-        logits = adapter.forward(model, chunk_ids, cache, score_window=window, prefill=True)  # capped at the chunk
+        logits = adapter.forward(model, chunk_ids, cache, score_window=cache.chunk_window(prefill, last),
+                                 prefill=True)  # the window is capped at the chunk
         result.prefilled = end
         yield PrefillProgress(end, total)
-    if s.compressing:
-        cache.compact(pooled=True, spans=True)  # query-aware: the question has now scored every entry
-        cache.shrink()
-    cache.fit_sparse()
+    cache.finish_prefill()
     return logits
 
 

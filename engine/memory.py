@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 GB = 1024**3
-# Below this share of the tokens seen kept in the cache, measured quality drops past the seed's +2 % perplexity
+# Below this share of the tokens seen kept in the cache, measured quality drops past the +2 % perplexity target
 # (benchmarks/quality.py at the defaults: +1.06 % at ratio 0.5, +2.64 % at 0.3, +3.61 % at 0.2).
 QUALITY_KEPT_SHARE = 0.3
 
@@ -55,7 +55,7 @@ class MemoryReport:
                 "50 %): raise the cache ratio or lower the CED threshold if answers drift.")
 
     def hint(self) -> str | None:
-        """The seed's rule of thumb, and the quality warning, when they apply."""
+        """The KV-over-weights rule of thumb, and the quality warning, when they apply."""
         hints = []
         if self.weights and self.kv_over_weights() > 0.30:
             hints.append("KV cache is over 30 % of the weights: compress harder (lower kv_cache_ratio or raise "
@@ -65,8 +65,8 @@ class MemoryReport:
             hints.append(quality)
         return " ".join(hints) or None
 
-    def format_seed(self) -> str:
-        """The seed's four lines."""
+    def format_text(self) -> str:
+        """Four lines: weights, KV cache (stored and uncompressed), activations, total (print_memory_usage)."""
         return (
             f"Model weights: {self.weights / GB:.2f} GB\n"
             f"KV Cache: {self.kv_stored / GB:.2f} GB (compressed from {self.kv_uncompressed / GB:.2f} GB)\n"

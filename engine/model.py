@@ -1,4 +1,5 @@
-"""DSV41Model: the seed's API over a HF causal LM and the DS-V4.1 cache.
+"""DSV41Model: the engine's public API (from_pretrained, chat_session, reconfigure, memory_report) over a HF causal LM
+and the DS-V4.1 cache.
 
     model = DSV41Model.from_pretrained(DSV41Config(...))
     model.warmup(sample_inputs=["你好", "请介绍一下你自己"])
@@ -18,15 +19,18 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-from . import cpu_kernels, loader
+from . import chat_template, kernels, loader
 from . import memory as memory_mod
-from .cache import CacheSettings, DSV41Cache, adapter
+from .cache import CacheSettings, DSV41Cache
 from .cache.attention import pick_backend
+from .cache.budget import budget_for
 from .cache.kv_cache import kv_bytes_per_token
 from .config import CACHE_KNOBS, DSV41Config
+from .documents import Document, format_for_prompt
 from .errors import ConfigError, ModelLoadError
-from .events import Done, Event, TokenText
+from .events import ContextUsage, Done, Event, TokenText
 from .memory import MemoryReport
+from .models import adapter
 from .sampling import GenerationSettings
 from .session import ChatSession
 
@@ -46,7 +50,7 @@ class LoadInfo:
     dtype: str
     weight_quant: str
     attention_backend: str
-    weight_storage: str = ""  # how the weights are held when it differs from dtype: "bf16" or "int8" (cpu_kernels)
+    weight_storage: str = ""  # how the weights are held when it differs from dtype: "bf16" or "int8" (kernels)
     prefill_bf16: bool = False  # prefill multiplies the bf16-held matrices in bf16 (adapter.set_prefill_bf16)
 
 
@@ -88,9 +92,9 @@ class DSV41Model:
         dtype = loader.pick_dtype(config.dtype, device)
         if progress:
             progress(f"Loading {source.display_name}…", 0.5)
-        # INT8 weights on the CPU: our per-row int8 and kernels (engine.cpu_kernels), ~3x faster than
+        # INT8 weights on the CPU: our per-row int8 and kernels (engine.kernels), ~3x faster than
         # bitsandbytes' CPU path; bitsandbytes elsewhere, or where our kernels cannot be built
-        own_int8 = config.weight_quant == "int8" and device == "cpu" and cpu_kernels.load() is not None
+        own_int8 = config.weight_quant == "int8" and device == "cpu" and kernels.load() is not None
         load = dict(dtype=dtype, device=device, device_map=config.device_map,
                     trust_remote_code=config.trust_remote_code, allow_pickled_weights=config.allow_pickled_weights)
         try:
@@ -160,10 +164,12 @@ class DSV41Model:
         return self.dtype
 
     def kv_bytes_per_token(self) -> int:
-        """KV bytes per stored token at the current settings (for the GUI's document chips)."""
+        """KV bytes per stored token at the current settings."""
+        return self._bytes_per_token(self.config.kv_cache_dtype == "int8")
+
+    def _bytes_per_token(self, int8: bool) -> int:
         element_bytes = torch.empty((), dtype=self.kv_dtype).element_size()
-        return kv_bytes_per_token(self.num_layers, self.kv_heads, self.head_dim, element_bytes,
-                                  self.config.kv_cache_dtype == "int8")
+        return kv_bytes_per_token(self.num_layers, self.kv_heads, self.head_dim, element_bytes, int8)
 
     def headroom_tokens(self, cache: DSV41Cache) -> int | None:
         """How many entries a document turn may hold before compacting while it streams in."""
@@ -185,7 +191,51 @@ class DSV41Model:
 
         return replace(self.generation_defaults, **overrides)
 
-    # ------------------------------------------------------------------ the seed's API
+    # ------------------------------------------------------------------ what the GUI shows before a turn
+    def count_tokens(self, text: str) -> int:
+        """Tokens of `text` as the engine feeds it: as data (template markers in it are plain text)."""
+        return chat_template.count_text(self.tokenizer, text) if text else 0
+
+    def count_chat(self, messages: list[dict]) -> int:
+        """Tokens of a conversation (`messages` as ChatSession keeps them) rendered with the chat template."""
+        if not messages:
+            return 0
+        return len(chat_template.encode(self.tokenizer, chat_template.render(self.tokenizer, messages, False)))
+
+    def document_tokens(self, document: Document) -> int:
+        """Tokens a document takes in the prompt (its header and text, as a turn lays it out)."""
+        return self.count_tokens(format_for_prompt(document))
+
+    def stored_kv_bytes(self, tokens_seen: int, **knobs) -> int:
+        """KV bytes a cache holds after `tokens_seen` tokens once compacted to its budget, at the current
+        settings or with `knobs` changed (validated): the budget's floor (min_entries) and protected window
+        included, so a short document at a low ratio is not promised less than the cache keeps."""
+        config = self.config.replace(**knobs) if knobs else self.config
+        stored = tokens_seen
+        if config.kv_cache_ratio < 1.0:
+            stored = min(tokens_seen, budget_for(tokens_seen, config.kv_cache_ratio, config.ced_sink_tokens,
+                                                 config.ced_recent_tokens, config.min_entries))
+        return stored * self._bytes_per_token(config.kv_cache_dtype == "int8")
+
+    def context_usage(self, session: ChatSession | None, history: list[dict], prompt: str = "",
+                      documents=()) -> ContextUsage:
+        """What a conversation with `history` (user/assistant messages) holds, plus a pending prompt and
+        documents. Where `session` holds exactly that history, its cache's count is used; otherwise the
+        history is counted as the template renders it."""
+        system_tokens, history_tokens = 0, 0
+        if session is not None:
+            system = [m for m in session.messages if m.get("role") == "system"]
+            system_tokens = session.system_tokens
+            if session.messages == system + history and session.cache.seen:
+                history_tokens = max(session.cache.seen - system_tokens, 0)
+            else:
+                history_tokens = self.count_chat(history)
+        else:
+            history_tokens = self.count_chat(history)
+        return ContextUsage(system_tokens, history_tokens, sum(self.document_tokens(d) for d in documents),
+                            self.count_tokens(prompt), self.context_limit)
+
+    # ------------------------------------------------------------------ sessions and one-shot generation
     def chat_session(self, system_prompt: str | None = None) -> ChatSession:
         session = ChatSession(self, system_prompt)
         self._sessions.add(session)
@@ -227,7 +277,7 @@ class DSV41Model:
 
     def print_memory_usage(self, cache: DSV41Cache | None = None) -> MemoryReport:
         report = self.memory_report(cache)
-        print(report.format_seed())
+        print(report.format_text())
         return report
 
     # ------------------------------------------------------------------ reconfigure
@@ -258,7 +308,8 @@ class DSV41Model:
     def pending_knobs(self) -> dict | None:
         return dict(self._pending) if self._pending else None
 
-    def _turn_finished(self, session: ChatSession) -> None:
+    def turn_finished(self, session: ChatSession) -> None:
+        """Called by a session when its turn is over: knob changes asked for during it are applied now."""
         self._active = session
         if self._pending and not any(s.busy for s in self._sessions):
             knobs, self._pending = self._pending, None

@@ -15,11 +15,12 @@ from dataclasses import dataclass, field
 import torch
 
 from . import chat_template as template
-from .cache import CacheSettings, adapter
-from .documents import Document, format_for_prompt, load_document
+from .cache import CacheSettings
+from .documents import Document, format_for_prompt, load_document, user_content
 from .errors import BusyError, ContextOverflowError
 from .events import ContextUsage, Done, Event, PrefillProgress, TurnStats
 from .generate import TurnPlan, TurnResult, run_turn
+from .models import adapter
 from .sampling import GenerationSettings
 
 MAX_QUESTION_WINDOW = 512  # question tokens that score the document at the end of a turn's prefill
@@ -83,20 +84,13 @@ class ChatSession:
         return self._render(self.messages, False).extends(self.fed_text, self.fed_specials) or \
             self._render(self.messages, True).extends(self.fed_text, self.fed_specials)
 
-    def usage(self, prompt: str = "", documents: Sequence[Document] = ()) -> ContextUsage:
-        """What the context holds now, plus a pending prompt/documents (estimate, no template)."""
-        doc_tokens = sum(self._count(format_for_prompt(d)) for d in documents)
-        return ContextUsage(self.system_tokens, max(self.cache.seen - self.system_tokens, 0), doc_tokens,
-                            self._count(prompt), self.context_limit)
-
     # ------------------------------------------------------------------ turns
     def prepare(self, prompt: str, documents: Sequence[str | Document] = ()) -> PreparedTurn:
         """Everything a turn needs, computed before any model work; raises if it cannot fit."""
         prompt = template.clean_text(prompt)
         docs = [d if isinstance(d, Document) else load_document(d) for d in documents]
         blocks = [template.clean_text(format_for_prompt(d)) for d in docs]
-        content = "\n\n".join(blocks + [prompt]) if blocks else prompt
-        user = {"role": "user", "content": content}
+        user = {"role": "user", "content": user_content(prompt, docs)}
         full = self._render(self.messages + [user], True)
         # Rebuild from the messages when the cache does not hold exactly the transcript (an interrupted
         # turn that could not be undone), or when the messages no longer render what was fed.
@@ -185,7 +179,7 @@ class ChatSession:
     def _release(self) -> None:
         self._busy = False
         self._lock.release()
-        self.model._turn_finished(self)
+        self.model.turn_finished(self)
 
     def _commit(self, turn: PreparedTurn, result: TurnResult, done: Done | None, checkpoint) -> None:
         """Record what was actually fed, so the next turn extends it (or rebuilds when it cannot)."""
@@ -227,22 +221,15 @@ class ChatSession:
                 adapter.forward(self.model.hf_model, part, self.cache, prefill=True)
                 if progress:
                     progress(PrefillProgress(min(start + chunk, total), total))
-            if self.cache.settings.compressing:
-                self.cache.compact(pooled=True, spans=True)  # the transcript's last question scored it
-                self.cache.shrink()
-            self.cache.fit_sparse()
+            self.cache.finish_prefill()  # the transcript's last question scored it
             self._dirty = False
+
     def apply_settings(self, settings: CacheSettings, progress=None) -> str:
-        """Apply new cache knobs: 'compacted' (tighter, done on the live cache) or 'rebuilt' (looser)."""
-        old = self.cache.settings
-        self.cache.settings = settings
-        if settings.kv_int8 != old.kv_int8 or _looser(old, settings):
+        """Apply new cache knobs: 'compacted' (done on the live cache) or 'rebuilt' (they keep more than the
+        cache still holds, or store it differently: the transcript is read again)."""
+        if self.cache.apply(settings) == "needs_rebuild":
             self.rebuild(progress)
             return "rebuilt"
-        if settings.compressing:
-            self.cache.compact(pooled=True, spans=True)
-            self.cache.shrink()
-        self.cache.fit_sparse()
         return "compacted"
 
     def reset(self) -> None:
@@ -250,13 +237,6 @@ class ChatSession:
             self.messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
             self.cache.reset()
             self.transcript_ids, self.fed_text, self.fed_specials, self._dirty = [], "", (), False
-
-
-def _looser(old: CacheSettings, new: CacheSettings) -> bool:
-    """More ratio, lower threshold, a wider protected window or a different policy -> rebuild."""
-    return (new.kv_cache_ratio > old.kv_cache_ratio or new.ced_threshold < old.ced_threshold
-            or new.ced_sink_tokens > old.ced_sink_tokens or new.ced_recent_tokens > old.ced_recent_tokens
-            or new.ced_policy != old.ced_policy or new.ced_mode != old.ced_mode)
 
 
 def _with_rebuild(stats: TurnStats | None, rebuilt: bool) -> TurnStats | None:

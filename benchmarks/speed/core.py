@@ -1,10 +1,8 @@
-"""Measuring tools shared by the benchmark sections: machine facts, memory bandwidth, peak memory,
-transformers `generate` timing and our engine's turn timing on the same token ids."""
+"""Measuring tools shared by the benchmark sections: memory bandwidth, peak memory, transformers
+`generate` timing and our engine's turn timing on the same token ids (machine facts: benchmarks/common.py)."""
 
 from __future__ import annotations
 
-import os
-import platform
 import statistics
 import threading
 import time
@@ -12,33 +10,10 @@ import time
 import psutil
 import torch
 
-from ..cache import adapter
-from ..events import Done
-from ..generate import TurnPlan, TurnResult, run_turn
-from ..sampling import GenerationSettings
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def machine(device: torch.device) -> dict:
-    import transformers
-
-    return {
-        "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-        "cpu": cpu_name(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-        "ram_gb": round(psutil.virtual_memory().total / 2**30, 1),
-        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"), "platform": platform.platform(),
-    }
+from engine.events import Done
+from engine.generate import TurnPlan, TurnResult, run_turn
+from engine.models import adapter
+from engine.sampling import GenerationSettings
 
 
 def median(values):
@@ -76,13 +51,12 @@ def read_bandwidth(device: torch.device, nbytes: int = 1 << 30, reps: int = 5) -
 def matvec_ceiling(hf_model, reps: int = 5) -> dict:
     """The kernel ceiling: time of one matrix-vector product with every weight matrix of the model
     (what a decode step cannot avoid), with nothing else; as bytes/s and as a fraction of `bw`."""
-    from ..cache import adapter
-    from ..cache.decoder import linear
-    from ..cpu_kernels import PackedMatrix
+    from engine.kernels import PackedMatrix
+    from engine.models.decoder import linear
 
     device = next(hf_model.parameters()).device
     unique = adapter.step_matrices(hf_model)  # our decoder's (fused, packed) matrices when it runs
-    decoder = getattr(hf_model, "_dsv41_decoder", None)
+    decoder = adapter.runtime(hf_model).decoder
     if decoder is not None and decoder.fused is not None:  # the fused C step's products, from C (no Python between)
         seconds = decoder.fused.matrices_seconds(max(reps, 11))
         nbytes = sum(m.nbytes if isinstance(m, PackedMatrix) else m.numel() * m.element_size() for m in unique)
@@ -284,7 +258,7 @@ def kv_read_per_step(cache) -> int:
     """KV bytes one decode step reads from this cache: every stored entry when dense; with CSA2 the
     projected keys of all entries, the keys of the re-ranked candidates, and K/V of the sinks, top-k
     and recent entries."""
-    from ..cache import csa2
+    from engine.cache import csa2
 
     s = cache.settings
     total = 0

@@ -160,7 +160,7 @@ def markdown(payload: dict) -> str:
                       "these kernels can go above that.", ""]
     if "seed" in s:
         seed = s["seed"]
-        lines += [f"### The seed's table (input {seed['input_tokens']} tokens, output {seed['new_tokens']})", ""]
+        lines += [f"### Input {seed['input_tokens']} tokens, output {seed['new_tokens']} (`seed` section)", ""]
         lines += _row_table(seed["rows"], with_eager=True) + [""]
     if "scaling" in s:
         lines += [f"### Long-context scaling (document, then a question; {s['scaling']['new_tokens']} tokens out)", ""]

@@ -1,4 +1,4 @@
-"""Cold vs warm TTFT probe, run in a fresh process by the bench: python -m engine.bench.warm cold|warm.
+"""Cold vs warm TTFT probe, run in a fresh process by the bench: python -m benchmarks.speed.warm cold|warm.
 
 cold: load the model, then time the first turn. warm: load, run warmup(), then time the first turn.
 The turn is what the app is for: a ~1k-token document and a question. Prints one JSON line.
@@ -18,9 +18,9 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto")
     args = parser.parse_args()
+    from benchmarks.speed import document_prompt
+    from benchmarks.speed.core import engine_turn
     from engine import DSV41Config, DSV41Model
-    from engine.bench import document_prompt
-    from engine.bench.core import engine_turn
 
     model = DSV41Model.from_pretrained(DSV41Config(model_path=args.model, device_map=args.device,
                                                         dtype=args.dtype))

@@ -1,5 +1,7 @@
-"""The DS-V4.1 cache: block storage, CED compaction, CSA2 screening and the transformers adapter."""
+"""The DS-V4.1 cache: storage, the cache container (the turn's contract), budget and compaction plans, CED's
+merge, CSA2 screening and the compression policies (one per file under policies/)."""
 
-from .kv_cache import CacheSettings, CacheStats, DSV41Cache
+from .kv_cache import CacheStats, DSV41Cache, FusedPlan, Prefill
+from .settings import CacheSettings
 
-__all__ = ["CacheSettings", "CacheStats", "DSV41Cache"]
+__all__ = ["CacheSettings", "CacheStats", "DSV41Cache", "FusedPlan", "Prefill"]

@@ -187,3 +187,14 @@ def attention_mass(query, keys, log_counts, scaling: float, *, last: int) -> tor
             total = torch.zeros(h, s, dtype=mass.dtype, device=mass.device)
         total[:, : mass.shape[1]] += mass
     return total
+
+
+def probe_mass(query, keys, log_counts, scaling: float) -> torch.Tensor:
+    """The attention a question probe's queries [H, Tq, d] pay to each stored entry (keys [h, S, d]), summed over
+    the group's heads and the queries -> [h, S] float32 (each query's attention sums to one)."""
+    h = keys.shape[0]
+    qg = query.float().reshape(h, -1, query.shape[-1])  # [h, G * Tq, d]
+    logits = torch.matmul(qg, keys.float().transpose(1, 2)) * scaling
+    if log_counts is not None:
+        logits = logits + log_counts[:, None, :]
+    return torch.softmax(logits, dim=-1).sum(dim=1)

@@ -21,9 +21,48 @@ from __future__ import annotations
 
 import torch
 
+from .attention import decode_attention
 from .storage import LayerKV
 
 RERANK = 3  # candidates scored exactly, as a multiple of top-k
+RECALL_EVERY = 64  # decode steps between sampled recall measurements (one layer each)
+# CSA2 pays only on a long cache: below this many entries per top-k slot, dense attention is faster.
+# Measured on 2 CPU cores (default model, top-k 256, every layer at the same length), decode step in ms,
+# dense attention inside the fused C step against CSA2's screening in Python (called back from it):
+# 16.2 / 24.5 at 2k entries, 21.2 / 26.8 at 4k, 31.7 / 29.2 at 8k -> the crossover is near 7k = 28 x top-k.
+# (The per-op Python step, without the fused C step, crosses near 3k: 43/48 ms at 2k, 54/48 at 4k, 72/54 at 8k.)
+DENSE_BELOW = 28
+
+
+def pays(length: int, settings) -> bool:
+    """Whether sparse screening is faster than dense attention over `length` stored entries."""
+    s = settings
+    return length > s.csa2_topk + s.ced_sink_tokens + s.ced_recent_tokens and length >= DENSE_BELOW * s.csa2_topk
+
+
+def fit_layers(layers: list[LayerKV], settings, head_dim: int) -> None:
+    """Fit every layer where screening pays (rank csa2_rank, default head_dim / 8); drop the side cache elsewhere."""
+    if settings.csa2_topk <= 0:
+        for layer in layers:
+            layer.projected_keys = None
+        return
+    rank = settings.csa2_rank or max(1, head_dim // 8)
+    for layer in layers:
+        if pays(layer.length, settings):
+            fit(layer, rank)
+        else:  # short cache: dense attention, no side cache to pay for
+            layer.projected_keys = None
+
+
+def sparse_attention(layer: LayerKV, query: torch.Tensor, scaling: float, settings):
+    """One decode query [H, 1, d] against the screened entries: (output [H, 1, d], probs [H, 1, K], the
+    attended index [h, K], the top-k candidates [h, k])."""
+    s = settings
+    index, top = screen(layer, query, s.csa2_topk, s.ced_sink_tokens, s.ced_recent_tokens)
+    keys, values = layer.read_keys(index), layer.read_values(index)
+    log_counts = torch.gather(layer.log_counts, 1, index) if layer.merged_any else None
+    out, probs = decode_attention(query, keys, values, log_counts, scaling)
+    return out, probs, index, top
 
 
 def observe_queries(layer: LayerKV, query: torch.Tensor) -> None:
@@ -123,4 +162,5 @@ def exact_topk_recall(layer: LayerKV, query: torch.Tensor, candidates: torch.Ten
     return float(hits)
 
 
-__all__ = ["fit", "project_new", "screen", "exact_topk_recall", "observe_queries", "RERANK"]
+__all__ = ["DENSE_BELOW", "RECALL_EVERY", "RERANK", "exact_topk_recall", "fit", "fit_layers", "observe_queries", "pays",
+           "project_new", "screen", "sparse_attention"]

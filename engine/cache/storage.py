@@ -21,6 +21,8 @@ import math
 
 import torch
 
+from ..kernels.quant import quantize_int8
+
 BLOCK_TOKENS = 256
 # Every allocation of a layer's tensors gets a number no other allocation in this process has had: whoever
 # holds raw pointers into them (cpu_kernels.FusedDecodeStep) knows when to fetch them again. (An object's
@@ -54,8 +56,11 @@ class LayerKV:
         self.positions = torch.empty(h, capacity, dtype=torch.int32, device=dev)
         self.scores = torch.zeros(h, capacity, dtype=torch.float32, device=dev)
         self.log_counts = torch.zeros(h, capacity, dtype=torch.float32, device=dev)
-        self.projected_keys = None  # CSA2 side cache [h, capacity, r], set by CSA2.fit
-        self.query_moment = None  # CSA2: sum of q q^T of prefill queries per KV head [h, d, d] (float32)
+        # CSA2's side state (engine.cache.csa2 fits and reads it; None / 0 until it is fitted):
+        self.projected_keys = None  # projected keys [h, capacity, r], the screening side cache
+        self.csa2_basis = None  # key projection [h, d, r]
+        self.csa2_query_basis = None  # query projection [h, d, r]
+        self.query_moment = None  # sum of q q^T of prefill queries per KV head [h, d, d] (float32)
         self.query_count = 0
 
     @property
@@ -171,14 +176,6 @@ class LayerKV:
         self.scores[:, k:self.length] = 0.0
         self.log_counts[:, k:self.length] = 0.0
         self.length = k
-
-
-def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-row int8: x [h, T, d] -> (q int8 [h, T, d], scale float32 [h, T, 1])."""
-    xf = x.float()
-    scale = xf.abs().amax(dim=-1, keepdim=True).clamp_min(1e-8) / 127.0
-    q = torch.round(xf / scale).clamp_(-127, 127).to(torch.int8)
-    return q, scale
 
 
 def _gather_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,7 @@
-/* Matrix-vector kernels for one decode step on the CPU (see cpu_kernels.py).
+/* Matrix-vector kernels for one decode step on the CPU, and the whole step in one call (engine/kernels/).
+ *
+ * Why this file is long: one translation unit, so the compiler inlines the kernels into the fused step and
+ * the build stays one `cc` call; each instruction set (AVX-512, AVX2) has its own loops.
  *
  * y = W x (+ y), W stored compactly (bf16 bits, or int8 with one float scale per row), x and y float32.
  * At batch 1 a decode step is memory-bound: it reads every weight once. float32 weights cost 4 bytes per
@@ -11,9 +14,9 @@
  * per call, so each 64-byte load of weights costs one shift, one and, two FMAs.
  *
  * Threads: OpenMP. Loaded into a process whose torch uses libgomp, this library binds to the same
- * runtime (same soname), so it shares torch's thread pool instead of competing with it; cpu_kernels.py
+ * runtime (same soname), so it shares torch's thread pool instead of competing with it; library.py
  * checks that. Built with -march=native on the user's machine; without AVX-512 or AVX2+FMA only plain loops remain,
- * and cpu_kernels.py does not use such a build.
+ * and library.py does not use such a build.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -365,7 +368,7 @@ void dsv41_mv_int8(const int8_t *w, const float *scale, const float *x, float *y
  * engine/cache/decoder.py does for one token, with the DS-V4.1 cache's dense attention and CED scoring, for
  * float32 activations, weights packed as above and a float32 KV cache. At batch 1 the per-layer work
  * besides the weight reads is a few thousand flops; issued as ~30 torch ops per layer it cost ~6 ms of a
- * 17 ms step (dispatch, allocation, threads waking). cpu_kernels.py decides when this runs, and the Python path
+ * 17 ms step (dispatch, allocation, threads waking). engine/kernels/fused.py decides when this runs, and the Python path
  * stays the reference (tests compare the two).
  *
  * Per layer: h = rmsnorm(x); qkv = Wqkv h (+ b); [Qwen3: rmsnorm per head of q and k]; RoPE on q and k;

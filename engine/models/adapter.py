@@ -6,12 +6,19 @@ RoPE'd query/key/value of the new tokens and we append, score, select and attend
 (passed down as a forward kwarg). Masks are ours as well, so transformers' mask builder returns None.
 Tested with the transformers range pinned in pyproject.toml; when transformers renames something,
 only this file changes.
+
+What `install` adds to a model (our decoder, how its weights are held, the compute dtype) is a `Runtime`,
+kept beside the model in `_RUNTIMES` and read through `runtime(model)`; nothing is stored on the model itself.
 """
 
 from __future__ import annotations
 
+import weakref
+from dataclasses import dataclass
+
 import torch
 
+from ..kernels import PackedMatrix, bf16_exact, load, quantize_rows_int8
 from .decoder import Decoder, DecoderWeights, LayerWeights
 
 SUPPORTED_ARCHITECTURES = {
@@ -23,6 +30,26 @@ SUPPORTED_ARCHITECTURES = {
 ATTENTION_NAME = "dsv41"
 _CACHE_KWARG = "dsv41_cache"
 _registered = False
+
+
+@dataclass
+class Runtime:
+    """What `install` set up for one transformers model."""
+
+    compute_dtype: torch.dtype  # activations and the KV cache (weights may be held more compactly)
+    decoder: Decoder | None  # our forward; None: transformers' forward runs (quantized layers, other layouts)
+    packed: str | None  # "bf16" / "int8" when the decoder's matrices are held for our CPU kernels
+
+
+_RUNTIMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def runtime(model) -> Runtime:
+    """The model's Runtime (a model `install` has not seen: transformers' forward in its own dtype)."""
+    found = _RUNTIMES.get(model)
+    if found is None:
+        return Runtime(next(p.dtype for p in model.parameters() if p.is_floating_point()), None, None)
+    return found
 
 
 class UnsupportedArchitecture(ValueError):
@@ -43,7 +70,7 @@ def check_architecture(model_type: str | None) -> str:
 def _dsv41_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     cache = kwargs.get(_CACHE_KWARG)
     if cache is None:
-        raise RuntimeError("dsv41 attention called without a DS-V4.1 cache; run the model through engine.cache.adapter")
+        raise RuntimeError("dsv41 attention called without a DS-V4.1 cache; run the model through engine.models.adapter")
     out = cache.attend(module.layer_idx, query, key, value, scaling if scaling is not None else module.scaling)
     return out, None
 
@@ -73,11 +100,11 @@ def install(model, *, fast: bool = True, pack: bool = True, pack_rounding: bool 
     check_architecture(getattr(model.config, "model_type", None))
     register()
     model.set_attn_implementation(ATTENTION_NAME)
-    model._dsv41_compute_dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+    compute = runtime(model).compute_dtype  # the dtype before any packing (an install again keeps it)
     weights = decoder_weights(model) if fast else None
-    model._dsv41_packed = pack_weights(model, weights, rounding=pack_rounding, fmt=pack_format) \
+    packed = pack_weights(model, weights, rounding=pack_rounding, fmt=pack_format) \
         if weights is not None and pack else None
-    model._dsv41_decoder = Decoder(weights) if weights is not None else None
+    _RUNTIMES[model] = Runtime(compute, Decoder(weights) if weights is not None else None, packed)
     set_prefill_bf16(model, prefill_bf16)
 
 
@@ -91,9 +118,7 @@ def set_prefill_bf16(model, on: bool) -> bool:
     attention then the 8k document to 6.8 s; perplexity on four speeches moved by -0.1 to +0.2 % (mean
     about +0.05 %) against float32. Returns whether it is on (False where no matrix is held as bf16)."""
     step = step_matrices(model) or []
-    decoder = getattr(model, "_dsv41_decoder", None)
-    from ..cpu_kernels import PackedMatrix
-
+    decoder = runtime(model).decoder
     packed = [m for m in step if isinstance(m, PackedMatrix) and m.scale is None]  # bf16, not int8
     for matrix in packed:
         matrix.bf16_rows = on
@@ -104,26 +129,23 @@ def set_prefill_bf16(model, on: bool) -> bool:
 
 def prefill_bf16(model) -> bool:
     """Whether prefill chunks multiply the bf16-held matrices in bf16 (set_prefill_bf16)."""
-    from ..cpu_kernels import PackedMatrix
-
     step = step_matrices(model) or []
     return any(isinstance(m, PackedMatrix) and m.scale is None and m.bf16_rows for m in step)
 
 
 def compute_dtype(model) -> torch.dtype:
     """The dtype activations and the KV cache use (weights may be held more compactly, see pack_weights)."""
-    found = getattr(model, "_dsv41_compute_dtype", None)
-    return found if found is not None else next(p.dtype for p in model.parameters() if p.is_floating_point())
+    return runtime(model).compute_dtype
 
 
 def packed_format(model) -> str | None:
     """'bf16' or 'int8' when pack_weights holds the decoder's matrices for our CPU kernels, else None."""
-    return getattr(model, "_dsv41_packed", None)
+    return runtime(model).packed
 
 
 @torch.inference_mode()
 def pack_weights(model, weights: DecoderWeights, *, rounding: bool = False, fmt: str = "bf16") -> str | None:
-    """Hold every decoder matrix (and the embedding) as bf16 for engine.cpu_kernels, on CPU, when that is
+    """Hold every decoder matrix (and the embedding) as bf16 for engine.kernels, on CPU, when that is
     exact: a bf16 model, or a float32 model whose values are all bf16 values (a bf16 checkpoint loaded as
     float32). Activations and the KV cache keep the compute dtype. transformers'
     Linear modules are re-pointed at slices of the bf16 matrices, so the float32 copies are freed and
@@ -134,8 +156,6 @@ def pack_weights(model, weights: DecoderWeights, *, rounding: bool = False, fmt:
 
     fmt="int8" (weight_quant="int8" on CPU): every matrix quantized per output row (absmax / 127, one
     float32 scale per row), a quarter of float32's bytes; the float32 compute is unchanged."""
-    from ..cpu_kernels import PackedMatrix, bf16_exact, load
-
     dtype = weights.final_norm.dtype
     if weights.final_norm.device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16) or load() is None:
         return None
@@ -177,16 +197,8 @@ def pack_weights(model, weights: DecoderWeights, *, rounding: bool = False, fmt:
     return fmt
 
 
-def quantize_rows_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 per output row: (int8 [out, in], float32 scale [out]) with weight ~ q * scale."""
-    w = weight.detach().float()
-    scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127
-    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
-    return q, scale
-
-
 def uses_fast_decoder(model) -> bool:
-    return getattr(model, "_dsv41_decoder", None) is not None
+    return runtime(model).decoder is not None
 
 
 @torch.inference_mode()
@@ -194,7 +206,7 @@ def forward(model, input_ids: torch.Tensor, cache, *, score_window: int | None =
             logits_to_keep: int = 1) -> torch.Tensor:
     """Run `input_ids` [1, T] through the model against `cache`; returns logits [1, logits_to_keep, V] (float32)."""
     position_ids = cache.begin_forward(input_ids.shape[1], score_window=score_window, prefill=prefill)
-    decoder = getattr(model, "_dsv41_decoder", None)
+    decoder = runtime(model).decoder
     try:
         if decoder is not None:
             logits = decoder.forward(input_ids, position_ids, cache, logits_to_keep)
@@ -213,7 +225,7 @@ def probe_queries(model, input_ids: torch.Tensor, cache, start: int) -> dict[int
     """Run `input_ids` at positions from `start` only to collect each layer's (RoPE'd) queries; the cache's
     entries, tokens seen and scores are left as they were (the probe's entries are dropped)."""
     position_ids = cache.begin_forward(input_ids.shape[1], score_window=0, prefill=True, start=start)
-    decoder = getattr(model, "_dsv41_decoder", None)
+    decoder = runtime(model).decoder
     cache.start_capture()
     try:
         if decoder is not None:
@@ -250,7 +262,7 @@ def _fuse(modules, dim_bias: bool = True):
 
 @torch.inference_mode()
 def decoder_weights(model) -> DecoderWeights | None:
-    """Fused weights for engine.cache.decoder, or None when the model does not fit that path
+    """Fused weights for engine.models.decoder, or None when the model does not fit that path
     (quantized Linear layers, MLP biases, an unexpected module layout): transformers' forward is used then."""
     base = getattr(model, "model", None)
     try:
@@ -295,7 +307,7 @@ def decoder_weights(model) -> DecoderWeights | None:
 def step_matrices(model) -> list | None:
     """The matrices one decode step of our decoder multiplies (fused, packed where packed), or None when
     transformers' forward runs."""
-    decoder = getattr(model, "_dsv41_decoder", None)
+    decoder = runtime(model).decoder
     if decoder is None:
         return None
     w = decoder.w

@@ -7,7 +7,7 @@ and keys together, and two RMSNorms; the attention itself is the DS-V4.1 cache's
 are built once, and the model's own Linear weights are re-pointed at slices of them, so nothing is
 stored twice and transformers' forward (still used for quantized weights) sees the same numbers.
 
-On the CPU a decode step (one token) runs as a single C call instead (cpu_kernels.FusedDecodeStep, same
+On the CPU a decode step (one token) runs as a single C call instead (kernels.FusedDecodeStep, same
 numerics in float32); this per-op forward stays for prefill chunks, the GPU, and as its reference in tests.
 
 The weights come from adapter.decoder_weights (the only place that knows transformers' module
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..cpu_kernels import FusedDecodeStep, PackedMatrix
+from ..kernels import FusedDecodeStep, PackedMatrix
 
 
 @dataclass
@@ -140,10 +140,9 @@ class Decoder:
         if t == 1 and self.fused is not None:
             plan = cache.fused_plan()
             if plan is not None:
-                score, decay = cache.fused_scoring()
                 logits = self.fused.step(x[0].float().contiguous(), int(position_ids[0, 0]),
-                                         cos[0, 0].float().contiguous(), sin[0, 0].float().contiguous(), cache, plan,
-                                         score=score, decay=decay)
+                                         cos[0, 0].float().contiguous(), sin[0, 0].float().contiguous(), cache,
+                                         plan.by_python, score=plan.score, decay=plan.decay)
                 return logits.view(1, 1, -1)
         cos, sin = cos[0, :, None, :].to(x.dtype), sin[0, :, None, :].to(x.dtype)  # [T, 1, d]
         rot = rope_matrix(cos[0, 0], sin[0, 0]) if t == 1 else None

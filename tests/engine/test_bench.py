@@ -1,14 +1,19 @@
-"""The benchmark's measuring tools and report (python -m engine bench)."""
+"""The speed benchmark's measuring tools and report (benchmarks/speed; python -m engine bench)."""
 
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from engine.bench import core, report
+import benchmarks.speed
+from benchmarks.speed import core, report
+from engine import cli
 from engine.cache import CacheSettings, DSV41Cache
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _row(tok_s, peak, kv, kv_full, kv_read=0, ttft=0.1):
@@ -86,9 +91,9 @@ def test_read_bandwidth_is_measured():
 
 
 def test_kv_read_per_step_counts_dense_and_sparse_reads(monkeypatch):
-    from engine.cache import kv_cache
+    from engine.cache import csa2
 
-    monkeypatch.setattr(kv_cache, "CSA2_DENSE_BELOW", 12)
+    monkeypatch.setattr(csa2, "DENSE_BELOW", 12)
     settings = CacheSettings(kv_cache_ratio=1.0, csa2_topk=16, ced_sink_tokens=4, ced_recent_tokens=8)
     cache = DSV41Cache(2, 2, 16, torch.float32, "cpu", settings)
     for layer in cache.layers:
@@ -111,7 +116,7 @@ def test_quick_bench_runs_end_to_end(tmp_path):
     pytest.importorskip("matplotlib")
     out = tmp_path / "bench"
     done = subprocess.run([sys.executable, "-m", "engine", "bench", "--quick", "--sections", "seed,warmup",
-                           "--out", str(out)], capture_output=True, text=True, timeout=900)
+                           "--out", str(out)], capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     payload = json.loads((out / "bench.json").read_text())
     rows = payload["sections"]["seed"]["rows"]
@@ -132,7 +137,7 @@ def test_quick_bench_runs_end_to_end(tmp_path):
 
 
 def test_sections_not_run_are_kept_from_the_previous_results(tmp_path):
-    from engine.bench import keep_previous_sections
+    from benchmarks.speed import keep_previous_sections
 
     previous = _payload()
     previous["machine"]["date"] = "2026-01-01"
@@ -151,3 +156,17 @@ def test_sections_not_run_are_kept_from_the_previous_results(tmp_path):
     other_mode = {"mode": "quick", "model": "m", "machine": {"date": "x"}, "sections": {}, "section_dates": {}}
     keep_previous_sections(tmp_path / "bench.json", other_mode)
     assert other_mode["sections"] == {}  # a quick run never mixes with full-run figures
+
+
+def test_engine_bench_hands_every_argument_to_the_speed_benchmark(monkeypatch):
+    seen = {}
+    monkeypatch.setattr(benchmarks.speed, "main", lambda argv, prog: seen.update(argv=argv, prog=prog) or 0)
+    assert cli.main(["bench", "--quick", "--sections", "seed", "--out", "x", "--help"]) == 0
+    assert seen == {"argv": ["--quick", "--sections", "seed", "--out", "x", "--help"],
+                    "prog": "python -m engine bench"}
+
+
+def test_engine_bench_outside_a_source_checkout_says_where_to_run_it(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "benchmarks.speed", None)  # not importable, as from an installed wheel
+    assert cli.main(["bench", "--quick"]) != 0
+    assert "source checkout" in capsys.readouterr().err

@@ -5,8 +5,18 @@ import math
 import pytest
 import torch
 
-from engine.cache import CacheSettings, DSV41Cache, adapter, ced, csa2
+from engine.cache import CacheSettings, DSV41Cache, csa2, merge, policies
+from engine.cache import budget as budget_mod
+from engine.cache.policies import ced as ced_policy
 from engine.cache.storage import LayerKV
+from engine.models import adapter
+
+
+def ranking(layer, policy, *, pooled=False, spans=False):
+    """A policy's ranking at the compaction a (pooled, spans) pair stands for: spans after a question,
+    pooled after a probe of it, neither while text streams in."""
+    when = policies.QUESTION if spans else policies.PROBE if pooled else policies.STREAM
+    return policies.POLICIES[policy](CacheSettings(ced_policy=policy)).rank(layer, when)
 
 
 def make_cache(model, backend="sdpa", **knobs):
@@ -51,7 +61,7 @@ def test_sparse_path_with_topk_covering_everything_equals_dense(monkeypatch, tin
     original = cache._sparse_decode
     monkeypatch.setattr(cache, "_sparse_ready", lambda layer: layer.projected_keys is not None)
     monkeypatch.setattr(cache, "_sparse_decode", lambda *a: used.append(1) or original(*a))
-    monkeypatch.setattr("engine.cache.kv_cache.CSA2_RECALL_EVERY", 1)
+    monkeypatch.setattr("engine.cache.csa2.RECALL_EVERY", 1)
     outs = [adapter.forward(model, ids[:, :40], cache, logits_to_keep=40)]
     for layer in cache.layers:
         csa2.fit(layer, 2)
@@ -89,7 +99,7 @@ def drive(cache_knobs, steps=80, prefill=120):
     budgets.append((cache.stored, cache.budget()))
     for i in range(prefill, prefill + steps):
         adapter.forward(model, ids[:, i:i + 1], cache, prefill=False)
-        if cache.maybe_compact_decode():
+        if cache.after_decode_step():
             budgets.append((cache.stored, cache.budget()))
     return model, cache, budgets
 
@@ -129,13 +139,13 @@ def test_evict_keeps_the_highest_scores(policy, pooled):
     layer = LayerKV(2, 8, torch.float32, "cpu")
     layer.append(torch.randn(2, 50, 8), torch.randn(2, 50, 8), torch.arange(50))
     layer.scores[:, :50] = torch.rand(2, 50)
-    rank = ced.ranking(layer, policy, pooled=pooled).clone()
+    rank = ranking(layer, policy, pooled=pooled).clone()
     if policy == "h2o" or not pooled:
         assert torch.equal(rank, layer.scores[:, :50])
     else:
         pooled = torch.nn.functional.max_pool1d(layer.scores[:, None, :50], 7, stride=1, padding=3)[:, 0]
         assert torch.all(rank >= pooled) and torch.all(rank <= pooled + 1e-3)
-    plan = ced.plan_compaction(rank, 20, sink=2, recent=5, threshold=0.0)
+    plan = budget_mod.plan_compaction(rank, 20, sink=2, recent=5, threshold=0.0)
     layer.keep(plan.keep)
     assert layer.length == 20
     for head in range(2):
@@ -148,7 +158,7 @@ def test_question_aware_ced_compaction_keeps_whole_spans():
     """After a question scored everything, CED keeps and drops whole spans of SPAN_TOKENS positions, chosen by
     their total score, so the kept text reads as text; the baselines still pool."""
     torch.manual_seed(1)
-    span = ced.SPAN_TOKENS
+    span = ced_policy.SPAN_TOKENS
     n = 12 * span
     layer = LayerKV(2, 8, torch.float32, "cpu")
     layer.append(torch.randn(2, n, 8), torch.randn(2, n, 8), torch.arange(n))
@@ -157,21 +167,21 @@ def test_question_aware_ced_compaction_keeps_whole_spans():
     for s_i in best:
         layer.scores[:, s_i * span + 2: s_i * span + 5] += 1.0
     layer.scores[:, 5 * span + 1] += 2.5  # one sharp token alone: its span totals less than the three above
-    rank = ced.ranking(layer, "ced", spans=True)
-    plan = ced.plan_compaction(rank, 3 * span, sink=0, recent=0, threshold=0.0)
+    rank = ranking(layer, "ced", spans=True)
+    plan = budget_mod.plan_compaction(rank, 3 * span, sink=0, recent=0, threshold=0.0)
     layer.keep(plan.keep)
     for head in range(2):
         kept = sorted(layer.positions[head, : layer.length].tolist())
         assert kept == [p for s_i in best for p in range(s_i * span, (s_i + 1) * span)]
     # the baselines keep pooling: spans change nothing for them
-    assert torch.equal(ced.ranking(layer, "snapkv", pooled=True, spans=True),
-                       ced.ranking(layer, "snapkv", pooled=True))
+    assert torch.equal(ranking(layer, "snapkv", pooled=True, spans=True),
+                       ranking(layer, "snapkv", pooled=True))
 
 
 def test_span_ranking_follows_positions_not_storage_order():
     scores = torch.tensor([[1.0, 1.0, 0.5, 3.0]])
     positions = torch.tensor([[0, 1, 16, 40]])  # spans 0, 0, 1, 2 (entries between them were evicted before)
-    rank = ced.span_ranking(scores, positions, 16)
+    rank = ced_policy.span_ranking(scores, positions, 16)
     assert torch.allclose(rank[0, :2], torch.tensor([2 / 16 + 1e-3] * 2))
     assert torch.allclose(rank[0, 2:], torch.tensor([0.5 / 16 + 5e-4, 3.0 / 16 + 3e-3]))
 
@@ -182,10 +192,10 @@ def test_threshold_drops_low_entries_even_under_budget():
     layer.scores[0, :30] = 1.0
     layer.scores[0, 10:15] = 0.01  # far below 0.1 x mean
     scores = layer.scores[:, :30]
-    plan = ced.plan_compaction(ced.ranking(layer, "ced"), 1000, sink=2, recent=4, threshold=0.1, scores=scores)
+    plan = budget_mod.plan_compaction(ranking(layer, "ced"), 1000, sink=2, recent=4, threshold=0.1, scores=scores)
     assert plan is not None and plan.keep.shape[1] == 25
     assert not set(range(10, 15)) & set(plan.keep[0].tolist())
-    assert ced.plan_compaction(ced.ranking(layer, "ced"), 1000, sink=2, recent=4, threshold=0.0,
+    assert budget_mod.plan_compaction(ranking(layer, "ced"), 1000, sink=2, recent=4, threshold=0.0,
                                scores=scores) is None
 
 
@@ -195,19 +205,19 @@ def test_threshold_never_compacts_below_the_floor():
     layer.scores[0, :30] = 1.0
     layer.scores[0, 6:26] = 0.01  # 20 entries far below 0.1 x mean
     scores = layer.scores[:, :30]
-    plan = ced.plan_compaction(ced.ranking(layer, "ced"), 1000, sink=2, recent=4, threshold=0.1, scores=scores,
+    plan = budget_mod.plan_compaction(ranking(layer, "ced"), 1000, sink=2, recent=4, threshold=0.1, scores=scores,
                                floor=20)
     assert plan.keep.shape[1] == 20  # the threshold wanted 10; the floor keeps 20, the best of them
     assert set(range(2, 6)) <= set(plan.keep[0].tolist())
-    assert ced.plan_compaction(ced.ranking(layer, "ced"), 1000, sink=2, recent=4, threshold=0.1, scores=scores,
+    assert budget_mod.plan_compaction(ranking(layer, "ced"), 1000, sink=2, recent=4, threshold=0.1, scores=scores,
                                floor=30) is None
 
 
 def test_budget_floor_is_independent_of_the_recent_window():
-    assert ced.budget_for(40, 0.5, 4, 32) == ced.MIN_STORED_ENTRIES == 128
-    assert ced.budget_for(1000, 0.5, 4, 32) == 500
-    assert ced.budget_for(100, 0.1, 4, 200) == 205  # DESIGN's sink + recent + 1 still holds when larger
-    assert ced.budget_for(40, 0.5, 4, 32, floor=0) == 37
+    assert budget_mod.budget_for(40, 0.5, 4, 32) == budget_mod.MIN_STORED_ENTRIES == 128
+    assert budget_mod.budget_for(1000, 0.5, 4, 32) == 500
+    assert budget_mod.budget_for(100, 0.1, 4, 200) == 205  # sink + recent + 1 still holds when larger
+    assert budget_mod.budget_for(40, 0.5, 4, 32, floor=0) == 37
 
 
 def test_a_short_chat_is_never_compacted_at_the_defaults():
@@ -224,7 +234,7 @@ def test_a_short_chat_is_never_compacted_at_the_defaults():
     assert cache.compact() == 0 and cache.stored == 100
     for i in range(100, 120):
         adapter.forward(model, ids[:, i:i + 1], cache, prefill=False)
-        cache.maybe_compact_decode()
+        cache.after_decode_step()
     assert cache.stored == cache.seen == 120
     more = torch.randint(0, 256, (1, 200))
     adapter.forward(model, more, cache)
@@ -247,8 +257,8 @@ def test_merged_slot_is_count_weighted_mean():
     layer.append(keys, values, torch.arange(4))
     layer.scores[0, :4] = torch.tensor([5.0, 4.0, 1.0, 9.0])
     # no protection; keep 3 of 4: entry 2 (lowest) folds into entry 0 (most similar key)
-    plan = ced.plan_compaction(ced.ranking(layer, "ced"), 3, sink=0, recent=0, threshold=0.0)
-    ced.merge_into_kept(layer, plan)
+    plan = budget_mod.plan_compaction(ranking(layer, "ced"), 3, sink=0, recent=0, threshold=0.0)
+    merge.merge_into_kept(layer, plan)
     layer.keep(plan.keep)
     assert layer.positions[0, :3].tolist() == [0, 1, 3]
     assert torch.allclose(layer.read_values()[0, 0], torch.tensor([3.0, 0.0]))
@@ -272,7 +282,7 @@ def test_int8_kv_attention_error_is_small(tiny_model):
     adapter.install(model)
     ids = torch.randint(0, 256, (1, 64))
     ref = run_ids(model, make_cache(model, kv_cache_ratio=1.0, csa2_topk=0), ids, prefill=48)
-    cache = make_cache(model, kv_cache_ratio=1.0, csa2_topk=0, kv_int8=True)
+    cache = make_cache(model, kv_cache_ratio=1.0, csa2_topk=0, kv_cache_dtype="int8")
     got = run_ids(model, cache, ids, prefill=48)
     rel = (got - ref).norm() / ref.norm()
     assert rel < 0.02, rel
@@ -347,18 +357,16 @@ def test_csa2_bilinear_fit_follows_the_queries_not_just_the_keys():
 
 
 def test_csa2_is_dense_below_its_crossover_and_fits_when_the_cache_grows(monkeypatch):
-    from engine.cache import kv_cache
-
     settings = CacheSettings(kv_cache_ratio=1.0, csa2_topk=16, ced_sink_tokens=2, ced_recent_tokens=4)
     cache = DSV41Cache(1, 2, 8, torch.float32, "cpu", settings)
     layer = cache.layers[0]
     layer.append(torch.randn(2, 100, 8), torch.randn(2, 100, 8), torch.arange(100))
-    monkeypatch.setattr(kv_cache, "CSA2_DENSE_BELOW", 12)  # 12 x 16 = 192 entries
+    monkeypatch.setattr(csa2, "DENSE_BELOW", 12)  # 12 x 16 = 192 entries
     cache.fit_sparse()
     assert layer.projected_keys is None and not cache._sparse_ready(layer)
     layer.append(torch.randn(2, 100, 8), torch.randn(2, 100, 8), torch.arange(100, 200))
     cache.decode_steps = settings.compact_every
-    cache.maybe_compact_decode()
+    cache.after_decode_step()
     assert layer.projected_keys is not None and cache._sparse_ready(layer)
 
 
@@ -376,8 +384,8 @@ def test_scores_age_by_scoring_steps_not_by_unscored_document_tokens(tiny_model,
     assert torch.equal(layer.scores[:, :12], before)
     assert torch.all(layer.scores[:, 12:17] == 0)
     steps = []
-    original = ced.observe
-    monkeypatch.setattr(ced, "observe", lambda *a, **k: steps.append(a[4]) or original(*a, **k))
+    original = policies.CED.observe
+    monkeypatch.setattr(policies.CED, "observe", lambda self, *a, **k: steps.append(a[2]) or original(self, *a, **k))
     expected = layer.scores[:, :17].clone() * 0.9**3
     adapter.forward(model, torch.randint(0, 256, (1, 10)), cache, score_window=3)
     assert steps == [3, 3]  # one observation per layer, aged by the window's 3 queries, not the 10 tokens

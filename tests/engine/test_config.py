@@ -52,3 +52,45 @@ def test_replace_validates_and_rejects_unknown_fields():
         c.replace(kv_cache_ratio=2)
     with pytest.raises(ConfigError, match="DSV41Config field"):
         c.replace(cache_ratio=0.3)
+
+
+def test_the_docs_table_is_the_registry():
+    from pathlib import Path
+
+    from engine.config import knobs_table
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "knobs.md").read_text(encoding="utf-8")
+    assert knobs_table() in doc, "docs/knobs.md is out of date: paste engine.config.knobs_table() into it"
+
+
+def test_every_field_is_a_registry_knob_and_validates_from_it():
+    import dataclasses
+
+    from engine.cache import CacheSettings
+    from engine.config import KNOBS, KNOBS_LIST
+
+    assert [f.name for f in dataclasses.fields(DSV41Config)] == [k.name for k in KNOBS_LIST]
+    assert {f.name for f in dataclasses.fields(CacheSettings)} == {k.name for k in KNOBS_LIST if k.cache}
+    for knob in KNOBS_LIST:
+        knob.validate(knob.default)
+        if knob.slider is not None:  # the GUI's slider stays inside what the config accepts
+            assert knob.lo <= knob.slider.minimum < knob.slider.maximum <= knob.hi
+        if knob.cache and knob.applies == "cache":
+            assert knob.looser in ("up", "down", "change")
+    with pytest.raises(ConfigError, match="ced_sink_tokens"):
+        CacheSettings(ced_sink_tokens=-1)
+    assert KNOBS["kv_cache_ratio"].is_looser(0.3, 0.5) and not KNOBS["kv_cache_ratio"].is_looser(0.5, 0.3)
+    assert KNOBS["ced_threshold"].is_looser(0.2, 0.1) and KNOBS["ced_mode"].is_looser("evict", "merge")
+    assert CacheSettings().needs_rebuild(CacheSettings(kv_cache_dtype="int8"))
+    assert not CacheSettings().needs_rebuild(CacheSettings(kv_cache_ratio=0.3, ced_decay=0.99, csa2_topk=64))
+
+
+def test_cli_flags_come_from_the_registry():
+    from engine.cli import build_parser
+    from engine.config import KNOBS_LIST
+
+    args = build_parser().parse_args(["chat", "--ced-policy", "h2o", "--csa2-rank", "4", "--prefill-headroom", "1.5",
+                                      "--ced-recent-tokens", "16"])
+    assert (args.ced_policy, args.csa2_rank, args.prefill_headroom, args.ced_recent_tokens) == ("h2o", 4, 1.5, 16)
+    flags = {a.dest for a in build_parser()._subparsers._group_actions[0].choices["chat"]._actions}
+    assert {k.name for k in KNOBS_LIST if k.cli} <= flags

@@ -7,10 +7,10 @@ import sys
 import pytest
 import torch
 
-from engine import cpu_kernels
-from engine.cache import adapter
-from engine.cpu_kernels import PackedMatrix, bf16_exact
+from engine import kernels as cpu_kernels
+from engine.kernels import PackedMatrix, bf16_exact
 from engine.memory import module_bytes
+from engine.models import adapter
 
 from .test_cache import make_cache, run_ids
 
@@ -136,7 +136,7 @@ def test_inexact_float32_weights_stay_float32_unless_rounding_is_allowed(tiny_mo
 
 
 def test_turned_off_by_environment(monkeypatch):
-    monkeypatch.setattr(cpu_kernels, "_state", {})
+    monkeypatch.setattr(cpu_kernels.library, "_state", {})
     monkeypatch.setenv("DSV41_CPU_KERNELS", "0")
     assert cpu_kernels.load() is None
     assert "DSV41_CPU_KERNELS=0" in cpu_kernels.unavailable_reason()
@@ -145,7 +145,7 @@ def test_turned_off_by_environment(monkeypatch):
 def test_int8_rows_quantize_within_half_a_step():
     torch.manual_seed(1)
     w = torch.randn(20, 33) * torch.rand(20, 1)
-    q, scale = adapter.quantize_rows_int8(w)
+    q, scale = cpu_kernels.quantize_rows_int8(w)
     assert q.dtype == torch.int8 and scale.shape == (20,)
     assert q.abs().max() == 127  # each row's largest weight uses the full range
     assert torch.all((q.float() * scale[:, None] - w).abs() <= scale[:, None] / 2 + 1e-7)

@@ -4,10 +4,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.cache import adapter
 from engine.cache.attention import attention_probs, decode_attention
-from engine.cache.decoder import linear, residual_linear, rope, rope_matrix
 from engine.cache.storage import _gather_rows
+from engine.models import adapter
+from engine.models.decoder import linear, residual_linear, rope, rope_matrix
 
 
 def _param_bytes(model):
@@ -34,7 +34,7 @@ def test_fused_weights_are_stored_once(tiny_model):
     assert _param_bytes(model) == before
     assert len(_storages(model)) < storages_before
     attn = model.model.layers[0].self_attn
-    fused = model._dsv41_decoder.w.layers[0].qkv
+    fused = adapter.runtime(model).decoder.w.layers[0].qkv
     assert attn.k_proj.weight.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
     assert torch.equal(fused[: attn.q_proj.out_features], attn.q_proj.weight)
 

@@ -157,7 +157,7 @@ def test_memory_report_and_seed_print(default_model, capsys):
     assert report.device == "cpu" and report.device_label.startswith("CPU")
     # weights: 135M parameters, tied embeddings counted once; the matrices held as bf16 where the CPU
     # kernels run (engine.cpu_kernels), norms in float32
-    from engine.cache import adapter
+    from engine.models import adapter
 
     if adapter.packed_format(default_model.hf_model) == "bf16":
         assert 0.25e9 < report.weights < 0.3e9
@@ -187,7 +187,7 @@ def test_plain_cache_reproduces_transformers_logits_on_the_default_model(default
     from transformers import AutoModelForCausalLM
 
     from engine import DSV41Config, DSV41Model
-    from engine.cache import adapter
+    from engine.models import adapter
 
     model = default_model if held == "as loaded" else DSV41Model.from_pretrained(DSV41Config(dtype="float32"))
     if held == "float32":
@@ -213,7 +213,7 @@ def test_default_model_prefills_in_bf16_within_bf16_rounding_of_float32(default_
     """The default load (a Q4_1 checkpoint, weights held rounded to bf16) multiplies prefill chunks in bf16:
     its logits stay close to the float32 products' (one-token steps keep float32 products: test_cpu_kernels)."""
 
-    from engine.cache import adapter
+    from engine.models import adapter
 
     hf = default_model.hf_model
     assert adapter.prefill_bf16(hf) and default_model.info.prefill_bf16
@@ -238,7 +238,8 @@ def _against_reference(default_model, reference_model):
     """(our logits, transformers' logits or None) for a fixed prompt: prefill, then 4 decode steps."""
     import torch
 
-    from engine.cache import CacheSettings, DSV41Cache, adapter
+    from engine.cache import CacheSettings, DSV41Cache
+    from engine.models import adapter
 
     ids = default_model.tokenizer("The State of the Union is strong, and our economy keeps growing because",
                                   return_tensors="pt")["input_ids"]

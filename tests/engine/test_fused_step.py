@@ -8,8 +8,9 @@ positions, CED scores, lengths, merged entries' counts, across block reallocatio
 import pytest
 import torch
 
-from engine import cpu_kernels
-from engine.cache import adapter
+from engine import kernels as cpu_kernels
+from engine.cache import FusedPlan
+from engine.models import adapter
 
 from .test_cache import make_cache
 
@@ -43,7 +44,7 @@ def _decode(model, cache, ids, prefill: int, compact_at=(), compact_to=None):
 
 def _both(model, ids, prefill, *, threads=None, compact_at=(), compact_to=None, **knobs):
     """(fused logits, fused cache, per-op logits, per-op cache) for the same tokens."""
-    decoder = model._dsv41_decoder
+    decoder = adapter.runtime(model).decoder
     fused = decoder.fused
     assert fused is not None
     previous = torch.get_num_threads()
@@ -144,7 +145,7 @@ def test_which_layers_the_fused_step_hands_back_to_the_cache(tiny_model, monkeyp
     assert cache.stored == 21 and cache.seen == 21
 
     calls.clear()
-    got, int8_cache, expected, int8_reference = _both(model, ids, 20, kv_cache_ratio=1.0, csa2_topk=0, kv_int8=True)
+    got, int8_cache, expected, int8_reference = _both(model, ids, 20, kv_cache_ratio=1.0, csa2_topk=0, kv_cache_dtype="int8")
     assert int8_cache.fused_plan() is None  # outside a forward
     assert torch.allclose(got, expected, atol=1e-4, rtol=1e-4)
     _assert_same_cache(int8_cache, int8_reference)
@@ -154,9 +155,9 @@ def test_which_layers_the_fused_step_hands_back_to_the_cache(tiny_model, monkeyp
     torch.manual_seed(6)
     long_ids = torch.randint(0, 256, (1, 80))
     knobs = dict(kv_cache_ratio=1.0, csa2_topk=4, ced_sink_tokens=2, ced_recent_tokens=4)
-    monkeypatch.setattr("engine.cache.kv_cache.CSA2_DENSE_BELOW", 1)  # sparse from 11 entries on
+    monkeypatch.setattr("engine.cache.csa2.DENSE_BELOW", 1)  # sparse from 11 entries on
     calls.clear()
-    decoder = model._dsv41_decoder
+    decoder = adapter.runtime(model).decoder
     sparse = make_cache(model, **knobs)
     adapter.forward(model, long_ids[:, :60], sparse, prefill=True)
     sparse.fit_sparse()
@@ -188,10 +189,13 @@ def test_an_error_in_the_called_back_attention_leaves_the_cache_as_it_was(tiny_m
     and the forward is undone; no layer keeps the half-made entry or a score for it."""
     model = _packed(tiny_model, "llama")
     ids = torch.randint(0, 256, (1, 30))
-    cache = make_cache(model, kv_cache_ratio=0.5, csa2_topk=0, kv_int8=False, min_entries=8)
+    cache = make_cache(model, kv_cache_ratio=0.5, csa2_topk=0, kv_cache_dtype="auto", min_entries=8)
     adapter.forward(model, ids[:, :20], cache, prefill=True)
     before = [layer.length for layer in cache.layers]
-    monkeypatch.setattr(type(cache), "fused_plan", lambda self: [False, True])  # layer 1 through attend
+    real_plan = type(cache).fused_plan
+    monkeypatch.setattr(type(cache), "fused_plan",  # layer 1 through attend
+                        lambda self: real_plan(self) and FusedPlan([False, True], real_plan(self).score,
+                                                                     real_plan(self).decay))
 
     def failing(self, index, *args, **kwargs):
         raise torch.OutOfMemoryError("no memory for layer 1")
@@ -211,20 +215,20 @@ def test_an_error_in_the_called_back_attention_leaves_the_cache_as_it_was(tiny_m
 
 @needs_kernels
 def test_fused_step_is_built_for_packed_and_float32_weights_unless_turned_off(tiny_model, monkeypatch):
-    assert _packed(tiny_model, "llama", "float32")._dsv41_decoder.fused is not None
-    assert _packed(tiny_model, "llama", "int8")._dsv41_decoder.fused is not None
+    assert adapter.runtime(_packed(tiny_model, "llama", "float32")).decoder.fused is not None
+    assert adapter.runtime(_packed(tiny_model, "llama", "int8")).decoder.fused is not None
     half = tiny_model("llama").to(torch.float16)  # no kernel reads float16: the per-op step
     adapter.install(half)
-    assert half._dsv41_decoder is None or half._dsv41_decoder.fused is None
+    assert adapter.runtime(half).decoder is None or adapter.runtime(half).decoder.fused is None
     monkeypatch.setenv("DSV41_FUSED_STEP", "0")
-    assert _packed(tiny_model, "llama")._dsv41_decoder.fused is None
+    assert adapter.runtime(_packed(tiny_model, "llama")).decoder.fused is None
 
 
 @needs_kernels
 def test_fused_step_on_the_default_model(default_model):
     """The shipped model (bf16-held weights) decodes through the fused step, with the per-op step's logits."""
     hf = default_model.hf_model
-    decoder = hf._dsv41_decoder
+    decoder = adapter.runtime(hf).decoder
     assert decoder.fused is not None
     ids = torch.tensor([default_model.tokenizer.encode("The capital of France is Paris. The capital of Italy is")])
     prefill = ids.shape[1] - 4
@@ -257,7 +261,7 @@ def test_avx2_matvec_equals_float32_arithmetic(rows, cols):
     got = cpu_kernels.PackedMatrix(w.bfloat16().contiguous(), library=library).matvec(x)
     reference = w.bfloat16().double() @ x.double()
     assert torch.allclose(got.double(), reference, atol=1e-4, rtol=1e-5)
-    q, scale = adapter.quantize_rows_int8(w)
+    q, scale = cpu_kernels.quantize_rows_int8(w)
     got = cpu_kernels.PackedMatrix(q, scale, library=library).matvec(x)
     reference = (q.double() * scale.double()[:, None]) @ x.double()
     assert torch.allclose(got.double(), reference, atol=1e-4, rtol=1e-5)
@@ -267,7 +271,7 @@ def test_avx2_matvec_equals_float32_arithmetic(rows, cols):
 def test_avx2_fused_step_equals_the_per_op_step(tiny_model):
     library = _avx2_library()
     model = _packed(tiny_model, "qwen3")
-    model._dsv41_decoder.fused = cpu_kernels.FusedDecodeStep(model._dsv41_decoder.w, library)
+    adapter.runtime(model).decoder.fused = cpu_kernels.FusedDecodeStep(adapter.runtime(model).decoder.w, library)
     torch.manual_seed(4)
     ids = torch.randint(0, 256, (1, 90))
     knobs = dict(kv_cache_ratio=0.5, csa2_topk=0, ced_mode="merge", ced_sink_tokens=2, ced_recent_tokens=4,
@@ -287,7 +291,7 @@ def test_bf16_model_decodes_fused_with_a_bf16_cache(tiny_model):
     model = tiny_model("llama").to(torch.bfloat16)
     adapter.install(model)
     assert adapter.packed_format(model) == "bf16" and adapter.compute_dtype(model) == torch.bfloat16
-    decoder = model._dsv41_decoder
+    decoder = adapter.runtime(model).decoder
     assert decoder.fused is not None
     torch.manual_seed(5)
     ids = torch.randint(0, 256, (1, 60))
@@ -338,7 +342,7 @@ def test_float32_matvec_of_the_fused_step(rows, cols, isa):
 def test_kernel_ceiling_is_measured_on_the_fused_steps_products(tiny_model):
     """The bench's kernel ceiling: every product of one fused step, timed in C (no Python between them), so
     a whole step can never be faster than it."""
-    from engine.bench import core
+    from benchmarks.speed import core
 
     model = _packed(tiny_model, "llama")
     ceiling = core.matvec_ceiling(model)
@@ -366,7 +370,7 @@ def test_a_new_cache_is_never_mistaken_for_a_freed_one(tiny_model):
     import gc
 
     model = _packed(tiny_model, "llama")
-    fused = model._dsv41_decoder.fused
+    fused = adapter.runtime(model).decoder.fused
     ids = torch.randint(0, 256, (1, 12))
     for _ in range(6):
         cache = make_cache(model, kv_cache_ratio=1.0, csa2_topk=0)
@@ -388,7 +392,7 @@ def test_the_default_models_bf16_cache_decodes_alike_fused_and_per_op(default_mo
     step and the per-op step (SDPA / decode_attention over the bf16 entries, merged entries' counts in the
     prefill after a compaction) agree, and a cache holds bf16 throughout."""
     hf = default_model.hf_model
-    decoder = hf._dsv41_decoder
+    decoder = adapter.runtime(hf).decoder
     ids = torch.tensor([default_model.tokenizer.encode(
         "The State of the Union is strong. Our economy keeps growing, and our people keep working. " * 3)])
     saved = default_model.config

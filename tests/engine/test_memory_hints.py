@@ -1,4 +1,4 @@
-"""MemoryReport's hints: the seed's KV-over-weights rule and the warning when quality must drop."""
+"""MemoryReport's hints: the KV-over-weights rule and the warning when quality must drop."""
 
 from __future__ import annotations
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from engine import DSV41Config, DSV41Model, ModelLoadError, loader
+from engine.gguf import _gguf_key
 
 
 @pytest.fixture
@@ -62,7 +63,7 @@ def test_a_damaged_conversion_cached_earlier_is_removed(tiny_folder, tmp_path, c
     converts the file again."""
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"GGUF stand-in: the conversion below is what gets loaded")
-    target = cache_dir / "models" / loader._gguf_key(gguf)
+    target = cache_dir / "models" / _gguf_key(gguf)
     nan_folder(tiny_folder, target)
     (target / "dsv41_source.json").write_text(json.dumps({"gguf": str(gguf), "quantized": False}))
     (target / ".complete").write_text("ok")

@@ -11,7 +11,7 @@ import threading
 import pytest
 
 from engine import Done, PrefillProgress, TokenText
-from engine.cache import adapter
+from engine.models import adapter
 
 from .conftest import agrees, first_turn, new_session, same_state, snapshot, turn
 

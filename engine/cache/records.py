@@ -1,0 +1,85 @@
+"""Plain records the cache hands out: statistics, a checkpoint of a turn, a turn's prefill plan, the fused
+step's plan, and the bytes one stored token costs."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+def kv_bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, element_bytes: int, int8: bool) -> int:
+    """K and V bytes one stored token costs across all layers (INT8: 1 byte each plus a float32 scale)."""
+    per = 1 + 4 / head_dim if int8 else element_bytes
+    return int(math.ceil(num_layers * 2 * kv_heads * head_dim * per))
+
+
+@dataclass
+class CacheStats:
+    tokens_seen: int
+    stored_per_layer: list[int]
+    merged_per_layer: list[int]
+    stored_bytes: int
+    uncompressed_bytes: int
+    compactions: int
+    compaction_seconds: float
+    csa2_recall: float | None
+    csa2_steps: int
+    budget: int
+
+    @property
+    def stored(self) -> int:
+        return max(self.stored_per_layer, default=0)
+
+    @property
+    def compression_ratio(self) -> float:
+        return self.stored_bytes / self.uncompressed_bytes if self.uncompressed_bytes else 1.0
+
+
+@dataclass
+class Checkpoint:
+    """What a turn may change before its prompt has been read (DSV41Cache.checkpoint / restore)."""
+
+    seen: int
+    compactions: int
+    decode_steps: int
+    lengths: tuple[int, ...]
+    scores: tuple[torch.Tensor, ...]
+    query_moments: tuple[torch.Tensor | None, ...]
+    query_counts: tuple[int, ...]
+
+
+@dataclass
+class Prefill:
+    """How one turn's new tokens are read (DSV41Cache.start_prefill decides; the turn loop follows)."""
+
+    total: int
+    question_tokens: int
+    headroom: int | None  # entries the cache may hold while the turn is read (None: no limit)
+    streaming: bool  # more than the headroom: compacted while it streams in
+    wants_probe: bool  # score the streaming document with a probe of the question (set `probe` to its queries)
+    probe: dict[int, torch.Tensor] | None = None
+    compacted: bool = False  # a compaction happened while it streamed in
+
+
+@dataclass
+class FusedPlan:
+    """What a fused CPU decode step does itself (engine.kernels.fused): per layer, whether `attend` runs it
+    instead (by_python), and how the step updates the scores (scores <- decay * scores + attention)."""
+
+    by_python: list[bool]
+    score: bool
+    decay: float
+
+
+@dataclass
+class Forward:
+    """The forward in progress (DSV41Cache.begin_forward .. end_forward)."""
+
+    tokens: int = 0
+    positions: torch.Tensor | None = None
+    score_window: int | None = 0  # None: every query of the forward scores
+    prefill: bool = True
+    start_lengths: tuple[int, ...] = ()
+    mask: torch.Tensor | None = None  # causal bias shared by the layers of a prefill chunk

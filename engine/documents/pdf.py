@@ -1,0 +1,141 @@
+"""PDF: the text layer of every page read with pypdf, with encrypted, damaged and scanned (image-only) files
+refused with a message that says what to do; spacing and presentation forms of the text layer are tidied."""
+
+from __future__ import annotations
+
+import io
+import re
+import unicodedata
+
+from .core import _reason_of
+
+
+def _scanned_message(label: str) -> str:
+    return (
+        f"{label} has no extractable text; it looks like a scanned document (pages stored as images). "
+        "Run OCR on it first (for example with OCRmyPDF or Adobe Acrobat) and drop the result."
+    )
+
+
+_PDF_SPACING = re.compile(r"[ \t\u00a0\u2000-\u200a\u202f\u205f\u3000]+")
+
+
+# Presentation forms a PDF's text layer uses for what is plain text: ligatures (ﬁ ﬂ ﬀ, LaTeX and Qt
+# write them) and the Kangxi / CJK radicals Qt's writer maps ideographs such as 户 and 目 to.
+_PDF_COMPAT = re.compile("[\ufb00-\ufb06\u2e80-\u2ef3\u2f00-\u2fd5]")
+# C0 controls in extracted text are glyphs the PDF gives no character for (its ToUnicode map omits them)
+_PDF_UNMAPPED = re.compile("[\x01-\x08\x0b\x0c\x0e-\x1f\x7f]")
+
+
+def _clean_pdf_text(text: str, notes: list[str]) -> str:
+    """Ligatures and radicals become the characters they stand for (NFKC, for those alone); glyphs the PDF
+    maps to no character become U+FFFD, and a note says how many (the model must not read them as text)."""
+    text = _PDF_COMPAT.sub(lambda m: unicodedata.normalize("NFKC", m.group()), text)
+    text, unmapped = _PDF_UNMAPPED.subn("\ufffd", text)
+    if unmapped:
+        notes.append(f"{unmapped:,} character{'s' if unmapped != 1 else ''} of this PDF could not be read (its text "
+                     "layer gives no character for them; they show as \ufffd): numbers or names may be missing. "
+                     "Export the PDF again from its source, or drop the source file instead.")
+    return text
+
+
+def _normalise_pdf_spacing(text: str) -> str:
+    """Runs of spaces, tabs and other spacing characters a PDF's text layer puts between words become one
+    space (Qt's QPdfWriter, for one, joins words with tabs, which tokenize as separate tokens and nearly
+    doubled a speech's token count); line breaks stay."""
+    return "\n".join(_PDF_SPACING.sub(" ", line).strip(" ") for line in text.split("\n"))
+
+
+def _looks_scanned(text: str, pages: int) -> bool:
+    """Too few letters or digits for the page count: at most page numbers or stamps survived."""
+    needed = 3 * max(1, pages)
+    letters = 0
+    for ch in text:
+        if ch.isalnum():
+            letters += 1
+            if letters >= needed:
+                return False
+    return True
+
+
+def _pdf_text(data: bytes, label: str, fail, max_chars: int) -> tuple[str, int]:
+    try:
+        from pypdf import PdfReader
+        from pypdf.errors import DependencyError
+    except ImportError as exc:  # pragma: no cover - pypdf is a declared dependency
+        raise fail(
+            "unreadable", f"{label} can't be read: PDF support (pypdf) is not installed ({exc})."
+        ) from None
+
+    if b"%PDF-" not in data[:1024]:
+        raise fail(
+            "unreadable",
+            f"{label} is not a valid PDF file (no PDF header). It may be damaged or mislabelled.",
+        )
+
+    try:
+        reader = PdfReader(io.BytesIO(data), strict=False)
+    except Exception as exc:
+        raise fail("unreadable", f"{label} could not be read as a PDF: {_reason_of(exc)}.") from None
+
+    try:
+        encrypted = reader.is_encrypted
+    except Exception as exc:
+        raise fail("unreadable", f"{label} could not be read as a PDF: {_reason_of(exc)}.") from None
+    aes_message = (
+        f"{label} is encrypted with AES, which this installation cannot decrypt. "
+        "Save an unprotected copy (open it and print or export it to a new PDF) and drop that."
+    )
+    if encrypted:
+        protected = (
+            f"{label} is password-protected. Remove the password (for example: open it and print or "
+            "export it to a new PDF) and drop the unprotected copy."
+        )
+        try:
+            opened = reader.decrypt("")
+        except DependencyError:
+            raise fail("encrypted", aes_message) from None
+        except Exception as exc:
+            raise fail(
+                "unreadable", f"{label} is encrypted and could not be opened: {_reason_of(exc)}."
+            ) from None
+        if not opened:
+            raise fail("encrypted", protected)
+
+    try:
+        page_list = reader.pages
+        n_pages = len(page_list)
+    except Exception as exc:
+        raise fail("unreadable", f"{label} could not be read as a PDF: {_reason_of(exc)}.") from None
+    if n_pages == 0:
+        raise fail("unreadable", f"{label} could not be read as a PDF: it has no pages.")
+
+    parts: list[str] = []
+    total = 0
+    failures: list[tuple[int, BaseException]] = []
+    for index in range(n_pages):
+        try:
+            page_text = page_list[index].extract_text() or ""
+        except Exception as exc:  # a damaged page: mark it, keep the rest
+            if encrypted and isinstance(exc, DependencyError):  # AES streams, no crypto library
+                raise fail("encrypted", aes_message) from None
+            failures.append((index + 1, exc))
+            parts.append(f"[page {index + 1}: text could not be extracted]")
+            continue
+        page_text = page_text.strip("\n")
+        if page_text.strip():
+            parts.append(page_text)
+            total += len(page_text) + 2
+            # Normalisation only shrinks text, and only a little; stop reading hopeless cases early.
+            if total > 2 * max_chars + 1024:
+                raise fail(
+                    "too_large",
+                    f"{label} has more than {max_chars:,} characters of text (stopped reading at page "
+                    f"{index + 1} of {n_pages}); the limit is {max_chars:,}. "
+                    "Split it into smaller files or drop an excerpt.",
+                )
+    if failures and len(failures) == n_pages:
+        page, exc = failures[0]
+        raise fail("unreadable", f"{label} could not be read as a PDF: page {page}: {_reason_of(exc)}.")
+    return "\n\n".join(parts), n_pages
+

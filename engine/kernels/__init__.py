@@ -1,0 +1,11 @@
+"""Our CPU kernels: the C source and its build (library), weights held for it (packed), the one int8
+quantizer (quant) and the whole-decoder decode step in one call (fused). Nothing here knows transformers
+or the cache's policies: the fused step takes plain tensors and a decay."""
+
+from .fused import FusedDecodeStep
+from .library import KernelLibrary, KernelsUnavailable, build, load, unavailable_reason
+from .packed import PackedMatrix, bf16_exact
+from .quant import quantize_int8, quantize_rows_int8
+
+__all__ = ["FusedDecodeStep", "KernelLibrary", "KernelsUnavailable", "PackedMatrix", "bf16_exact", "build", "load",
+           "quantize_int8", "quantize_rows_int8", "unavailable_reason"]

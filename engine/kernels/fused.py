@@ -1,0 +1,223 @@
+"""FusedDecodeStep: one decode step of the whole decoder in one call to cpu_kernels.c."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import torch
+
+from .library import ATTEND_CALLBACK, KernelLibrary, load
+from .packed import PackedMatrix
+
+
+class _StepLayer(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in (
+        "input_norm", "post_norm", "q_norm", "k_norm", "qkv", "o", "gate_up", "down",
+        "qkv_scale", "o_scale", "gate_up_scale", "down_scale", "qkv_bias", "o_bias")]
+
+
+class _StepCache(ctypes.Structure):
+    _fields_ = [("keys", ctypes.c_void_p), ("values", ctypes.c_void_p), ("positions", ctypes.c_void_p),
+                ("scores", ctypes.c_void_p), ("log_counts", ctypes.c_void_p), ("length", ctypes.c_int64),
+                ("capacity", ctypes.c_int64), ("by_callback", ctypes.c_int64)]
+
+
+class _StepModel(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int64) for name in ("hidden", "heads", "kv_heads", "head_dim", "inter", "vocab",
+                                                     "layers", "kv_bf16", "weight_format")] + [
+        ("eps", ctypes.c_float), ("scaling", ctypes.c_float), ("final_norm", ctypes.c_void_p),
+        ("lm_head", ctypes.c_void_p), ("lm_head_scale", ctypes.c_void_p), ("lm_head_bias", ctypes.c_void_p)]
+
+
+def _float_vector(t: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    """A norm weight or bias as a contiguous float32 vector (a float32 copy of a bf16 one: it is small)."""
+    if t is None:
+        return None
+    if t.dtype not in (torch.float32, torch.bfloat16) or t.shape != (n,) or t.device.type != "cpu":
+        raise _NotFusable("a norm or bias is not a float32/bf16 CPU vector")
+    return t.detach().to(torch.float32).contiguous()
+
+
+class _NotFusable(Exception):
+    pass
+
+
+def _weight_format(m) -> int:
+    """cpu_kernels.c's StepModel.weight_format of a decoder matrix: 0 bf16, 1 int8, 2 float32."""
+    if isinstance(m, PackedMatrix):
+        return 1 if m.scale is not None else 0
+    if isinstance(m, torch.Tensor) and m.dim() == 2 and m.is_contiguous() and m.device.type == "cpu":
+        if m.dtype == torch.float32:
+            return 2
+        if m.dtype == torch.bfloat16:
+            return 0
+    raise _NotFusable("a matrix the kernels cannot read (not packed, float32 or bf16 on the CPU)")
+
+
+class FusedDecodeStep:
+    """One decode step of the whole decoder in one call to cpu_kernels.c (dsv41_decode_step).
+
+    Built from engine.models.decoder's weights when they fit: every matrix in one format (packed bf16 or int8,
+    or plain float32 / bf16 tensors: dtype="float32" gets the fused step too), SiLU gating.
+    The step computes in float32; a bf16 model (dtype="bfloat16") keeps its KV cache in bf16 (read widened,
+    written rounded) and gets float32 logits. The cache side (which layers, when) is DSV41Cache.fused_plan's. `build`
+    returns None when the weights do not fit or DSV41_FUSED_STEP=0, and the per-op Python step runs.
+    """
+
+    def __init__(self, weights, library: KernelLibrary):
+        w = weights
+        self._lib = library.lib
+        layers = w.layers
+        first = layers[0]
+        if w.act_name != "silu":
+            raise _NotFusable(f"activation {w.act_name!r} (only SiLU is fused)")
+        hidden, d, heads, kv_heads = first.o.shape[0], w.head_dim, w.heads, w.kv_heads
+        if d > 256 or heads % kv_heads or heads // kv_heads > 64:
+            raise _NotFusable("head geometry outside the kernel's limits (head_dim <= 256, groups <= 64)")
+        inter = first.down.shape[1]
+        fmt = _weight_format(w.lm_head)
+        self._keep = []  # everything a pointer below refers to
+
+        def matrix(m, rows, cols):
+            if _weight_format(m) != fmt or tuple(m.shape) != (rows, cols):
+                raise _NotFusable("a matrix is not held like the others")
+            self._keep.append(m)
+            if isinstance(m, PackedMatrix):
+                return m.data.data_ptr(), (m.scale.data_ptr() if m.scale is not None else None)
+            return m.data_ptr(), None
+
+        def vec(t, n):
+            t = _float_vector(t, n)
+            if t is None:
+                return None
+            self._keep.append(t)
+            return t.data_ptr()
+
+        self._layers = (_StepLayer * len(layers))()
+        for spec, layer in zip(self._layers, layers, strict=True):
+            spec.input_norm, spec.post_norm = vec(layer.input_norm, hidden), vec(layer.post_norm, hidden)
+            spec.q_norm, spec.k_norm = vec(layer.q_norm, d), vec(layer.k_norm, d)
+            if spec.input_norm is None or spec.post_norm is None:
+                raise _NotFusable("missing norm")
+            spec.qkv, spec.qkv_scale = matrix(layer.qkv, (heads + 2 * kv_heads) * d, hidden)
+            spec.o, spec.o_scale = matrix(layer.o, hidden, heads * d)
+            spec.gate_up, spec.gate_up_scale = matrix(layer.gate_up, 2 * inter, hidden)
+            spec.down, spec.down_scale = matrix(layer.down, hidden, inter)
+            spec.qkv_bias = vec(layer.qkv_bias, (heads + 2 * kv_heads) * d)
+            spec.o_bias = vec(layer.o_bias, hidden)
+        vocab = w.lm_head.shape[0]
+        model = _StepModel(hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=d, inter=inter, vocab=vocab,
+                           layers=len(layers), weight_format=fmt, eps=float(w.eps), scaling=float(w.scaling))
+        model.final_norm = vec(w.final_norm, hidden)
+        model.lm_head, model.lm_head_scale = matrix(w.lm_head, vocab, hidden)
+        model.lm_head_bias = vec(w.lm_head_bias, vocab)
+        self._model = model
+        self._caches = (_StepCache * len(layers))()
+        self._cache_key: list = [None] * len(layers)
+        self._work = torch.empty(0)
+        self.vocab, self.hidden = vocab, hidden
+        self._qkv_size = (heads + 2 * kv_heads) * d
+        self._call: dict = {}  # the step in progress, for the callback
+        self._callback = ATTEND_CALLBACK(self._attend_in_python)  # kept alive as long as self
+
+    @classmethod
+    def build(cls, weights) -> FusedDecodeStep | None:
+        if os.environ.get("DSV41_FUSED_STEP", "1") == "0":
+            return None
+        library = load()
+        if library is None or not weights.layers:
+            return None
+        try:
+            return cls(weights, library)
+        except _NotFusable:
+            return None
+
+    def _refresh(self, index: int, layer) -> None:
+        """Point descriptor `index` at a LayerKV's storage (again, after it was reallocated)."""
+        spec = self._caches[index]
+        spec.keys, spec.values = layer.keys.data_ptr(), layer.values.data_ptr()
+        spec.positions, spec.scores = layer.positions.data_ptr(), layer.scores.data_ptr()
+        spec.log_counts = layer.log_counts.data_ptr() if layer.merged_any else None
+        spec.capacity = layer.capacity
+        self._cache_key[index] = (layer.storage_version, layer.merged_any)
+
+    def step(self, x: torch.Tensor, position: int, cos: torch.Tensor, sin: torch.Tensor, cache, by_python: list[bool],
+             *, score: bool, decay: float) -> torch.Tensor:
+        """x [hidden] float32 (the token's embedding); cos/sin [head_dim] float32 at `position`; `cache` a
+        DSV41Cache inside a one-token forward, whose layers marked in `by_python` are appended to and attended
+        by its own `attend` (called back from C), the others here (float32 or bf16 storage, each with room for
+        one more entry; see DSV41Cache.fused_plan). Every layer gains the token; returns logits [vocab] float32."""
+        layers = cache.layers
+        self._model.kv_bf16 = int(layers[0].dtype == torch.bfloat16)
+        most = 0
+        for index, layer in enumerate(layers):
+            spec = self._caches[index]
+            spec.by_callback = int(by_python[index])
+            if by_python[index]:
+                continue
+            if self._cache_key[index] != (layer.storage_version, layer.merged_any):
+                self._refresh(index, layer)
+            spec.length = layer.length
+            most = max(most, layer.length + 1)
+        needed = self._lib.dsv41_step_work_floats(ctypes.byref(self._model), most)
+        if self._work.numel() < needed:
+            self._work = torch.empty(needed + needed // 4, dtype=torch.float32)
+        logits = torch.empty(self.vocab, dtype=torch.float32)
+        self._call = {"cache": cache, "error": None}
+        try:
+            status = self._lib.dsv41_decode_step(
+                ctypes.byref(self._model), self._layers, self._caches, x.data_ptr(), position, cos.data_ptr(),
+                sin.data_ptr(), int(score), float(decay), logits.data_ptr(), self._work.data_ptr(),
+                self._work.numel(), self._callback, torch.get_num_threads())
+            error = self._call["error"]
+        finally:
+            self._call = {}
+        if status != 0:
+            for index, layer in enumerate(layers):  # an entry written past `length` must leave no score behind
+                if not by_python[index] and layer.length < layer.capacity:
+                    layer.scores[:, layer.length] = 0.0
+            if error is not None:
+                raise error
+            raise RuntimeError(f"fused decode step failed ({status}): a layer had no room for its entry")
+        for index, layer in enumerate(layers):
+            if not by_python[index]:
+                layer.length += 1
+        return logits
+
+    def matrices_seconds(self, reps: int = 5) -> float:
+        """Median time of every matrix-vector product of one step and nothing else (dsv41_step_matrices)."""
+        import statistics
+        import time
+
+        work = torch.full((self._lib.dsv41_step_work_floats(ctypes.byref(self._model), 1),), 0.01)
+        logits = torch.empty(self.vocab)
+        args = (ctypes.byref(self._model), self._layers, logits.data_ptr(), work.data_ptr(), torch.get_num_threads())
+        self._lib.dsv41_step_matrices(*args)
+        times = []
+        for _ in range(reps):
+            started = time.perf_counter()
+            self._lib.dsv41_step_matrices(*args)
+            times.append(time.perf_counter() - started)
+        return statistics.median(times)
+
+    def _attend_in_python(self, index: int) -> int:
+        """Called from C for a layer marked by_python: the cache's own append + attention on the q, k, v the
+        step left in the work buffer; the output goes where the step reads it. Errors are kept for step()
+        to raise (an exception must not cross the C frames)."""
+        try:
+            hidden, d = self.hidden, self._model.head_dim
+            heads, kv_heads = self._model.heads, self._model.kv_heads
+            qkv = self._work[2 * hidden: 2 * hidden + self._qkv_size]
+            q = qkv[: heads * d].view(1, heads, 1, d)
+            k = qkv[heads * d: (heads + kv_heads) * d].view(1, kv_heads, 1, d)
+            v = qkv[(heads + kv_heads) * d:].view(1, kv_heads, 1, d)
+            cache = self._call["cache"]
+            dtype = cache.dtype
+            out = cache.attend(int(index), q.to(dtype), k.to(dtype), v.to(dtype), float(self._model.scaling))
+            start = 2 * hidden + self._qkv_size
+            self._work[start: start + heads * d].copy_(out.reshape(-1))
+            return 0
+        except BaseException as exc:  # noqa: BLE001 - handed to step(), raised there
+            self._call["error"] = exc
+            return 1

