@@ -12,9 +12,13 @@ from dataclasses import dataclass
 
 from PySide6.QtCore import QObject, QRunnable, QThreadPool, Signal
 
+from engine.documents import DocumentError
+
+from .knobs import SLIDER
 from .protocol import AttachedDocument
 
 _keys = itertools.count(1)
+_RATIO = SLIDER["kv_cache_ratio"]
 
 
 class _ParseSignals(QObject):
@@ -33,7 +37,7 @@ class _ParseJob(QRunnable):
 
             doc = load_document(self.path)
         except Exception as exc:  # noqa: BLE001 - DocumentError carries the user's message; others too
-            message = str(exc) if type(exc).__name__ == "DocumentError" else f"{self.path}: {type(exc).__name__}: {exc}"
+            message = str(exc) if isinstance(exc, DocumentError) else f"{self.path}: {type(exc).__name__}: {exc}"
             self.signals.failed.emit(self.key, self.path, message)
             return
         self.signals.parsed.emit(self.key, AttachedDocument(self.key, doc.name, doc.path, doc.kind, doc.text,
@@ -75,15 +79,22 @@ class DocumentLoader(QObject):
 
 @dataclass(frozen=True)
 class FitAssessment:
-    kv_bytes: int  # what this document's entries take in the cache after compaction at the current settings
+    kv_bytes: int | None  # this document's share of the cache after compaction (the engine's figure), if known
     fits: bool
     warning: str | None  # says which knob would make it fit
 
 
-def assess_fit(tokens: int, *, tokens_before: int, context_limit: int, max_positions: int, bytes_per_token: int,
-               kv_cache_ratio: float, free_bytes: int | None, prefill_headroom, kv_dtype: str) -> FitAssessment:
-    """Judge one document that comes after `tokens_before` tokens (system, history, earlier documents)."""
-    kv_bytes = int(tokens * kv_cache_ratio * bytes_per_token)
+MIN_SUGGESTED_RATIO = 0.1  # below this the advice is INT8 or a smaller document: answers worsen too much
+
+
+def assess_fit(tokens: int, *, tokens_before: int, context_limit: int, max_positions: int, kv_bytes: int | None,
+               kv_after: int | None, bytes_per_token: int, free_bytes: int | None, prefill_headroom,
+               kv_dtype: str) -> FitAssessment:
+    """Judge one document that comes after `tokens_before` tokens (system, history, earlier documents).
+
+    `kv_bytes` (its share) and `kv_after` (the whole cache once it holds it) are the engine's figures
+    (DSV41Model.stored_kv_bytes, budget floor included), None until the worker has sent them; the context check
+    needs only the tokens."""
     needed = tokens_before + tokens
     if needed >= context_limit:
         if max_positions and needed < max_positions:
@@ -94,11 +105,12 @@ def assess_fit(tokens: int, *, tokens_before: int, context_limit: int, max_posit
         return FitAssessment(kv_bytes, False, f"Will not fit the context: needs ~{needed:,} of {context_limit:,} "
                                               f"tokens. {knob}, or start a new chat.")
     if free_bytes:
-        stored_after = int(needed * kv_cache_ratio * bytes_per_token)
-        if stored_after > 0.9 * free_bytes:
+        if kv_after is not None and kv_after > 0.9 * free_bytes:
+            # The ratio whose budget would fit (a large document is far above the budget's floor).
             target = 0.9 * free_bytes / max(needed * bytes_per_token, 1)
-            if target >= 0.1:
-                knob = f"lower Cache ratio to {math.floor(target * 20) / 20:.2f}"
+            step = _RATIO.step
+            if target >= MIN_SUGGESTED_RATIO:
+                knob = f"lower Cache ratio to {math.floor(target / step) * step:.{_RATIO.decimals}f}"
             elif kv_dtype != "int8":
                 knob = "set KV dtype to INT8 and lower Cache ratio"
             else:

@@ -26,7 +26,7 @@ def fmt_bytes(n: float, like: float | None = None) -> str:
 
 
 def kv_line(stored: int, uncompressed: int) -> str:
-    """'2.10 GB (from 4.20 GB) ×0.50' — the seed's way of showing the compressed cache."""
+    """'2.10 GB (from 4.20 GB) ×0.50' — the compressed cache, what it stands for and the ratio."""
     ratio = stored / uncompressed if uncompressed else 1.0
     unit_of = min(stored, uncompressed) or max(stored, uncompressed)  # one unit for both, precise for the smaller
     return f"{fmt_bytes(stored, unit_of)} (from {fmt_bytes(uncompressed, unit_of)}) ×{ratio:.2f}"

@@ -1,10 +1,16 @@
-"""The cache knobs the GUI exposes, their slider ranges and the presets (data only, no Qt)."""
+"""The cache knobs the GUI exposes, from the engine's registry (engine.config.KNOBS), and the presets.
+
+Ranges, steps, labels, tips, choices and defaults are the registry's: a knob with a `slider` there gets a
+slider here. What stays here is the GUI's own: the words a choice is shown with, the headroom steps of its
+combo box, and the presets. Data only, no Qt; engine.config is torch-free.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.config import DSV41Config
+from engine.config import KNOBS, Knob
+from engine.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -17,6 +23,11 @@ class SliderKnob:
     decimals: int
     tip: str
 
+    @classmethod
+    def of(cls, knob: Knob) -> SliderKnob:
+        slider = knob.slider
+        return cls(knob.name, knob.label, slider.minimum, slider.maximum, slider.step, slider.decimals, knob.help)
+
     @property
     def ticks(self) -> int:
         return round((self.maximum - self.minimum) / self.step)
@@ -28,31 +39,37 @@ class SliderKnob:
         value = self.minimum + tick * self.step
         return int(round(value)) if self.decimals == 0 else round(value, self.decimals)
 
+    def snap(self, value: float) -> float | int:
+        """The slider's value nearest to `value` (within the part of the range the slider covers)."""
+        return self.from_tick(self.to_tick(value))
 
-SLIDERS = (
-    SliderKnob("kv_cache_ratio", "Cache ratio", 0.1, 1.0, 0.05, 2,
-               "Share of the tokens seen that the KV cache keeps. 1.0 = a plain cache (no compression)."),
-    SliderKnob("ced_decay", "CED decay", 0.90, 0.999, 0.001, 3,
-               "How slowly old attention fades from an entry's score. Higher remembers a long document longer."),
-    SliderKnob("ced_threshold", "CED threshold", 0.0, 0.5, 0.01, 2,
-               "Entries scoring below this × the mean are compressed even under budget. 0 turns it off."),
-    SliderKnob("csa2_topk", "CSA2 top-k", 0, 1024, 16, 0,
-               "Stored entries each decode step attends to exactly (plus sinks and the recent window). 0 = dense."),
-)
 
-CED_MODES = (("merge", "Merge"), ("evict", "Evict"))
-CED_MODE_TIP = "Merge folds each dropped entry into a kept one (it stands for their mass); Evict drops it."
-KV_DTYPES = (("auto", "Auto (bf16 or model dtype)"), ("int8", "INT8"))
-KV_DTYPE_TIP = "INT8 stores keys and values in 8 bits with per-token scales: half of bf16, a quarter of fp32."
+# Knobs changeable between turns whose registry entry has a slider, in the registry's order.
+SLIDERS = tuple(SliderKnob.of(knob) for knob in KNOBS.values() if knob.slider is not None and knob.cache)
+SLIDER = {spec.name: spec for spec in SLIDERS}
+
+# How a choice is shown; the values themselves are the registry's (a value missing here is shown as is).
+CHOICE_LABELS = {
+    "ced_mode": {"merge": "Merge", "evict": "Evict"},
+    "kv_cache_dtype": {"auto": "Auto (bf16 or model dtype)", "int8": "INT8"},
+}
+
+
+def choices(name: str) -> tuple[tuple[str, str], ...]:
+    """(value, label) for each value the registry allows for the choice knob `name`."""
+    labels = CHOICE_LABELS.get(name, {})
+    return tuple((value, labels.get(value, value)) for value in KNOBS[name].kind)
+
+
+CED_MODES = choices("ced_mode")
+CED_MODE_LABEL, CED_MODE_TIP = KNOBS["ced_mode"].label, KNOBS["ced_mode"].help
+KV_DTYPES = choices("kv_cache_dtype")
+KV_DTYPE_LABEL, KV_DTYPE_TIP = KNOBS["kv_cache_dtype"].label, KNOBS["kv_cache_dtype"].help
+HEADROOM_LABEL = KNOBS["prefill_headroom"].label
 HEADROOM_STEPS = (None, 1024, 2048, 4096, 8192, 16384, 32768, 65536)  # None = auto (what free memory allows)
 
-_ENGINE_DEFAULTS = DSV41Config()  # the engine decides the defaults (torch-free import)
-DEFAULTS = {
-    name: getattr(_ENGINE_DEFAULTS, name)
-    for name in ("kv_cache_ratio", "ced_decay", "ced_threshold", "csa2_topk", "ced_mode", "kv_cache_dtype",
-                 "prefill_headroom")
-}
-KNOB_NAMES = tuple(DEFAULTS)
+KNOB_NAMES = tuple(SLIDER) + ("ced_mode", "kv_cache_dtype", "prefill_headroom")
+DEFAULTS = {name: KNOBS[name].default for name in KNOB_NAMES}
 
 PRESETS: dict[str, dict] = {
     "Chat": dict(DEFAULTS),
@@ -71,16 +88,20 @@ def headroom_label(value) -> str:
 
 
 def sanitize(knobs: dict) -> dict:
-    """Keep only known knobs with values in range (settings files may be stale or hand-edited)."""
+    """The GUI's knobs from `knobs` (a settings file may be stale or hand-edited): each value the registry
+    accepts, a slider's snapped to its step, the default for anything missing or not allowed."""
     out = dict(DEFAULTS)
+    for name in KNOB_NAMES:
+        if name not in knobs:
+            continue
+        try:
+            KNOBS[name].validate(knobs[name])
+        except ConfigError:
+            continue
+        out[name] = knobs[name]
     for spec in SLIDERS:
-        value = knobs.get(spec.name)
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            out[spec.name] = spec.from_tick(spec.to_tick(float(value)))
-    if knobs.get("ced_mode") in dict(CED_MODES):
-        out["ced_mode"] = knobs["ced_mode"]
-    if knobs.get("kv_cache_dtype") in dict(KV_DTYPES):
-        out["kv_cache_dtype"] = knobs["kv_cache_dtype"]
-    if "prefill_headroom" in knobs and knobs["prefill_headroom"] in HEADROOM_STEPS:
-        out["prefill_headroom"] = knobs["prefill_headroom"]
+        out[spec.name] = spec.snap(out[spec.name])
+    headroom = out["prefill_headroom"]
+    if headroom not in HEADROOM_STEPS or isinstance(headroom, float):  # the combo offers these token counts only
+        out["prefill_headroom"] = DEFAULTS["prefill_headroom"]
     return out

@@ -80,6 +80,19 @@ class UsageRequest:
     history: tuple[HistoryTurn, ...]
     prompt: str
     documents: tuple[AttachedDocument, ...]
+    knobs: dict = field(default_factory=dict)  # the knob panel's values: the KV figures are worked out at them
+
+
+@dataclass(frozen=True)
+class DocumentFigures:
+    """One attached document as the engine counts and stores it, after the tokens that come before it (the
+    system prompt, the history, the question and the documents attached before it)."""
+
+    key: str  # AttachedDocument.key
+    tokens: int
+    kv_bytes: int  # this document's share of the KV cache once compacted to its budget (the floor included)
+    kv_after: int  # the whole cache's KV bytes once it holds this document (for the free-memory check)
+    kv_cache_ratio: float  # the ratio these were worked out at
 
 
 @dataclass(frozen=True)
@@ -97,5 +110,5 @@ class ModelFacts:
     kv_bytes_per_token: int
     config: dict
     load_seconds: float = 0.0
-    weight_storage: str = ""  # "bf16"/"int8": float32 compute on weights held so (engine.cpu_kernels)
-    prefill_bf16: bool = False  # prefill multiplies those weights in bf16 (adapter.set_prefill_bf16)
+    weight_storage: str = ""  # "bf16"/"int8": float32 compute on weights held so (engine.kernels)
+    prefill_bf16: bool = False  # prefill multiplies those weights in bf16 (engine.models.adapter.set_prefill_bf16)

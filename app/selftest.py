@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  turn:     {wall:.2f} s (no statistics: {done.reason if done else 'no end event'})")
         report = model.memory_report(session.cache)
         print(f"  memory ({report.device_label}):")
-        for line in report.format_seed().splitlines():
+        for line in report.format_text().splitlines():
             print(f"    {line}")
         print(f"    free: {report.free / 1024**3:.2f} GB of {report.total / 1024**3:.2f} GB", flush=True)
         for err in errors:

@@ -29,8 +29,8 @@ from PySide6.QtWidgets import (
 )
 
 from . import knobs as K
-from .documents import DocumentLoader, assess_fit
-from .protocol import AttachedDocument, ContextFigures, UsageRequest
+from .documents import MIN_SUGGESTED_RATIO, DocumentLoader, assess_fit
+from .protocol import AttachedDocument, ContextFigures, DocumentFigures, UsageRequest
 from .settings import Key, Settings
 from .store import ConversationStore, StoreUnavailable, reply_footer
 from .turns import TurnController
@@ -78,9 +78,9 @@ class MainWindow(QMainWindow):
         self.figures: ContextFigures | None = None
         self.conversation_id: int | None = None
         self.attached: OrderedDict[str, AttachedDocument | None] = OrderedDict()  # None while parsing
-        self.doc_tokens: dict[str, int] = {}
+        self.doc_tokens: dict[str, int] = {}  # the engine's count per attachment key
+        self.doc_figures: dict[str, DocumentFigures] = {}  # the engine's latest figures per attachment key
         self.editing_message_id: int | None = None
-        self.pending_knobs: dict | None = None
         self.loading = False
         self._after_load = None  # a callable to run once the next load succeeds (OOM retry)
         self._memory_requested = False
@@ -183,7 +183,7 @@ class MainWindow(QMainWindow):
         worker.usage.connect(self._on_usage)
         worker.reconfigured.connect(self._on_reconfigured)
         worker.reconfigure_failed.connect(self._on_reconfigure_failed)
-        worker.document_tokens.connect(self._on_document_tokens)
+        worker.document_figures.connect(self._on_document_figures)
         worker.prefill_progress.connect(self._on_rebuild_progress)
         worker.error.connect(lambda message: self.inform("Engine error", message))
         self.turns.started.connect(self._update_actions)
@@ -262,10 +262,7 @@ class MainWindow(QMainWindow):
         self.model_panel.show_loaded(facts)
         self.statusBar().showMessage(f"{facts.display_name} ready ({facts.load_seconds:.1f} s)", 5000)
         self._update_actions()
-        for _key, doc in self.attached.items():
-            if doc is not None:
-                self.client.count_document.emit(doc)
-        self._schedule_usage()
+        self._schedule_usage()  # counts the attached documents too
         self._refresh_chips()
         if self._after_load is not None:
             callback, self._after_load = self._after_load, None
@@ -291,12 +288,9 @@ class MainWindow(QMainWindow):
             return
         self.settings.set_json(Key.KNOBS, knobs)
         self._refresh_chips()
+        self._schedule_usage()  # the documents' KV figures at the new values
         if self.facts is None:
             return  # used at the next load
-        if self.turns.busy:
-            self.pending_knobs = knobs
-            self.knob_panel.show_pending(self._changed_knobs(knobs))
-            return
         self._apply_knobs(knobs)
 
     def _changed_knobs(self, knobs: dict) -> dict:
@@ -304,7 +298,12 @@ class MainWindow(QMainWindow):
         return {k: v for k, v in knobs.items() if config.get(k) != v} or knobs
 
     def _apply_knobs(self, knobs: dict) -> None:
-        self.knob_panel.show_applying()
+        # Sent at once, also during a reply: the worker runs it after the turn's slot, which is what "between
+        # turns" means. The panel says it is pending until the result (reconfigured) comes back.
+        if self.turns.busy:
+            self.knob_panel.show_pending(self._changed_knobs(knobs))
+        else:
+            self.knob_panel.show_applying()
         self.client.reconfigure.emit(knobs)
 
     def _on_reconfigured(self, result, facts) -> None:
@@ -347,7 +346,8 @@ class MainWindow(QMainWindow):
         if self.editing_message_id is not None:
             history = self.store.history(self.conversation_id, before_message_id=self.editing_message_id)
         docs = tuple(d for d in self.attached.values() if d is not None)
-        self.client.count_usage.emit(UsageRequest(self.conversation_id, history, self.composer.toPlainText(), docs))
+        self.client.count_usage.emit(UsageRequest(self.conversation_id, history, self.composer.toPlainText(), docs,
+                                                  self.knob_panel.values()))
 
     def _on_usage(self, figures: ContextFigures) -> None:
         self.figures = figures
@@ -375,10 +375,8 @@ class MainWindow(QMainWindow):
             return  # removed while it was being read
         self.attached[key] = doc
         self.chips.chips[key].show_document(doc)
-        if self.facts is not None:
-            self.client.count_document.emit(doc)
         self._refresh_chips()
-        self._schedule_usage()
+        self._schedule_usage()  # the engine counts it
         self._update_actions()
 
     def _on_document_failed(self, key: str, path: str, message: str) -> None:
@@ -387,8 +385,10 @@ class MainWindow(QMainWindow):
         self._update_actions()
         self.inform("Could not attach the file", message)
 
-    def _on_document_tokens(self, key: str, tokens: int) -> None:
-        self.doc_tokens[key] = tokens
+    def _on_document_figures(self, figures: tuple[DocumentFigures, ...]) -> None:
+        for item in figures:
+            self.doc_figures[item.key] = item
+            self.doc_tokens[item.key] = item.tokens
         self._refresh_chips()
 
     def remove_document(self, key: str) -> None:
@@ -398,22 +398,27 @@ class MainWindow(QMainWindow):
         self._update_actions()
 
     def _refresh_chips(self) -> None:
+        """Each chip's figures: the engine's (DocumentFigures) once they came, an estimate until then."""
         knobs = self.knob_panel.values()
         before = (self.figures.system + self.figures.history + self.figures.prompt) if self.figures else 0
         for key, doc in self.attached.items():
             chip = self.chips.chips.get(key)
             if doc is None or chip is None:
                 continue
-            counted = key in self.doc_tokens
-            tokens = self.doc_tokens.get(key, doc.estimated_tokens)
+            figures = self.doc_figures.get(key)
+            tokens = figures.tokens if figures is not None else doc.estimated_tokens
             if self.facts is None:
-                chip.show_figures(tokens, counted, None, None, None)
+                chip.show_figures(tokens, figures is not None, None, None, None)
                 continue
             fit = assess_fit(tokens, tokens_before=before, context_limit=self.facts.context_limit,
-                             max_positions=self.facts.max_positions, bytes_per_token=self.facts.kv_bytes_per_token,
-                             kv_cache_ratio=knobs["kv_cache_ratio"], free_bytes=self.report.free if self.report else None,
+                             max_positions=self.facts.max_positions,
+                             kv_bytes=figures.kv_bytes if figures is not None else None,
+                             kv_after=figures.kv_after if figures is not None else None,
+                             bytes_per_token=self.facts.kv_bytes_per_token,
+                             free_bytes=self.report.free if self.report else None,
                              prefill_headroom=knobs["prefill_headroom"], kv_dtype=knobs["kv_cache_dtype"])
-            chip.show_figures(tokens, counted, fit.kv_bytes, knobs["kv_cache_ratio"], fit.warning)
+            chip.show_figures(tokens, figures is not None, fit.kv_bytes,
+                              figures.kv_cache_ratio if figures is not None else None, fit.warning)
             before += tokens
 
     # ------------------------------------------------------------------ conversations
@@ -616,9 +621,7 @@ class MainWindow(QMainWindow):
         for doc in self.store.attachments(user.id):
             self.attached[doc.key] = doc
             self.chips.add_pending(doc.key, doc.path).show_document(doc)
-            if self.facts is not None:
-                self.client.count_document.emit(doc)
-        self._set_editing(user.id)
+        self._set_editing(user.id)  # asks for the usage, which counts them
         self._refresh_chips()
         self.composer.setFocus()
 
@@ -642,9 +645,6 @@ class MainWindow(QMainWindow):
             self._offer_oom_retry(outcome.error)
         elif outcome.error:
             self.inform("The reply ended with an error", outcome.error)
-        if self.pending_knobs is not None:
-            knobs, self.pending_knobs = self.pending_knobs, None
-            self._apply_knobs(knobs)
         self._schedule_usage()
 
     def _on_turn_refused(self, outcome, turn) -> None:
@@ -673,8 +673,9 @@ class MainWindow(QMainWindow):
     def _offer_oom_retry(self, message: str) -> None:
         def compress_and_retry():
             knobs = self.knob_panel.values()
-            harder = {**knobs, "kv_cache_ratio": max(round(knobs["kv_cache_ratio"] / 2, 2), 0.1),
-                      "ced_threshold": min(round(knobs["ced_threshold"] + 0.1, 2), 0.5), "kv_cache_dtype": "int8"}
+            harder = {**knobs, "kv_cache_ratio": max(round(knobs["kv_cache_ratio"] / 2, 2), MIN_SUGGESTED_RATIO),
+                      "ced_threshold": min(round(knobs["ced_threshold"] + 0.1, 2), K.SLIDER["ced_threshold"].maximum),
+                      "kv_cache_dtype": "int8"}
             self.knob_panel.set_values(harder)
             self.settings.set_json(Key.KNOBS, self.knob_panel.values())
             self._apply_knobs(self.knob_panel.values())

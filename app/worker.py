@@ -6,12 +6,17 @@
 
 Everything that touches the model, the tokenizer or torch runs in EngineWorker's slots, on the worker
 thread. A turn runs inside one slot, so requests queued meanwhile (reconfigure, memory, usage) wait
-until the turn is over: that is what "applied between turns" means. Stop cannot wait in that queue,
-so it is a threading.Event the engine checks before every prefill chunk and decode step.
+until the turn is over: that is what "applied between turns" means, and the GUI sends a knob change at
+once even during a reply. Stop cannot wait in that queue, so it is a threading.Event the engine checks
+before every prefill chunk and decode step.
+
+The worker asks the engine for every figure it reports (token counts, the context bar, a document's KV
+bytes) and lays out a user turn with the engine's own function; it is written against app.engine_api.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import sys
@@ -22,9 +27,15 @@ from collections.abc import Callable
 
 from PySide6.QtCore import QObject, QThread, Signal, Slot
 
+from engine.documents import Document, DocumentError, user_content
+from engine.errors import BusyError, ConfigError, ContextOverflowError, EngineError, ModelLoadError
+from engine.events import Done, ErrorEvent, PrefillProgress, TokenText, TurnStats
+
+from .engine_api import EngineModel, EngineSession
 from .protocol import (
     AttachedDocument,
     ContextFigures,
+    DocumentFigures,
     HistoryTurn,
     ModelFacts,
     TurnOutcome,
@@ -39,10 +50,10 @@ PROGRESS_EVERY_S = 0.05
 MEMORY_EVERY_S = 1.0  # memory reports during a turn (the GUI's own timer is blocked by the turn)
 KEPT_SESSIONS = 2  # each session holds a preallocated KV cache; keep only the recent ones
 
-ModelFactory = Callable[[dict, Callable[[str, float], None]], object]
+ModelFactory = Callable[[dict, Callable[[str, float], None]], EngineModel]
 
 
-def load_engine_model(options: dict, progress: Callable[[str, float], None]):
+def load_engine_model(options: dict, progress: Callable[[str, float], None]) -> EngineModel:
     """The real engine: DSV41Model.from_pretrained(DSV41Config(**options)). Runs on the worker thread."""
     from engine import DSV41Config, DSV41Model
 
@@ -60,18 +71,18 @@ class EngineWorker(QObject):
     turn_finished = Signal(object)  # TurnOutcome
     memory = Signal(object)  # engine MemoryReport
     usage = Signal(object)  # ContextFigures
+    document_figures = Signal(object)  # tuple of DocumentFigures (sent before the usage they belong to)
     reconfigured = Signal(object, object)  # engine ReconfigureResult, ModelFacts
     reconfigure_failed = Signal(str)
-    document_tokens = Signal(str, int)  # attachment key, tokens
     error = Signal(str)  # an unexpected failure outside a turn; the worker keeps running
 
     def __init__(self, model_factory: ModelFactory | None = None):
         super().__init__()
         self._factory = model_factory or load_engine_model
-        self.model = None
+        self.model: EngineModel | None = None
         self._options: dict = {}
-        self._sessions: OrderedDict[int, object] = OrderedDict()
-        self._doc_tokens: dict[str, int] = {}
+        self._sessions: OrderedDict[int, EngineSession] = OrderedDict()
+        self._doc_tokens: dict[str, int] = {}  # the engine's count per attachment key (documents do not change)
 
     # ------------------------------------------------------------------ model
     @Slot(object)
@@ -109,10 +120,15 @@ class EngineWorker(QObject):
         self._emit_memory(None)
 
     def _load_failed(self, exc: BaseException, *, kept: bool) -> None:
-        reason = getattr(exc, "reason", None) or ("config" if _is_config_error(exc) else "load_failed")
-        message = str(exc) or type(exc).__name__
-        if reason == "load_failed" and not _is_engine_error(exc):
-            message = f"{type(exc).__name__}: {message}"
+        if isinstance(exc, ModelLoadError):
+            reason = exc.reason
+        elif isinstance(exc, ConfigError):
+            reason = "config"
+        else:
+            reason = "oom" if _is_oom(exc) else "load_failed"
+        message = str(exc)
+        if not isinstance(exc, EngineError):  # not a message written for the user: say what it is
+            message = f"{type(exc).__name__}: {message}" if message else type(exc).__name__
         log.warning("model load failed: %s", message)
         # The facts of the model still loaded (the one that was working), or None: the window keeps using it.
         self.load_failed.emit(message, reason, self._facts() if kept and self.model is not None else None)
@@ -134,13 +150,13 @@ class EngineWorker(QObject):
     def _facts(self, load_seconds: float = 0.0) -> ModelFacts:
         model = self.model
         info = model.info
-        config = model.config.to_dict() if hasattr(model.config, "to_dict") else dict(vars(model.config))
+        config = model.config.to_dict()
         return ModelFacts(
-            display_name=info.display_name, source=config.get("model_path", "default"), device=info.device,
+            display_name=info.display_name, source=config["model_path"], device=info.device,
             dtype=info.dtype, weight_quant=info.weight_quant, attention_backend=info.attention_backend,
-            context_limit=int(model.context_limit), max_positions=int(getattr(model, "max_positions", 0) or 0),
+            context_limit=int(model.context_limit), max_positions=int(model.max_positions),
             kv_bytes_per_token=int(model.kv_bytes_per_token()), config=config, load_seconds=load_seconds,
-            weight_storage=getattr(info, "weight_storage", ""), prefill_bf16=bool(getattr(info, "prefill_bf16", False)))
+            weight_storage=info.weight_storage, prefill_bf16=bool(info.prefill_bf16))
 
     # ------------------------------------------------------------------ turns
     @Slot(object)
@@ -149,7 +165,8 @@ class EngineWorker(QObject):
             outcome = self._run_turn(request)
         except Exception as exc:  # noqa: BLE001 - a bug anywhere in a turn must not kill the worker
             log.exception("turn failed")
-            outcome = TurnOutcome(request.turn_id, "error", "", error=_describe(exc), error_kind="error")
+            outcome = TurnOutcome(request.turn_id, "error", "", error=_describe(exc),
+                                  error_kind="oom" if _is_oom(exc) else "error")
         self.turn_finished.emit(outcome)
         if self.model is not None:
             try:
@@ -158,9 +175,6 @@ class EngineWorker(QObject):
                 self.error.emit(_describe(exc))
 
     def _run_turn(self, request: TurnRequest) -> TurnOutcome:
-        from engine.errors import BusyError, ContextOverflowError
-        from engine.events import Done, ErrorEvent, PrefillProgress, TokenText, TurnStats
-
         turn = request.turn_id
         if self.model is None:
             return TurnOutcome(turn, "refused", "", error="No model is loaded yet. Wait for it to finish loading, "
@@ -178,10 +192,10 @@ class EngineWorker(QObject):
                                overflow={"needed": exc.needed, "limit": exc.limit, "parts": dict(exc.parts)})
         except BusyError as exc:
             return TurnOutcome(turn, "refused", "", error=str(exc), error_kind="busy")
+        except DocumentError as exc:
+            return TurnOutcome(turn, "refused", "", error=str(exc), error_kind="document")
         except Exception as exc:  # noqa: BLE001
-            kind = "document" if type(exc).__name__ == "DocumentError" else "error"
-            return TurnOutcome(turn, "refused", "", error=str(exc) if kind == "document" else _describe(exc),
-                               error_kind=kind)
+            return TurnOutcome(turn, "refused", "", error=_describe(exc), error_kind="oom" if _is_oom(exc) else "error")
 
         batch: list[str] = []
         text_parts: list[str] = []
@@ -230,7 +244,7 @@ class EngineWorker(QObject):
                            error=error.message if error else None, error_kind=error.kind if error else None,
                            model_content=model_content)
 
-    def _session_for(self, conversation_id: int, history: tuple[HistoryTurn, ...]):
+    def _session_for(self, conversation_id: int, history: tuple[HistoryTurn, ...]) -> EngineSession:
         """The engine session of this conversation, holding exactly `history` (the cache is reused when it does)."""
         session = self._sessions.get(conversation_id)
         if session is None:
@@ -248,14 +262,13 @@ class EngineWorker(QObject):
 
     @staticmethod
     def _history_messages(history: tuple[HistoryTurn, ...]) -> list[dict]:
-        from engine.documents import format_for_prompt
-
+        """The user/assistant messages of `history`; a user message the engine did not store is laid out as
+        the engine lays out a turn."""
         messages = []
         for item in history:
             content = item.model_content
             if content is None:
-                blocks = [format_for_prompt(_engine_document(d)) for d in item.documents]
-                content = "\n\n".join(blocks + [item.prompt]) if blocks else item.prompt
+                content = user_content(item.prompt, [_engine_document(d) for d in item.documents])
             messages.append({"role": "user", "content": content})
             messages.append({"role": "assistant", "content": item.reply})
         return messages
@@ -273,14 +286,13 @@ class EngineWorker(QObject):
         try:
             result = self.model.reconfigure(session, progress=self._reconfigure_progress, **knobs)
         except Exception as exc:  # noqa: BLE001 - a bad knob value is a message, not a crash
-            self.reconfigure_failed.emit(str(exc) if _is_engine_error(exc) else _describe(exc))
+            self.reconfigure_failed.emit(str(exc) if isinstance(exc, EngineError) else _describe(exc))
             return
         self.reconfigured.emit(result, self._facts())
         self._emit_memory(session)
 
-    def _reconfigure_progress(self, event) -> None:
-        done, total = getattr(event, "done", 0), getattr(event, "total", 0)
-        self.prefill_progress.emit(-1, int(done), int(total))
+    def _reconfigure_progress(self, event: PrefillProgress) -> None:
+        self.prefill_progress.emit(-1, int(event.done), int(event.total))
 
     @Slot(object)
     def report_memory(self, conversation_id) -> None:
@@ -291,74 +303,52 @@ class EngineWorker(QObject):
         except Exception as exc:  # noqa: BLE001
             self.error.emit(_describe(exc))
 
-    def _emit_memory(self, session) -> None:
+    def _emit_memory(self, session: EngineSession | None) -> None:
         if self.model is None:
             return
-        cache = getattr(session, "cache", None) if session is not None else None
-        if cache is None and self._sessions:
-            cache = getattr(next(reversed(self._sessions.values())), "cache", None)
-        self.memory.emit(self.model.memory_report(cache))
+        if session is None and self._sessions:
+            session = next(reversed(self._sessions.values()))
+        self.memory.emit(self.model.memory_report(session.cache if session is not None else None))
 
     @Slot(object)
     def count_usage(self, request: UsageRequest) -> None:
+        """The context bar's figures, and each attached document's tokens and KV bytes, from the engine."""
         if self.model is None:
             return
         try:
-            self.usage.emit(self._usage(request))
+            usage = self._usage(request)
+            self.document_figures.emit(self._document_figures(request, usage))
+            self.usage.emit(usage)
         except Exception as exc:  # noqa: BLE001
             self.error.emit(_describe(exc))
 
     def _usage(self, request: UsageRequest) -> ContextFigures:
         session = self._sessions.get(request.conversation_id) if request.conversation_id is not None else None
-        wanted = self._history_messages(request.history)
-        system_tokens, history_tokens = 0, 0
-        if session is not None:
-            system = [m for m in session.messages if m.get("role") == "system"]
-            system_tokens = getattr(session, "system_tokens", 0)
-            if session.messages == system + wanted and getattr(session.cache, "seen", 0):
-                history_tokens = max(session.cache.seen - system_tokens, 0)
-            elif wanted:
-                history_tokens = self._count_chat(wanted)
-        elif wanted:
-            history_tokens = self._count_chat(wanted)
-        documents = sum(self._document_tokens(d) for d in request.documents)
-        return ContextFigures(system_tokens, history_tokens, documents, self._count(request.prompt),
-                              int(self.model.context_limit))
+        usage = self.model.context_usage(session, self._history_messages(request.history), request.prompt)
+        # Documents are counted once per attachment (the engine's count, kept by key): the context bar asks
+        # again at every pause in typing.
+        return dataclasses.replace(usage, documents=sum(self._document_tokens(d) for d in request.documents))
 
-    @Slot(object)
-    def count_document(self, document: AttachedDocument) -> None:
-        if self.model is None:
-            return
-        try:
-            self.document_tokens.emit(document.key, self._document_tokens(document))
-        except Exception as exc:  # noqa: BLE001
-            self.error.emit(_describe(exc))
+    def _document_figures(self, request: UsageRequest, usage: ContextFigures) -> tuple[DocumentFigures, ...]:
+        """Each document after what comes before it: its share of the compacted cache (the engine's budget,
+        whose floor keeps a short document whole) and the cache's bytes once it holds it, at the knobs the
+        panel shows (they may not be applied yet)."""
+        knobs = request.knobs
+        ratio = float(knobs.get("kv_cache_ratio", self.model.config.kv_cache_ratio))
+        before = usage.system + usage.history + usage.prompt
+        stored_before = self.model.stored_kv_bytes(before, **knobs)
+        figures = []
+        for document in request.documents:
+            tokens = self._document_tokens(document)
+            stored_after = self.model.stored_kv_bytes(before + tokens, **knobs)
+            figures.append(DocumentFigures(document.key, tokens, stored_after - stored_before, stored_after, ratio))
+            before, stored_before = before + tokens, stored_after
+        return tuple(figures)
 
     def _document_tokens(self, document: AttachedDocument) -> int:
         if document.key not in self._doc_tokens:
-            from engine.documents import format_for_prompt
-
-            self._doc_tokens[document.key] = self._count(format_for_prompt(_engine_document(document)))
+            self._doc_tokens[document.key] = self.model.document_tokens(_engine_document(document))
         return self._doc_tokens[document.key]
-
-    def _count(self, text: str) -> int:
-        """Tokens of `text` as the engine feeds it (as data: markers in it are plain text)."""
-        tokenizer = getattr(self.model, "tokenizer", None)
-        if not text:
-            return 0
-        if tokenizer is None:
-            return max(len(text) // 4, 1)
-        from engine import chat_template
-
-        return chat_template.count_text(tokenizer, text)
-
-    def _count_chat(self, messages: list[dict]) -> int:
-        tokenizer = getattr(self.model, "tokenizer", None)
-        if tokenizer is None:
-            return sum(self._count(m["content"]) + 4 for m in messages)
-        from engine import chat_template
-
-        return len(chat_template.encode(tokenizer, chat_template.render(tokenizer, messages, False)))
 
 
 class EngineClient(QObject):
@@ -369,7 +359,6 @@ class EngineClient(QObject):
     reconfigure = Signal(object)
     report_memory = Signal(object)
     count_usage = Signal(object)
-    count_document = Signal(object)
     forget_conversation = Signal(int)
 
     def __init__(self, model_factory: ModelFactory | None = None, parent: QObject | None = None):
@@ -384,7 +373,6 @@ class EngineClient(QObject):
         self.reconfigure.connect(self.worker.reconfigure)
         self.report_memory.connect(self.worker.report_memory)
         self.count_usage.connect(self.worker.count_usage)
-        self.count_document.connect(self.worker.count_document)
         self.forget_conversation.connect(self.worker.forget_conversation)
         self.worker.turn_finished.connect(self._on_turn_finished)
         self._current: TurnRequest | None = None
@@ -418,25 +406,21 @@ class EngineClient(QObject):
 
 
 # ---------------------------------------------------------------------------------------------- helpers
-def _engine_document(document: AttachedDocument):
-    from engine.documents import Document
-
+def _engine_document(document: AttachedDocument) -> Document:
     return Document(name=document.name, path=document.path, kind=document.kind, text=document.text,
                     pages=document.pages, chars=document.chars)
 
 
-def _is_engine_error(exc: BaseException) -> bool:
-    return any(cls.__name__ == "EngineError" for cls in type(exc).__mro__)
-
-
 def _is_oom(exc: BaseException) -> bool:
-    if getattr(exc, "reason", None) == "oom" or isinstance(exc, MemoryError):
+    """Out of memory, by type: Python's MemoryError, torch's (CUDA) OutOfMemoryError, or an engine error
+    whose reason says so (engine.loader raises ModelLoadError(reason="oom"); a turn reports ErrorEvent kind
+    "oom" itself)."""
+    if isinstance(exc, MemoryError) or (isinstance(exc, ModelLoadError) and exc.reason == "oom"):
         return True
-    return any("OutOfMemoryError" in cls.__name__ for cls in type(exc).__mro__) or "out of memory" in str(exc).lower()
-
-
-def _is_config_error(exc: BaseException) -> bool:
-    return any(cls.__name__ == "ConfigError" for cls in type(exc).__mro__)
+    # Only called on the worker thread. An exception of torch's exists only once torch is loaded, so an
+    # unloaded torch is not imported just to ask.
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(exc, torch.cuda.OutOfMemoryError)
 
 
 def _describe(exc: BaseException) -> str:

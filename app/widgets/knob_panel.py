@@ -27,7 +27,7 @@ DEBOUNCE_MS = 300
 
 
 class KnobPanel(QGroupBox):
-    knobs_changed = Signal(dict)  # debounced; the window applies now or marks pending
+    knobs_changed = Signal(dict)  # debounced; the window sends it to the engine (pending during a reply)
 
     def __init__(self, parent: QWidget | None = None):
         super().__init__("Compression", parent)
@@ -89,9 +89,9 @@ class KnobPanel(QGroupBox):
             combo.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
             combo.setMinimumContentsLength(8)
             combo.currentIndexChanged.connect(self._changed)
-        form.addRow("Merge / evict", self.mode)
-        form.addRow("KV dtype", self.kv_dtype)
-        form.addRow("Prefill headroom", self.headroom)
+        form.addRow(K.CED_MODE_LABEL, self.mode)
+        form.addRow(K.KV_DTYPE_LABEL, self.kv_dtype)
+        form.addRow(K.HEADROOM_LABEL, self.headroom)
         layout.addLayout(form)
 
         self.status = QLabel("")

@@ -1,34 +1,32 @@
-"""A small stand-in for DSV41Model / ChatSession with the same methods the worker calls.
+"""A small stand-in for DSV41Model / ChatSession: app.engine_api's EngineModel and EngineSession.
 
 It streams real engine event objects at a controllable pace, records every call with the time and
-the thread it ran on, and can be told to fail in the ways the real engine fails.
+the thread it ran on, and can be told to fail in the ways the real engine fails. Tokens are counted
+as a quarter of the characters; what is laid out, and what a cache keeps after compaction, is the
+engine's own (engine.documents.user_content, engine.cache.budget.budget_for).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
-from dataclasses import dataclass
-from types import SimpleNamespace
 
+from engine.cache.budget import budget_for
 from engine.config import DSV41Config
-from engine.documents import format_for_prompt
+from engine.documents import Document, format_for_prompt, user_content
 from engine.errors import BusyError, ContextOverflowError, ModelLoadError
-from engine.events import Done, ErrorEvent, PrefillProgress, TokenText, TurnStats
+from engine.events import ContextUsage, Done, ErrorEvent, PrefillProgress, TokenText, TurnStats
 from engine.memory import MemoryReport
+from engine.model import LoadInfo, ReconfigureResult
 
 KV_BYTES_PER_TOKEN = 46080
 WEIGHTS = 538_060_288
 
 
-@dataclass(frozen=True)
-class FakeReconfigureResult:
-    action: str
-    before: MemoryReport | None
-    after: MemoryReport | None
-
-
 class FakeCache:
+    """Stands in for DSV41Cache: the worker only hands it back to memory_report."""
+
     def __init__(self, model):
         self.model = model
         self.seen = 0
@@ -45,10 +43,6 @@ class FakeSession:
         self.cache = FakeCache(model)
         self.system_tokens = 0
         self.busy = False
-        self.fed_messages: list[dict] = []
-
-    def usage(self, prompt="", documents=()):
-        raise AssertionError("the worker counts usage itself")
 
     def send(self, prompt, documents=(), *, cancel=None, **settings):
         model = self.model
@@ -59,8 +53,7 @@ class FakeSession:
         if "OVERFLOW" in prompt:
             raise ContextOverflowError(9000, model.context_limit, {"system": 0, "history": 0, "documents": 8990,
                                                                     "prompt": 10})
-        blocks = [format_for_prompt(d) for d in documents]
-        content = "\n\n".join(blocks + [prompt]) if blocks else prompt
+        content = user_content(prompt, documents)
         return self._run(prompt, content, list(documents), cancel or threading.Event(), settings)
 
     def _run(self, prompt, content, documents, cancel, settings):
@@ -113,6 +106,10 @@ class FakeSession:
             model.turn_finished()
 
 
+def _bytes_per_token(config: DSV41Config) -> int:
+    return KV_BYTES_PER_TOKEN // (4 if config.kv_cache_dtype == "int8" else 1)
+
+
 def _pieces(text: str, limit: int) -> list[str]:
     words = text.split(" ")
     pieces = [w + (" " if i < len(words) - 1 else "") for i, w in enumerate(words)]
@@ -122,9 +119,9 @@ def _pieces(text: str, limit: int) -> list[str]:
 class FakeModel:
     def __init__(self, **config):
         self.config = DSV41Config(**config)
-        self.info = SimpleNamespace(display_name="FakeLM-1M", device="cpu", dtype="float32",
-                                    weight_quant=self.config.weight_quant, attention_backend="sdpa")
-        self.tokenizer = None
+        self.info = LoadInfo(source_kind="default", display_name="FakeLM-1M", folder="", resolve_seconds=0.0,
+                             load_seconds=0.0, device="cpu", dtype="float32", weight_quant=self.config.weight_quant,
+                             attention_backend="sdpa")
         self.max_positions = 8192
         self.calls: list[tuple] = []
         self.sessions: list[FakeSession] = []
@@ -146,7 +143,34 @@ class FakeModel:
         return session
 
     def kv_bytes_per_token(self) -> int:
-        return KV_BYTES_PER_TOKEN // (4 if self.config.kv_cache_dtype == "int8" else 1)
+        return _bytes_per_token(self.config)
+
+    def count_tokens(self, text: str) -> int:
+        return max(len(text) // 4, 1) if text else 0
+
+    def count_chat(self, messages: list[dict]) -> int:
+        return sum(self.count_tokens(m["content"]) + 4 for m in messages)
+
+    def document_tokens(self, document: Document) -> int:
+        return self.count_tokens(format_for_prompt(document))
+
+    def context_usage(self, session, history, prompt="", documents=()) -> ContextUsage:
+        system_tokens, history_tokens = 0, self.count_chat(history)
+        if session is not None:
+            system = [m for m in session.messages if m.get("role") == "system"]
+            system_tokens = session.system_tokens
+            if session.messages == system + history and session.cache.seen:
+                history_tokens = max(session.cache.seen - system_tokens, 0)
+        return ContextUsage(system_tokens, history_tokens, sum(self.document_tokens(d) for d in documents),
+                            self.count_tokens(prompt), self.context_limit)
+
+    def stored_kv_bytes(self, tokens_seen: int, **knobs) -> int:
+        config = self.config.replace(**knobs) if knobs else self.config
+        stored = tokens_seen
+        if config.kv_cache_ratio < 1.0:
+            stored = min(tokens_seen, budget_for(tokens_seen, config.kv_cache_ratio, config.ced_sink_tokens,
+                                                 config.ced_recent_tokens, config.min_entries))
+        return stored * _bytes_per_token(config)
 
     def memory_report(self, cache=None) -> MemoryReport:
         seen = cache.seen if cache is not None else 0
@@ -161,7 +185,7 @@ class FakeModel:
         before = self.memory_report(session.cache if session else None)
         self.config = self.config.replace(**knobs)
         after = self.memory_report(session.cache if session else None)
-        return FakeReconfigureResult("compacted", before, after)
+        return ReconfigureResult("compacted", before, after)
 
     # --- test helpers
     def record(self, name, **info):
@@ -200,7 +224,7 @@ def fake_factory(model: FakeModel, *, fail: Exception | None = None, delay: floa
             raise fail
         knobs = {k: v for k, v in options.items() if k in DSV41Config.__dataclass_fields__}
         model.config = DSV41Config(**knobs)
-        model.info.weight_quant = model.config.weight_quant
+        model.info = dataclasses.replace(model.info, weight_quant=model.config.weight_quant)
         return model
 
     factory.loads = loads

@@ -4,6 +4,7 @@ to read, the working model stays, and every message names the folder or model an
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import sqlite3
 import subprocess
@@ -156,7 +157,7 @@ def test_out_of_memory_beside_the_old_model_retries_alone(qtbot, make_window, fa
     window = make_window(fake_factory(fake_model))
     worker = window.client.worker
     other = FakeModel(max_seq_len=4096)
-    other.info.display_name = "BigLM"
+    other.info = dataclasses.replace(other.info, display_name="BigLM")
     calls = []
 
     def factory(options, progress):

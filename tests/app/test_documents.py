@@ -43,6 +43,7 @@ def test_dropped_md_pdf_docx_are_attached_and_their_text_reaches_the_engine(qtbo
     chips = list(window.chips.chips.values())
     assert [c.document.name for c in chips] == ["with-statement.md", "while-loop.pdf", "for-loop.docx"]
     pdf_chip = chips[1]
+    qtbot.waitUntil(lambda: "KV ≈" in pdf_chip.figures.text(), timeout=5_000)  # the engine's figures came
     assert "1 page ·" in pdf_chip.figures.text() and "chars" in pdf_chip.figures.text()
     assert "KV ≈" in pdf_chip.figures.text() and "×0.50" in pdf_chip.figures.text()
     assert "tokens" in pdf_chip.figures.text()
@@ -82,6 +83,42 @@ def test_a_document_that_does_not_fit_says_which_knob_helps(qtbot, make_window, 
     chip = window.chips.chips[next(iter(window.chips.chips))]
     qtbot.waitUntil(lambda: chip.warning.isVisible(), timeout=3_000)
     assert "max_seq_len" in chip.warning.text() and "8,192" in chip.warning.text()
+
+
+def test_a_short_documents_kv_is_the_cache_floor_not_the_ratio(qtbot, window, fake_model, tmp_path):
+    """At ratio 0.2 a ~60-token document in a fresh chat is kept whole (the cache never compacts below its
+    128-entry floor): its KV is 60 entries' worth, not the 12 that tokens × ratio would say."""
+    from gui_fakes import KV_BYTES_PER_TOKEN
+    from test_knobs import slider_to
+
+    from app.format import fmt_bytes
+
+    slider_to(window, "kv_cache_ratio", 0.2)
+    qtbot.waitUntil(lambda: fake_model.config.kv_cache_ratio == 0.2, timeout=3_000)
+    note = tmp_path / "note.txt"
+    note.write_text("A short note about the garden. " * 7, encoding="utf-8")
+    window.attach_files([str(note)])
+    key = next(iter(window.attached))
+    qtbot.waitUntil(lambda: key in window.doc_figures, timeout=10_000)
+    figures = window.doc_figures[key]
+    assert 40 <= figures.tokens < 128 and figures.kv_cache_ratio == 0.2
+    assert figures.kv_bytes == figures.tokens * KV_BYTES_PER_TOKEN  # min(tokens, 128) entries
+    assert figures.kv_bytes > 4 * int(figures.tokens * 0.2 * KV_BYTES_PER_TOKEN)
+    chip = window.chips.chips[key]
+    assert f"KV ≈ {fmt_bytes(figures.kv_bytes)} at ×0.20" in chip.figures.text()
+
+
+def test_fit_uses_the_engines_bytes_for_free_memory():
+    from app.documents import assess_fit
+
+    common = dict(tokens=50_000, tokens_before=0, context_limit=131_072, max_positions=131_072,
+                  bytes_per_token=10_000, prefill_headroom=None, kv_dtype="auto")
+    roomy = assess_fit(**common, kv_bytes=250_000_000, kv_after=250_000_000, free_bytes=1_000_000_000)
+    assert roomy.fits and roomy.kv_bytes == 250_000_000
+    tight = assess_fit(**common, kv_bytes=250_000_000, kv_after=250_000_000, free_bytes=200_000_000)
+    assert not tight.fits and "lower Cache ratio to 0.36" in tight.warning  # 0.9 × 200 MB of 500 MB
+    unknown = assess_fit(**common, kv_bytes=None, kv_after=None, free_bytes=200_000_000)
+    assert unknown.fits and unknown.kv_bytes is None  # until the engine's figures come
 
 
 def _binary(path):

@@ -1,4 +1,4 @@
-"""The knob panel: changes reach the engine only between turns, presets, the seed's hint, settings kept."""
+"""The knob panel: changes reach the engine only between turns, presets, the KV-over-weights hint, settings kept."""
 
 from __future__ import annotations
 
@@ -52,14 +52,44 @@ def test_presets_set_every_knob(qtbot, window, fake_model):
     assert window.knob_panel.value_labels["csa2_topk"].text() == "dense"
 
 
-def test_slider_ranges_match_the_issue():
+def test_sliders_choices_and_defaults_come_from_the_engines_registry():
+    from app import knobs as K
+    from engine.config import KNOBS
+
+    assert [s.name for s in K.SLIDERS] == ["kv_cache_ratio", "ced_decay", "ced_threshold", "csa2_topk"]
+    for spec in K.SLIDERS:
+        knob = KNOBS[spec.name]
+        assert (spec.minimum, spec.maximum, spec.step, spec.decimals) == (
+            knob.slider.minimum, knob.slider.maximum, knob.slider.step, knob.slider.decimals)
+        assert (spec.label, spec.tip) == (knob.label, knob.help)
+        assert knob.lo <= spec.minimum < spec.maximum <= knob.hi
+        assert spec.from_tick(spec.ticks) == spec.maximum and spec.from_tick(0) == spec.minimum
+    ratio = K.SLIDER["kv_cache_ratio"]
+    assert (ratio.minimum, ratio.maximum) == (KNOBS["kv_cache_ratio"].lo, KNOBS["kv_cache_ratio"].hi) == (0.01, 1.0)
+    assert [v for v, _ in K.CED_MODES] == list(KNOBS["ced_mode"].kind)
+    assert [v for v, _ in K.KV_DTYPES] == list(KNOBS["kv_cache_dtype"].kind)
+    assert K.DEFAULTS == {name: KNOBS[name].default for name in K.KNOB_NAMES}
+
+
+def test_sanitize_keeps_what_the_engine_accepts_and_snaps_sliders_to_their_step():
     from app import knobs as K
 
-    ranges = {s.name: (s.minimum, s.maximum) for s in K.SLIDERS}
-    assert ranges == {"ced_decay": (0.90, 0.999), "ced_threshold": (0.0, 0.5), "csa2_topk": (0, 1024),
-                      "kv_cache_ratio": (0.1, 1.0)}
-    for spec in K.SLIDERS:
-        assert spec.from_tick(spec.ticks) == spec.maximum and spec.from_tick(0) == spec.minimum
+    out = K.sanitize({"kv_cache_ratio": 0.014, "ced_decay": 2.0, "ced_threshold": True, "csa2_topk": 250,
+                      "ced_mode": "fold", "kv_cache_dtype": "int8", "prefill_headroom": 3000, "weight_quant": "int8"})
+    assert out["kv_cache_ratio"] == 0.01  # the engine allows it; the slider's step is 0.01
+    assert out["csa2_topk"] == 256  # snapped to the step of 16
+    assert out["kv_cache_dtype"] == "int8"
+    for name in ("ced_decay", "ced_threshold", "ced_mode"):  # refused by KNOBS[name].validate
+        assert out[name] == K.DEFAULTS[name]
+    assert out["prefill_headroom"] is None  # not a step of the combo box
+    assert set(out) == set(K.KNOB_NAMES)
+    assert K.sanitize({}) == K.DEFAULTS
+
+
+def test_the_ratio_slider_reaches_below_a_tenth(qtbot, window, fake_model):
+    slider_to(window, "kv_cache_ratio", 0.05)
+    qtbot.waitUntil(lambda: fake_model.config.kv_cache_ratio == 0.05, timeout=3_000)
+    assert window.knob_panel.value_labels["kv_cache_ratio"].text() == "0.05"
 
 
 def test_memory_panel_shows_the_kv_line_and_the_hint(qtbot, window, fake_model):

@@ -21,5 +21,5 @@ def test_a_qt_written_pdf_counts_like_its_text(qapp, tmp_path, default_model):
     del writer  # finishes the file
     text = load_document(path).text
     assert "\t" not in text and "Madam Speaker, Madam Vice President" in text
-    count = default_model.chat_session()._count
+    count = default_model.count_tokens
     assert count(text) <= 1.05 * count(SPEECH)

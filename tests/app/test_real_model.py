@@ -33,7 +33,7 @@ def real_window(qtbot, make_window):
 def test_real_model_reply_streams_into_the_view_and_is_saved(qtbot, real_window, data_dir):
     window = real_window
     assert window.facts.display_name == "SmolLM2-135M-Instruct"
-    from engine import cpu_kernels
+    from engine import kernels as cpu_kernels
 
     if cpu_kernels.load() is not None:  # the model panel says how the weights are held
         assert window.facts.weight_storage == "bf16"
@@ -135,3 +135,27 @@ def test_stop_while_a_document_is_read_then_the_chat_goes_on(qtbot, real_window,
     assert "Paris" in window.chat.bubbles[-1].text
     qtbot.waitUntil(lambda: window.figures is not None
                     and window.figures.system + window.figures.history == session.cache.seen, timeout=10_000)
+
+
+def test_the_real_engine_provides_the_interface_and_keeps_a_short_document_whole(qtbot, default_model):
+    """The worker's figures on the real engine: a ~60-token document at ratio 0.2 is stored whole (the cache's
+    128-entry floor), not as tokens × ratio."""
+    from app.engine_api import EngineModel, EngineSession
+    from app.protocol import AttachedDocument, UsageRequest
+    from app.worker import EngineWorker
+
+    assert isinstance(default_model, EngineModel)
+    assert isinstance(default_model.chat_session(), EngineSession)
+    worker = EngineWorker()
+    worker.model = default_model
+    results = []
+    worker.document_figures.connect(results.append)
+    text = "A short note about the garden: the roses need water on Tuesdays."
+    note = AttachedDocument("n1", "note.txt", "/tmp/note.txt", "text", text, None, len(text))
+    worker.count_usage(UsageRequest(None, (), "", (note,), {"kv_cache_ratio": 0.2}))
+    (figures,) = results[0]
+    per_token = default_model.kv_bytes_per_token()
+    assert 10 < figures.tokens < 128
+    assert figures.kv_bytes == figures.kv_after == figures.tokens * per_token
+    assert figures.kv_bytes > 4 * int(figures.tokens * 0.2 * per_token)
+    assert default_model.config.kv_cache_ratio == 0.5  # worked out at the panel's value, not applied

@@ -7,8 +7,9 @@ import threading
 import pytest
 from gui_fakes import FakeModel, fake_factory
 
-from app.protocol import AttachedDocument, GenerationOptions, TurnRequest
+from app.protocol import AttachedDocument, GenerationOptions, TurnRequest, UsageRequest
 from app.worker import EngineClient
+from engine.errors import ConfigError, ModelLoadError
 
 
 @pytest.fixture
@@ -67,10 +68,76 @@ def test_engine_exceptions_become_outcomes(qtbot, client):
     assert outcome.reason == "eos"
 
 
-def test_document_tokens_are_counted_on_the_worker(qtbot, client):
-    doc = AttachedDocument("d1", "a.txt", "/tmp/a.txt", "text", "word " * 400, None, 2000)
-    counted = []
-    client.worker.document_tokens.connect(lambda key, n: counted.append((key, n)))
-    client.count_document.emit(doc)
-    qtbot.waitUntil(lambda: bool(counted), timeout=5_000)
-    assert counted[0][0] == "d1" and counted[0][1] > 400
+def test_usage_and_document_figures_come_from_the_engine(qtbot, client):
+    """The context bar's counts and each document's tokens and KV bytes are the model's answers, at the knobs the
+    panel shows; a document's bytes are its share of the cache after what comes before it."""
+    from app.worker import _engine_document
+
+    model = client.model
+    docs = (AttachedDocument("d1", "a.txt", "/tmp/a.txt", "text", "word " * 400, None, 2000),
+            AttachedDocument("d2", "b.txt", "/tmp/b.txt", "text", "more " * 100, None, 500))
+    figures, usages = [], []
+    client.worker.document_figures.connect(figures.append)
+    client.worker.usage.connect(usages.append)
+    client.count_usage.emit(UsageRequest(None, (), "a question", docs, {"kv_cache_ratio": 0.2}))
+    qtbot.waitUntil(lambda: bool(usages), timeout=5_000)
+    first, second = figures[0]
+    prompt = model.count_tokens("a question")
+    assert (first.key, second.key) == ("d1", "d2")
+    assert first.tokens == model.document_tokens(_engine_document(docs[0])) > 400
+    assert first.kv_after == model.stored_kv_bytes(prompt + first.tokens, kv_cache_ratio=0.2)
+    assert first.kv_bytes == first.kv_after - model.stored_kv_bytes(prompt, kv_cache_ratio=0.2)
+    assert second.kv_after == model.stored_kv_bytes(prompt + first.tokens + second.tokens, kv_cache_ratio=0.2)
+    assert first.kv_bytes + second.kv_bytes == second.kv_after - model.stored_kv_bytes(prompt, kv_cache_ratio=0.2)
+    assert first.kv_cache_ratio == 0.2 and model.config.kv_cache_ratio == 0.5  # figured at, not applied
+    assert usages[0].documents == first.tokens + second.tokens and usages[0].prompt == prompt
+    assert usages[0].limit == model.context_limit
+
+
+def test_a_history_turn_is_laid_out_as_the_engine_lays_out_a_turn(qtbot, client):
+    from app.protocol import HistoryTurn
+    from app.worker import _engine_document
+    from engine.documents import user_content
+
+    doc = AttachedDocument("d1", "a.txt", "/tmp/a.txt", "text", "Some notes.", None, 11)
+    history = (HistoryTurn("What do the notes say?", (doc,), "They say little."),)
+    outcomes = []
+    client.worker.turn_finished.connect(outcomes.append)
+    client.send_turn(TurnRequest(1, 5, history, "And then?", (), GenerationOptions()))
+    qtbot.waitUntil(lambda: bool(outcomes), timeout=10_000)
+    sent = client.model.sends()[-1]["history"]
+    assert sent[0] == {"role": "user", "content": user_content("What do the notes say?", [_engine_document(doc)])}
+    assert sent[1] == {"role": "assistant", "content": "They say little."}
+
+
+def test_errors_are_told_apart_by_their_type():
+    import torch
+
+    from app.worker import _is_oom
+    from engine.errors import EngineError
+
+    assert _is_oom(MemoryError()) and _is_oom(torch.OutOfMemoryError("CUDA out of memory"))
+    assert _is_oom(ModelLoadError("The model does not fit.", reason="oom"))
+    assert not _is_oom(ModelLoadError("Not found.", reason="missing"))
+
+    class OutOfMemoryError(EngineError):  # the name alone says nothing
+        pass
+
+    assert not _is_oom(OutOfMemoryError("x"))
+
+
+@pytest.mark.parametrize(("error", "reason", "message"), [
+    (ConfigError("max_seq_len", 5, "an integer in [16, 1048576]"), "config", "max_seq_len=5 is not allowed"),
+    (MemoryError(), "oom", "MemoryError"),
+    (ValueError("weird header"), "load_failed", "ValueError: weird header"),
+    (ModelLoadError("The file is damaged.", reason="corrupt"), "corrupt", "The file is damaged."),
+])
+def test_a_failed_load_says_why_by_the_errors_type(qtbot, error, reason, message):
+    client = EngineClient(fake_factory(FakeModel(), fail=error))
+    failures = []
+    client.worker.load_failed.connect(lambda *args: failures.append(args))
+    client.load_model.emit({"max_seq_len": 8192})
+    qtbot.waitUntil(lambda: bool(failures), timeout=5_000)
+    client.shutdown()
+    got_message, got_reason, kept = failures[0]
+    assert got_reason == reason and got_message.startswith(message) and kept is None
