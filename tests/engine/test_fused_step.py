@@ -1,6 +1,6 @@
 """engine.cpu_kernels.FusedDecodeStep: one C call per decode step against the per-op Python step it replaces.
 
-The Python decoder (engine/cache/decoder.py + DSV41Cache.attend) is the reference; these tests run the same
+The Python decoder (engine/models/decoder.py + DSV41Cache.attend) is the reference; these tests run the same
 tokens through both and compare the logits and everything the step leaves in the cache: keys, values,
 positions, CED scores, lengths, merged entries' counts, across block reallocations and compactions.
 """

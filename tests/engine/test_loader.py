@@ -14,11 +14,16 @@ def load(path, **kw):
 
 
 def test_default_model_is_converted_once_and_reloads_fast(default_model):
+    """The session's model converted the GGUF (or found it converted); resolving it again converts nothing.
+    (The fixture's own load may have been the first conversion on a fresh machine, so it is not timed.)"""
+    import time
+
     first = resolve_source("default")
     assert (first.path / "model.safetensors").is_file() and (first.path / ".complete").is_file()
+    started = time.perf_counter()
     assert resolve_source("default").path == first.path
+    assert time.perf_counter() - started < 1.0  # already converted: no second conversion
     assert default_model.info.source_kind == "default"
-    assert default_model.info.resolve_seconds < 1.0  # already converted: no second conversion
 
 
 def test_the_default_conversion_knows_its_gguf_was_quantized(default_model, tmp_path):
