@@ -187,6 +187,10 @@ KNOBS_LIST: tuple[Knob, ...] = (
     Knob("csa2_topk", 256, int, "CSA2 top-k", "Stored entries each decode step attends to exactly (plus sinks "
          "and the recent window). 0 = dense.", LIVE, 0, 65536, slider=Slider(0, 1024, 16, 0)),
     Knob("csa2_rank", None, int, "CSA2 rank", "screening rank; None: head_dim / 8", LIVE, 1, 1024, optional=True),
+    Knob("cold_tier", "off", ("off", "ram"), "Cold tier", "where entries a compaction takes out of the hot set go: "
+         "'ram' keeps them for a later question to recall; 'off' discards them", REBUILD),
+    Knob("cold_tier_dtype", "int8", ("int8", "auto"), "Cold tier dtype", "how the cold tier stores keys and "
+         "values: int8 with a scale per token and head, or 'auto' as the hot set stores them (lossless)", REBUILD),
     Knob("kv_cache_dtype", "auto", ("auto", "int8"), "KV dtype", "INT8 stores keys and values in 8 bits with "
          "per-token scales: half of bf16, a quarter of fp32.", REBUILD),
     Knob("prefill_chunk", None, int, "Prefill chunk", "tokens per prefill forward; None: by device", LIVE, 16,

@@ -29,6 +29,7 @@ class MemoryReport:
     tokens_seen: int = 0
     kv_stored_tokens: int = 0
     kv_reserved: int = 0  # allocated for the cache, incl. spare capacity (counted in `other` beyond kv_stored)
+    kv_cold: int = 0  # the cold tier (host RAM): entries out of the hot set, kept for recall; not in kv_stored
 
     @property
     def compression_ratio(self) -> float:
@@ -36,7 +37,7 @@ class MemoryReport:
 
     @property
     def used_by_engine(self) -> int:
-        return self.weights + self.kv_stored + self.activations
+        return self.weights + self.kv_stored + self.kv_cold + self.activations
 
     def kv_over_weights(self) -> float:
         return self.kv_stored / self.weights if self.weights else 0.0
@@ -66,11 +67,13 @@ class MemoryReport:
         return " ".join(hints) or None
 
     def format_text(self) -> str:
-        """Four lines: weights, KV cache (stored and uncompressed), activations, total (print_memory_usage)."""
+        """Weights, KV cache (stored and uncompressed), the cold tier when it holds anything, activations, total
+        (print_memory_usage)."""
         return (
             f"Model weights: {self.weights / GB:.2f} GB\n"
             f"KV Cache: {self.kv_stored / GB:.2f} GB (compressed from {self.kv_uncompressed / GB:.2f} GB)\n"
-            f"Activation: {self.activations / GB:.2f} GB\n"
+            + (f"KV Cold tier: {self.kv_cold / GB:.2f} GB (host RAM, recalled per question)\n" if self.kv_cold else "")
+            + f"Activation: {self.activations / GB:.2f} GB\n"
             f"Total: {self.used_by_engine / GB:.2f} GB"
         )
 
@@ -94,14 +97,16 @@ def module_bytes(model) -> int:
 
 
 def measure(device: str, weights: int, kv_stored: int, kv_uncompressed: int, *, baseline_rss: int = 0,
-            tokens_seen: int = 0, kv_stored_tokens: int = 0, kv_reserved: int = 0) -> MemoryReport:
+            tokens_seen: int = 0, kv_stored_tokens: int = 0, kv_reserved: int = 0, kv_cold: int = 0) -> MemoryReport:
     from dataclasses import replace
 
     if device.startswith("cuda"):
         report = _measure_cuda(device, weights, kv_stored, kv_uncompressed, tokens_seen, kv_stored_tokens)
-    else:
-        report = _measure_cpu(weights, kv_stored, kv_uncompressed, baseline_rss, tokens_seen, kv_stored_tokens)
-    return replace(report, kv_reserved=max(kv_reserved, kv_stored))
+    else:  # the cold tier is in this process's RAM, so it is not counted as activations
+        report = _measure_cpu(weights, kv_stored + kv_cold, kv_uncompressed, baseline_rss, tokens_seen,
+                              kv_stored_tokens)
+        report = replace(report, kv_stored=kv_stored)
+    return replace(report, kv_reserved=max(kv_reserved, kv_stored), kv_cold=kv_cold)
 
 
 def _measure_cuda(device, weights, kv_stored, kv_uncompressed, tokens_seen, kv_tokens) -> MemoryReport:

@@ -56,7 +56,7 @@ class LoadInfo:
 
 @dataclass(frozen=True)
 class ReconfigureResult:
-    action: str  # "compacted" | "rebuilt" | "deferred" | "unchanged"
+    action: str  # "compacted" | "recalled" | "rebuilt" | "deferred" | "unchanged"
     before: MemoryReport | None
     after: MemoryReport | None
 
@@ -273,7 +273,7 @@ class DSV41Model:
         return memory_mod.measure(
             str(self.device), self.weights_bytes, kv, kv_full, baseline_rss=self._baseline_rss,
             tokens_seen=cache.seen if cache else 0, kv_stored_tokens=cache.stored if cache else 0,
-            kv_reserved=cache.nbytes() if cache else 0)
+            kv_reserved=cache.nbytes() if cache else 0, kv_cold=cache.cold_bytes() if cache else 0)
 
     def print_memory_usage(self, cache: DSV41Cache | None = None) -> MemoryReport:
         report = self.memory_report(cache)

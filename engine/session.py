@@ -225,12 +225,14 @@ class ChatSession:
             self._dirty = False
 
     def apply_settings(self, settings: CacheSettings, progress=None) -> str:
-        """Apply new cache knobs: 'compacted' (done on the live cache) or 'rebuilt' (they keep more than the
-        cache still holds, or store it differently: the transcript is read again)."""
-        if self.cache.apply(settings) == "needs_rebuild":
+        """Apply new cache knobs: 'compacted' (done on the live cache), 'recalled' (looser, brought back from the
+        cold tier) or 'rebuilt' (they keep more than the cache still holds, or store it differently: the
+        transcript is read again)."""
+        done = self.cache.apply(settings)
+        if done == "needs_rebuild":
             self.rebuild(progress)
             return "rebuilt"
-        return "compacted"
+        return done
 
     def reset(self) -> None:
         with self._lock:

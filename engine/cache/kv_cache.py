@@ -13,7 +13,11 @@ What the turn loop (engine.generate) and the session call, in the order of a tur
 Each forward (engine.models.adapter) is `begin_forward(n)` (positions = tokens seen so far, never derived from
 the stored length), then every attention layer's `attend(...)`, then `end_forward()` (or `abort_forward()` when
 it failed part-way). A fused CPU decode step reads `fused_plan()` instead of calling `attend` for most layers.
-What is kept is the policy's decision (engine.cache.policies), how much the budget's (engine.cache.budget).
+What is kept is the policy's decision (engine.cache.policies), how much the budget's (engine.cache.budget);
+what leaves the hot set goes to the cold tier (engine.cache.cold) when it is on.
+
+Why this file is long: it is one object's state (the hot layers, the cold tier, the forward in progress, the
+turn's counters) and every method that changes it; the pieces that do not need that state live beside it.
 """
 
 from __future__ import annotations
@@ -25,11 +29,25 @@ import torch
 
 from . import attention, csa2, policies
 from .budget import budget_for, plan_compaction
+from .cold import ColdLayer, recall_layer
 from .merge import merge_into_kept
 from .policies import PROBE, QUESTION, STREAM
+from .policies.ced import SPAN_TOKENS
 from .records import CacheStats, Checkpoint, Forward, FusedPlan, Prefill, kv_bytes_per_token
 from .settings import CacheSettings
 from .storage import LayerKV
+
+# Knobs a cold tier can loosen without a re-read: they only change how much of what was read stays hot.
+_BUDGET_KNOBS = ("kv_cache_ratio", "ced_threshold", "ced_sink_tokens", "ced_recent_tokens", "min_entries")
+
+
+def _budget_only(old: CacheSettings, new: CacheSettings) -> bool:
+    """Whether the settings differ only in how much stays hot (besides knobs that apply live)."""
+    from ..config import KNOBS, LIVE
+
+    return all(getattr(old, name) == getattr(new, name) for name in CacheSettings.__dataclass_fields__
+               if name not in _BUDGET_KNOBS and KNOBS[name].applies != LIVE)
+
 
 __all__ = ["CacheStats", "Checkpoint", "DSV41Cache", "FusedPlan", "Prefill", "kv_bytes_per_token"]
 
@@ -70,6 +88,13 @@ class DSV41Cache:
         self._capture: dict[int, torch.Tensor] | None = None
         self._scaling = self.head_dim**-0.5
         self._policy: policies.Policy | None = None
+        # The cold tier (cold.py) and the last scored prefill forward's queries, which recall scores it with.
+        self.cold = [ColdLayer(self.kv_heads, self.head_dim, self.dtype, "cpu",
+                               int8=self.settings.cold_tier_dtype == "int8") for _ in range(self.num_layers)] \
+            if self.settings.cold_tier != "off" else None
+        self._question: dict[int, torch.Tensor] = {}
+        self.recalled = 0  # entries the last question brought back from the cold tier (per head, summed over layers)
+        self.recall_seconds = 0.0
 
     @property
     def policy(self) -> policies.Policy:
@@ -181,6 +206,8 @@ class DSV41Cache:
                 # without scoring does not age what earlier turns found important (Policy.observe).
                 mass = attention.attention_mass(q, keys, log_counts, scaling, last=window)
                 policy.observe(layer.scores[:, :layer.length], mass, window, prefill=True)
+                if self.cold is not None:
+                    self._question[layer_idx] = q[:, t - window:].detach().clone()
         return out.to(query.dtype).transpose(0, 1)[None]  # a bf16 cache under float32 activations
 
     def fused_plan(self) -> FusedPlan | None:
@@ -297,9 +324,31 @@ class DSV41Cache:
         """After a turn's question (or a re-read conversation's last one) has scored every entry: the
         question-aware compaction to the budget, spare room released, the CSA2 screening fitted."""
         if self.settings.compressing:
+            self.recall()
             self.compact(when=QUESTION)
             self.shrink()
+        self._question = {}
         self.fit_sparse()
+
+    @torch.inference_mode()
+    def recall(self) -> int:
+        """Bring back from the cold tier what the question just read attends to: per layer and KV head the
+        cold entries its queries would pay the most attention (as many as the budget holds), put back in
+        position order with that attention as their score. The question-aware compaction that follows keeps
+        what the question needs most and sends the rest back. Returns entries recalled per head (summed)."""
+        if self.cold is None or not self._question:
+            return 0
+        started = time.perf_counter()
+        budget = self.budget()
+        total = 0
+        spans = SPAN_TOKENS if self.policy.waits_for_question else 0
+        total = sum(recall_layer(layer, cold, self._question.get(index), self._scaling, budget, spans)
+                    for index, (layer, cold) in enumerate(zip(self.layers, self.cold, strict=True)))
+        if total:
+            self.compactions += 1  # the layout changed: a stopped turn can no longer be undone in place
+        self.recalled = total
+        self.recall_seconds = time.perf_counter() - started
+        return total
 
     def after_decode_step(self) -> int:
         """Every `compact_every` decode steps: fit CSA2 once a reply has grown the cache past the point where
@@ -318,14 +367,31 @@ class DSV41Cache:
             self.compact()
 
     def apply(self, settings: CacheSettings) -> str:
-        """New knobs between turns. "compacted": applied to the live cache (tighter, or nothing to drop);
-        "needs_rebuild": the settings are taken, but they keep more than the cache still holds (or change
-        its stored format), so the caller re-reads the conversation (ChatSession.rebuild)."""
+        """New knobs between turns. "compacted": applied to the live cache (tighter, or nothing to drop; with the
+        cold tier on, what leaves the hot set goes cold); "recalled": looser, and the cold tier held what the hot
+        set lacked, so it came back from there; "needs_rebuild": the settings are taken, but they keep more than
+        the cache still holds (or change its stored format), so the caller re-reads the conversation
+        (ChatSession.rebuild)."""
         old, self.settings = self.settings, settings
         if old.needs_rebuild(settings):
-            return "needs_rebuild"
+            if self.cold is None or not _budget_only(old, settings):
+                return "needs_rebuild"
+            self._refill()  # the cold tier holds everything the hot set lost: nothing needs re-reading
+            self.finish_prefill()
+            return "recalled"
         self.finish_prefill()
         return "compacted"
+
+    @torch.inference_mode()
+    def _refill(self) -> None:
+        """Every cold entry back into the hot set, with the score it left with (the compaction that follows
+        keeps the best of them within the new budget and sends the rest back)."""
+        for layer, cold in zip(self.layers, self.cold, strict=True):
+            if cold.length:
+                keys, values, positions, scores = cold.take(torch.arange(cold.length).expand(cold.kv_heads, -1))
+                dev = layer.device
+                layer.insert(keys.to(dev), values.to(dev), positions.to(dev), scores.to(dev))
+        self.compactions += 1
 
     # ------------------------------------------------------------------ compaction
     @torch.inference_mode()
@@ -340,14 +406,16 @@ class DSV41Cache:
         dropped = 0
         policy = self.policy
         use_threshold = s.ced_threshold if threshold and policy.uses_attention else 0.0
-        for layer in self.layers:
+        for index, layer in enumerate(self.layers):
             rank = policy.rank(layer, when, self._torch_rng)
             plan = plan_compaction(rank, target, sink=s.ced_sink_tokens, recent=s.ced_recent_tokens,
                                    threshold=use_threshold, scores=layer.scores[:, : layer.length],
                                    floor=s.min_entries)
             if plan is None:
                 continue
-            if s.ced_mode == "merge":
+            if self.cold is not None:  # tiered: nothing is folded away, the dropped entries go cold
+                self.cold[index].add(layer, plan.drop)
+            elif s.ced_mode == "merge":
                 merge_into_kept(layer, plan)
             layer.keep(plan.keep)
             dropped = max(dropped, plan.drop.shape[1])
@@ -378,8 +446,12 @@ class DSV41Cache:
         return seen * self.num_layers * 2 * self.kv_heads * self.head_dim * self.kv_bytes_per_element
 
     def stored_kv_bytes(self) -> int:
-        """Bytes held by stored entries (incl. side caches), without spare capacity."""
+        """Bytes held by stored (hot) entries (incl. side caches), without spare capacity."""
         return sum(layer.used_bytes() for layer in self.layers)
+
+    def cold_bytes(self) -> int:
+        """Bytes the cold tier holds (0 when it is off)."""
+        return sum(cold.nbytes() for cold in self.cold) if self.cold is not None else 0
 
     def bytes_per_token(self) -> int:
         return kv_bytes_per_token(self.num_layers, self.kv_heads, self.head_dim, self.kv_bytes_per_element,

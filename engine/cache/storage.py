@@ -177,6 +177,34 @@ class LayerKV:
         self.log_counts[:, k:self.length] = 0.0
         self.length = k
 
+    @torch.inference_mode()
+    def insert(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, scores: torch.Tensor) -> None:
+        """Put entries back (keys/values [h, M, d], positions/scores [h, M], count 1 each) where their positions
+        belong, so every head stays in position order (sinks first, the recent window last). All or nothing."""
+        m = keys.shape[1]
+        if m == 0:
+            return
+        n = self.length
+        order = torch.cat([self.positions[:, :n].long(), positions.long()], dim=1).argsort(dim=1, stable=True)
+        self.ensure_capacity(n + m)
+        merged = {}
+        for name in self._tensors():
+            old = getattr(self, name)[:, :n]
+            if name in ("keys", "values", "key_scales", "value_scales") and self.int8:
+                continue
+            new = {"keys": keys, "values": values, "positions": positions, "scores": scores}.get(name)
+            if new is None:  # log_counts (count 1), CSA2's projected keys (refitted after a recall)
+                new = old.new_zeros((old.shape[0], m, *old.shape[2:]))
+            merged[name] = _gather_rows(torch.cat([old, new.to(old.dtype)], dim=1), order)
+        if self.int8:
+            kq, ks = quantize_int8(keys)
+            vq, vs = quantize_int8(values)
+            for name, new in (("keys", kq), ("key_scales", ks), ("values", vq), ("value_scales", vs)):
+                merged[name] = _gather_rows(torch.cat([getattr(self, name)[:, :n], new], dim=1), order)
+        for name, rows in merged.items():
+            getattr(self, name)[:, : n + m] = rows
+        self.length = n + m
+
 
 def _gather_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """t [h, N, ...], index [h, k] -> [h, k, ...]."""

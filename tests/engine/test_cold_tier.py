@@ -1,0 +1,176 @@
+"""The cold tier: what a compaction takes out of the hot set is kept and recalled by a later question."""
+
+import pytest
+import torch
+
+from engine.cache import CacheSettings, DSV41Cache
+from engine.cache.cold import ColdLayer
+from engine.cache.storage import LayerKV
+
+
+def _cache(dtype=torch.float32, **knobs):
+    settings = CacheSettings(**{"kv_cache_ratio": 0.25, "csa2_topk": 0, "ced_sink_tokens": 2, "ced_recent_tokens": 4,
+                                "min_entries": 8, "ced_threshold": 0.0, **knobs})
+    return DSV41Cache(2, 2, 8, dtype, "cpu", settings)
+
+
+def _read(cache, tokens, *, seed, window=0):
+    """One prefill forward of `tokens` random keys through the cache's own attend (2 layers)."""
+    g = torch.Generator().manual_seed(seed)
+    cache.begin_forward(tokens, score_window=window, prefill=True)
+    for index in range(cache.num_layers):
+        q = torch.randn(1, 4, tokens, 8, generator=g)
+        k = torch.randn(1, 2, tokens, 8, generator=g)
+        v = torch.randn(1, 2, tokens, 8, generator=g)
+        cache.attend(index, q.to(cache.dtype), k.to(cache.dtype), v.to(cache.dtype), 8**-0.5)
+    cache.end_forward()
+
+
+def _entries(layer_or_cold, head=0):
+    n = layer_or_cold.length
+    keys = layer_or_cold.read_keys()[head, :n]
+    return {int(p): keys[i].clone() for i, p in enumerate(layer_or_cold.positions[head, :n])}
+
+
+@pytest.mark.parametrize("dtype,cold_dtype,exact", [(torch.float32, "auto", True), (torch.bfloat16, "auto", True),
+                                                     (torch.float32, "int8", False)])
+def test_evicted_entries_are_kept_with_their_positions_and_come_back_unchanged(dtype, cold_dtype, exact):
+    cache = _cache(dtype, cold_tier="ram", cold_tier_dtype=cold_dtype)
+    _read(cache, 64, seed=0, window=64)
+    before = [_entries(layer) for layer in cache.layers]
+    cache.compact()
+    for layer, cold, was in zip(cache.layers, cache.cold, before, strict=True):
+        assert layer.length == cache.budget() == 16 and cold.length == 48
+        hot, kept = _entries(layer), _entries(cold)
+        assert set(hot) | set(kept) == set(was) and not set(hot) & set(kept)  # nothing lost, nothing twice
+        for position, key in kept.items():
+            if exact:
+                assert torch.equal(key, was[position])
+            else:
+                assert torch.allclose(key, was[position], atol=was[position].abs().max().item() / 127 + 1e-6)
+    # every cold entry recalled at once: the hot set is the whole document again, in position order
+    cold = cache.cold[0]
+    keys, values, positions, scores = cold.take(torch.arange(cold.length).expand(2, -1))
+    layer = cache.layers[0]
+    layer.insert(keys, values, positions, scores)
+    assert cold.length == 0 and layer.length == 64
+    assert torch.equal(layer.positions[:, :64], torch.arange(64, dtype=torch.int32).expand(2, -1))
+    got = _entries(layer)
+    for position, key in before[0].items():
+        assert torch.equal(got[position], key) if exact else torch.allclose(got[position], key, atol=0.05)
+
+
+def test_a_question_recalls_the_entry_it_needs_within_the_budget_keeping_sinks_and_recent():
+    """The entry an earlier compaction evicted is the one the next question's queries point at: with the cold
+    tier it is back in the hot set after the question is read; without it, it stays lost."""
+    outcomes = {}
+    for tier in ("off", "ram"):
+        cache = _cache(cold_tier=tier)
+        _read(cache, 64, seed=1, window=64)
+        layer0 = cache.layers[0]
+        for layer in cache.layers:  # what earlier questions found important, decayed since
+            layer.scores[:, :64] = 0.1
+            layer.scores[:, 30] = 0.0  # position 30 is the least important now: it goes first
+        cache.compact()
+        assert 30 not in _entries(layer0)
+        # the question: every query of every layer points at the evicted key of position 30
+        target = {i: (cache.cold[i] if cache.cold else None) for i in range(2)}
+        g = torch.Generator().manual_seed(7)
+        cache.begin_forward(4, score_window=4, prefill=True)
+        for index in range(2):
+            store = target[index]
+            if store is not None:
+                pos = store.positions[0, : store.length].tolist()
+                key = store.read_keys()[:, pos.index(30) if 30 in pos else 0]
+            else:
+                key = torch.zeros(2, 8)
+            q = (key * 40).repeat_interleave(2, dim=0)[None, :, None, :].expand(1, 4, 4, 8).contiguous()
+            cache.attend(index, q, torch.randn(1, 2, 4, 8, generator=g), torch.randn(1, 2, 4, 8, generator=g), 8**-0.5)
+        cache.end_forward()
+        cache.finish_prefill()
+        layer = cache.layers[0]
+        positions = layer.positions[0, : layer.length].tolist()
+        assert layer.length <= cache.budget()
+        assert positions == sorted(positions)
+        assert positions[:2] == [0, 1] and positions[-4:] == [64, 65, 66, 67]  # sinks and the recent window
+        outcomes[tier] = 30 in positions
+    assert outcomes == {"off": False, "ram": True}
+
+
+def test_with_the_cold_tier_on_and_ratio_one_nothing_changes():
+    plain, tiered = _cache(kv_cache_ratio=1.0), _cache(kv_cache_ratio=1.0, cold_tier="ram")
+    for cache in (plain, tiered):
+        _read(cache, 50, seed=3, window=50)
+        cache.finish_prefill()
+    assert tiered.cold_bytes() == 0 and tiered.stored == plain.stored == 50
+    for a, b in zip(plain.layers, tiered.layers, strict=True):
+        assert torch.equal(a.read_keys(), b.read_keys()) and torch.equal(a.scores[:, :50], b.scores[:, :50])
+
+
+def test_insert_keeps_every_tensor_of_an_int8_layer_in_position_order():
+    layer = LayerKV(2, 8, torch.float32, "cpu", int8=True, initial_capacity=8)
+    layer.append(torch.randn(2, 6, 8), torch.randn(2, 6, 8), torch.tensor([0, 1, 4, 5, 8, 9]))
+    layer.scores[:, :6] = torch.arange(6.0)
+    keys, values = torch.randn(2, 3, 8), torch.randn(2, 3, 8)
+    layer.insert(keys, values, torch.tensor([[2, 6, 7], [3, 6, 7]]), torch.full((2, 3), 9.0))
+    assert layer.length == 9 and layer.capacity >= 9
+    assert layer.positions[0, :9].tolist() == [0, 1, 2, 4, 5, 6, 7, 8, 9]
+    assert layer.positions[1, :9].tolist() == [0, 1, 3, 4, 5, 6, 7, 8, 9]
+    assert layer.scores[0, :9].tolist() == [0, 1, 9, 2, 3, 9, 9, 4, 5]
+    assert torch.allclose(layer.read_keys()[0, 2], keys[0, 0], atol=keys[0, 0].abs().max().item() / 127 + 1e-6)
+    assert torch.all(layer.log_counts[:, :9] == 0)
+
+
+def test_cold_layer_take_removes_exactly_what_it_returns():
+    hot = LayerKV(1, 4, torch.float32, "cpu")
+    hot.append(torch.randn(1, 10, 4), torch.randn(1, 10, 4), torch.arange(10))
+    cold = ColdLayer(1, 4, torch.float32, "cpu", int8=False)
+    cold.add(hot, torch.tensor([[1, 3, 5, 7]]))
+    keys, _, positions, _ = cold.take(torch.tensor([[2, 0]]))
+    assert positions.tolist() == [[5, 1]] and torch.equal(keys[0, 0], hot.read_keys()[0, 5])
+    assert cold.length == 2 and cold.positions[0, :2].tolist() == [3, 7]
+
+
+def test_loosening_the_ratio_recalls_from_the_cold_tier_instead_of_re_reading():
+    tiered = _cache(cold_tier="ram", cold_tier_dtype="auto")
+    _read(tiered, 64, seed=5, window=64)
+    everything = [_entries(layer) for layer in tiered.layers]
+    tiered.finish_prefill()
+    assert tiered.stored == tiered.budget() < 64
+    assert tiered.apply(tiered.settings.replace(kv_cache_ratio=1.0)) == "recalled"
+    assert tiered.stored == 64 and tiered.cold_bytes() == 0
+    for layer, was in zip(tiered.layers, everything, strict=True):
+        assert layer.positions[0, :64].tolist() == list(range(64))
+        assert all(torch.equal(key, was[p]) for p, key in _entries(layer).items())
+    # tightening sends entries back to the cold tier; a knob that changes the stored format still re-reads
+    assert tiered.apply(tiered.settings.replace(kv_cache_ratio=0.25)) == "compacted"
+    assert tiered.stored == tiered.budget() and tiered.cold[0].length == 64 - tiered.stored
+    assert tiered.apply(tiered.settings.replace(kv_cache_dtype="int8")) == "needs_rebuild"
+    plain = _cache()
+    _read(plain, 64, seed=5, window=64)
+    plain.finish_prefill()
+    assert plain.apply(plain.settings.replace(kv_cache_ratio=1.0)) == "needs_rebuild"
+
+
+def test_a_chat_with_the_cold_tier_never_loses_a_token_and_recalls_each_question(tiny_folder):
+    """Through real turns (a tiny model, the real tokenizer): every token seen is either hot or cold after each
+    turn, each follow-up question recalls from the cold tier, and the hot set stays within its budget."""
+    from engine import DSV41Config, DSV41Model
+
+    model = DSV41Model.from_pretrained(DSV41Config(model_path=str(tiny_folder), max_seq_len=4096, kv_cache_ratio=0.2,
+                                                   cold_tier="ram", csa2_topk=0))
+    session = model.chat_session()
+    document = " ".join(f"Line {i}: the value of item {i} is {i * 7}." for i in range(45))
+    for turn, question in enumerate([document + "\n\nWhat is the value of item 3?", "And item 40?", "And item 25?"]):
+        list(session.send(question, max_new_tokens=6, greedy=True))
+        cache = session.cache
+        assert cache.seen == len(session.transcript_ids)
+        for layer, cold in zip(cache.layers, cache.cold, strict=True):
+            assert layer.length + cold.length == cache.seen  # nothing discarded
+            assert layer.length <= cache.budget()
+            hot = set(layer.positions[0, : layer.length].tolist())
+            assert not hot & set(cold.positions[0, : cold.length].tolist())
+        if turn:
+            assert cache.recalled > 0
+    report = model.memory_report(session.cache)
+    assert report.kv_cold == session.cache.cold_bytes() > 0
