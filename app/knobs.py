@@ -52,6 +52,7 @@ SLIDER = {spec.name: spec for spec in SLIDERS}
 CHOICE_LABELS = {
     "ced_mode": {"merge": "Merge", "evict": "Evict"},
     "kv_cache_dtype": {"auto": "Auto (bf16 or model dtype)", "int8": "INT8"},
+    "cold_tier": {"off": "Off (compaction discards)", "ram": "RAM (later questions recall)"},
 }
 
 
@@ -65,15 +66,18 @@ CED_MODES = choices("ced_mode")
 CED_MODE_LABEL, CED_MODE_TIP = KNOBS["ced_mode"].label, KNOBS["ced_mode"].help
 KV_DTYPES = choices("kv_cache_dtype")
 KV_DTYPE_LABEL, KV_DTYPE_TIP = KNOBS["kv_cache_dtype"].label, KNOBS["kv_cache_dtype"].help
+COLD_TIERS = choices("cold_tier")
+COLD_TIER_LABEL, COLD_TIER_TIP = KNOBS["cold_tier"].label, KNOBS["cold_tier"].help
 HEADROOM_LABEL = KNOBS["prefill_headroom"].label
 HEADROOM_STEPS = (None, 1024, 2048, 4096, 8192, 16384, 32768, 65536)  # None = auto (what free memory allows)
 
-KNOB_NAMES = tuple(SLIDER) + ("ced_mode", "kv_cache_dtype", "prefill_headroom")
+KNOB_NAMES = tuple(SLIDER) + ("ced_mode", "kv_cache_dtype", "cold_tier", "prefill_headroom")
 DEFAULTS = {name: KNOBS[name].default for name in KNOB_NAMES}
 
 PRESETS: dict[str, dict] = {
     "Chat": dict(DEFAULTS),
-    "Long document": {**DEFAULTS, "ced_decay": 0.998, "kv_cache_ratio": 0.4, "csa2_topk": 512},
+    # follow-up questions about a document: the cold tier keeps what compaction takes out (benchmarks/followups.py)
+    "Long document": {**DEFAULTS, "ced_decay": 0.998, "kv_cache_ratio": 0.4, "csa2_topk": 512, "cold_tier": "ram"},
     "Max quality": {**DEFAULTS, "kv_cache_ratio": 1.0, "ced_threshold": 0.0, "csa2_topk": 0,
                     "kv_cache_dtype": "auto"},
     "Min memory": {**DEFAULTS, "kv_cache_ratio": 0.2, "ced_threshold": 0.2, "csa2_topk": 128,

@@ -78,6 +78,10 @@ class KnobPanel(QGroupBox):
         self.kv_dtype = QComboBox()
         for value, label in K.KV_DTYPES:
             self.kv_dtype.addItem(label, value)
+        self.cold_tier = QComboBox()
+        for value, label in K.COLD_TIERS:
+            self.cold_tier.addItem(label, value)
+        self.cold_tier.setToolTip(K.COLD_TIER_TIP)
         self.headroom = QComboBox()
         for value in K.HEADROOM_STEPS:
             self.headroom.addItem(K.headroom_label(value), value)
@@ -85,12 +89,13 @@ class KnobPanel(QGroupBox):
                                  "compaction after the question is read keeps what the question needs.")
         self.mode.setToolTip(K.CED_MODE_TIP)
         self.kv_dtype.setToolTip(K.KV_DTYPE_TIP)
-        for combo in (self.mode, self.kv_dtype, self.headroom):
+        for combo in (self.mode, self.kv_dtype, self.cold_tier, self.headroom):
             combo.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
             combo.setMinimumContentsLength(8)
             combo.currentIndexChanged.connect(self._changed)
         form.addRow(K.CED_MODE_LABEL, self.mode)
         form.addRow(K.KV_DTYPE_LABEL, self.kv_dtype)
+        form.addRow(K.COLD_TIER_LABEL, self.cold_tier)
         form.addRow(K.HEADROOM_LABEL, self.headroom)
         layout.addLayout(form)
 
@@ -128,6 +133,7 @@ class KnobPanel(QGroupBox):
         out = {spec.name: spec.from_tick(self.sliders[spec.name].value()) for spec in K.SLIDERS}
         out["ced_mode"] = self.mode.currentData()
         out["kv_cache_dtype"] = self.kv_dtype.currentData()
+        out["cold_tier"] = self.cold_tier.currentData()
         out["prefill_headroom"] = self.headroom.currentData()
         return out
 
@@ -139,6 +145,7 @@ class KnobPanel(QGroupBox):
             self._show_value(spec)
         self.mode.setCurrentIndex(max(self.mode.findData(values["ced_mode"]), 0))
         self.kv_dtype.setCurrentIndex(max(self.kv_dtype.findData(values["kv_cache_dtype"]), 0))
+        self.cold_tier.setCurrentIndex(max(self.cold_tier.findData(values["cold_tier"]), 0))
         self.headroom.setCurrentIndex(max(self.headroom.findData(values["prefill_headroom"]), 0))
         self._quiet = False
         if notify:
@@ -174,6 +181,7 @@ class KnobPanel(QGroupBox):
 
     def show_result(self, action: str, before, after) -> None:
         words = {"compacted": "Compacted the live cache", "rebuilt": "Rebuilt the cache from the transcript",
+                 "recalled": "Recalled from the cold tier (nothing re-read)",
                  "deferred": "Deferred to the end of the reply", "unchanged": "No change"}
         text = words.get(action, action)
         if before is not None and after is not None:

@@ -167,14 +167,17 @@ class MemoryPanel(QGroupBox):
     def show_report(self, report) -> None:
         self.report = report
         is_cpu = str(report.device).startswith("cpu")
-        used = report.weights + report.kv_stored + report.activations
+        used = report.used_by_engine
         place = "CPU · system RAM" if is_cpu else f"GPU · {report.device_label}"
         self.device_label.setText(f"{place} · {fmt_bytes(report.total)} total")
         self.bar.set_segments([("Weights", report.weights), ("KV cache", report.kv_stored),
                                ("Activations", report.activations), ("Other", report.other),
                                ("Free", report.free)])
         self.values["Weights"].setText(fmt_bytes(report.weights))
-        self.values["KV cache"].setText(kv_line(report.kv_stored, report.kv_uncompressed))
+        kv = kv_line(report.kv_stored, report.kv_uncompressed)
+        if report.kv_cold:  # entries out of the hot set, kept in RAM for later questions to recall
+            kv += f" · cold tier {fmt_bytes(report.kv_cold)} (RAM)"
+        self.values["KV cache"].setText(kv)
         self.values["Activations"].setText(fmt_bytes(report.activations))
         other = "other processes" if is_cpu else "reserved + other processes"
         self.values["Other"].setText(f"{fmt_bytes(report.other)} ({other})")
