@@ -76,11 +76,7 @@ class Knob:
             text = "of type str"
         else:
             text = self.check(None) if self.check else "a value"
-        return f"None ({self.help_none}) or {text}" if self.optional else text
-
-    @property
-    def help_none(self) -> str:
-        return "auto"
+        return f"None (auto) or {text}" if self.optional else text
 
     def validate(self, value: Any) -> None:
         if value is None and self.optional:
@@ -136,10 +132,6 @@ def _headroom(value) -> str | None:
     return None
 
 
-def _ratio_tip() -> str:
-    return "Share of the tokens seen that the KV cache keeps. 1.0 = a plain cache (no compression)."
-
-
 KNOBS_LIST: tuple[Knob, ...] = (
     # --------------------------------------------------------------- the model (a change reloads it)
     Knob("model_path", "default", str, "Model", "'default', a model folder, a .gguf file or a hub id",
@@ -160,7 +152,8 @@ KNOBS_LIST: tuple[Knob, ...] = (
     Knob("allow_position_extrapolation", False, bool, "Allow position extrapolation",
          "let tokens seen pass the model's trained positions (quality degrades past them)", cli=False),
     # --------------------------------------------------------------- the cache (between turns)
-    Knob("kv_cache_ratio", 0.5, float, "Cache ratio", _ratio_tip(), CACHE, 0.01, 1.0, looser="up",
+    Knob("kv_cache_ratio", 0.5, float, "Cache ratio", "Share of the tokens seen that the KV cache keeps. 1.0 = a "
+         "plain cache (no compression).", CACHE, 0.01, 1.0, looser="up",
          slider=Slider(0.01, 1.0, 0.01, 2)),
     # 0.995 and a 32-token recent window: perplexity at ratio 0.5 over four speeches +1.12 % on average,
     # +1.53 % on the hardest (0.99 and 64: +1.38 and +2.49 %; results/quality).

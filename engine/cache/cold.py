@@ -86,6 +86,8 @@ class ColdLayer:
         self.length = end
 
     def read_keys(self, index: torch.Tensor | None = None) -> torch.Tensor:
+        """All cold keys [h, C, d], or those at `index` [h, k]: float32 when stored as int8 (for scoring; the
+        hot set casts what it takes back), else the hot set's dtype."""
         return self._read(self.keys, self.key_scales, index)
 
     def read_values(self, index: torch.Tensor | None = None) -> torch.Tensor:
@@ -94,9 +96,9 @@ class ColdLayer:
     def _read(self, data, scales, index):
         if index is None:
             out = data[:, : self.length]
-            return out.to(self.dtype) * scales[:, : self.length] if scales is not None else out
+            return out.float() * scales[:, : self.length] if scales is not None else out
         out = _gather_rows(data, index)
-        return out.to(self.dtype) * _gather_rows(scales, index) if scales is not None else out
+        return out.float() * _gather_rows(scales, index) if scales is not None else out
 
     @torch.inference_mode()
     def take(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -37,18 +37,6 @@ from .records import CacheStats, Checkpoint, Forward, FusedPlan, Prefill, kv_byt
 from .settings import CacheSettings
 from .storage import LayerKV
 
-# Knobs a cold tier can loosen without a re-read: they only change how much of what was read stays hot.
-_BUDGET_KNOBS = ("kv_cache_ratio", "ced_threshold", "ced_sink_tokens", "ced_recent_tokens", "min_entries")
-
-
-def _budget_only(old: CacheSettings, new: CacheSettings) -> bool:
-    """Whether the settings differ only in how much stays hot (besides knobs that apply live)."""
-    from ..config import KNOBS, LIVE
-
-    return all(getattr(old, name) == getattr(new, name) for name in CacheSettings.__dataclass_fields__
-               if name not in _BUDGET_KNOBS and KNOBS[name].applies != LIVE)
-
-
 __all__ = ["CacheStats", "Checkpoint", "DSV41Cache", "FusedPlan", "Prefill", "kv_bytes_per_token"]
 
 
@@ -374,7 +362,7 @@ class DSV41Cache:
         (ChatSession.rebuild)."""
         old, self.settings = self.settings, settings
         if old.needs_rebuild(settings):
-            if self.cold is None or not _budget_only(old, settings):
+            if self.cold is None or not old.only_budget_changed(settings):
                 return "needs_rebuild"
             self._refill()  # the cold tier holds everything the hot set lost: nothing needs re-reading
             self.finish_prefill()

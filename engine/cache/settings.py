@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ..config import KNOBS, KNOBS_LIST, REBUILD
+from ..config import KNOBS, KNOBS_LIST, LIVE
 
 
 class _SettingsMethods:
@@ -28,8 +28,13 @@ class _SettingsMethods:
     def needs_rebuild(self, new: CacheSettings) -> bool:
         """Whether going from these settings to `new` needs the conversation re-read: a knob that changes the
         stored format, or one moved in the direction that keeps more than the cache still holds."""
-        return any(KNOBS[name].applies == REBUILD and getattr(self, name) != getattr(new, name)
-                   or KNOBS[name].is_looser(getattr(self, name), getattr(new, name)) for name in CACHE_FIELDS)
+        return any(KNOBS[name].is_looser(getattr(self, name), getattr(new, name)) for name in CACHE_FIELDS)
+
+    def only_budget_changed(self, new: CacheSettings) -> bool:
+        """Whether `new` differs only in how much of what was read stays hot (knobs that move up or down the
+        budget, the threshold or the protected windows), besides knobs that apply live."""
+        return all(getattr(self, name) == getattr(new, name) for name in CACHE_FIELDS
+                   if KNOBS[name].applies != LIVE and KNOBS[name].looser not in ("up", "down"))
 
     def replace(self, **changes) -> CacheSettings:
         return dataclasses.replace(self, **changes)
