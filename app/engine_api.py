@@ -36,6 +36,10 @@ class EngineSession(Protocol):
         """Stream one turn; errors in the inputs raise before the first event."""
         ...
 
+    def forget_saved(self) -> int:
+        """Remove the conversation's saved caches from disk (its chat was deleted)."""
+        ...
+
 
 @runtime_checkable
 class EngineModel(Protocol):

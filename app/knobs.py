@@ -52,7 +52,8 @@ SLIDER = {spec.name: spec for spec in SLIDERS}
 CHOICE_LABELS = {
     "ced_mode": {"merge": "Merge", "evict": "Evict"},
     "kv_cache_dtype": {"auto": "Auto (bf16 or model dtype)", "int8": "INT8"},
-    "cold_tier": {"off": "Off (compaction discards)", "ram": "RAM (later questions recall)"},
+    "cold_tier": {"off": "Off (compaction discards)", "ram": "RAM (later questions recall)",
+                  "disk": "Disk (later questions recall; least RAM)"},
 }
 
 

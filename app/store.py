@@ -387,6 +387,12 @@ def reply_footer(stats: dict | None, status: str | None = None) -> str:
         ratio = stats.get("compression_ratio")
         if ratio is not None:
             parts.append(f"KV ×{ratio:.2f}")
+        if stats.get("recall_s"):
+            parts.append(f"recalled in {stats['recall_s'] * 1000:.0f} ms")
+        if stats.get("restored_context"):
+            parts.append("saved cache restored")
+        elif stats.get("rebuilt_context"):
+            parts.append("conversation re-read")
     if status in (STOPPED, INTERRUPTED, ERROR):
         parts.append({"stopped": "stopped", "interrupted": "interrupted", "error": "ended by an error"}[status])
     return " · ".join(parts)

@@ -275,7 +275,13 @@ class EngineWorker(QObject):
 
     @Slot(int)
     def forget_conversation(self, conversation_id: int) -> None:
-        self._sessions.pop(conversation_id, None)
+        """A deleted chat: its session goes, and so do its saved caches on disk."""
+        session = self._sessions.pop(conversation_id, None)
+        if session is not None:
+            try:
+                session.forget_saved()
+            except OSError as exc:
+                log.warning("the deleted chat's saved caches could not all be removed: %s", exc)
 
     # ------------------------------------------------------------------ knobs and figures
     @Slot(object)

@@ -160,7 +160,7 @@ KNOBS_LIST: tuple[Knob, ...] = (
     Knob("ced_decay", 0.995, float, "CED decay", "How slowly old attention fades from an entry's score. "
          "Higher remembers a long document longer.", LIVE, 0.5, 1.0, slider=Slider(0.90, 0.999, 0.001, 3)),
     Knob("ced_threshold", 0.1, float, "CED threshold", "Entries scoring below this × the mean are compressed "
-         "even under budget. 0 turns it off.", CACHE, 0.0, 1.0, looser="down", slider=Slider(0.0, 0.5, 0.01, 2)),
+         "even under budget (not with the cold tier on: then the hot set is the ratio). 0 turns it off.", CACHE, 0.0, 1.0, looser="down", slider=Slider(0.0, 0.5, 0.01, 2)),
     # "evict": with the question-aware layout it kept planted facts at every ratio where "merge" lost them
     # (results/quality).
     Knob("ced_mode", "evict", ("merge", "evict"), "CED mode", "Merge folds each dropped entry into a kept one "
@@ -180,10 +180,16 @@ KNOBS_LIST: tuple[Knob, ...] = (
     Knob("csa2_topk", 256, int, "CSA2 top-k", "Stored entries each decode step attends to exactly (plus sinks "
          "and the recent window). 0 = dense.", LIVE, 0, 65536, slider=Slider(0, 1024, 16, 0)),
     Knob("csa2_rank", None, int, "CSA2 rank", "screening rank; None: head_dim / 8", LIVE, 1, 1024, optional=True),
-    Knob("cold_tier", "off", ("off", "ram"), "Cold tier", "where entries a compaction takes out of the hot set go: "
-         "'ram' keeps them for a later question to recall; 'off' discards them", REBUILD),
+    Knob("cold_tier", "off", ("off", "ram", "disk"), "Cold tier", "where entries a compaction takes out of the hot "
+         "set go: 'ram' keeps them for a later question to recall (spilling to a file past the RAM cap), 'disk' "
+         "keeps them in a file from the start; 'off' discards them", REBUILD),
+    Knob("cold_tier_ram_mb", 2048, int, "Cold tier RAM cap (MB)", "RAM the cold tier may take before what else "
+         "leaves the hot set goes to a file in the user cache folder", LIVE, 0, 1 << 22),
     Knob("cold_tier_dtype", "int8", ("int8", "auto"), "Cold tier dtype", "how the cold tier stores keys and "
          "values: int8 with a scale per token and head, or 'auto' as the hot set stores them (lossless)", REBUILD),
+    Knob("conversation_cache_mb", 2048, int, "Saved chat caches (MB)", "disk space for each chat's cache saved "
+         "after every turn in the user cache folder: reopening, regenerating or editing a chat restores it instead "
+         "of re-reading the conversation; least recently used removed first; 0 = off", LIVE, 0, 1 << 20),
     Knob("kv_cache_dtype", "auto", ("auto", "int8"), "KV dtype", "INT8 stores keys and values in 8 bits with "
          "per-token scales: half of bf16, a quarter of fp32.", REBUILD),
     Knob("prefill_chunk", None, int, "Prefill chunk", "tokens per prefill forward; None: by device", LIVE, 16,

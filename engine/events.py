@@ -32,6 +32,9 @@ class TurnStats:
     compaction_s: float = 0.0
     csa2_recall: float | None = None
     rebuilt_context: bool = False  # the cache was rebuilt from the transcript (template did not extend)
+    restored_context: bool = False  # the conversation's saved cache was restored instead (engine.conversation_store)
+    recall_s: float = 0.0  # time the question spent recalling from the cold tier
+    recalled_entries: int = 0  # entries it brought back (per head, summed over layers)
 
     @property
     def compression_ratio(self) -> float:

@@ -160,7 +160,7 @@ def _prefill(model, cache: DSV41Cache, plan: TurnPlan, cancel, device, result: T
         result.compacted_during_prefill = prefill.compacted
         chunk_ids = torch.tensor([ids[start:end]], device=device)
         logits = adapter.forward(model, chunk_ids, cache, score_window=cache.chunk_window(prefill, last),
-                                 prefill=True)  # the window is capped at the chunk
+                                 prefill=True, question=last and plan.question_tokens > 0)  # window capped at the chunk
         result.prefilled = end
         yield PrefillProgress(end, total)
     cache.finish_prefill()
@@ -219,4 +219,6 @@ def _stats(cache, plan, result, started, prefill_done, first_token_at, ended, co
         kv_uncompressed_bytes=cstats.uncompressed_bytes,
         compaction_s=cache.compaction_seconds - compaction_before,
         csa2_recall=cstats.csa2_recall,
+        recall_s=cache.recall_seconds if plan.question_tokens else 0.0,
+        recalled_entries=cache.recalled if plan.question_tokens else 0,
     )

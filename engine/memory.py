@@ -30,6 +30,9 @@ class MemoryReport:
     kv_stored_tokens: int = 0
     kv_reserved: int = 0  # allocated for the cache, incl. spare capacity (counted in `other` beyond kv_stored)
     kv_cold: int = 0  # the cold tier (host RAM): entries out of the hot set, kept for recall; not in kv_stored
+    kv_cold_disk: int = 0  # the cold tier's part in a file (past its RAM cap, or cold_tier 'disk')
+    recall_s: float | None = None  # the last question's recall from the cold tier (None: nothing recalled yet)
+    saved_caches: int = 0  # saved conversation caches on disk (engine.conversation_store), not in memory
 
     @property
     def compression_ratio(self) -> float:
@@ -67,14 +70,18 @@ class MemoryReport:
         return " ".join(hints) or None
 
     def format_text(self) -> str:
-        """Weights, KV cache (stored and uncompressed), the cold tier when it holds anything, activations, total
-        (print_memory_usage)."""
+        """Weights, KV cache (stored and uncompressed), activations, total (print_memory_usage); then the cold tier
+        (with the last recall's time) and the saved chat caches on disk, when there are any."""
         return (
             f"Model weights: {self.weights / GB:.2f} GB\n"
             f"KV Cache: {self.kv_stored / GB:.2f} GB (compressed from {self.kv_uncompressed / GB:.2f} GB)\n"
-            + (f"KV Cold tier: {self.kv_cold / GB:.2f} GB (host RAM, recalled per question)\n" if self.kv_cold else "")
-            + f"Activation: {self.activations / GB:.2f} GB\n"
+            f"Activation: {self.activations / GB:.2f} GB\n"
             f"Total: {self.used_by_engine / GB:.2f} GB"
+            + (f"\nKV Cold tier: {self.kv_cold / GB:.2f} GB host RAM + {self.kv_cold_disk / GB:.2f} GB disk "
+               "(recalled per question" + (f"; last recall {self.recall_s * 1000:.0f} ms" if self.recall_s is not None
+                                           else "") + ")"
+               if self.kv_cold or self.kv_cold_disk else "")
+            + (f"\nSaved chat caches: {self.saved_caches / GB:.2f} GB (disk)" if self.saved_caches else "")
         )
 
     def to_dict(self) -> dict:
@@ -97,7 +104,8 @@ def module_bytes(model) -> int:
 
 
 def measure(device: str, weights: int, kv_stored: int, kv_uncompressed: int, *, baseline_rss: int = 0,
-            tokens_seen: int = 0, kv_stored_tokens: int = 0, kv_reserved: int = 0, kv_cold: int = 0) -> MemoryReport:
+            tokens_seen: int = 0, kv_stored_tokens: int = 0, kv_reserved: int = 0, kv_cold: int = 0,
+            kv_cold_disk: int = 0, recall_s: float | None = None, saved_caches: int = 0) -> MemoryReport:
     from dataclasses import replace
 
     if device.startswith("cuda"):
@@ -106,7 +114,9 @@ def measure(device: str, weights: int, kv_stored: int, kv_uncompressed: int, *, 
         report = _measure_cpu(weights, kv_stored + kv_cold, kv_uncompressed, baseline_rss, tokens_seen,
                               kv_stored_tokens)
         report = replace(report, kv_stored=kv_stored)
-    return replace(report, kv_reserved=max(kv_reserved, kv_stored), kv_cold=kv_cold)
+    return replace(report, kv_reserved=max(kv_reserved, kv_stored), kv_cold=kv_cold, kv_cold_disk=kv_cold_disk,
+                   recall_s=recall_s,
+                   saved_caches=saved_caches)
 
 
 def _measure_cuda(device, weights, kv_stored, kv_uncompressed, tokens_seen, kv_tokens) -> MemoryReport:

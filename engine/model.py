@@ -9,12 +9,14 @@ and the DS-V4.1 cache.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import psutil
 import torch
@@ -235,6 +237,47 @@ class DSV41Model:
         return ContextUsage(system_tokens, history_tokens, sum(self.document_tokens(d) for d in documents),
                             self.count_tokens(prompt), self.context_limit)
 
+    # ------------------------------------------------------------------ saved conversation caches
+    @property
+    def conversation_store(self):
+        """Where chats' caches are saved after each turn (engine.conversation_store); None when
+        conversation_cache_mb is 0."""
+        from .conversation_store import ConversationStore
+        from .paths import conversations_dir
+
+        mb = self.config.conversation_cache_mb
+        if not mb:
+            return None
+        store, folder = getattr(self, "_store", None), conversations_dir()
+        if store is None or store.cap_bytes != mb * 2**20 or store.folder != folder:
+            store = self._store = ConversationStore(folder, mb * 2**20)
+        return store
+
+    @property
+    def state_key(self) -> str:
+        """This model's identity for saved caches: its folder and weight files (name, size, time), how it is held
+        and computed, and its KV geometry. A state saved by any other model never matches."""
+        key = getattr(self, "_state_key", None)
+        if key is None:
+            from .conversation_store import key_of
+
+            info = self.info
+            folder = Path(info.folder) if info.folder else None
+            files = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in folder.iterdir()
+                           if p.is_file()) if folder is not None and folder.is_dir() else []
+            key = self._state_key = key_of({
+                "folder": str(folder), "files": files, "name": info.display_name, "dtype": str(self.dtype),
+                "kv_dtype": str(self.kv_dtype), "weights": [info.weight_quant, info.weight_storage, info.prefill_bf16],
+                "geometry": [self.num_layers, self.kv_heads, self.head_dim], "device": self.device.type})
+        return key
+
+    @staticmethod
+    def settings_key(settings: CacheSettings) -> str:
+        """The cache settings a saved state was made with (all but the store's own size)."""
+        from .conversation_store import key_of
+
+        return key_of({k: v for k, v in dataclasses.asdict(settings).items() if k != "conversation_cache_mb"})
+
     # ------------------------------------------------------------------ sessions and one-shot generation
     def chat_session(self, system_prompt: str | None = None) -> ChatSession:
         session = ChatSession(self, system_prompt)
@@ -273,7 +316,10 @@ class DSV41Model:
         return memory_mod.measure(
             str(self.device), self.weights_bytes, kv, kv_full, baseline_rss=self._baseline_rss,
             tokens_seen=cache.seen if cache else 0, kv_stored_tokens=cache.stored if cache else 0,
-            kv_reserved=cache.nbytes() if cache else 0, kv_cold=cache.cold_bytes() if cache else 0)
+            kv_reserved=cache.nbytes() if cache else 0, kv_cold=cache.cold_bytes("ram") if cache else 0,
+            kv_cold_disk=cache.cold_bytes("disk") if cache else 0,
+            recall_s=cache.recall_seconds if cache is not None and cache.recalled else None,
+            saved_caches=self.conversation_store.total_bytes() if self.conversation_store is not None else 0)
 
     def print_memory_usage(self, cache: DSV41Cache | None = None) -> MemoryReport:
         report = self.memory_report(cache)

@@ -8,7 +8,9 @@ end-of-prefill compaction (query-aware CED).
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -23,6 +25,8 @@ from .generate import TurnPlan, TurnResult, run_turn
 from .models import adapter
 from .sampling import GenerationSettings
 
+log = logging.getLogger(__name__)
+
 MAX_QUESTION_WINDOW = 512  # question tokens that score the document at the end of a turn's prefill
 
 
@@ -36,6 +40,7 @@ class PreparedTurn:
     rebuild: bool  # the template did not extend the transcript: the cache must be rebuilt
     documents: list[Document] = field(default_factory=list)
     rendered: template.Rendered | None = None  # the whole conversation with this turn (delta_text is its end)
+    restored: bool = False  # the conversation's saved cache was restored (nothing before this turn is re-read)
 
 
 class ChatSession:
@@ -56,6 +61,7 @@ class ChatSession:
         self._lock = threading.Lock()
         self._busy = False
         self._dirty = False  # cache no longer matches fed_text (e.g. cancelled mid-compaction)
+        self.last_save_seconds: float | None = None  # writing the last turn's saved cache
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -96,6 +102,10 @@ class ChatSession:
         # turn that could not be undone), or when the messages no longer render what was fed.
         rebuild = (self._dirty or self.cache.seen != len(self.transcript_ids)
                    or not full.extends(self.fed_text, self.fed_specials))
+        # A cache that holds nothing yet (a chat reopened) or must be rebuilt: a saved state may spare the re-read.
+        restored = (rebuild or not self.transcript_ids) and self._restore_saved(full)
+        if restored:
+            rebuild = not full.extends(self.fed_text, self.fed_specials)
         offset = 0 if rebuild else len(self.fed_text)
         delta = full.text[offset:]
         # Tokenize head (history tail + documents) and tail (question + assistant header) apart, so we
@@ -118,7 +128,7 @@ class ChatSession:
             raise ContextOverflowError(needed, self.context_limit, {
                 "system": usage.system, "history": usage.history, "documents": usage.documents,
                 "prompt": usage.prompt})
-        return PreparedTurn(user, delta, new_ids, question, usage, rebuild, docs, full)
+        return PreparedTurn(user, delta, new_ids, question, usage, rebuild, docs, full, restored)
 
     def send(self, prompt: str, documents: Sequence[str | Document] = (), *, cancel: threading.Event | None = None,
              settings: GenerationSettings | None = None, **overrides) -> Iterator[Event]:
@@ -158,8 +168,10 @@ class ChatSession:
                 yield event
             committed = True
             self._commit(turn, result, done, checkpoint)
+            if done is not None and done.text:
+                self._save_state()
             if done is not None:
-                done = Done(done.reason, done.text, _with_rebuild(done.stats, turn.rebuild), done.token_ids)
+                done = Done(done.reason, done.text, _with_context(done.stats, turn), done.token_ids)
                 self.last_stats = done.stats
                 yield done
         finally:
@@ -204,6 +216,63 @@ class ChatSession:
         if self.cache.seen != len(self.transcript_ids):  # interrupted between a forward and its record
             self._dirty = True
 
+    # ------------------------------------------------------------------ saved caches (engine.conversation_store)
+    def _save_state(self) -> None:
+        """Save the cache as it stands after a turn; a failure is logged, never raised (the chat goes on)."""
+        from .cache import persist
+
+        store = self.model.conversation_store
+        if store is None or self._dirty or self.cache.seen != len(self.transcript_ids):
+            return
+        started = time.perf_counter()
+        try:
+            tensors, facts = persist.save_state(self.cache)
+            store.save(model_key=self.model.state_key, settings_key=self.model.settings_key(self.cache.settings),
+                       text=self.fed_text, specials=self.fed_specials, transcript_ids=self.transcript_ids,
+                       tensors=tensors, cache_facts=facts)
+        except Exception:  # noqa: BLE001 - a cache that was not saved is re-read later, nothing is lost
+            log.exception("the conversation cache was not saved")
+        self.last_save_seconds = time.perf_counter() - started
+
+    def _restore_saved(self, rendered: template.Rendered) -> bool:
+        """Instead of re-reading the conversation: restore the longest saved state that `rendered` starts with
+        (same model and settings). A state that cannot be read or does not fit is refused (and removed)."""
+        from .cache import persist
+
+        store = self.model.conversation_store
+        if store is None:
+            return False
+        model_key, settings_key = self.model.state_key, self.model.settings_key(self.cache.settings)
+        for _ in range(3):  # a refused file is removed; the next best may still do
+            found = store.find(model_key=model_key, settings_key=settings_key, rendered=rendered)
+            if found is None:
+                return False
+            saved = store.load(found)
+            if saved is None:
+                continue
+            n = int(saved.facts["text_len"])
+            self.cache.reset()
+            try:
+                persist.load_state(self.cache, saved.tensors, saved.facts["cache"])
+                if self.cache.seen != len(saved.transcript_ids):
+                    raise persist.StateMismatch("its token count and its cache disagree")
+            except (persist.StateMismatch, KeyError, TypeError, ValueError) as exc:
+                log.warning("refused the saved conversation cache %s: %s", found.path.name, exc)
+                found.path.unlink(missing_ok=True)
+                self.cache.reset()
+                continue
+            self.transcript_ids = list(saved.transcript_ids)
+            self.fed_text = rendered.text[:n]
+            self.fed_specials = tuple(tuple(int(x) for x in span) for span in saved.facts["specials"])
+            self._dirty = False
+            return True
+        return False
+
+    def forget_saved(self) -> int:
+        """Remove this conversation's saved caches (the chat was deleted). Returns how many files went."""
+        store = self.model.conversation_store
+        return store.forget(self.fed_text) if store is not None and self.fed_text else 0
+
     # ------------------------------------------------------------------ reconfigure / reset
     def rebuild(self, progress=None, cancel: threading.Event | None = None) -> None:
         """Re-read the transcript with the current cache settings (quality comes back after loosening)."""
@@ -241,9 +310,9 @@ class ChatSession:
             self.transcript_ids, self.fed_text, self.fed_specials, self._dirty = [], "", (), False
 
 
-def _with_rebuild(stats: TurnStats | None, rebuilt: bool) -> TurnStats | None:
-    if stats is None or not rebuilt:
+def _with_context(stats: TurnStats | None, turn: PreparedTurn) -> TurnStats | None:
+    if stats is None or not (turn.rebuild or turn.restored):
         return stats
     from dataclasses import replace
 
-    return replace(stats, rebuilt_context=True)
+    return replace(stats, rebuilt_context=turn.rebuild, restored_context=turn.restored)

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 
 from tests.engine.conftest import tiny_model
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+# Saved conversation caches of the tests go to a folder of their own, never the user's.
+os.environ["DSV41_CONVERSATIONS_DIR"] = tempfile.mkdtemp(prefix="dsv41-test-conversations-")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -3,13 +3,19 @@
 The hot set (storage.LayerKV) is what every step attends to, at most the budget. With the cold tier on,
 an entry a compaction drops is not discarded: its key, value, original position and score move here (per
 layer, per KV head, in the order they left), as int8 with one scale per token and head (`cold_tier_dtype
-= "int8"`: a quarter of float32, half of bf16), or in the hot set's own dtype (lossless). When a turn's
-question has been read, the cache scores the cold entries with the question's queries and moves the best
-back into the hot set (DSV41Cache.finish_prefill), where the question-aware compaction then keeps what the
-question needs most within the budget; what it drops comes back here.
+= "int8"`: a quarter of float32, half of bf16), or in the hot set's own dtype (lossless). While a turn's
+question is read, each layer, before it attends, scores its cold entries with the question's queries and
+moves the best back into the hot set (DSV41Cache._recall_layer), so that layer's attention, the layers above
+and the first reply token see them; the question-aware compaction after the question keeps what it needs
+most within the budget, and what it drops comes back here.
 """
 
 from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -24,24 +30,58 @@ RECALL_SHARE = 0.125
 RECALL_MIN = 64
 
 
-class ColdLayer:
-    """One layer's cold entries: keys, values [h, capacity, d], positions and scores [h, capacity]."""
+def _on_disk(folder: Path, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised tensor whose memory is a file in `folder` (mapped; the OS pages it in and out). The file
+    is unlinked at once where the system allows (it lives while mapped and vanishes with the process)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"cold-{os.getpid()}-{uuid.uuid4().hex}.bin"
+    numel = 1
+    for n in shape:
+        numel *= n
+    tensor = torch.from_file(str(path), shared=True, size=max(numel, 1), dtype=dtype)[:numel].view(shape)
+    try:
+        path.unlink()
+    except OSError:  # Windows keeps a mapped file: remove it when the tensor goes
+        import weakref
 
-    def __init__(self, kv_heads: int, head_dim: int, dtype: torch.dtype, device, *, int8: bool):
+        weakref.finalize(tensor.untyped_storage(), lambda p=path: p.unlink(missing_ok=True))
+    return tensor
+
+
+class ColdLayer:
+    """One layer's cold entries: keys, values [h, capacity, d], positions and scores [h, capacity].
+
+    `spill(extra_bytes)` is asked before each allocation: a folder to hold it on disk (file-backed memory that
+    the OS writes out under pressure), or None for RAM (DSV41Cache decides from `cold_tier` and its RAM cap)."""
+
+    def __init__(self, kv_heads: int, head_dim: int, dtype: torch.dtype, device, *, int8: bool,
+                 spill: Callable[[int], Path | None] | None = None):
         self.kv_heads, self.head_dim, self.dtype, self.int8 = kv_heads, head_dim, dtype, int8
         self.device = torch.device(device)
+        self.spill = spill
+        self.on_disk = False
         self.length = 0
-        self._alloc(0)
+        self._set(self._alloc(0, None))
 
-    def _alloc(self, capacity: int) -> None:
+    def _bytes_per_entry(self) -> int:
+        element = 1 if self.int8 else torch.empty((), dtype=self.dtype).element_size()
+        return self.kv_heads * (2 * self.head_dim * element + 8 + (8 if self.int8 else 0))
+
+    def _alloc(self, capacity: int, folder: Path | None) -> dict[str, torch.Tensor]:
         h, d, dev = self.kv_heads, self.head_dim, self.device
         store = torch.int8 if self.int8 else self.dtype
-        self.keys = torch.empty(h, capacity, d, dtype=store, device=dev)
-        self.values = torch.empty(h, capacity, d, dtype=store, device=dev)
-        self.key_scales = torch.empty(h, capacity, 1, dtype=torch.float32, device=dev) if self.int8 else None
-        self.value_scales = torch.empty(h, capacity, 1, dtype=torch.float32, device=dev) if self.int8 else None
-        self.positions = torch.empty(h, capacity, dtype=torch.int32, device=dev)
-        self.scores = torch.empty(h, capacity, dtype=torch.float32, device=dev)
+        shapes = {"keys": ((h, capacity, d), store), "values": ((h, capacity, d), store),
+                  "positions": ((h, capacity), torch.int32), "scores": ((h, capacity), torch.float32)}
+        if self.int8:
+            shapes |= {"key_scales": ((h, capacity, 1), torch.float32), "value_scales": ((h, capacity, 1), torch.float32)}
+        if folder is not None and dev.type == "cpu" and capacity:
+            return {name: _on_disk(folder, shape, dtype) for name, (shape, dtype) in shapes.items()}
+        return {name: torch.empty(shape, dtype=dtype, device=dev) for name, (shape, dtype) in shapes.items()}
+
+    def _set(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.key_scales = self.value_scales = None
+        for name, tensor in tensors.items():
+            setattr(self, name, tensor)
 
     def _names(self) -> list[str]:
         return ["keys", "values", "positions", "scores"] + (["key_scales", "value_scales"] if self.int8 else [])
@@ -54,14 +94,12 @@ class ColdLayer:
         if needed <= self.capacity:
             return
         capacity = _round_up(max(needed, self.capacity + self.capacity // 4, BLOCK_TOKENS))
-        fresh = {}
-        for name in self._names():
-            old = getattr(self, name)
-            new = old.new_empty((old.shape[0], capacity, *old.shape[2:]))
-            new[:, : self.length] = old[:, : self.length]
-            fresh[name] = new
-        for name, new in fresh.items():  # all or nothing: nothing replaced before every tensor exists
-            setattr(self, name, new)
+        folder = self.spill((capacity - self.capacity) * self._bytes_per_entry()) if self.spill else None
+        fresh = self._alloc(capacity, folder)
+        for name, new in fresh.items():
+            new[:, : self.length] = getattr(self, name)[:, : self.length]
+        self._set(fresh)  # all or nothing: nothing replaced before every tensor exists and is filled
+        self.on_disk = folder is not None
 
     @torch.inference_mode()
     def add(self, layer: LayerKV, index: torch.Tensor) -> None:
@@ -115,6 +153,10 @@ class ColdLayer:
         self.length = keep.shape[1]
         return taken
 
+    def reserved_bytes(self) -> int:
+        """Bytes allocated (with spare capacity): what the RAM cap counts."""
+        return self.capacity * self._bytes_per_entry()
+
     def nbytes(self) -> int:
         """Bytes the cold entries occupy (without spare capacity)."""
         return sum(getattr(self, n).element_size() * getattr(self, n)[:, :1].numel() * self.length
@@ -122,49 +164,40 @@ class ColdLayer:
 
 
 @torch.inference_mode()
-def recall_layer(layer: LayerKV, cold: ColdLayer, question: torch.Tensor | None, scaling: float, budget: int,
+def recall_layer(layer: LayerKV, cold: ColdLayer, question: torch.Tensor, scaling: float, budget: int,
                  spans: int) -> int:
-    """Move the cold entries `question`'s queries [H, Tq, d] would attend to most back into `layer` (RECALL_SHARE
-    of the `budget` per head), scored with that attention. `spans` > 0 ranks them by the total of their span of that
-    many positions (CED keeps whole spans after a question, so it recalls whole spans too, and what comes back
-    can stand against the spans already hot). Returns entries recalled per head."""
-    if question is None or cold.length == 0:
+    """Move the cold entries the question's queries [H, Tq, d] (the last Tq entries of `layer`, just appended)
+    would attend to most back into `layer`: RECALL_SHARE of the `budget` per head, ranked by the attention each
+    would get in one softmax over hot and cold. `spans` > 0 ranks them by the total of their span of that many
+    positions (CED keeps whole spans after a question, so it recalls whole spans too). They come back with the
+    score they left with; the question's attention, which the layer computes next over hot and recalled
+    entries alike, is added to every score the same way. Returns entries recalled per head."""
+    if cold.length == 0:
         return 0
-    log_counts = layer.log_counts[:, : layer.length] if layer.merged_any else None
     dev = layer.device
-    mass, hot_change = recall_scores(question, layer.read_keys(), cold.read_keys().to(dev), log_counts, scaling)
-    # what the question gave the hot entries, as if it had seen the cold entries too (a fair contest)
-    layer.scores[:, : layer.length] += hot_change
-    mass = mass.to(cold.device)
+    log_counts = layer.log_counts[:, : layer.length] if layer.merged_any else None
+    mass = recall_mass(question, layer.read_keys(), cold.read_keys().to(dev), log_counts, scaling).to(cold.device)
     take = min(cold.length, max(int(budget * RECALL_SHARE), RECALL_MIN))
     rank = span_ranking(mass, cold.positions[:, : cold.length], spans) if spans > 1 else mass
-    best = rank.topk(take, dim=1).indices
-    keys, values, positions, _ = cold.take(best)
-    layer.insert(keys.to(dev), values.to(dev), positions.to(dev), torch.gather(mass, 1, best).to(dev))
+    keys, values, positions, scores = cold.take(rank.topk(take, dim=1).indices)
+    layer.insert(keys.to(dev), values.to(dev), positions.to(dev), scores.to(dev))
     return take
 
 
-def recall_scores(query: torch.Tensor, hot_keys: torch.Tensor, cold_keys: torch.Tensor, hot_log_counts,
-                  scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The question's queries [H, Tq, d] are the last Tq tokens of the hot set (`hot_keys` [h, S, d], each query
-    sees the hot entries up to its own). Returns (the attention each cold entry [h, C] would get if it were hot,
-    one softmax over both; the change in each hot entry's share [h, S] once the cold entries are counted, to
-    correct the score the question gave it when it saw the hot set alone), summed over the group's heads and
-    the queries."""
+def recall_mass(query: torch.Tensor, hot_keys: torch.Tensor, cold_keys: torch.Tensor, hot_log_counts,
+                scaling: float) -> torch.Tensor:
+    """The attention each cold entry [h, C] would get from the queries [H, Tq, d] if it were hot, in one softmax
+    over hot and cold entries, summed over the group's heads and the queries. The queries are the last Tq hot
+    entries (`hot_keys` [h, S, d]): each sees the hot entries up to its own and every cold one (all earlier)."""
     h, s = hot_keys.shape[0], hot_keys.shape[1]
     tq = query.shape[1]
     q = query.float().reshape(h, -1, query.shape[-1])  # [h, G * Tq, d], query i of each head at row g * Tq + i
     hot = torch.matmul(q, hot_keys.float().transpose(1, 2)) * scaling
     if hot_log_counts is not None:
         hot = hot + hot_log_counts[:, None, :]
-    # causal: query i sees the question's own entries up to itself (the last tq hot entries, in order)
     future = torch.ones(tq, tq, dtype=torch.bool, device=hot.device).triu(1)
     hot[:, :, s - tq:].masked_fill_(future.repeat(q.shape[1] // tq, 1)[None], float("-inf"))
     cold = torch.matmul(q, cold_keys.float().transpose(1, 2)) * scaling
-    top = torch.maximum(hot.amax(dim=-1, keepdim=True), cold.amax(dim=-1, keepdim=True))
-    hot_exp, cold_exp = torch.exp(hot - top), torch.exp(cold - top)
-    hot_sum = hot_exp.sum(dim=-1, keepdim=True)
-    total = hot_sum + cold_exp.sum(dim=-1, keepdim=True)
-    joint_hot = hot_exp / total
-    alone_hot = hot_exp / hot_sum
-    return (cold_exp / total).sum(dim=1), (joint_hot - alone_hot).sum(dim=1)
+    # log-sum-exp over both, per query row: cold entry j's share is exp(cold_j - lse)
+    lse = torch.logaddexp(torch.logsumexp(hot, dim=-1, keepdim=True), torch.logsumexp(cold, dim=-1, keepdim=True))
+    return torch.exp(cold - lse).sum(dim=1)

@@ -4,7 +4,8 @@ What the turn loop (engine.generate) and the session call, in the order of a tur
 
     prefill = cache.start_prefill(tokens, question_tokens, headroom)   reserve; decide how the turn is read
     for each chunk:  cache.before_chunk(prefill, size)                 compact first if over the headroom
-                     forward (below), scored by cache.chunk_window(prefill, last)
+                     forward (below), scored by cache.chunk_window(prefill, last); the last one
+                     (question=True) recalls from the cold tier layer by layer
     cache.finish_prefill()                                             question-aware compaction, CSA2 fit
     for each decode step: forward, then cache.after_decode_step()
     cache.finish_turn()                                                back to the steady-state budget
@@ -24,9 +25,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
+from ..paths import cold_dir
 from . import attention, csa2, policies
 from .budget import budget_for, plan_compaction
 from .cold import ColdLayer, recall_layer
@@ -76,11 +79,10 @@ class DSV41Cache:
         self._capture: dict[int, torch.Tensor] | None = None
         self._scaling = self.head_dim**-0.5
         self._policy: policies.Policy | None = None
-        # The cold tier (cold.py) and the last scored prefill forward's queries, which recall scores it with.
+        # The cold tier (cold.py): what compactions took out of the hot set, recalled by each question.
         self.cold = [ColdLayer(self.kv_heads, self.head_dim, self.dtype, "cpu",
-                               int8=self.settings.cold_tier_dtype == "int8") for _ in range(self.num_layers)] \
-            if self.settings.cold_tier != "off" else None
-        self._question: dict[int, torch.Tensor] = {}
+                               int8=self.settings.cold_tier_dtype == "int8", spill=self._spill)
+                     for _ in range(self.num_layers)] if self.settings.cold_tier != "off" else None
         self.recalled = 0  # entries the last question brought back from the cold tier (per head, summed over layers)
         self.recall_seconds = 0.0
 
@@ -128,21 +130,27 @@ class DSV41Cache:
 
     # ------------------------------------------------------------------ forward protocol
     def begin_forward(self, tokens: int, *, score_window: int | None = None, prefill: bool | None = None,
-                      start: int | None = None) -> torch.Tensor:
+                      start: int | None = None, question: bool = False) -> torch.Tensor:
         """Start a forward over `tokens` new tokens; returns their position ids [1, tokens] (from `start`,
-        default: tokens seen so far)."""
+        default: tokens seen so far). `question`: the forward holds a turn's question (its last chunk), so with
+        the cold tier on each layer first recalls what the question's queries look for (_recall_layer)."""
         first = self.seen if start is None else start
         positions = torch.arange(first, first + tokens, device=self.device)
         window = self.policy.stream_window if score_window is None else score_window
+        question = question and self.cold is not None and self.settings.compressing
         self._fwd = Forward(tokens, positions, window, tokens > 1 if prefill is None else prefill,
-                             tuple(layer.length for layer in self.layers))
+                             tuple(layer.length for layer in self.layers), question=question)
+        if question:
+            self.recalled, self.recall_seconds = 0, 0.0
         return positions[None]
 
     @torch.inference_mode()
     def abort_forward(self) -> None:
-        """Undo a forward that failed part-way (OOM, error): drop what some layers appended."""
-        for layer, length in zip(self.layers, self._fwd.start_lengths, strict=False):
-            layer.truncate(length)
+        """Undo a forward that failed part-way (OOM, error): drop what some layers appended (always their last
+        entries: what a layer recalled sits before them, by position, and stays in the hot set)."""
+        fwd = self._fwd
+        for index, (layer, length) in enumerate(zip(self.layers, fwd.start_lengths, strict=False)):
+            layer.truncate(min(layer.length, length + fwd.recalled.get(index, 0)))
         self._fwd = Forward()
 
     def end_forward(self) -> None:
@@ -178,6 +186,10 @@ class DSV41Cache:
             if scoring:
                 policy.observe(layer.scores[:, :layer.length], probs.sum(dim=1), 1, prefill=False)
         else:
+            window = t if fwd.score_window is None else min(fwd.score_window, t)
+            if fwd.question and scoring and window > 0 and self.cold[layer_idx].length:
+                self._recall_layer(layer_idx, layer, q[:, t - window:], scaling)
+                log_counts = layer.log_counts[:, : layer.length] if layer.merged_any else None
             keys, values = layer.read_keys(), layer.read_values()
             mask = None
             if self.backend != "eager" and keys.shape[1] != t and attention.chunk_needs_mask(q.device):
@@ -188,14 +200,17 @@ class DSV41Cache:
             out = attention.dense_attention(q, keys, values, log_counts, scaling, self.backend, mask, bf16=self.prefill_bf16)
             if s.csa2_topk > 0 and self._capture is None:
                 csa2.observe_queries(layer, q)
-            window = t if fwd.score_window is None else min(fwd.score_window, t)
             if scoring and window > 0:
+                if fwd.question and policy.waits_for_question:
+                    # Tiered, a question ranks by its own attention alone: what earlier questions needed is
+                    # in the cold tier, recallable by the question that needs it again (follow-ups at 2k
+                    # tokens, ratios 0.3 / 0.2 / 0.1: 11 / 12 / 8 of 18 against 10 / 10 / 5 with the scores
+                    # carried over; uncompressed 11; benchmarks/followups.py).
+                    layer.scores[:, : layer.length].zero_()
                 # dt counts scoring steps (the window's queries), not the chunk's tokens: a document read
                 # without scoring does not age what earlier turns found important (Policy.observe).
                 mass = attention.attention_mass(q, keys, log_counts, scaling, last=window)
                 policy.observe(layer.scores[:, :layer.length], mass, window, prefill=True)
-                if self.cold is not None:
-                    self._question[layer_idx] = q[:, t - window:].detach().clone()
         return out.to(query.dtype).transpose(0, 1)[None]  # a bf16 cache under float32 activations
 
     def fused_plan(self) -> FusedPlan | None:
@@ -312,31 +327,26 @@ class DSV41Cache:
         """After a turn's question (or a re-read conversation's last one) has scored every entry: the
         question-aware compaction to the budget, spare room released, the CSA2 screening fitted."""
         if self.settings.compressing:
-            self.recall()
             self.compact(when=QUESTION)
             self.shrink()
-        self._question = {}
         self.fit_sparse()
 
-    @torch.inference_mode()
-    def recall(self) -> int:
-        """Bring back from the cold tier what the question just read attends to: per layer and KV head the
-        cold entries its queries would pay the most attention (as many as the budget holds), put back in
-        position order with that attention as their score. The question-aware compaction that follows keeps
-        what the question needs most and sends the rest back. Returns entries recalled per head (summed)."""
-        if self.cold is None or not self._question:
-            return 0
+    def _recall_layer(self, index: int, layer, question: torch.Tensor, scaling: float) -> None:
+        """Inside the forward that reads a turn's question, before layer `index` attends: the cold entries the
+        question's queries [H, Tq, d] (the last Tq hot entries) would attend to most come back into the hot
+        set, so this layer's attention, everything above it and the first reply token see them. The
+        question-aware compaction after the forward keeps what the question needs most and sends the rest
+        back."""
         started = time.perf_counter()
-        budget = self.budget()
-        total = 0
+        fwd = self._fwd
         spans = SPAN_TOKENS if self.policy.waits_for_question else 0
-        total = sum(recall_layer(layer, cold, self._question.get(index), self._scaling, budget, spans)
-                    for index, (layer, cold) in enumerate(zip(self.layers, self.cold, strict=True)))
-        if total:
-            self.compactions += 1  # the layout changed: a stopped turn can no longer be undone in place
-        self.recalled = total
-        self.recall_seconds = time.perf_counter() - started
-        return total
+        taken = recall_layer(layer, self.cold[index], question, scaling, self.budget(self.seen + fwd.tokens), spans)
+        if taken:
+            if not fwd.recalled:
+                self.compactions += 1  # the layout changed: a stopped turn can no longer be undone in place
+            fwd.recalled[index] = taken
+            self.recalled += taken
+        self.recall_seconds += time.perf_counter() - started
 
     def after_decode_step(self) -> int:
         """Every `compact_every` decode steps: fit CSA2 once a reply has grown the cache past the point where
@@ -393,7 +403,10 @@ class DSV41Cache:
         started = time.perf_counter()
         dropped = 0
         policy = self.policy
-        use_threshold = s.ced_threshold if threshold and policy.uses_attention else 0.0
+        # With the cold tier on, the hot set is the budget (the ratio the user chose): the threshold, which
+        # drops entries below it, only applies when dropping saves memory for good (benchmarks/followups.py:
+        # follow-ups at ratio 0.3, 11/18 without it against 7/18 with it).
+        use_threshold = s.ced_threshold if threshold and policy.uses_attention and self.cold is None else 0.0
         for index, layer in enumerate(self.layers):
             rank = policy.rank(layer, when, self._torch_rng)
             plan = plan_compaction(rank, target, sink=s.ced_sink_tokens, recent=s.ced_recent_tokens,
@@ -437,9 +450,19 @@ class DSV41Cache:
         """Bytes held by stored (hot) entries (incl. side caches), without spare capacity."""
         return sum(layer.used_bytes() for layer in self.layers)
 
-    def cold_bytes(self) -> int:
-        """Bytes the cold tier holds (0 when it is off)."""
-        return sum(cold.nbytes() for cold in self.cold) if self.cold is not None else 0
+    def cold_bytes(self, where: str | None = None) -> int:
+        """Bytes the cold tier holds (0 when it is off); `where` = "ram" or "disk" counts only those layers."""
+        return sum(cold.nbytes() for cold in self.cold or ()
+                   if where is None or cold.on_disk == (where == "disk"))
+
+    def _spill(self, extra_bytes: int) -> Path | None:
+        """Where a cold layer's next allocation of `extra_bytes` goes: a file (cold_tier 'disk', or 'ram' past
+        its cap, cold_tier_ram_mb) or RAM (None)."""
+        s = self.settings
+        in_ram = sum(cold.reserved_bytes() for cold in self.cold or () if not cold.on_disk)
+        if s.cold_tier == "disk" or in_ram + extra_bytes > s.cold_tier_ram_mb * 2**20:
+            return cold_dir()
+        return None
 
     def bytes_per_token(self) -> int:
         return kv_bytes_per_token(self.num_layers, self.kv_heads, self.head_dim, self.kv_bytes_per_element,

@@ -4,7 +4,7 @@ step's plan, and the bytes one stored token costs."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -83,3 +83,5 @@ class Forward:
     prefill: bool = True
     start_lengths: tuple[int, ...] = ()
     mask: torch.Tensor | None = None  # causal bias shared by the layers of a prefill chunk
+    question: bool = False  # a turn's question is in this forward: each layer recalls from the cold tier first
+    recalled: dict[int, int] = field(default_factory=dict)  # entries per head each layer recalled (abort keeps them)

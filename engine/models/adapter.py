@@ -203,9 +203,11 @@ def uses_fast_decoder(model) -> bool:
 
 @torch.inference_mode()
 def forward(model, input_ids: torch.Tensor, cache, *, score_window: int | None = None, prefill: bool | None = None,
-            logits_to_keep: int = 1) -> torch.Tensor:
-    """Run `input_ids` [1, T] through the model against `cache`; returns logits [1, logits_to_keep, V] (float32)."""
-    position_ids = cache.begin_forward(input_ids.shape[1], score_window=score_window, prefill=prefill)
+            logits_to_keep: int = 1, question: bool = False) -> torch.Tensor:
+    """Run `input_ids` [1, T] through the model against `cache`; returns logits [1, logits_to_keep, V] (float32).
+    `question`: these tokens end with a turn's question (the cache may recall for it; DSV41Cache.begin_forward)."""
+    position_ids = cache.begin_forward(input_ids.shape[1], score_window=score_window, prefill=prefill,
+                                       question=question)
     decoder = runtime(model).decoder
     try:
         if decoder is not None:

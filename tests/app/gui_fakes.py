@@ -44,6 +44,10 @@ class FakeSession:
         self.system_tokens = 0
         self.busy = False
 
+    def forget_saved(self):
+        self.model.record("forget_saved", history=[dict(m) for m in self.messages])
+        return 0
+
     def send(self, prompt, documents=(), *, cancel=None, **settings):
         model = self.model
         model.record("send", prompt=prompt, documents=list(documents), settings=settings,

@@ -60,3 +60,13 @@ def test_search_escapes_like_wildcards(data_dir):
     store.create_conversation("100% sure")
     store.create_conversation("1000 things")
     assert [c.title for c in store.conversations("100%")] == ["100% sure"]
+
+
+def test_the_reply_footer_says_how_the_context_was_had():
+    from app.store import reply_footer
+
+    base = {"ttft_s": 0.4, "decode_tok_s": 20.0, "decode_tokens": 8, "compression_ratio": 0.3}
+    assert reply_footer(base) == "TTFT 0.40 s · 20.0 tok/s · 8 tokens · KV ×0.30"
+    assert reply_footer({**base, "restored_context": True, "recall_s": 0.0123}).endswith(
+        "KV ×0.30 · recalled in 12 ms · saved cache restored")
+    assert reply_footer({**base, "rebuilt_context": True}).endswith("· conversation re-read")

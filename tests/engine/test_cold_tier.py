@@ -76,7 +76,7 @@ def test_a_question_recalls_the_entry_it_needs_within_the_budget_keeping_sinks_a
         # the question: every query of every layer points at the evicted key of position 30
         target = {i: (cache.cold[i] if cache.cold else None) for i in range(2)}
         g = torch.Generator().manual_seed(7)
-        cache.begin_forward(4, score_window=4, prefill=True)
+        cache.begin_forward(4, score_window=4, prefill=True, question=True)
         for index in range(2):
             store = target[index]
             if store is not None:
@@ -174,3 +174,70 @@ def test_a_chat_with_the_cold_tier_never_loses_a_token_and_recalls_each_question
             assert cache.recalled > 0
     report = model.memory_report(session.cache)
     assert report.kv_cold == session.cache.cold_bytes() > 0
+
+
+def _mapped_cold_files(folder) -> int:
+    """Cold-tier files of this process mapped from `folder` (unlinked at once, so only /proc/self/maps shows them)."""
+    with open("/proc/self/maps") as maps:
+        return len({line.split()[-2] if line.rstrip().endswith("(deleted)") else line.split()[-1]
+                    for line in maps if str(folder) in line})
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/maps"), reason="reads /proc/self/maps (Linux)")
+@pytest.mark.parametrize("tier,cap_mb", [("disk", 2048), ("ram", 0)])
+def test_a_cold_tier_on_disk_or_past_its_ram_cap_lives_in_mapped_files_and_recalls_the_same(tmp_path, monkeypatch,
+                                                                                            tier, cap_mb):
+    monkeypatch.setenv("DSV41_COLD_DIR", str(tmp_path))
+    in_ram = _cache(cold_tier="ram", cold_tier_dtype="auto")
+    spilled = _cache(cold_tier=tier, cold_tier_dtype="auto", cold_tier_ram_mb=cap_mb)
+    for cache in (in_ram, spilled):
+        _read(cache, 64, seed=9, window=64)
+        cache.compact()
+    assert all(not c.on_disk for c in in_ram.cold) and all(c.on_disk for c in spilled.cold)
+    assert spilled.cold_bytes("disk") == spilled.cold_bytes() == in_ram.cold_bytes("ram") > 0
+    assert spilled.cold_bytes("ram") == 0
+    assert not list(tmp_path.iterdir())  # unlinked at once: nothing is left behind, even after a crash
+    assert _mapped_cold_files(tmp_path) > 0
+    for a, b in zip(in_ram.cold, spilled.cold, strict=True):
+        assert torch.equal(a.read_keys(), b.read_keys()) and torch.equal(a.positions[:, :a.length],
+                                                                          b.positions[:, :b.length])
+    assert spilled.apply(spilled.settings.replace(kv_cache_ratio=1.0)) == "recalled" and spilled.stored == 64
+
+
+def test_the_ram_cap_keeps_the_first_layers_in_ram_and_spills_the_rest(tmp_path, monkeypatch):
+    monkeypatch.setenv("DSV41_COLD_DIR", str(tmp_path))
+    settings = CacheSettings(kv_cache_ratio=0.25, csa2_topk=0, ced_threshold=0.0, min_entries=8,
+                             cold_tier="ram", cold_tier_dtype="auto", cold_tier_ram_mb=2)
+    cache = DSV41Cache(3, 2, 128, torch.float32, "cpu", settings)  # about 1.6 MB of cold entries per layer
+    g = torch.Generator().manual_seed(4)
+    cache.begin_forward(800, score_window=800, prefill=True)
+    with torch.inference_mode():  # as the model's forward runs it
+        for index in range(3):
+            q, k, v = (torch.randn(1, n, 800, 128, generator=g) for n in (4, 2, 2))
+            cache.attend(index, q, k, v, 128**-0.5)
+    cache.end_forward()
+    cache.compact()
+    assert [c.on_disk for c in cache.cold] == [False, True, True]
+    assert sum(c.reserved_bytes() for c in cache.cold if not c.on_disk) <= 2 * 2**20
+    assert cache.cold_bytes("ram") + cache.cold_bytes("disk") == cache.cold_bytes()
+    assert all(layer.length + cold.length == 800 for layer, cold in zip(cache.layers, cache.cold, strict=True))
+
+
+def test_a_question_forward_that_fails_part_way_drops_its_own_entries_and_keeps_what_it_recalled():
+    cache = _cache(cold_tier="ram")
+    _read(cache, 64, seed=6, window=64)
+    cache.compact()
+    lengths = [layer.length for layer in cache.layers]
+    cold = cache.cold[0]
+    key = cold.read_keys()[:, 0]
+    q = (key * 40).repeat_interleave(2, dim=0)[None, :, None, :].expand(1, 4, 4, 8).contiguous()
+    cache.begin_forward(4, score_window=4, prefill=True, question=True)
+    cache.attend(0, q, torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8), 8**-0.5)  # layer 1 never runs: a failure
+    recalled = cache.layers[0].length - lengths[0] - 4
+    assert recalled > 0 and cache.recalled == recalled
+    cache.abort_forward()
+    layer = cache.layers[0]
+    positions = layer.positions[0, : layer.length].tolist()
+    assert layer.length == lengths[0] + recalled and max(positions) < 64 and positions == sorted(positions)
+    assert cache.layers[1].length == lengths[1]
+    assert layer.length + cold.length == 64  # nothing lost: recalled entries are hot, the rest still cold

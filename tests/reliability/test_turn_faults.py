@@ -58,10 +58,11 @@ def test_stop_at_every_prefill_chunk_undoes_the_turn_exactly(chat_model, ratio):
         assert events[-1].reason == "cancelled"
         if stop_after == chunks - 1 and ratio < 1.0:
             # read to the end and compacted (the question scored the document), then stopped before any
-            # reply: the compaction cannot be undone, so the session re-reads the conversation next turn
+            # reply: the compaction cannot be undone in place, so the next turn restores the cache saved after
+            # the first turn (engine.conversation_store), exactly the state from before this one
             assert not session.consistent and len(session.messages) == len(before["messages"])
             done, _ = turn(session, FOLLOW_UP)
-            assert done.stats.rebuilt_context
+            assert done.stats.restored_context and not done.stats.rebuilt_context
             fresh = new_session(chat_model, ratio)
             fresh.messages = before["messages"]
             assert done.text == turn(fresh, FOLLOW_UP)[0].text

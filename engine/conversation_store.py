@@ -1,0 +1,202 @@
+"""Saved conversation caches: after each turn a chat's cache is written to the user cache folder, so reopening
+the chat (also after a restart), regenerating a reply or editing a message restores it instead of re-reading
+the whole conversation.
+
+A state is found by what it holds, not by a chat id: its file records the model and cache settings it was made
+with and the rendered conversation text it stands for (its length, a hash and where the template's control tokens
+are). A session that would have to re-read its conversation asks for the longest saved state whose text starts
+the conversation it renders now (ChatSession.prepare): reopening a chat finds the state after its last turn;
+regenerating or editing the last message finds the one after the turn before. Another model, other settings or
+another conversation never match.
+
+Files are safetensors (the cache's tensors and the transcript's token ids; the facts as JSON in the header),
+written to a temporary name and renamed (a crash while saving leaves the earlier files as they were), with a
+digest of every byte checked before a state is used: a corrupt, truncated or foreign file is refused, and the
+conversation is re-read as if there were none. The folder is capped (`conversation_cache_mb`); the states
+used least recently are removed first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SUFFIX = ".dsv41state"
+HEADER_KEY = "dsv41"
+
+
+def text_digest(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def key_of(value) -> str:
+    """A stable digest of a JSON-able value (a model's or settings' identity)."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def _digest(tensors: dict[str, torch.Tensor], header: str) -> str:
+    h = hashlib.blake2b(header.encode(), digest_size=32)
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        h.update(name.encode())
+        h.update(str((tuple(t.shape), str(t.dtype))).encode())
+        if t.numel():
+            h.update(t.reshape(-1).view(torch.uint8).numpy().data)
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class SavedState:
+    path: Path
+    facts: dict  # the header: model, settings, text_len, text_sha, specials, cache facts
+
+
+@dataclass(frozen=True)
+class Restored:
+    tensors: dict[str, torch.Tensor]
+    facts: dict
+    transcript_ids: list[int]
+
+
+class ConversationStore:
+    def __init__(self, folder: Path, cap_bytes: int):
+        self.folder = Path(folder)
+        self.cap_bytes = int(cap_bytes)
+        self.last_error: str | None = None  # why the last save failed (the chat goes on without it)
+
+    # ------------------------------------------------------------------ writing
+    def save(self, *, model_key: str, settings_key: str, text: str, specials, transcript_ids: list[int],
+             tensors: dict[str, torch.Tensor], cache_facts: dict) -> Path | None:
+        """Write one state (atomically) and trim the folder to its cap. Returns the file, or None when it was
+        not saved (too large for the cap, or the disk refused: said in `last_error`, never raised)."""
+        from safetensors.torch import save_file
+
+        facts = {"model": model_key, "settings": settings_key, "text_len": len(text), "text_sha": text_digest(text),
+                 "specials": [list(s) for s in specials], "cache": cache_facts, "saved_at": time.time()}
+        payload = dict(tensors)
+        payload["transcript_ids"] = torch.tensor(transcript_ids, dtype=torch.int64)
+        size = sum(t.numel() * t.element_size() for t in payload.values())
+        if size > self.cap_bytes:
+            self.last_error = f"the state ({size / 2**20:.0f} MB) is larger than the cap ({self.cap_bytes / 2**20:.0f} MB)"
+            return None
+        header = json.dumps(facts, sort_keys=True)
+        meta = {HEADER_KEY: header, "digest": _digest(payload, header)}
+        path = self.folder / (key_of([model_key, settings_key, facts["text_sha"]]) + SUFFIX)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            save_file(payload, str(tmp), metadata=meta)
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except OSError as exc:
+            self.last_error = f"could not save the conversation cache in {self.folder}: {exc}"
+            log.warning(self.last_error)
+            tmp.unlink(missing_ok=True)
+            return None
+        self.last_error = None
+        self.trim(keep=path)
+        return path
+
+    def trim(self, keep: Path | None = None) -> None:
+        """Remove the least recently used states until the folder fits its cap (and leftovers of a crash)."""
+        if not self.folder.is_dir():
+            return
+        files = []
+        for p in self.folder.iterdir():
+            try:
+                st = p.stat()
+            except OSError:
+                continue
+            if p.name.endswith(".tmp") and time.time() - st.st_mtime > 3600:
+                p.unlink(missing_ok=True)  # a save that never finished
+            elif p.suffix == SUFFIX:
+                files.append((st.st_mtime, st.st_size, p))
+        total = sum(size for _, size, _ in files)
+        for _, size, p in sorted(files):
+            if total <= self.cap_bytes:
+                break
+            if p != keep:
+                p.unlink(missing_ok=True)
+                total -= size
+
+    def forget(self, text: str) -> int:
+        """Remove every state of a conversation whose rendered text is `text` (a deleted chat): each one whose
+        text starts it, whatever model or settings made it. Returns how many were removed."""
+        removed = 0
+        for path in list(self.folder.glob("*" + SUFFIX)) if self.folder.is_dir() else []:
+            facts = self._header(path)
+            n = facts.get("text_len") if facts else None
+            if isinstance(n, int) and n <= len(text) and text_digest(text[:n]) == facts.get("text_sha"):
+                path.unlink(missing_ok=True)
+                removed += 1
+        return removed
+
+    def total_bytes(self) -> int:
+        return sum(p.stat().st_size for p in self.folder.glob("*" + SUFFIX)) if self.folder.is_dir() else 0
+
+    # ------------------------------------------------------------------ finding and reading
+    def find(self, *, model_key: str, settings_key: str, rendered) -> SavedState | None:
+        """The saved state of this model and settings whose conversation text is the longest start of
+        `rendered` (a chat_template.Rendered), with the same control tokens in it; None when there is none."""
+        if not self.folder.is_dir():
+            return None
+        best = None
+        for path in self.folder.glob("*" + SUFFIX):
+            facts = self._header(path)
+            if facts is None:  # not a state (damaged, or not ours): it can never be used
+                path.unlink(missing_ok=True)
+                continue
+            if facts.get("model") != model_key or facts.get("settings") != settings_key:
+                continue
+            n = facts.get("text_len")
+            if not isinstance(n, int) or n > len(rendered.text) or (best is not None and n <= best.facts["text_len"]):
+                continue
+            if text_digest(rendered.text[:n]) != facts.get("text_sha"):
+                continue
+            if not rendered.extends(rendered.text[:n], tuple(tuple(s) for s in facts.get("specials", ()))):
+                continue
+            best = SavedState(path, facts)
+        return best
+
+    def load(self, state: SavedState) -> Restored | None:
+        """Read and verify a state found by `find`; None (and the file removed) when it is corrupt or truncated."""
+        from safetensors import safe_open
+        from safetensors.torch import load_file
+
+        try:
+            with safe_open(str(state.path), "pt") as f:
+                meta = f.metadata() or {}
+            tensors = load_file(str(state.path))
+            if meta.get(HEADER_KEY) is None or _digest(tensors, meta[HEADER_KEY]) != meta.get("digest"):
+                raise ValueError("its contents do not match its digest")
+            ids = tensors.pop("transcript_ids")
+        except Exception as exc:  # noqa: BLE001 - any unreadable file is refused the same way
+            log.warning("refused the saved conversation cache %s: %s", state.path.name, exc)
+            state.path.unlink(missing_ok=True)
+            return None
+        try:
+            os.utime(state.path)  # used now: the last to be removed
+        except OSError:
+            pass
+        return Restored(tensors, json.loads(meta[HEADER_KEY]), ids.tolist())
+
+    @staticmethod
+    def _header(path: Path) -> dict | None:
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(path), "pt") as f:
+                meta = f.metadata() or {}
+            return json.loads(meta[HEADER_KEY])
+        except Exception:  # noqa: BLE001 - any unreadable header is refused the same way
+            return None

@@ -1,0 +1,212 @@
+"""Saved conversation caches: a reopened, regenerated or edited chat restores its cache instead of re-reading;
+a corrupt, truncated, foreign-model or foreign-settings file is refused and the conversation is re-read."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.cache import persist
+from engine.conversation_store import SUFFIX, ConversationStore
+from engine.events import Done
+
+DOCUMENT = " ".join(f"Line {i}: the value of item {i} is {i * 7}." for i in range(45))
+
+
+@pytest.fixture
+def folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("DSV41_CONVERSATIONS_DIR", str(tmp_path / "conversations"))
+    return tmp_path / "conversations"
+
+
+@pytest.fixture(scope="module")
+def model(tiny_folder):
+    from engine import DSV41Config, DSV41Model
+
+    return DSV41Model.from_pretrained(DSV41Config(model_path=str(tiny_folder), max_seq_len=4096, kv_cache_ratio=0.2,
+                                                  cold_tier="ram", csa2_topk=0))
+
+
+def ask(session, prompt: str) -> Done:
+    return [e for e in session.send(prompt, max_new_tokens=6, greedy=True) if isinstance(e, Done)][0]
+
+
+def _chat(model, turns=("What is the value of item 3?", "And item 40?")):
+    session = model.chat_session()
+    replies = [ask(session, (DOCUMENT + "\n\n" if i == 0 else "") + q) for i, q in enumerate(turns)]
+    return session, replies
+
+
+def _state(cache):
+    tensors, facts = persist.save_state(cache)
+    return {k: v.clone() for k, v in tensors.items()}, facts
+
+
+def _equal_states(a, b) -> bool:
+    (ta, fa), (tb, fb) = a, b
+    return fa == fb and ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
+
+
+def test_a_reopened_chat_restores_its_cache_bit_equal_and_reads_only_the_new_turn(model, folder):
+    session, _ = _chat(model)
+    saved = _state(session.cache)
+    assert len(list(folder.glob("*" + SUFFIX))) == 2  # one state per turn
+    reopened = model.chat_session()
+    reopened.messages = list(session.messages)  # what the app hands a new session after a restart
+    turn = reopened.prepare("And item 25?")
+    assert turn.restored and not turn.rebuild
+    assert _equal_states(_state(reopened.cache), saved)
+    assert reopened.transcript_ids == session.transcript_ids and reopened.fed_text == session.fed_text
+    done = list(reopened._run(turn, model.generation_settings(max_new_tokens=6, greedy=True), None))[-1]
+    assert done.stats.restored_context and not done.stats.rebuilt_context
+    assert done.stats.prefill_tokens == len(turn.new_ids) < 40  # the question only, not the document
+    assert done.text == ask(session, "And item 25?").text  # the same answer the open chat gives
+
+
+def test_regenerate_and_edit_restore_the_state_from_before_the_last_turn(model, folder):
+    session, replies = _chat(model)
+    one = model.chat_session()
+    ask(one, DOCUMENT + "\n\nWhat is the value of item 3?")
+    first_turn_state = _state(one.cache)
+    # regenerate: the last exchange goes, the same question is asked again
+    session.messages = session.messages[:2]
+    turn = session.prepare("And item 40?")
+    assert turn.restored and _equal_states(_state(session.cache), first_turn_state)
+    done = list(session._run(turn, model.generation_settings(max_new_tokens=6, greedy=True), None))[-1]
+    assert done.text == replies[1].text and done.stats.prefill_tokens == len(turn.new_ids)
+    # edit the last message: another question from the same state
+    session.messages = session.messages[:2]
+    edited = ask(session, "And item 44?")
+    assert edited.stats.restored_context
+
+
+def _saved_files(folder):
+    return sorted(folder.glob("*" + SUFFIX), key=lambda p: p.stat().st_mtime)
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "truncated", "not safetensors"])
+def test_a_damaged_file_is_refused_removed_and_the_chat_re_read(model, folder, damage):
+    session, _ = _chat(model, ("What is the value of item 3?",))
+    (path,) = _saved_files(folder)
+    data = bytearray(path.read_bytes())
+    if damage == "corrupt":
+        data[-100] ^= 0xFF  # one byte of the tensors
+    elif damage == "truncated":
+        data = data[: len(data) // 2]
+    else:
+        data = bytearray(b"not a state at all")
+    path.write_bytes(bytes(data))
+    reopened = model.chat_session()
+    reopened.messages = list(session.messages)
+    done = ask(reopened, "And item 40?")
+    assert not done.stats.restored_context and not path.exists()  # refused and removed
+    assert done.stats.prefill_tokens > 400  # the whole conversation (the document) was read again
+    assert reopened.cache.seen == len(reopened.transcript_ids)
+    with _store_off(model):  # the answer of a chat that never had a saved state
+        reference = model.chat_session()
+        reference.messages = list(session.messages)
+        assert done.text == ask(reference, "And item 40?").text
+
+
+class _store_off:
+    def __init__(self, model):
+        self.model = model
+
+    def __enter__(self):
+        self.config = self.model.config
+        self.model.config = self.config.replace(conversation_cache_mb=0)
+
+    def __exit__(self, *exc):
+        self.model.config = self.config
+
+
+def test_a_state_of_another_model_or_other_settings_never_matches(model, folder):
+    session, _ = _chat(model, ("What is the value of item 3?",))
+    assert len(_saved_files(folder)) == 1
+    reopened = model.chat_session()
+    reopened.messages = list(session.messages)
+    real = model.state_key
+    model._state_key = "another model"
+    try:
+        assert not reopened.prepare("And item 40?").restored
+    finally:
+        model._state_key = real
+    other = model.chat_session()
+    other.messages = list(session.messages)
+    other.cache.settings = other.cache.settings.replace(kv_cache_ratio=0.3)
+    other.cache.reset()
+    assert not other.prepare("And item 40?").restored
+    same = model.chat_session()
+    same.messages = list(session.messages)
+    assert same.prepare("And item 40?").restored
+
+
+def test_a_crash_while_saving_leaves_the_earlier_state_usable(model, folder, monkeypatch):
+    session, _ = _chat(model, ("What is the value of item 3?",))
+    (before,) = _saved_files(folder)
+    content = before.read_bytes()
+
+    import safetensors.torch
+
+    def crash(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"half a file")
+        raise OSError("disk full")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(safetensors.torch, "save_file", crash)
+        done = ask(session, "And item 40?")
+    assert done.text is not None and session.cache.seen == len(session.transcript_ids)  # the chat goes on
+    assert _saved_files(folder) == [before] and before.read_bytes() == content
+    assert not list(folder.glob("*.tmp"))  # no half-written leftovers
+    assert "disk full" in model.conversation_store.last_error  # said, and the chat was not interrupted
+    regenerate = model.chat_session()
+    regenerate.messages = list(session.messages[:2])
+    assert regenerate.prepare("And item 40?").restored  # the earlier state still restores
+
+
+def test_the_folder_stays_under_its_cap_removing_the_least_recently_used(tmp_path):
+    store = ConversationStore(tmp_path, cap_bytes=1 << 20)
+    tensors = {"x": torch.zeros(1024)}  # 4 KiB each
+
+    def save(text):
+        return store.save(model_key="m", settings_key="s", text=text, specials=(), transcript_ids=[1],
+                          tensors=tensors, cache_facts={})
+
+    a = save("a")
+    store.cap_bytes = int(3.5 * a.stat().st_size)  # room for three
+    b, c = save("ab"), save("abc")
+    assert {a, b, c} == set(tmp_path.glob("*" + SUFFIX))
+    import os
+    import time
+
+    old = time.time() - 100
+    for i, p in enumerate((a, b, c)):
+        os.utime(p, (old + i, old + i))
+    from engine.chat_template import Rendered
+
+    found = store.find(model_key="m", settings_key="s", rendered=Rendered("a and more"))
+    assert found.path == a and store.load(found) is not None  # used now: the most recent
+    d = save("abcd")
+    assert set(tmp_path.glob("*" + SUFFIX)) == {a, c, d}  # b was the least recently used
+    assert store.total_bytes() <= store.cap_bytes
+    assert save("x" * 10) is not None and store.save(model_key="m", settings_key="s", text="big", specials=(),
+                                                      transcript_ids=[1], tensors={"x": torch.zeros(10**5)},
+                                                      cache_facts={}) is None
+    assert "larger than the cap" in store.last_error
+
+
+def test_a_state_that_does_not_fit_the_cache_changes_nothing(model):
+    session, _ = _chat(model, ("What is the value of item 3?",))
+    tensors, facts = persist.save_state(session.cache)
+    target = model.chat_session().cache
+    before = _state(target)
+    bad = dict(tensors)
+    bad["hot.0.keys"] = bad["hot.0.keys"][:, :-1]
+    with pytest.raises(persist.StateMismatch):
+        persist.load_state(target, bad, facts)
+    with pytest.raises(persist.StateMismatch):
+        persist.load_state(target, tensors, {**facts, "format": 0})
+    assert _equal_states(_state(target), before)
+    persist.load_state(target, tensors, facts)
+    assert _equal_states(_state(target), _state(session.cache))
