@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import tempfile
 import time
 from pathlib import Path
 
@@ -23,52 +22,15 @@ from engine.documents import load_document
 from engine.events import Done
 
 from .common import RESULTS, machine
-from .corpus import speech
+from .followup_cases import FACT_SETS, document, orders
 
-FACT_SETS = [
-    ("1962-Kennedy-1", [
-        ("The Orion project has a budget of 4.2 million euros.", "What is the budget of the Orion project?", "4.2"),
-        ("The lead engineer of the Orion project is Maria Lopez.", "Who is the lead engineer of the Orion project?",
-         "lopez"),
-        ("The Orion prototype will be tested in Lisbon.", "Where will the Orion prototype be tested?", "lisbon"),
-        ("The Orion deadline is the 14th of March.", "What is the Orion deadline?", "14"),
-    ]),
-    ("1994-Clinton-1", [
-        ("The Helios laboratory is located in Oslo.", "In which city is the Helios laboratory?", "oslo"),
-        ("The director of the Helios laboratory is Kenji Sato.", "Who is the director of the Helios laboratory?",
-         "sato"),
-        ("The Helios laboratory has 37 employees.", "How many employees does the Helios laboratory have?", "37"),
-        ("The Helios laboratory opened in 2011.", "When did the Helios laboratory open?", "2011"),
-    ]),
-    ("2010-Obama-1", [
-        ("The river Vanta is 812 kilometers long.", "How long is the river Vanta?", "812"),
-        ("The river Vanta flows into Lake Moro.", "Into which lake does the river Vanta flow?", "moro"),
-        ("The capital of Zubia is the city of Karim.", "What is the capital of Zubia?", "karim"),
-        ("The currency of Zubia is the dral.", "What is the currency of Zubia?", "dral"),
-    ]),
-]
-DEPTHS = (0.2, 0.45, 0.7, 0.95)  # where each fact sits in the document, as a share of its words
-
-
-def document(name: str, facts, words: int) -> Path:
-    text = speech(name).split()
-    if len(text) < words:
-        text = (text * (words // len(text) + 1))
-    text = text[:words]
-    parts, last = [], 0
-    for (statement, _, _), depth in zip(facts, DEPTHS, strict=True):
-        cut = int(depth * words)
-        parts += [" ".join(text[last:cut]), statement]
-        last = cut
-    parts.append(" ".join(text[last:]))
-    path = Path(tempfile.mkdtemp()) / f"{name}-memo.txt"
-    path.write_text("\n\n".join(p for p in parts if p) + "\n", encoding="utf-8")
-    return path
+REPETITION_PENALTY = 1.0  # plain argmax, as the kvpress peer decodes (benchmarks/kvpress_peer.py)
 
 
 def ask(session, question: str, documents=(), max_new_tokens: int = 24) -> Done:
     done = None
-    for event in session.send(question, documents, max_new_tokens=max_new_tokens, greedy=True):
+    for event in session.send(question, documents, max_new_tokens=max_new_tokens, greedy=True,
+                              repetition_penalty=REPETITION_PENALTY):
         if isinstance(event, Done):
             done = event
     return done
@@ -147,11 +109,14 @@ def main(argv=None) -> int:
     parser.add_argument("--policies", default="ced")
     parser.add_argument("--tiers", default="off,ram")
     parser.add_argument("--out", default=str(RESULTS / "followups"))
+    parser.add_argument("--repetition-penalty", type=float, default=REPETITION_PENALTY,
+                        help="1.0: plain greedy, as the kvpress peer decodes (the chat's default is 1.1)")
     args = parser.parse_args(argv)
+    globals()["REPETITION_PENALTY"] = args.repetition_penalty
     started = time.time()
     model = DSV41Model.from_pretrained(DSV41Config(max_seq_len=8192, kv_cache_ratio=1.0))
     docs = [(document(name, facts, args.words), facts) for name, facts in FACT_SETS]
-    cases = [(path, facts, order) for path, facts in docs for order in ([0, 1, 2, 3], [3, 2, 1, 0])]
+    cases = [(path, facts, order) for path, facts in docs for order in orders(facts)]
     alone = []
     for path, facts in docs:
         for fact in range(len(facts)):
@@ -164,7 +129,7 @@ def main(argv=None) -> int:
                 rows.append(run_config(model, dict(kv_cache_ratio=ratio, cold_tier=tier, ced_policy=policy), cases))
                 print(table({"words": args.words, "tokens": rows[0]["turns"][0]["seen"], "alone_right": sum(alone),
                              "alone_total": len(alone), "rows": rows[-1:]}).splitlines()[-1], flush=True)
-    payload = {"machine": machine(), "words": args.words, "tokens": rows[0]["turns"][0]["seen"],
+    payload = {"machine": machine(), "words": args.words, "repetition_penalty": args.repetition_penalty, "tokens": rows[0]["turns"][0]["seen"],
                "alone_right": sum(alone), "alone_total": len(alone), "rows": rows, "elapsed_s": time.time() - started}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

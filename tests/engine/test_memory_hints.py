@@ -25,3 +25,15 @@ def test_keeping_less_than_the_measured_share_warns_with_the_figures():
 def test_both_hints_are_said_together():
     hint = report(10_000, 1_000, kv_stored=40_000_000).hint()
     assert "30 % of the weights" in hint and "10 % of the 10,000 tokens" in hint
+
+
+def test_the_printed_report_keeps_the_four_seed_lines_first_and_adds_the_cold_tier_and_saved_caches():
+    from dataclasses import replace
+
+    plain = report(1_000, 500, kv_stored=2**30).format_text().splitlines()
+    assert [line.split(":")[0] for line in plain] == ["Model weights", "KV Cache", "Activation", "Total"]
+    tiered = replace(report(1_000, 500, kv_stored=2**30), kv_cold=2**29, kv_cold_disk=2**30, recall_s=0.0421,
+                     saved_caches=3 * 2**30).format_text().splitlines()
+    assert tiered[:4] == plain[:3] + [tiered[3]] and tiered[3].startswith("Total: ")
+    assert tiered[4] == "KV Cold tier: 0.50 GB host RAM + 1.00 GB disk (recalled per question; last recall 42 ms)"
+    assert tiered[5] == "Saved chat caches: 3.00 GB (disk)"

