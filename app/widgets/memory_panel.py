@@ -138,12 +138,14 @@ class MemoryPanel(QGroupBox):
             grid.addWidget(_legend(MEMORY_COLORS[name], name), row, 0)
             value = QLabel("—")
             value.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+            value.setWordWrap(True)  # "KV cache" carries the cold tier and the last recall: wrap, never cut
             grid.addWidget(value, row, 1)
             self.values[name] = value
         grid.setColumnStretch(1, 1)
         layout.addLayout(grid)
         self.tokens_label = QLabel("")
         self.tokens_label.setObjectName("dimLabel")
+        self.tokens_label.setWordWrap(True)
         layout.addWidget(self.tokens_label)
         self.hint_label = QLabel("")
         self.hint_label.setObjectName("hintLabel")
