@@ -160,7 +160,8 @@ KNOBS_LIST: tuple[Knob, ...] = (
     Knob("ced_decay", 0.995, float, "CED decay", "How slowly old attention fades from an entry's score. "
          "Higher remembers a long document longer.", LIVE, 0.5, 1.0, slider=Slider(0.90, 0.999, 0.001, 3)),
     Knob("ced_threshold", 0.1, float, "CED threshold", "Entries scoring below this × the mean are compressed "
-         "even under budget (not with the cold tier on: then the hot set is the ratio). 0 turns it off.", CACHE, 0.0, 1.0, looser="down", slider=Slider(0.0, 0.5, 0.01, 2)),
+         "even under budget (not with the cold tier on: then the hot set is the ratio). 0 turns it off.", CACHE,
+         0.0, 1.0, looser="down", slider=Slider(0.0, 0.5, 0.01, 2)),
     # "evict": with the question-aware layout it kept planted facts at every ratio where "merge" lost them
     # (results/quality).
     Knob("ced_mode", "evict", ("merge", "evict"), "CED mode", "Merge folds each dropped entry into a kept one "

@@ -72,6 +72,7 @@ class ConversationStore:
         self.folder = Path(folder)
         self.cap_bytes = int(cap_bytes)
         self.last_error: str | None = None  # why the last save failed (the chat goes on without it)
+        self._total: int | None = None  # bytes of the states in the folder, kept by trim (None: not counted yet)
 
     # ------------------------------------------------------------------ writing
     def save(self, *, model_key: str, settings_key: str, text: str, specials, transcript_ids: list[int],
@@ -128,6 +129,7 @@ class ConversationStore:
             if p != keep:
                 p.unlink(missing_ok=True)
                 total -= size
+        self._total = total
 
     def forget(self, text: str) -> int:
         """Remove every state of a conversation whose rendered text is `text` (a deleted chat): each one whose
@@ -139,10 +141,20 @@ class ConversationStore:
             if isinstance(n, int) and n <= len(text) and text_digest(text[:n]) == facts.get("text_sha"):
                 path.unlink(missing_ok=True)
                 removed += 1
+        self._total = None
         return removed
 
+    def discard(self, path: Path) -> None:
+        """Remove a state that was refused (unreadable, or it does not fit the cache it was meant for)."""
+        path.unlink(missing_ok=True)
+        self._total = None
+
     def total_bytes(self) -> int:
-        return sum(p.stat().st_size for p in self.folder.glob("*" + SUFFIX)) if self.folder.is_dir() else 0
+        """Bytes of the saved states (counted once, then kept up to date by every save; the memory report reads
+        it every few seconds during a reply, so it does not walk the folder each time)."""
+        if self._total is None:
+            self.trim()
+        return self._total or 0
 
     # ------------------------------------------------------------------ finding and reading
     def find(self, *, model_key: str, settings_key: str, rendered) -> SavedState | None:
@@ -154,7 +166,7 @@ class ConversationStore:
         for path in self.folder.glob("*" + SUFFIX):
             facts = self._header(path)
             if facts is None:  # not a state (damaged, or not ours): it can never be used
-                path.unlink(missing_ok=True)
+                self.discard(path)
                 continue
             if facts.get("model") != model_key or facts.get("settings") != settings_key:
                 continue
@@ -182,7 +194,7 @@ class ConversationStore:
             ids = tensors.pop("transcript_ids")
         except Exception as exc:  # noqa: BLE001 - any unreadable file is refused the same way
             log.warning("refused the saved conversation cache %s: %s", state.path.name, exc)
-            state.path.unlink(missing_ok=True)
+            self.discard(state.path)
             return None
         try:
             os.utime(state.path)  # used now: the last to be removed

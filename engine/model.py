@@ -319,7 +319,7 @@ class DSV41Model:
             kv_reserved=cache.nbytes() if cache else 0, kv_cold=cache.cold_bytes("ram") if cache else 0,
             kv_cold_disk=cache.cold_bytes("disk") if cache else 0,
             recall_s=cache.recall_seconds if cache is not None and cache.recalled else None,
-            saved_caches=self.conversation_store.total_bytes() if self.conversation_store is not None else 0)
+            saved_caches=store.total_bytes() if (store := self.conversation_store) is not None else 0)
 
     def print_memory_usage(self, cache: DSV41Cache | None = None) -> MemoryReport:
         report = self.memory_report(cache)

@@ -103,7 +103,9 @@ class ChatSession:
         rebuild = (self._dirty or self.cache.seen != len(self.transcript_ids)
                    or not full.extends(self.fed_text, self.fed_specials))
         # A cache that holds nothing yet (a chat reopened) or must be rebuilt: a saved state may spare the re-read.
-        restored = (rebuild or not self.transcript_ids) and self._restore_saved(full)
+        # Every state ends after a reply, so a chat without one (a new chat) has none to look for.
+        restored = ((rebuild or not self.transcript_ids) and any(m.get("role") == "assistant" for m in self.messages)
+                    and self._restore_saved(full))
         if restored:
             rebuild = not full.extends(self.fed_text, self.fed_specials)
         offset = 0 if rebuild else len(self.fed_text)
@@ -258,7 +260,7 @@ class ChatSession:
                     raise persist.StateMismatch("its token count and its cache disagree")
             except (persist.StateMismatch, KeyError, TypeError, ValueError) as exc:
                 log.warning("refused the saved conversation cache %s: %s", found.path.name, exc)
-                found.path.unlink(missing_ok=True)
+                store.discard(found.path)
                 self.cache.reset()
                 continue
             self.transcript_ids = list(saved.transcript_ids)

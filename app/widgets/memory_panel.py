@@ -177,18 +177,17 @@ class MemoryPanel(QGroupBox):
                                ("Free", report.free)])
         self.values["Weights"].setText(fmt_bytes(report.weights))
         kv = kv_line(report.kv_stored, report.kv_uncompressed)
-        disk = getattr(report, "kv_cold_disk", 0)
+        disk = report.kv_cold_disk
         if report.kv_cold or disk:  # entries out of the hot set, kept for later questions to recall
             kv += f" · cold tier {fmt_bytes(report.kv_cold)} RAM" + (f" + {fmt_bytes(disk)} disk" if disk else "")
-            recall = getattr(report, "recall_s", None)
-            if recall is not None:
-                kv += f", last recall {recall * 1000:.0f} ms"
+            if report.recall_s is not None:
+                kv += f", last recall {report.recall_s * 1000:.0f} ms"
         self.values["KV cache"].setText(kv)
         self.values["Activations"].setText(fmt_bytes(report.activations))
         other = "other processes" if is_cpu else "reserved + other processes"
         self.values["Other"].setText(f"{fmt_bytes(report.other)} ({other})")
         self.values["Free"].setText(f"{fmt_bytes(report.free)} · engine uses {fmt_bytes(used)}")
-        saved = getattr(report, "saved_caches", 0)
+        saved = report.saved_caches
         self.tokens_label.setText(f"{report.tokens_seen:,} tokens seen · {report.kv_stored_tokens:,} entries stored"
                                   + (f" · saved chat caches {fmt_bytes(saved)} on disk" if saved else ""))
         hint = report.hint()

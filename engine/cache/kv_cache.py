@@ -203,9 +203,9 @@ class DSV41Cache:
             if scoring and window > 0:
                 if fwd.question and policy.waits_for_question:
                     # Tiered, a question ranks by its own attention alone: what earlier questions needed is
-                    # in the cold tier, recallable by the question that needs it again (follow-ups at 2k
-                    # tokens, ratios 0.3 / 0.2 / 0.1: 11 / 12 / 8 of 18 against 10 / 10 / 5 with the scores
-                    # carried over; uncompressed 11; benchmarks/followups.py).
+                    # in the cold tier, recallable by the question that needs it again (follow-ups at 1.8k
+                    # tokens, repetition penalty 1.1, ratios 0.3 / 0.2 / 0.1: 11 / 12 / 8 of 18 against
+                    # 10 / 10 / 5 with the scores carried over; uncompressed 11; benchmarks/followups.py).
                     layer.scores[:, : layer.length].zero_()
                 # dt counts scoring steps (the window's queries), not the chunk's tokens: a document read
                 # without scoring does not age what earlier turns found important (Policy.observe).
