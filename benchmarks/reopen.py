@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -45,7 +46,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=str(RESULTS / "reopen"))
     args = parser.parse_args(argv)
     started = time.time()
-    os.environ["DSV41_CONVERSATIONS_DIR"] = tempfile.mkdtemp(prefix="dsv41-reopen-")
+    states = tempfile.mkdtemp(prefix="dsv41-reopen-")  # its own folder, removed at the end
+    os.environ["DSV41_CONVERSATIONS_DIR"] = states
     text = " ".join(speech("2010-Obama-1").split()[: args.words])
     path = Path(tempfile.mkdtemp()) / "speech.txt"
     path.write_text(text, encoding="utf-8")
@@ -96,6 +98,7 @@ def main(argv=None) -> int:
         f"| regenerate, conversation re-read | {rows['regenerate_re-read_ttft_s']:.2f} s |", ""])
     (out / "reopen.md").write_text(table)
     print(table)
+    shutil.rmtree(states, ignore_errors=True)
     print(f"elapsed {time.time() - started:.0f} s")
     return 0
 
