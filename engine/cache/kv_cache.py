@@ -205,7 +205,8 @@ class DSV41Cache:
                     # Tiered, a question ranks by its own attention alone: what earlier questions needed is
                     # in the cold tier, recallable by the question that needs it again (follow-ups at 1.8k
                     # tokens, repetition penalty 1.1, ratios 0.3 / 0.2 / 0.1: 11 / 12 / 8 of 18 against
-                    # 10 / 10 / 5 with the scores carried over; uncompressed 11; benchmarks/followups.py).
+                    # 10 / 10 / 5 with the scores carried over; uncompressed 11; the cases of benchmarks/followups.py, each
+                    # variant run once by hand: the script runs the shipped rule only).
                     layer.scores[:, : layer.length].zero_()
                 # dt counts scoring steps (the window's queries), not the chunk's tokens: a document read
                 # without scoring does not age what earlier turns found important (Policy.observe).
@@ -405,7 +406,7 @@ class DSV41Cache:
         policy = self.policy
         # With the cold tier on, the hot set is the budget (the ratio the user chose): the threshold, which
         # drops entries below it, only applies when dropping saves memory for good (benchmarks/followups.py:
-        # follow-ups at ratio 0.3, 11/18 without it against 7/18 with it).
+        # follow-ups at ratio 0.3, 11/18 without it against 7/18 with it, a one-off run of its cases).
         use_threshold = s.ced_threshold if threshold and policy.uses_attention and self.cold is None else 0.0
         for index, layer in enumerate(self.layers):
             rank = policy.rank(layer, when, self._torch_rng)
