@@ -83,9 +83,9 @@ def step_torch(ctx: Context) -> str:
         gpu = ctx.gpu
         ctx.out(f"      NVIDIA GPU: {', '.join(gpu.names)} (driver {gpu.driver or '?'}, "
                 f"CUDA {gpu.cuda or '?'})")
-        if gpu.cuda and torch_choice.version_tuple(gpu.cuda) < (12,):
-            ctx.out(f"      warning: the driver supports CUDA {gpu.cuda}; PyPI's PyTorch needs CUDA 12 or "
-                    "newer: update the NVIDIA driver if torch cannot see the GPU")
+        if gpu.cuda and not torch_choice.cuda_wheel_choices(gpu.cuda, spec):
+            ctx.out(f"      warning: the driver supports CUDA {gpu.cuda}, older than every PyTorch build for "
+                    f"{spec}: update the NVIDIA driver if torch cannot see the GPU")
     else:
         ctx.out("      no NVIDIA GPU found: installing a CPU build")
     _check_disk(ctx, 8.0 if ctx.gpu else 2.0)

@@ -18,13 +18,26 @@ TORCH_SPEC_DEFAULT = "torch>=2.4,<2.15"
 TORCH_LOCAL_CPU = "torch==2.13.0+cpu"
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 TORCH_INDEX_BASE = "https://download.pytorch.org/whl/"
-# PyTorch's CUDA wheel indexes, newest first, with the CUDA version each needs from the driver.
-# A driver runs every wheel built for its CUDA version or older (same major version at least).
-CUDA_WHEEL_TAGS = (("cu130", (13, 0)), ("cu129", (12, 9)), ("cu128", (12, 8)), ("cu126", (12, 6)),
-                   ("cu124", (12, 4)), ("cu121", (12, 1)), ("cu118", (11, 8)))
-# Tags that recent torch releases (2.7+) are published for: preferred over the others.
-CUDA_MAIN_TAGS = ("cu130", "cu128", "cu126")
-PYPI_TORCH_CUDA = (12, 8)  # the CUDA version PyPI's default Linux torch wheels are built for
+# Which CUDA builds each PyTorch release publishes on its wheel indexes (download.pytorch.org/whl/cuXYZ), from
+# the release compatibility matrix in PyTorch's RELEASE.md: (stable, experimental). The cu128 index, for one,
+# stops at 2.11, so a driver reporting CUDA 12.8 or 12.9 is better served by 2.14 from cu126 than by 2.11
+# from cu128. A newer release missing here is not guessed at: PyPI's own build is the last plan anyway.
+TORCH_CUDA_BUILDS = {
+    (2, 14): (("cu126", "cu130", "cu132"), ()),
+    (2, 13): (("cu126", "cu130"), ("cu132",)),
+    (2, 12): (("cu126", "cu130"), ("cu132",)),
+    (2, 11): (("cu126", "cu128", "cu130"), ()),
+    (2, 10): (("cu126", "cu128"), ("cu130",)),
+    (2, 9): (("cu126", "cu128"), ("cu130",)),
+    (2, 8): (("cu126", "cu128"), ("cu129",)),
+    (2, 7): (("cu118", "cu126"), ("cu128",)),
+    (2, 6): (("cu118", "cu124"), ("cu126",)),
+    (2, 5): (("cu118", "cu121", "cu124"), ()),
+    (2, 4): (("cu118", "cu121"), ("cu124",)),
+}
+# The CUDA version PyPI's default Linux torch wheels need, for the newest release of the range in pyproject.toml
+# (torch 2.14's wheel requires cuda-toolkit 13.0).
+PYPI_TORCH_CUDA = (13, 0)
 FLASH_ATTN_SPEC_DEFAULT = "flash-attn>=2.6"
 
 
@@ -80,27 +93,57 @@ class Plan(NamedTuple):
     timeout: float = 3600.0
 
 
-def cuda_wheel_tags(driver_cuda: str | None, limit: int = 2) -> list:
-    """PyTorch CUDA wheel tags (``cu128`` ...) that a driver supporting CUDA ``driver_cuda`` runs.
+class CudaChoice(NamedTuple):
+    tag: str  # the wheel index, e.g. "cu130"
+    torch: tuple  # the newest release of the range published there, e.g. (2, 14)
+    experimental: bool
 
-    Best first: the newest of the tags recent torch releases are built for (cu130, cu128, cu126)
-    that the driver supports, then older ones; at most ``limit``. Empty when the version is unknown
-    or older than every tag (PyPI's default build is the only choice then).
-    """
+
+def _tag_cuda(tag: str) -> tuple:
+    digits = tag[2:]
+    return int(digits[:-1]), int(digits[-1])
+
+
+def _release_in_spec(release: tuple, spec: str) -> bool:
+    """Whether some patch release of `release` (2, 14) can meet `spec` (its first or a late patch)."""
+    return any(version_in_spec(f"{release[0]}.{release[1]}.{patch}", spec) for patch in (0, 1, 2, 9))
+
+
+def cuda_wheel_choices(driver_cuda: str | None, torch_spec: str = TORCH_SPEC_DEFAULT, limit: int = 2) -> list:
+    """The PyTorch CUDA wheel indexes to try for a driver supporting CUDA `driver_cuda`, best first, at most
+    `limit`: each index the driver runs (a build for its CUDA version or older), with the newest release of
+    `torch_spec` published there. A newer torch beats a newer CUDA build (2.14 for cu126 before 2.11 for
+    cu128), a stable build an experimental one, then the newer CUDA. Empty when the version is unknown or
+    older than every build in the range (PyPI's default build is the only choice then)."""
     if not driver_cuda:
         return []
     have = version_tuple(driver_cuda)[:2]
     if not have:
         return []
     have = have + (0,) * (2 - len(have))
-    fits = [tag for tag, need in CUDA_WHEEL_TAGS if need <= have]
-    ordered = [t for t in fits if t in CUDA_MAIN_TAGS] + [t for t in fits if t not in CUDA_MAIN_TAGS]
-    return ordered[:limit]
+    best: dict[str, CudaChoice] = {}
+    for release, (stable, experimental) in TORCH_CUDA_BUILDS.items():
+        if not _release_in_spec(release, torch_spec):
+            continue
+        for tag, exp in [(t, False) for t in stable] + [(t, True) for t in experimental]:
+            if _tag_cuda(tag) > have:
+                continue
+            choice = CudaChoice(tag, release, exp)
+            old = best.get(tag)
+            if old is None or (release, not exp) > (old.torch, not old.experimental):
+                best[tag] = choice
+    ranked = sorted(best.values(), key=lambda c: (c.torch, not c.experimental, _tag_cuda(c.tag)), reverse=True)
+    return ranked[:limit]
+
+
+def cuda_wheel_tags(driver_cuda: str | None, limit: int = 2, torch_spec: str = TORCH_SPEC_DEFAULT) -> list:
+    """The tags of cuda_wheel_choices, e.g. ["cu130", "cu126"]."""
+    return [c.tag for c in cuda_wheel_choices(driver_cuda, torch_spec, limit)]
 
 
 def _cuda_of_tag(tag: str) -> str:
-    digits = tag[2:]
-    return f"{digits[:-1]}.{digits[-1]}"
+    major, minor = _tag_cuda(tag)
+    return f"{major}.{minor}"
 
 
 def torch_install_plans(has_gpu: bool, system: str | None = None,
@@ -112,18 +155,21 @@ def torch_install_plans(has_gpu: bool, system: str | None = None,
     when it cannot be reached), (c) plain PyPI (CPU-only on macOS/Windows; on Linux a CUDA build,
     announced with a warning).
 
-    With a GPU whose driver supports CUDA ``cuda``: the official PyTorch index for the newest CUDA
-    build the driver runs (e.g. .../whl/cu128 for a driver with CUDA 12.8 or 12.9), then the next
-    older one, then PyPI's default CUDA build (Linux; on Windows PyPI only has CPU builds).
+    With a GPU whose driver supports CUDA ``cuda``: the official PyTorch indexes that publish the newest
+    release of ``torch_spec`` the driver runs (cuda_wheel_choices: e.g. 2.14 from .../whl/cu126 for a
+    driver with CUDA 12.8 or 12.9, whose cu128 index stops at 2.11), the release pinned, then PyPI's
+    default CUDA build (Linux; on Windows PyPI only has CPU builds).
     """
     system = platform.system() if system is None else system
     if has_gpu:
         plans = []
-        for tag in cuda_wheel_tags(cuda):
+        for choice in cuda_wheel_choices(cuda, torch_spec):
+            tag, release = choice.tag, f"{choice.torch[0]}.{choice.torch[1]}"
             plans.append(Plan(
-                f"{tag}-index", f"PyTorch for CUDA {_cuda_of_tag(tag)} ({tag}) from the official PyTorch index",
+                f"{tag}-index", f"PyTorch {release} for CUDA {_cuda_of_tag(tag)} ({tag}"
+                + (", experimental" if choice.experimental else "") + ") from the official PyTorch index",
                 ["install", "--index-url", TORCH_INDEX_BASE + tag, "--timeout", "15", "--retries", "0",
-                 torch_spec]))
+                 f"{torch_spec},=={release}.*"]))
         warning = None
         if system == "Windows":
             warning = ("PyPI's Windows build of PyTorch is CPU-only; for CUDA see "

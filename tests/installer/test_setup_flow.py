@@ -13,6 +13,8 @@ import pytest
 
 from installer import commands, common, install_steps, setup_runner, torch_choice, venv_setup
 
+REPO = Path(__file__).resolve().parents[2]
+
 SMI_HEADER = """\
 Mon Nov 30 18:00:00 2026
 +-----------------------------------------------------------------------------------------+
@@ -62,13 +64,17 @@ def _index_tags(plans) -> list:
 
 @pytest.mark.skipif(os.name == "nt", reason="the fake nvidia-smi is a shell script")
 @pytest.mark.parametrize("driver, cuda, expected", [
-    ("580.65.06", "13.0", ["cu130", "cu128", "pypi"]),
-    ("575.57.08", "12.9", ["cu128", "cu126", "pypi"]),
-    ("570.124.06", "12.8", ["cu128", "cu126", "pypi"]),
-    ("560.35.03", "12.6", ["cu126", "cu124", "pypi"]),
-    ("550.54.15", "12.4", ["cu124", "cu121", "pypi"]),
-    ("535.183.01", "12.2", ["cu121", "cu118", "pypi"]),
-    ("520.61.05", "11.8", ["cu118", "pypi"]),
+    # (index, torch release pinned) per plan, then PyPI; by PyTorch's release matrix (torch_choice.TORCH_CUDA_BUILDS)
+    ("595.40.01", "13.2", [("cu132", "2.14"), ("cu130", "2.14"), "pypi"]),
+    ("590.44.01", "13.1", [("cu130", "2.14"), ("cu126", "2.14"), "pypi"]),
+    ("580.65.06", "13.0", [("cu130", "2.14"), ("cu126", "2.14"), "pypi"]),
+    # cu128 stops at 2.11 and cu129 at 2.8: a 12.8 / 12.9 driver gets 2.14 from cu126, then 2.11 from cu128
+    ("575.57.08", "12.9", [("cu126", "2.14"), ("cu128", "2.11"), "pypi"]),
+    ("570.124.06", "12.8", [("cu126", "2.14"), ("cu128", "2.11"), "pypi"]),
+    ("560.35.03", "12.6", [("cu126", "2.14"), ("cu118", "2.7"), "pypi"]),
+    ("550.54.15", "12.4", [("cu118", "2.7"), ("cu124", "2.6"), "pypi"]),
+    ("535.183.01", "12.2", [("cu118", "2.7"), ("cu121", "2.5"), "pypi"]),
+    ("520.61.05", "11.8", [("cu118", "2.7"), "pypi"]),
     ("470.57.02", "11.4", ["pypi"]),
 ])
 def test_torch_plan_matches_the_driver(tmp_path, monkeypatch, driver, cuda, expected):
@@ -76,16 +82,18 @@ def test_torch_plan_matches_the_driver(tmp_path, monkeypatch, driver, cuda, expe
     gpu = torch_choice.detect_nvidia()
     assert gpu is not None and gpu.cuda == cuda and gpu.driver == driver
     plans = torch_choice.torch_install_plans(True, "Linux", "torch>=2.4,<2.15", gpu.cuda)
-    assert _index_tags(plans) == expected
-    for p in plans[:-1]:
+    assert _index_tags(plans) == [e if isinstance(e, str) else e[0] for e in expected]
+    for p, (tag, release) in zip(plans[:-1], expected[:-1], strict=True):
         url = p.pip_args[p.pip_args.index("--index-url") + 1]
-        assert url == f"https://download.pytorch.org/whl/{_index_tags([p])[0]}"
-        assert p.pip_args[-1] == "torch>=2.4,<2.15"
+        assert url == f"https://download.pytorch.org/whl/{tag}"
+        # The release published there is pinned, inside the project's range.
+        assert p.pip_args[-1] == f"torch>=2.4,<2.15,=={release}.*"
+        assert f"PyTorch {release} " in p.label
         # An unreachable index fails fast, then the next plan runs.
         assert p.pip_args[p.pip_args.index("--timeout") + 1] == "15"
     assert plans[-1].key == "pypi-cuda" and plans[-1].pip_args == ["install", "torch>=2.4,<2.15"]
-    # An old driver is told so before PyPI's (CUDA 12.8) build is installed.
-    assert (plans[-1].warning is not None) == (tuple(map(int, cuda.split("."))) < (12, 8))
+    # A driver older than PyPI's build (torch 2.14 needs CUDA 13.0) is told so before it is installed.
+    assert (plans[-1].warning is not None) == (tuple(map(int, cuda.split("."))) < (13, 0))
 
 
 @pytest.mark.skipif(os.name == "nt", reason="the fake nvidia-smi is a shell script")
@@ -96,18 +104,28 @@ def test_torch_plan_without_a_cuda_version_or_on_windows(tmp_path, monkeypatch):
     assert _index_tags(torch_choice.torch_install_plans(True, "Linux", cuda=gpu.cuda)) == ["pypi"]
     # Windows: PyPI only has CPU builds, so the CUDA index comes first and PyPI is announced as CPU-only.
     win = torch_choice.torch_install_plans(True, "Windows", cuda="12.8")
-    assert _index_tags(win) == ["cu128", "cu126", "pypi"] and "CPU-only" in win[-1].warning
+    assert _index_tags(win) == ["cu126", "cu128", "pypi"] and "CPU-only" in win[-1].warning
     # No GPU: the CPU plans, whatever the CUDA argument says.
     assert [p.key for p in torch_choice.torch_install_plans(False, "Linux", cuda="12.8")] == \
         ["local-cpu", "cpu-index", "pypi-cuda-fallback"]
 
 
-def test_cuda_wheel_tags():
-    assert torch_choice.cuda_wheel_tags("13.0") == ["cu130", "cu128"]
-    assert torch_choice.cuda_wheel_tags("13.1", limit=4) == ["cu130", "cu128", "cu126", "cu129"]
-    assert torch_choice.cuda_wheel_tags("12") == ["cu118"]  # "12" is 12.0: older than every 12.x tag
+def test_cuda_wheel_choices_follow_the_torch_range():
+    assert torch_choice.cuda_wheel_tags("13.0") == ["cu130", "cu126"]
+    assert torch_choice.cuda_wheel_tags("13.1", limit=4) == ["cu130", "cu126", "cu128", "cu129"]
+    assert torch_choice.cuda_wheel_tags("12") == ["cu118"]  # "12" is 12.0: older than every 12.x build
     assert torch_choice.cuda_wheel_tags(None) == [] and torch_choice.cuda_wheel_tags("") == []
     assert torch_choice.cuda_wheel_tags("x") == []
+    # A range that stops at 2.11 makes cu128 the best for a 12.8 driver again; 2.13's cu132 is experimental.
+    assert torch_choice.cuda_wheel_choices("12.8", "torch>=2.4,<2.12")[0] == \
+        torch_choice.CudaChoice("cu128", (2, 11), False)
+    assert torch_choice.cuda_wheel_choices("13.2", "torch>=2.4,<2.14")[:2] == [
+        torch_choice.CudaChoice("cu130", (2, 13), False), torch_choice.CudaChoice("cu126", (2, 13), False)]
+    assert torch_choice.cuda_wheel_choices("13.2", "torch>=2.4,<2.14", limit=3)[2] == \
+        torch_choice.CudaChoice("cu132", (2, 13), True)
+    # The range in pyproject.toml is the one the installer reads.
+    spec = torch_choice.pyproject_requirement((REPO / "pyproject.toml").read_text(), "torch", "")
+    assert spec == torch_choice.TORCH_SPEC_DEFAULT
 
 
 class FakePip:
@@ -136,7 +154,7 @@ def test_step_torch_on_a_gpu_falls_back_to_pypi(tmp_path, monkeypatch, printer):
     result = install_steps.step_torch(ctx)
     assert "torch 2.9.1" in result and "(c)" in result
     assert [c[c.index("--index-url") + 1] if "--index-url" in c else "pypi" for c in fake.cmds] == [
-        "https://download.pytorch.org/whl/cu128", "https://download.pytorch.org/whl/cu126", "pypi"]
+        "https://download.pytorch.org/whl/cu126", "https://download.pytorch.org/whl/cu128", "pypi"]
     assert "index not reachable" in printer.text and "not available here" in printer.text
     assert "does not see the GPU" not in printer.text
     # A torch that cannot see the GPU is reported (not fatal).
