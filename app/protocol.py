@@ -112,3 +112,4 @@ class ModelFacts:
     load_seconds: float = 0.0
     weight_storage: str = ""  # "bf16"/"int8": float32 compute on weights held so (engine.kernels)
     prefill_bf16: bool = False  # prefill multiplies those weights in bf16 (engine.models.adapter.set_prefill_bf16)
+    attention_kernels: str = ""  # the kernel each attention call runs ("prefill flash · decode fused C step ...")

@@ -579,6 +579,7 @@ class MainWindow(QMainWindow):
         knobs = {k: facts.config.get(k) for k in K.KNOB_NAMES} if facts else {}
         return {"model": facts.display_name, "source": facts.source, "weight_quant": facts.weight_quant,
                 "device": facts.device, "dtype": facts.dtype, "attention": facts.attention_backend,
+                "attention_kernels": facts.attention_kernels,
                 "max_seq_len": facts.config.get("max_seq_len"), "knobs": knobs,
                 "generation": self.knob_panel.generation().__dict__}
 

@@ -156,7 +156,8 @@ class EngineWorker(QObject):
             dtype=info.dtype, weight_quant=info.weight_quant, attention_backend=info.attention_backend,
             context_limit=int(model.context_limit), max_positions=int(model.max_positions),
             kv_bytes_per_token=int(model.kv_bytes_per_token()), config=config, load_seconds=load_seconds,
-            weight_storage=info.weight_storage, prefill_bf16=bool(info.prefill_bf16))
+            weight_storage=info.weight_storage, prefill_bf16=bool(info.prefill_bf16),
+            attention_kernels=info.attention_kernels)
 
     # ------------------------------------------------------------------ turns
     @Slot(object)

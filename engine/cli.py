@@ -1,4 +1,4 @@
-"""python -m engine {chat, generate, memory, doctor, bench}."""
+"""python -m engine {chat, generate, memory, doctor, bench, gpucheck}."""
 
 from __future__ import annotations
 
@@ -86,6 +86,8 @@ def _load(args):
         weights += ", prefill in bf16"
     print(f"Loaded {i.display_name} on {i.device} ({i.dtype}, weights {weights}, attention {i.attention_backend}) "
           f"in {i.resolve_seconds + i.load_seconds:.1f} s", file=sys.stderr)
+    if i.attention_kernels:
+        print(f"Attention kernels: {i.attention_kernels}", file=sys.stderr)
     return model
 
 
@@ -226,17 +228,27 @@ def cmd_doctor(args) -> int:
     return doctor_main()
 
 
-def cmd_bench(args) -> int:
-    # The speed benchmark lives in benchmarks/speed/ at the repository root, which the wheel does not ship.
+def _checkout_tool(module: str, argv: list[str], prog: str) -> int:
+    """Run a tool that lives in benchmarks/ at the repository root, which the wheel does not ship."""
+    import importlib
+
     try:
-        from benchmarks.speed import main as bench_main
+        main = importlib.import_module(module).main
     except ModuleNotFoundError as exc:
-        if exc.name not in ("benchmarks", "benchmarks.speed"):
+        if exc.name not in ("benchmarks", module):
             raise
-        print("error: the benchmarks are not part of the installed package; run this from a source checkout "
-              "(in the repository root: python -m engine bench, or python -m benchmarks.speed)", file=sys.stderr)
+        print(f"error: {prog} is not part of the installed package; run it from a source checkout (in the "
+              f"repository root: {prog})", file=sys.stderr)
         return 2
-    return bench_main(args.argv, prog="python -m engine bench")
+    return main(argv, prog=prog)
+
+
+def cmd_bench(args) -> int:
+    return _checkout_tool("benchmarks.speed", args.argv, "python -m engine bench")
+
+
+def cmd_gpucheck(args) -> int:
+    return _checkout_tool("benchmarks.gpucheck", args.argv, "python -m engine gpucheck")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -263,6 +275,11 @@ def build_parser() -> argparse.ArgumentParser:
                        "source checkout only)", add_help=False, prefix_chars="\0")
     p.add_argument("argv", nargs="*")
     p.set_defaults(func=cmd_bench)
+    p = sub.add_parser("gpucheck", help="the CUDA path in one run: parity with transformers, speed, memory, failure "
+                       "paths (JSON under results/gpucheck; --smoke: a tiny model on the CPU)", add_help=False,
+                       prefix_chars="\0")
+    p.add_argument("argv", nargs="*")
+    p.set_defaults(func=cmd_gpucheck)
     return parser
 
 

@@ -144,8 +144,6 @@ KNOBS_LIST: tuple[Knob, ...] = (
     Knob("dtype", "auto", ("auto", "float32", "bfloat16", "float16"), "Compute dtype",
          "activations and KV cache dtype; auto: float32 on CPU, bf16 on GPU"),
     Knob("device_map", "auto", str, "Device", "'auto', 'cpu', 'cuda' or 'cuda:N'", check=_device_map),
-    Knob("kv_cache_shard", False, bool, "Shard the KV cache", "reserved for multi-GPU: each layer's KV on its "
-         "layer's GPU (not read yet)", cli=False),
     Knob("trust_remote_code", False, bool, "Trust remote code", "run a model folder's own Python code"),
     Knob("allow_pickled_weights", False, bool, "Allow pickled weights", "load .bin/.pt checkpoints, which can "
          "run code when unpickled", cli=False),

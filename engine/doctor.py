@@ -73,13 +73,7 @@ def run_checks() -> list[Check]:
         checks.append(Check("nvcc", "info", nvcc or "not found", "" if nvcc else
                             "Only needed to build flash-attn from source; prebuilt wheels do not need it."))
     checks.extend(_gpu_checks(torch, cuda_avail))
-    flash = importlib.util.find_spec("flash_attn") is not None
-    if cuda_avail:
-        checks.append(Check("flash-attn", "ok" if flash else "warn", "importable" if flash else "not installed",
-                            "" if flash else "Generation uses PyTorch SDPA (slower on long inputs). Install a "
-                            "prebuilt wheel: pip install flash-attn --no-build-isolation"))
-    else:
-        checks.append(Check("flash-attn", "info", "not used without a CUDA GPU (PyTorch SDPA instead)"))
+    checks.append(_attention_check(torch, cuda_avail))
     try:
         import bitsandbytes
 
@@ -92,6 +86,28 @@ def run_checks() -> list[Check]:
     checks.append(_ram_check())
     checks.append(_default_model_check())
     return checks
+
+
+def _attention_check(torch, cuda_avail: bool) -> Check:
+    """Which kernel each attention call runs here (for an 8B-class shape in bf16 on CUDA, float32 on the CPU),
+    and whether the flash-attn package imports with its compiled extension (tried, not looked up)."""
+    from .cache.attention import attention_kernels, describe_kernels, flash_import_error
+
+    device = "cuda" if cuda_avail else "cpu"
+    dtype = torch.bfloat16 if cuda_avail else torch.float32
+    try:
+        kernels = describe_kernels(attention_kernels("sdpa", device, dtype, 8, 4, 128))
+    except Exception as exc:  # noqa: BLE001
+        return Check("attention", "warn", f"could not be checked ({type(exc).__name__}: {exc})"[:200])
+    flash_error = flash_import_error()
+    if flash_error is None:
+        return Check("attention", "ok", f"PyTorch SDPA: {kernels}; flash-attn imports (used for prefill on CUDA)")
+    package = ("flash-attn not needed (PyTorch SDPA has FlashAttention-2 class kernels)"
+               if "No module named" in flash_error else f"flash-attn installed but not loadable ({flash_error})")
+    slow = cuda_avail and "math" in kernels
+    return Check("attention", "warn" if slow else "ok", f"PyTorch SDPA: {kernels}; {package}",
+                 "SDPA falls back to its math kernel here: check the GPU generation and the torch build"
+                 if slow else "")
 
 
 def _cpu_kernels_check() -> Check:

@@ -18,6 +18,7 @@ import torch
 from .cache import DSV41Cache
 from .detokenizer import IncrementalDetokenizer
 from .events import Done, ErrorEvent, Event, PrefillProgress, TokenText, TurnStats
+from .memory import begin_turn
 from .models import adapter
 from .sampling import GenerationSettings, sample
 
@@ -58,6 +59,8 @@ def run_turn(model, tokenizer, cache: DSV41Cache, plan: TurnPlan, settings: Gene
     result = result if result is not None else TurnResult([], 0, 0, False)
     detok = IncrementalDetokenizer(tokenizer)
     device = next(model.parameters()).device
+    if device.type == "cuda":
+        begin_turn(cache.devices)  # "activations" in the memory report: this turn's working memory
     generator = torch.Generator().manual_seed(settings.seed) if settings.seed is not None else None
     started = time.perf_counter()
     compaction_before = cache.compaction_seconds
@@ -114,6 +117,9 @@ def run_turn(model, tokenizer, cache: DSV41Cache, plan: TurnPlan, settings: Gene
         # Yielded outside the except block: the traceback (and the tensors its frames hold) is gone by now,
         # so the memory a failed step held is free again before the caller acts on the error.
         if failure.kind == "oom" and torch.cuda.is_available():
+            import gc
+
+            gc.collect()  # tensors the failed step left in reference cycles
             torch.cuda.empty_cache()
         yield failure
     if reason != "stop":

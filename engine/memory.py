@@ -105,11 +105,15 @@ def module_bytes(model) -> int:
 
 def measure(device: str, weights: int, kv_stored: int, kv_uncompressed: int, *, baseline_rss: int = 0,
             tokens_seen: int = 0, kv_stored_tokens: int = 0, kv_reserved: int = 0, kv_cold: int = 0,
-            kv_cold_disk: int = 0, recall_s: float | None = None, saved_caches: int = 0) -> MemoryReport:
+            kv_cold_disk: int = 0, recall_s: float | None = None, saved_caches: int = 0,
+            devices: tuple[str, ...] = ()) -> MemoryReport:
+    """`devices`: every device the model's weights and cache use (several GPUs under device_map="auto"; default:
+    `device` alone). On CUDA the figures add up over them."""
     from dataclasses import replace
 
     if device.startswith("cuda"):
-        report = _measure_cuda(device, weights, kv_stored, kv_uncompressed, tokens_seen, kv_stored_tokens)
+        report = _measure_cuda(tuple(devices) or (device,), weights, kv_stored, kv_uncompressed, tokens_seen,
+                               kv_stored_tokens)
     else:  # the cold tier is in this process's RAM, so it is not counted as activations
         report = _measure_cpu(weights, kv_stored + kv_cold, kv_uncompressed, baseline_rss, tokens_seen,
                               kv_stored_tokens)
@@ -119,33 +123,142 @@ def measure(device: str, weights: int, kv_stored: int, kv_uncompressed: int, *, 
                    saved_caches=saved_caches)
 
 
-def _measure_cuda(device, weights, kv_stored, kv_uncompressed, tokens_seen, kv_tokens) -> MemoryReport:
+# ------------------------------------------------------------------------------------------------ CUDA
+
+# Allocated bytes on each CUDA device (by torch index) when the current turn began (begin_turn): the peak since
+# then, above this and above what is allocated now, is the turn's working memory ("activations").
+_TURN_BASE: dict[int, int] = {}
+
+
+def cuda_indices(devices, cuda=None) -> list[int]:
+    """The torch indices of the CUDA devices among `devices` ("cuda", "cuda:1", torch.device)."""
     import torch
 
-    dev = torch.device(device)
-    index = dev.index if dev.index is not None else torch.cuda.current_device()
-    allocated = torch.cuda.memory_allocated(index)
-    reserved = torch.cuda.memory_reserved(index)
-    peak = torch.cuda.max_memory_allocated(index)
-    free, total = torch.cuda.mem_get_info(index)
-    name = torch.cuda.get_device_name(index)
-    other_processes = 0
+    cuda = cuda or torch.cuda
+    out = []
+    for device in devices:
+        dev = torch.device(device)
+        if dev.type == "cuda":
+            index = dev.index if dev.index is not None else cuda.current_device()
+            if index not in out:
+                out.append(index)
+    return out
+
+
+def begin_turn(devices, cuda=None) -> None:
+    """Reset each CUDA device's peak counter before a turn (and after loading), so "activations" is the working
+    memory of the last turn, not the process-lifetime peak with the load-time copies and the KV reserved."""
+    import torch
+
+    cuda = cuda or torch.cuda
+    for index in cuda_indices(devices, cuda):
+        cuda.reset_peak_memory_stats(index)
+        _TURN_BASE[index] = cuda.memory_allocated(index)
+
+
+def nvml_handle(pynvml, props, index: int, env=None):
+    """The NVML handle of torch's CUDA device `index` (its `props` from get_device_properties), matched by UUID,
+    then by PCI bus id: torch's indices count only what CUDA_VISIBLE_DEVICES shows (and in its order), NVML's
+    count every GPU. By index only when nothing is hidden or reordered; None when no match is certain."""
+    import os
+
+    env = os.environ if env is None else env
+    uuid = getattr(props, "uuid", None)
+    if uuid is not None:
+        text = str(uuid)
+        text = text if text.startswith(("GPU-", "MIG-")) else f"GPU-{text}"
+        try:
+            return pynvml.nvmlDeviceGetHandleByUUID(text)
+        except Exception:  # noqa: BLE001 - try every device's UUID below
+            pass
+        try:
+            for i in range(pynvml.nvmlDeviceGetCount()):
+                handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+                found = pynvml.nvmlDeviceGetUUID(handle)
+                found = found.decode() if isinstance(found, bytes) else str(found)
+                if found.lower().split("-", 1)[-1] == text.lower().split("-", 1)[-1]:
+                    return handle
+        except Exception:  # noqa: BLE001
+            pass
+    bus = getattr(props, "pci_bus_id", None)
+    if bus is not None:
+        pci = f"{getattr(props, 'pci_domain_id', 0):08x}:{bus:02x}:{getattr(props, 'pci_device_id', 0):02x}.0"
+        try:
+            return pynvml.nvmlDeviceGetHandleByPciBusId(pci)
+        except Exception:  # noqa: BLE001
+            pass
+    if not env.get("CUDA_VISIBLE_DEVICES", "").strip():
+        try:
+            return pynvml.nvmlDeviceGetHandleByIndex(index)
+        except Exception:  # noqa: BLE001
+            return None
+    return None
+
+
+def _nvml():
     try:
         import pynvml
 
         pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-        info = pynvml.nvmlDeviceGetMemoryInfo(handle)
-        total, free = int(info.total), int(info.free)
-        # Everything used on the device that our allocator does not hold: other processes, CUDA context.
-        other_processes = max(int(info.used) - reserved, 0)
-    except Exception:  # noqa: BLE001 - NVML is optional; torch figures still stand
-        other_processes = max(total - free - reserved, 0)
-    activations = max(peak - weights - kv_stored, 0)
-    other = max(reserved - allocated, 0) + other_processes
-    del allocated
-    return MemoryReport(device, name, weights, kv_stored, kv_uncompressed, activations, other, int(total), int(free),
+        return pynvml
+    except Exception:  # noqa: BLE001 - NVML is optional; torch's figures still stand
+        return None
+
+
+def _measure_cuda(devices, weights, kv_stored, kv_uncompressed, tokens_seen, kv_tokens, *, cuda=None,
+                  nvml=...) -> MemoryReport:
+    import torch
+
+    cuda = cuda or torch.cuda
+    pynvml = _nvml() if nvml is ... else nvml
+    indices = cuda_indices(devices, cuda) or [cuda.current_device()]
+    names, total, free, working, other = [], 0, 0, 0, 0
+    for index in indices:
+        allocated = cuda.memory_allocated(index)
+        reserved = cuda.memory_reserved(index)
+        peak = cuda.max_memory_allocated(index)
+        dev_free, dev_total = cuda.mem_get_info(index)
+        names.append(cuda.get_device_name(index))
+        # the working memory of the last turn: its peak above what was there when it began and what is now
+        working += max(peak - max(_TURN_BASE.get(index, allocated), allocated), 0)
+        handle = nvml_handle(pynvml, cuda.get_device_properties(index), index) if pynvml is not None else None
+        if handle is not None:
+            info = pynvml.nvmlDeviceGetMemoryInfo(handle)
+            dev_total, dev_free = int(info.total), int(info.free)
+            # everything used on the device that our allocator does not hold: other processes, the CUDA context
+            outside = max(int(info.used) - reserved, 0)
+        else:
+            outside = max(dev_total - dev_free - reserved, 0)
+        total, free = total + int(dev_total), free + int(dev_free)
+        other += max(reserved - allocated, 0) + outside
+    label = names[0] if len(set(names)) == 1 else " + ".join(names)
+    if len(names) > 1 and len(set(names)) == 1:
+        label = f"{len(names)} x {names[0]}"
+    device = ",".join(f"cuda:{i}" for i in indices)
+    return MemoryReport(device, label, weights, kv_stored, kv_uncompressed, working, other, total, free,
                         tokens_seen, kv_tokens)
+
+
+def free_by_device(devices, cuda=None) -> dict[int, int]:
+    """Free bytes on each CUDA device among `devices` (torch index -> bytes)."""
+    import torch
+
+    cuda = cuda or torch.cuda
+    return {index: int(cuda.mem_get_info(index)[0]) for index in cuda_indices(devices, cuda)}
+
+
+def cuda_headroom_tokens(layer_devices, per_token: int, fraction: float, cuda=None) -> int | None:
+    """Entries a turn may hold before compacting when the layers (and so each token's KV) are spread over CUDA
+    devices: on each device `fraction` of its free memory over its layers' share of `per_token` bytes, the
+    smallest of them. None when no layer is on a CUDA device."""
+    import collections
+
+    counts = collections.Counter(i for device in layer_devices for i in cuda_indices([device], cuda))
+    if not counts:
+        return None
+    free = free_by_device([f"cuda:{i}" for i in counts], cuda)
+    layers = len(layer_devices)
+    return max(min(int(free[i] * fraction / (per_token * n / layers)) for i, n in counts.items()), 1)
 
 
 def _measure_cpu(weights, kv_stored, kv_uncompressed, baseline_rss, tokens_seen, kv_tokens) -> MemoryReport:

@@ -54,6 +54,7 @@ class LoadInfo:
     attention_backend: str
     weight_storage: str = ""  # how the weights are held when it differs from dtype: "bf16" or "int8" (kernels)
     prefill_bf16: bool = False  # prefill multiplies the bf16-held matrices in bf16 (adapter.set_prefill_bf16)
+    attention_kernels: str = ""  # which kernel each attention call runs (attention.attention_kernels)
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,9 @@ class DSV41Model:
         self._baseline_rss = baseline_rss
         self.weights_bytes = memory_mod.module_bytes(hf_model)
         self.num_layers, self.kv_heads, self.head_dim = adapter.kv_geometry(hf_model)
+        # every device the weights and the cache use (several GPUs when device_map="auto" spread the layers)
+        self.devices = tuple(dict.fromkeys([str(self.device)] + [str(d) for d in adapter.layer_devices(hf_model)]))
+        memory_mod.begin_turn(self.devices)  # the load's own peak is not a turn's working memory
         self.eos_ids = _eos_ids(hf_model, tokenizer)
         self._sessions: weakref.WeakSet[ChatSession] = weakref.WeakSet()
         self._active: ChatSession | None = None
@@ -118,11 +122,13 @@ class DSV41Model:
             del hf_model
             hf_model, tokenizer = loader.load_model(source.path, weight_quant="int8", **load)
             adapter.install(hf_model)
-        backend = pick_backend(config.use_flash_attention, next(hf_model.parameters()).device, dtype)
+        first_device = next(hf_model.parameters()).device
+        backend = pick_backend(config.use_flash_attention, first_device, dtype)
         info = LoadInfo(source.kind, source.display_name, str(source.path), resolved - started,
-                        time.perf_counter() - resolved, str(next(hf_model.parameters()).device),
+                        time.perf_counter() - resolved, str(first_device),
                         str(dtype).replace("torch.", ""), config.weight_quant, backend,
-                        adapter.packed_format(hf_model) or "", adapter.prefill_bf16(hf_model))
+                        adapter.packed_format(hf_model) or "", adapter.prefill_bf16(hf_model),
+                        adapter.attention_kernels_line(hf_model, backend, first_device))
         if progress:
             progress("Model ready", 1.0)
         return cls(config, hf_model, tokenizer, info, baseline_rss)
@@ -151,9 +157,11 @@ class DSV41Model:
     def new_cache(self) -> DSV41Cache:
         settings = self.cache_settings()
         initial = max(256, int(self.config.max_seq_len * self.config.kv_cache_ratio))
+        devices = adapter.layer_devices(self.hf_model)
         return DSV41Cache(self.num_layers, self.kv_heads, self.head_dim, self.kv_dtype, self.device, settings,
                           backend=self.info.attention_backend, initial_capacity=initial,
-                          prefill_bf16=adapter.prefill_bf16(self.hf_model))
+                          prefill_bf16=adapter.prefill_bf16(self.hf_model),
+                          layer_devices=tuple(devices) if len(set(devices)) > 1 else None)
 
     @property
     def kv_dtype(self) -> torch.dtype:
@@ -181,6 +189,11 @@ class DSV41Model:
             return headroom
         if isinstance(headroom, float):
             return max(int(headroom * 1024**3 / per_token), 1)
+        if self.device.type == "cuda":  # each device holds its own layers' share of every token
+            tokens = memory_mod.cuda_headroom_tokens([layer.device for layer in cache.layers], per_token,
+                                                     AUTO_HEADROOM_FRACTION)
+            if tokens is not None:
+                return tokens
         free = self.memory_report(cache).free
         return max(int(free * AUTO_HEADROOM_FRACTION / per_token), 1)
 
@@ -319,7 +332,8 @@ class DSV41Model:
             kv_reserved=cache.nbytes() if cache else 0, kv_cold=cache.cold_bytes("ram") if cache else 0,
             kv_cold_disk=cache.cold_bytes("disk") if cache else 0,
             recall_s=cache.recall_seconds if cache is not None and cache.recalled else None,
-            saved_caches=store.total_bytes() if (store := self.conversation_store) is not None else 0)
+            saved_caches=store.total_bytes() if (store := self.conversation_store) is not None else 0,
+            devices=self.devices)
 
     def print_memory_usage(self, cache: DSV41Cache | None = None) -> MemoryReport:
         report = self.memory_report(cache)

@@ -128,7 +128,9 @@ class ModelPanel(QWidget):
         text = (f"{facts.display_name} · {facts.device} · {facts.dtype} · weights {weights}"
                 f" · {facts.attention_backend} · {facts.context_limit:,} tokens")
         self.status.setText(text)
-        self.status.setToolTip(f"{text}\nLoaded in {facts.load_seconds:.1f} s from {facts.source}")
+        kernels = getattr(facts, "attention_kernels", "")
+        self.status.setToolTip(f"{text}\n" + (f"Attention kernels: {kernels}\n" if kernels else "")
+                               + f"Loaded in {facts.load_seconds:.1f} s from {facts.source}")
 
     def show_kept(self, message: str, facts) -> None:
         """A load failed and the model that was working stays: say both."""

@@ -36,8 +36,8 @@ QUESTION = "\n\nIn two sentences: what does the speaker promise to do about the 
 def build_parser(prog: str = "python -m benchmarks.speed") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog)
     parser.add_argument("--quick", action="store_true", help="small smoke run (about a minute)")
-    parser.add_argument("--gpu", action="store_true", help="CUDA mode: bf16, flash-attn on and off")
-    parser.add_argument("--out", default="results/bench", help="results folder")
+    parser.add_argument("--gpu", action="store_true", help="CUDA mode: bf16, SDPA and eager attention")
+    parser.add_argument("--out", default=None, help="results folder (default results/bench; --gpu: results/bench-gpu)")
     parser.add_argument("--sections", default="seed,scaling,bandwidth,warmup,quant,load")
     parser.add_argument("--reps", type=int, default=None, help="repetitions per row (default 3; --gpu 2; --quick 1)")
     parser.add_argument("--model", default="default")
@@ -89,6 +89,40 @@ def set_knobs(model, **knobs) -> None:
     model.config = model.config.replace(**knobs)
 
 
+EAGER = " (eager attention)"  # a row whose cache attends with our own matrix products instead of SDPA's kernels
+
+
+class HFModels(dict):
+    """The transformers rows' models, loaded on first use. `one_at_a_time` (a GPU run): at most one is held, so
+    an 8B model's transformers copies never sit beside each other and the engine (the rows then run grouped)."""
+
+    def __init__(self, folder, device: str, dtype: torch.dtype, one_at_a_time: bool):
+        super().__init__()
+        self.folder, self.device, self.dtype, self.one = folder, device, dtype, one_at_a_time
+
+    def __missing__(self, name: str):
+        if self.one and self:
+            self.clear()
+            import gc
+
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        model = load_hf(self.folder, name.split()[-1], self.device, self.dtype)
+        self[name] = model
+        return model
+
+
+def engine_view(model, backend: str):
+    """The same loaded engine (same weights, no second copy) whose caches attend with `backend`."""
+    from dataclasses import replace
+
+    from engine.model import DSV41Model
+
+    return DSV41Model(model.config, model.hf_model, model.tokenizer, replace(model.info, attention_backend=backend),
+                      0)
+
+
 HEADROOM_ROW_TOKENS = 4096  # the bounded-peak row: a document turn may hold this many entries
 
 ENGINE_KNOBS = {
@@ -108,7 +142,7 @@ def run_row(name: str, engine, hf_models: dict, ids, question_tokens, new_tokens
     if name.startswith("transformers"):
         return core.hf_generate(hf_models[name], ids, new_tokens, memory=memory)
     model = engine[name] if isinstance(engine, dict) else engine
-    knobs = dict((knobs_table or ENGINE_KNOBS).get(name.replace(" (flash off)", ""), {}))
+    knobs = dict((knobs_table or ENGINE_KNOBS).get(name.replace(EAGER, ""), {}))
     if knobs:
         knobs.setdefault("prefill_headroom", None)
         set_knobs(model, **knobs)
@@ -125,11 +159,20 @@ def summarise(runs: list[dict], memory_run: dict) -> dict:
     return out
 
 
-def interleaved(rows: list[str], reps: int, call) -> dict:
+def interleaved(rows: list[str], reps: int, call, grouped: bool = False) -> dict:
     """Per row: a short warm run (first-use initialisation), a full run that measures peak memory
-    (allocation is slowed for it, so it is not timed), then `reps` timed runs interleaved across rows."""
+    (allocation is slowed for it, so it is not timed), then `reps` timed runs interleaved across rows.
+    `grouped` (a GPU run, models loaded one at a time): each row's runs back to back, transformers rows first."""
     results = {name: [] for name in rows}
     memory = {}
+    if grouped:
+        for name in sorted(rows, key=lambda n: not n.startswith("transformers")):
+            call(name, warm=True)
+            memory[name] = call(name, warm=False, memory=True)
+            for _ in range(reps):
+                results[name].append(call(name, warm=False))
+                print(f"  {name}: {_brief(results[name][-1])}", flush=True)
+        return {name: summarise(results[name], memory[name]) for name in rows}
     for name in rows:
         call(name, warm=True)
         memory[name] = call(name, warm=False, memory=True)
@@ -157,7 +200,7 @@ def section_seed(ctx) -> dict:
     def call(name, warm, memory=False):
         return run_row(name, ctx.engine_rows, ctx.hf, ids, q, 4 if warm else new_tokens, memory)
 
-    result = interleaved(rows, ctx.reps, call)
+    result = interleaved(rows, ctx.reps, call, grouped=ctx.gpu)
     return {"input_tokens": len(ids), "new_tokens": new_tokens, "rows": result}
 
 
@@ -187,7 +230,8 @@ def section_scaling(ctx) -> dict:
 
         reps = 1 if ctx.quick or length >= 4096 else ctx.reps
         names = rows + (["engine default, headroom"] if length == lengths[-1] else [])
-        out["lengths"][str(length)] = {"prompt_tokens": len(ids), "rows": interleaved(names, max(reps, 1), call)}
+        out["lengths"][str(length)] = {"prompt_tokens": len(ids),
+                                       "rows": interleaved(names, max(reps, 1), call, grouped=ctx.gpu)}
     out["note"] = ("16k and 32k are not run: the default model has 8,192 positions "
                    f"(max_position_embeddings of {ctx.engine.info.display_name}).")
     return out
@@ -239,7 +283,12 @@ def section_quant(ctx) -> dict:
         out[variant] = {"weights_bytes": ours.weights_bytes, "weight_read_bytes": core.weight_read_bytes(ours.hf_model),
                         "matvec_ceiling": core.matvec_ceiling(ours.hf_model) if quant == "none" else None,
                         "hf_weight_read_bytes": core.weight_read_bytes(theirs), "rows": rows}
-        del ours, theirs
+        del ours, theirs, call
+        if ctx.gpu:  # the next variant's two models must not load beside this one's
+            import gc
+
+            gc.collect()
+            torch.cuda.empty_cache()
     return out
 
 
@@ -331,10 +380,10 @@ def main(argv=None, prog: str = "python -m benchmarks.speed") -> int:
                 (" (glibc: 128 KiB mmap threshold, heap trimmed)" if glibc else ""))}
     payload["weight_read_bytes"] = core.weight_read_bytes(ctx.engine.hf_model)
     if any(s in sections for s in ("seed", "scaling")):
-        ctx.hf = {"transformers eager": load_hf(folder, "eager", ctx.device, dtype),
-                  "transformers sdpa": load_hf(folder, "sdpa", ctx.device, dtype)}
+        ctx.hf = HFModels(folder, ctx.device, dtype, one_at_a_time=args.gpu)
         ctx.engine_rows = {name: ctx.engine for name in ENGINE_KNOBS}
-        payload["row_weight_bytes"] = {name: core.weight_read_bytes(model) for name, model in ctx.hf.items()}
+        payload["row_weight_bytes"] = {} if args.gpu else \
+            {name: core.weight_read_bytes(ctx.hf[name]) for name in ("transformers eager", "transformers sdpa")}
         ctx.seed_rows = list(SEED_ROWS)
         if ctx.engine.info.weight_storage:  # weights held as bf16: a float32-weights row beside it
             ctx.engine_rows["engine dense, float32 weights"] = load_engine(args, ctx.device, dtype="float32")
@@ -342,20 +391,20 @@ def main(argv=None, prog: str = "python -m benchmarks.speed") -> int:
             payload["row_weight_bytes"]["engine dense, float32 weights"] = core.weight_read_bytes(
                 ctx.engine_rows["engine dense, float32 weights"].hf_model)
         ctx.scaling_rows = ["transformers sdpa", "engine dense", "engine default"]
-        if args.gpu:  # flash-attn on and off: a second engine with use_flash_attention=False
-            off = load_engine(args, ctx.device, use_flash_attention=False)
+        if args.gpu:  # SDPA's kernels against our own products: the same weights, caches attending eagerly
+            off = engine_view(ctx.engine, "eager")
             for name in ("engine dense", "engine + CED + CSA2"):
-                ctx.engine_rows[name + " (flash off)"] = off
-            ctx.seed_rows += ["engine dense (flash off)", "engine + CED + CSA2 (flash off)"]
-            payload["attention_backend"] = {"on": ctx.engine.info.attention_backend,
-                                            "off": off.info.attention_backend}
+                ctx.engine_rows[name + EAGER] = off
+            ctx.seed_rows += ["engine dense" + EAGER, "engine + CED + CSA2" + EAGER]
+            payload["attention_backend"] = {"rows": ctx.engine.info.attention_backend, "eager rows": "eager",
+                                            "kernels": ctx.engine.info.attention_kernels}
     if "bandwidth" in sections or "seed" in sections or "scaling" in sections:
         payload["sections"]["bandwidth"] = core.read_bandwidth(ctx.engine.device,
                                                                (256 << 20) if args.quick else (1 << 30))
         payload["sections"]["bandwidth"]["matvec_ceiling"] = core.matvec_ceiling(ctx.engine.hf_model)
         print(f"[bandwidth] {payload['sections']['bandwidth']['bytes_per_s'] / 1e9:.1f} GB/s; weights alone "
               f"{payload['sections']['bandwidth']['matvec_ceiling']['seconds'] * 1000:.1f} ms", flush=True)
-    out = Path(args.out)
+    out = Path(args.out or ("results/bench-gpu" if args.gpu else "results/bench"))
     payload["section_dates"] = {name: payload["machine"]["date"] for name in payload["sections"]}
     for name, fn in (("seed", section_seed), ("scaling", section_scaling), ("warmup", section_warmup),
                      ("quant", section_quant), ("load", section_load)):

@@ -20,6 +20,68 @@ def flash_available() -> bool:
     return _flash_attn_func is not None
 
 
+def flash_import_error() -> str | None:
+    """Why the flash-attn package cannot be used (None when it imported with its compiled extension)."""
+    if _flash_attn_func is not None:
+        return None
+    try:
+        import flash_attn  # noqa: F401
+        from flash_attn import flash_attn_func  # noqa: F401  (loads flash_attn_2_cuda)
+    except Exception as exc:  # noqa: BLE001
+        return f"{type(exc).__name__}: {exc}"[:200]
+    return None
+
+
+_SDPA_NAMES = {0: "math", 1: "flash", 2: "memory-efficient", 3: "cuDNN", 4: "overrideable"}
+
+
+def _sdpa_choice(q, k, v, mask=None, is_causal=False) -> str:
+    """The kernel scaled_dot_product_attention dispatches these arguments to (torch's own choice function)."""
+    choose = getattr(torch, "_fused_sdp_choice", None)
+    if choose is None:
+        return "SDPA (kernel not reported by this torch)"
+    try:
+        return _SDPA_NAMES.get(int(choose(q, k, v, attn_mask=mask, is_causal=is_causal, scale=0.125)), "SDPA")
+    except Exception as exc:  # noqa: BLE001 - a diagnostic: say what failed
+        return f"error: {type(exc).__name__}"
+
+
+def attention_kernels(backend: str, device, dtype: torch.dtype, kv_heads: int, groups: int,
+                      head_dim: int) -> dict[str, str]:
+    """Which kernel runs each attention call the cache makes, for this model's shape, device and dtype, with the
+    arguments dense_attention / decode_attention_output pass: "prefill" (a chunk over earlier entries),
+    "decode" (one query, output only), "scored decode" (one query whose weights score the cache: our own
+    matrix products), "merged" (entries with merge counts: an additive bias). Kernels: "flash",
+    "memory-efficient", "cuDNN", "math" (SDPA's), "flash-attn" (the package), "matmul" (ours)."""
+    device = torch.device(device)
+    s, t = 96, 32
+
+    def rand(*shape):
+        return torch.zeros(*shape, device=device, dtype=dtype)
+
+    keys = rand(kv_heads, s, head_dim)
+    k = keys[:, None].expand(kv_heads, groups, s, head_dim)
+    q = rand(kv_heads, groups, t, head_dim)
+    if backend == "eager":
+        prefill = merged = "matmul"
+    else:
+        if backend == "flash":
+            prefill = "flash-attn"
+        elif device.type == "cpu" and _cpu_flash_lse is not None:
+            prefill = "flash"  # _prefix_and_chunk calls torch's CPU flash kernel itself
+        else:
+            prefill = _sdpa_choice(q, k, k, causal_bias(t, s, dtype, device))
+        bias = torch.zeros(kv_heads, 1, t, s, device=device, dtype=dtype).expand(kv_heads, groups, t, s)
+        merged = _sdpa_choice(q, k, k, bias)
+    decode = _sdpa_choice(rand(1, kv_heads, groups, head_dim), keys[None], keys[None])
+    return {"prefill": prefill, "decode": decode, "scored decode": "matmul", "merged": merged}
+
+
+def describe_kernels(kernels: dict[str, str]) -> str:
+    """One line for the model panel and the CLI: "prefill flash · decode flash · scored decode matmul"."""
+    return " · ".join(f"{name} {kernel}" for name, kernel in kernels.items())
+
+
 def pick_backend(use_flash_attention: bool, device: torch.device, dtype: torch.dtype) -> str:
     """'flash' (CUDA + flash-attn + fp16/bf16), 'sdpa', or 'eager' when flash is turned off."""
     if not use_flash_attention:

@@ -54,19 +54,27 @@ class DSV41Cache:
     backend: str = "sdpa"
     initial_capacity: int = 256
     prefill_bf16: bool = False  # prefill chunks attend in bf16 (attention.dense_attention; the model's choice)
+    # Each layer's device, when the model's layers are spread over several (device_map="auto" on several GPUs):
+    # a layer's KV lives beside its weights. None: every layer on `device`.
+    layer_devices: tuple | None = None
     kv_bytes_per_element: int = field(init=False)
 
     def __post_init__(self):
         self.device = torch.device(self.device)
+        devices = tuple(torch.device(d) for d in self.layer_devices) if self.layer_devices else None
+        if devices is not None and len(devices) != self.num_layers:
+            raise ValueError(f"layer_devices names {len(devices)} devices for {self.num_layers} layers")
+        self.layer_devices = devices
         self.kv_bytes_per_element = torch.empty((), dtype=self.dtype).element_size()
         self.reset()
 
     # ------------------------------------------------------------------ lifecycle
     def reset(self) -> None:
+        devices = self.layer_devices or (self.device,) * self.num_layers
         self.layers = [
-            LayerKV(self.kv_heads, self.head_dim, self.dtype, self.device, int8=self.settings.kv_int8,
+            LayerKV(self.kv_heads, self.head_dim, self.dtype, device, int8=self.settings.kv_int8,
                     initial_capacity=self.initial_capacity)
-            for _ in range(self.num_layers)
+            for device in devices
         ]
         self.seen = 0
         self.compactions = 0
@@ -93,6 +101,11 @@ class DSV41Cache:
         if policy is None or policy.settings is not self.settings or policy.name != self.settings.ced_policy:
             self._policy = policies.make(self.settings)
         return self._policy
+
+    @property
+    def devices(self) -> tuple[torch.device, ...]:
+        """The devices the hot layers live on (one, or several when the model's layers are spread)."""
+        return tuple(dict.fromkeys(layer.device for layer in self.layers)) or (self.device,)
 
     @property
     def stored(self) -> int:
@@ -165,7 +178,12 @@ class DSV41Cache:
         layer = self.layers[layer_idx]
         fwd = self._fwd
         start = layer.length
-        layer.append(key[0], value[0], fwd.positions)
+        positions = fwd.positions
+        if positions.device != layer.device:  # layers spread over devices: the positions follow the layer
+            positions = fwd.moved.get(layer.device)
+            if positions is None:
+                positions = fwd.moved[layer.device] = fwd.positions.to(layer.device)
+        layer.append(key[0], value[0], positions)
         csa2.project_new(layer, key[0], start)
         q = query[0]
         s = self.settings
@@ -194,7 +212,8 @@ class DSV41Cache:
             mask = None
             if self.backend != "eager" and keys.shape[1] != t and attention.chunk_needs_mask(q.device):
                 # every layer has the same (t, S): build the mask once per forward
-                if fwd.mask is None or fwd.mask.shape != (t, keys.shape[1]) or fwd.mask.dtype != q.dtype:
+                if (fwd.mask is None or fwd.mask.shape != (t, keys.shape[1]) or fwd.mask.dtype != q.dtype
+                        or fwd.mask.device != q.device):
                     fwd.mask = attention.causal_bias(t, keys.shape[1], q.dtype, q.device)
                 mask = fwd.mask
             out = attention.dense_attention(q, keys, values, log_counts, scaling, self.backend, mask, bf16=self.prefill_bf16)

@@ -85,3 +85,4 @@ class Forward:
     mask: torch.Tensor | None = None  # causal bias shared by the layers of a prefill chunk
     question: bool = False  # a turn's question is in this forward: each layer recalls from the cold tier first
     recalled: dict[int, int] = field(default_factory=dict)  # entries per head each layer recalled (abort keeps them)
+    moved: dict = field(default_factory=dict)  # the positions on each other device a layer lives on

@@ -13,6 +13,7 @@ kept beside the model in `_RUNTIMES` and read through `runtime(model)`; nothing 
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from dataclasses import dataclass
 
@@ -106,6 +107,17 @@ def install(model, *, fast: bool = True, pack: bool = True, pack_rounding: bool 
         if weights is not None and pack else None
     _RUNTIMES[model] = Runtime(compute, Decoder(weights) if weights is not None else None, packed)
     set_prefill_bf16(model, prefill_bf16)
+
+
+@contextlib.contextmanager
+def transformers_attention(model, implementation: str = "sdpa"):
+    """Run transformers' own attention ("sdpa", "eager") on an installed model for a while: the reference on the
+    same weights (our fused weights are views the model's modules still read), then back to ours."""
+    model.set_attn_implementation(implementation)
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation(ATTENTION_NAME)
 
 
 def set_prefill_bf16(model, on: bool) -> bool:
@@ -329,6 +341,39 @@ def kv_geometry(model) -> tuple[int, int, int]:
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     return cfg.num_hidden_layers, kv_heads, head_dim
+
+
+def layer_devices(model) -> list[torch.device]:
+    """The device of each decoder layer's weights, in order (one per layer; several GPUs when accelerate's
+    device_map="auto" spread the layers): where that layer's KV cache lives and its activations go."""
+    base = getattr(model, "model", None)
+    layers = getattr(base, "layers", None)
+    fallback = next(model.parameters()).device
+    if layers is None:
+        return [fallback] * kv_geometry(model)[0]
+    out = []
+    for layer in layers:
+        first = next(layer.parameters(), None)
+        out.append(first.device if first is not None else fallback)
+    return out
+
+
+def attention_kernels_line(model, backend: str, device: torch.device) -> str:
+    """The attention kernels this model's calls run (cache.attention.attention_kernels), as one line; on the CPU
+    a decode step is one fused C call when the kernels are built (engine.kernels.fused)."""
+    from ..cache.attention import attention_kernels, describe_kernels
+
+    _, kv_heads, head_dim = kv_geometry(model)
+    found = attention_kernels(backend, device, compute_dtype(model), kv_heads,
+                              max(1, attention_heads(model) // kv_heads), head_dim)
+    if device.type == "cpu" and load() is not None:
+        found["decode"] = found["scored decode"] = "fused C step"
+    return describe_kernels(found)
+
+
+def attention_heads(model) -> int:
+    """Query heads per layer."""
+    return text_config(model).num_attention_heads
 
 
 def max_positions(model) -> int | None:

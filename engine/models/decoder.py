@@ -117,6 +117,10 @@ def residual_linear(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tenso
     return torch.addmm(residual, x, weight.t())
 
 
+def _device_of(weight) -> torch.device:
+    return weight.device if isinstance(weight, torch.Tensor) else torch.device("cpu")  # PackedMatrix: CPU only
+
+
 class Decoder:
     """forward(input_ids [1, T], cache, logits_to_keep) -> logits [1, keep, V], attention through `cache`."""
 
@@ -124,8 +128,10 @@ class Decoder:
         self.w = weights
         # One C call per CPU decode step where the kernels can read the weights (packed bf16 / int8, or float32
         # tensors); None elsewhere (GPU, float16, no compiler), and forward() runs the per-op step below.
-        self.fused = FusedDecodeStep.build(weights) if weights.final_norm.dtype in (torch.float32, torch.bfloat16) \
-            else None
+        # (not even compiled when the weights are on a GPU)
+        on_cpu = weights.final_norm.device.type == "cpu"
+        self.fused = FusedDecodeStep.build(weights) \
+            if on_cpu and weights.final_norm.dtype in (torch.float32, torch.bfloat16) else None
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache, logits_to_keep: int = 1):
@@ -148,6 +154,10 @@ class Decoder:
         rot = rope_matrix(cos[0, 0], sin[0, 0]) if t == 1 else None
         qk_heads = heads + kv_heads
         for index, layer in enumerate(w.layers):
+            if layer.input_norm.device != x.device:  # layers spread over devices: the activations follow
+                x, cos, sin = x.to(layer.input_norm.device), cos.to(layer.input_norm.device), \
+                    sin.to(layer.input_norm.device)
+                rot = None if rot is None else rot.to(layer.input_norm.device)
             h = rms_norm(x, layer.input_norm, w.eps)
             qkv = linear(h, layer.qkv, layer.qkv_bias).view(t, qk_heads + kv_heads, d)
             if layer.q_norm is not None:
@@ -165,5 +175,5 @@ class Decoder:
             h = rms_norm(x, layer.post_norm, w.eps)
             gate, up = linear(h, layer.gate_up).chunk(2, dim=-1)
             x = residual_linear(x, w.act(gate).mul_(up), layer.down)
-        x = rms_norm(x[-logits_to_keep:], w.final_norm, w.eps)
-        return linear(x, w.lm_head, w.lm_head_bias)[None]
+        x = rms_norm(x[-logits_to_keep:].to(w.final_norm.device), w.final_norm, w.eps)
+        return linear(x.to(_device_of(w.lm_head)), w.lm_head, w.lm_head_bias)[None]

@@ -10,7 +10,8 @@ def test_defaults_match_design():
     assert (c.ced_sink_tokens, c.ced_recent_tokens, c.csa2_topk, c.csa2_rank) == (4, 32, 256, None)
     assert (c.use_flash_attention, c.weight_quant, c.kv_cache_dtype, c.dtype, c.device_map) == (
         True, "none", "auto", "auto", "auto")
-    assert (c.kv_cache_shard, c.prefill_chunk, c.prefill_headroom) == (False, None, None)
+    assert (c.prefill_chunk, c.prefill_headroom) == (None, None)
+    assert not hasattr(c, "kv_cache_shard")  # every layer's KV lives on its layer's device: no knob for it
 
 
 def test_seed_call_is_accepted():

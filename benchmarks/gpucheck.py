@@ -1,0 +1,547 @@
+"""python -m engine gpucheck: one run that answers the most questions about the CUDA path (about 8 minutes on
+one H200; no internet, no downloads: the models are made in place).
+
+Models: a random-init model of Llama-3-8B's shape (4,096 hidden, 14,336 MLP, 32 layers, 32 heads, 8 KV heads,
+head dim 128, vocabulary 128,256) in bf16, its queries and keys scaled up so attention is peaked (a layout bug
+then moves the logits, which near-uniform attention would hide), and a 4-layer copy saved to a folder for the
+load path; the default model's tokenizer from its package. Sections, each written to <out>/gpucheck.json as
+soon as it ends (a run cut short keeps what it measured):
+
+- environment: versions, the GPU, SDPA backends and the kernel each of our attention calls runs, NVML's UUIDs
+  against torch's, `doctor`;
+- parity: our forward against transformers SDPA on the same weights, teacher-forced (1k prompt + 64 steps:
+  per-step logits and greedy tokens), chunked against one-shot prefill over 6k tokens, and every cache mode
+  (merge, INT8 KV, compaction, forced CSA2, the question probe, reconfigure, the cold tier's recall) for two
+  turns with a device-consistency guard; host syncs per decode step (`set_sync_debug_mode`) and kernels per
+  decode step (profiler);
+- speed: read bandwidth, decode tok/s at 1k and 8k (dense, CED, CED + CSA2; greedy and sampled) beside
+  transformers SDPA and eager `generate` on the same weights, bytes per token and share of the bandwidth
+  bound, 8k TTFT, cold against warm TTFT;
+- memory: the peak of an 8k turn against what the memory report says;
+- failures: an out-of-memory injected with `set_per_process_memory_fraction`, a cancel mid-prefill, then a
+  turn that must equal a fresh session's;
+- quantized: bitsandbytes INT8 / INT4 on the 4-layer model (logit cosine against bf16, tok/s), when it imports.
+
+Graph-captured decode is not built yet: the speed rows are the eager per-op step.
+
+`--smoke` runs every section on a tiny model on the CPU (seconds; the test suite does), skipping what needs a
+GPU with the reason, so the script itself is tested where no GPU is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+import torch
+
+EIGHT_B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=8192)
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, vocab_size=49152, max_position_embeddings=4096)  # the tokenizer's vocabulary
+PEAK_SCALE = 4.0  # queries and keys scaled by this: peaked attention (see the module's docstring)
+
+
+class Run:
+    """The run's settings and its results, written after every section."""
+
+    def __init__(self, smoke: bool, out: Path):
+        self.smoke, self.out = smoke, out
+        self.device = torch.device("cpu" if smoke else "cuda")
+        self.dtype = torch.float32 if smoke else torch.bfloat16
+        self.shape = TINY if smoke else EIGHT_B
+        self.results: dict = {"mode": "smoke (CPU, tiny model)" if smoke else "gpu", "sections": {},
+                              "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+        # lengths: (prompt, decode steps) for parity; the long prefill; the speed contexts
+        self.parity_tokens, self.parity_steps = (48, 6) if smoke else (1024, 64)
+        self.long_tokens = 160 if smoke else 6144
+        self.contexts = (64, 128) if smoke else (1024, 8000)
+        self.new_tokens = 8 if smoke else 128
+        # the tiny run's turns are short: a budget floor and windows that small let them compact at all
+        self.small_knobs = dict(min_entries=8, ced_sink_tokens=2, ced_recent_tokens=4) if smoke else {}
+
+    def write(self) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "gpucheck.json").write_text(json.dumps(self.results, indent=2, default=str))
+
+    def section(self, name: str, fn) -> None:
+        started = time.perf_counter()
+        print(f"[gpucheck] {name} ...", flush=True)
+        try:
+            result = fn(self)
+        except Exception as exc:  # noqa: BLE001 - one failing section must not hide the others' figures
+            result = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-4000:]}
+            print(f"[gpucheck] {name} FAILED: {result['error']}", flush=True)
+        result["seconds"] = round(time.perf_counter() - started, 2)
+        self.results["sections"][name] = result
+        self.write()
+        print(f"[gpucheck] {name} done in {result['seconds']:.1f} s", flush=True)
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+# ------------------------------------------------------------------------------------------------ models
+def make_model(run: Run, layers: int | None = None, seed: int = 0):
+    """A random-init Llama of the run's shape (optionally fewer layers) on the run's device and dtype, with
+    peaked queries and keys, switched to our attention path."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from engine.models import adapter
+
+    shape = dict(run.shape)
+    if layers is not None:
+        shape["num_hidden_layers"] = layers
+    config = LlamaConfig(**shape, rope_theta=500000.0, tie_word_embeddings=False, torch_dtype=run.dtype)
+    torch.manual_seed(seed)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(run.dtype)
+    try:
+        with torch.device(run.device):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(PEAK_SCALE)
+            layer.self_attn.k_proj.weight.mul_(PEAK_SCALE)
+    model.eval()
+    adapter.install(model)
+    return model
+
+
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from engine.loader import resolve_source
+
+    return AutoTokenizer.from_pretrained(str(resolve_source("default").path))
+
+
+def engine_for(run: Run, hf_model, tok, **knobs):
+    """Our DSV41Model around an in-memory model (no folder): the same object the app drives."""
+    from engine.cache.attention import pick_backend
+    from engine.config import DSV41Config
+    from engine.model import DSV41Model, LoadInfo
+    from engine.models import adapter
+
+    device = next(hf_model.parameters()).device
+    backend = pick_backend(True, device, run.dtype)
+    info = LoadInfo("gpucheck", "random Llama", "", 0.0, 0.0, str(device), str(run.dtype).replace("torch.", ""),
+                    "none", backend, attention_kernels=adapter.attention_kernels_line(hf_model, backend, device))
+    config = DSV41Config(max_seq_len=8192, conversation_cache_mb=0, dtype=str(run.dtype).replace("torch.", ""),
+                         device_map="cpu" if device.type == "cpu" else "cuda", **knobs)
+    return DSV41Model(config, hf_model, tok, info, 0)
+
+
+def prompt_ids(run: Run, count: int, seed: int = 1) -> list[int]:
+    """`count` token ids of real text (a speech, repeated as needed) under the tokenizer's vocabulary."""
+    from benchmarks.corpus import recent_speeches
+
+    tok = run.tok
+    ids = tok(recent_speeches(6), add_special_tokens=False)["input_ids"]
+    while len(ids) < count:
+        ids = ids + ids
+    limit = run.shape["vocab_size"]
+    return [i % limit for i in ids[:count]]
+
+
+def greedy_turn(model, ids: list[int], new_tokens: int, *, question_tokens: int = 16, cache=None, cancel=None,
+                sampled: bool = False, limit: int = 8192):
+    """One turn through the engine's turn loop on these ids; returns (Done, cache, first-token logits?)."""
+    from engine.config import GenerationSettings  # noqa: F401 - the engine's own settings type
+    from engine.events import Done, ErrorEvent, PrefillProgress
+    from engine.generate import TurnPlan, TurnResult, run_turn
+
+    cache = cache if cache is not None else model.new_cache()
+    settings = GenerationSettings(max_new_tokens=new_tokens, greedy=not sampled, temperature=0.7, top_p=0.9,
+                                  seed=0 if sampled else None, ignore_eos=True, repetition_penalty=1.0)
+    plan = TurnPlan(list(ids), min(question_tokens, len(ids)), model.prefill_chunk, model.headroom_tokens(cache),
+                    limit)
+    done, error = None, None
+    for event in run_turn(model.hf_model, model.tokenizer, cache, plan, settings, eos_ids=model.eos_ids,
+                          result=TurnResult([], 0, 0, False), cancel=cancel):
+        if isinstance(event, Done):
+            done = event
+        elif isinstance(event, ErrorEvent):
+            error = event
+        elif isinstance(event, PrefillProgress) and cancel is not None and event.done > 0:
+            cancel.set()  # a cancel as soon as the first chunk is in
+    return done, error, cache
+
+
+def device_guard(cache) -> list[str]:
+    """Every tensor of every layer on that layer's device (and the cold tier on the host)."""
+    problems = []
+    for index, layer in enumerate(cache.layers):
+        for name in ("keys", "values", "positions", "scores"):
+            tensor = getattr(layer, name, None)
+            if tensor is not None and tensor.device != layer.device:
+                problems.append(f"layer {index} {name} on {tensor.device}, layer on {layer.device}")
+    for index, cold in enumerate(cache.cold or []):
+        if cold.length and cold.keys.device.type != "cpu":
+            problems.append(f"cold layer {index} on {cold.keys.device}")
+    return problems
+
+
+def _compare(ours: torch.Tensor, ref: torch.Tensor) -> dict:
+    ours, ref = ours.float().flatten(), ref.float().flatten()
+    return {"cosine": float(torch.nn.functional.cosine_similarity(ours, ref, dim=0)),
+            "max_abs_rel": float((ours - ref).abs().max() / ref.abs().max().clamp_min(1e-9)),
+            "same_argmax": bool(int(ours.argmax()) == int(ref.argmax()))}
+
+
+# ------------------------------------------------------------------------------------------------ sections
+def section_environment(run: Run) -> dict:
+    import transformers
+
+    from engine.cache.attention import attention_kernels, flash_import_error
+    from engine.doctor import run_checks
+
+    out = {"python": platform.python_version(), "torch": torch.__version__, "torch_cuda": torch.version.cuda,
+           "transformers": transformers.__version__, "flash_attn_package": flash_import_error() or "imports"}
+    out["attention_kernels"] = attention_kernels("sdpa", run.device, run.dtype, run.shape["num_key_value_heads"],
+                                                 run.shape["num_attention_heads"] // run.shape["num_key_value_heads"],
+                                                 run.shape["head_dim"])
+    if run.device.type == "cuda":
+        props = torch.cuda.get_device_properties(run.device)
+        out["gpu"] = {"name": props.name, "memory_gb": props.total_memory / 2**30,
+                      "capability": f"{props.major}.{props.minor}", "torch_uuid": str(getattr(props, "uuid", ""))}
+        out["sdpa_enabled"] = {"flash": torch.backends.cuda.flash_sdp_enabled(),
+                               "mem_efficient": torch.backends.cuda.mem_efficient_sdp_enabled(),
+                               "math": torch.backends.cuda.math_sdp_enabled(),
+                               "cudnn": getattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda: None)()}
+        try:
+            import pynvml
+
+            from engine import memory
+
+            pynvml.nvmlInit()
+            handle = memory.nvml_handle(pynvml, props, run.device.index or 0)
+            uuids = []
+            for i in range(pynvml.nvmlDeviceGetCount()):
+                u = pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(i))
+                uuids.append(u.decode() if isinstance(u, bytes) else str(u))
+            out["nvml"] = {"uuids": uuids, "matched": handle is not None}
+        except Exception as exc:  # noqa: BLE001
+            out["nvml"] = {"error": f"{type(exc).__name__}: {exc}"}
+    else:
+        out["gpu"] = "none (smoke run)"
+    out["doctor"] = [{"name": c.name, "status": c.status, "found": c.found, "fix": c.fix} for c in run_checks()]
+    return out
+
+
+def section_parity(run: Run) -> dict:
+    from engine.models import adapter
+
+    model = run.model
+    hf = model.hf_model
+    ids = prompt_ids(run, run.parity_tokens)
+    out = {}
+    # transformers SDPA, teacher-forced on its own greedy tokens; ours fed the same tokens
+    with torch.inference_mode(), adapter.transformers_attention(hf, "sdpa"):
+        from transformers import DynamicCache
+
+        past = DynamicCache()
+        step = hf(input_ids=torch.tensor([ids], device=run.device), past_key_values=past, use_cache=True,
+                  logits_to_keep=1)
+        ref_logits = [step.logits[0, -1].float()]
+        tokens = [int(ref_logits[-1].argmax())]
+        for _ in range(run.parity_steps - 1):
+            step = hf(input_ids=torch.tensor([[tokens[-1]]], device=run.device), past_key_values=past, use_cache=True)
+            ref_logits.append(step.logits[0, -1].float())
+            tokens.append(int(ref_logits[-1].argmax()))
+    dense = engine_for(run, hf, run.tok, kv_cache_ratio=1.0, csa2_topk=0)
+    cache = dense.new_cache()
+    with torch.inference_mode():
+        ours = [adapter.forward(hf, torch.tensor([ids], device=run.device), cache, prefill=True)[0, -1]]
+        for token in tokens[:-1]:
+            ours.append(adapter.forward(hf, torch.tensor([[token]], device=run.device), cache, prefill=False)[0, -1])
+    steps = [_compare(a, b) for a, b in zip(ours, ref_logits, strict=True)]
+    out["against_transformers_sdpa"] = {
+        "prompt_tokens": len(ids), "steps": len(steps), "min_cosine": min(s["cosine"] for s in steps),
+        "max_abs_rel": max(s["max_abs_rel"] for s in steps),
+        "greedy_agreement": sum(s["same_argmax"] for s in steps) / len(steps),
+        "ok": min(s["cosine"] for s in steps) > 0.99 and sum(s["same_argmax"] for s in steps) >= 0.9 * len(steps)}
+    # chunked against one-shot prefill of a long prompt
+    long_ids = prompt_ids(run, run.long_tokens, seed=2)
+    finals = {}
+    for name, chunk in (("one shot", len(long_ids)), ("chunked", max(16, len(long_ids) // 6))):
+        engine = engine_for(run, hf, run.tok, kv_cache_ratio=1.0, csa2_topk=0, prefill_chunk=chunk)
+        cache = engine.new_cache()
+        with torch.inference_mode():
+            logits = None
+            for start in range(0, len(long_ids), chunk):
+                part = torch.tensor([long_ids[start:start + chunk]], device=run.device)
+                logits = adapter.forward(hf, part, cache, prefill=True)
+        finals[name] = logits[0, -1]
+    out["chunked_vs_one_shot"] = {"tokens": len(long_ids), **_compare(finals["chunked"], finals["one shot"])}
+    # every cache mode for two turns: runs, stays finite, keeps tensors on their devices
+    modes = {"merge": dict(ced_mode="merge"), "int8 KV": dict(kv_cache_dtype="int8"),
+             "compaction 0.5": dict(kv_cache_ratio=0.5, csa2_topk=0),
+             # top-k small enough that screening pays at these lengths (csa2.pays), so the sparse step runs
+             "forced CSA2": dict(kv_cache_ratio=1.0, csa2_topk=2 if run.smoke else 16, ced_sink_tokens=2,
+                                 ced_recent_tokens=4),
+             "question probe": dict(kv_cache_ratio=0.5, prefill_headroom=len(ids) // 2),
+             "cold tier": dict(kv_cache_ratio=0.3, cold_tier="ram"),
+             "reconfigure": dict(kv_cache_ratio=0.5, cold_tier="ram")}
+    out["modes"] = {}
+    for name, knobs in modes.items():
+        try:
+            engine = engine_for(run, hf, run.tok, **{**run.small_knobs, **knobs})
+        except Exception as exc:  # noqa: BLE001 - a knob this release does not have
+            out["modes"][name] = {"error": f"{type(exc).__name__}: {exc}"}
+            continue
+        first, error1, cache = greedy_turn(engine, ids, 8)
+        if name == "reconfigure":
+            cache.apply(engine.cache_settings().replace(kv_cache_ratio=0.25))
+        second, error2, cache = greedy_turn(engine, ids[:24], 8, cache=cache)
+        out["modes"][name] = {
+            "reasons": [first.reason if first else None, second.reason if second else None],
+            "errors": [e.message for e in (error1, error2) if e is not None], "device_problems": device_guard(cache),
+            "stored": cache.stored, "seen": cache.seen, "cold_entries": sum(c.length for c in cache.cold or []),
+            "recalled": cache.recalled,
+            "csa2_layers_fitted": sum(layer.projected_keys is not None for layer in cache.layers)}
+    out["modes_ok"] = all(not m.get("errors") and not m.get("device_problems") and "error" not in m
+                          for m in out["modes"].values())
+    # host syncs and kernels per decode step
+    cache = dense.new_cache()
+    with torch.inference_mode():
+        adapter.forward(hf, torch.tensor([ids], device=run.device), cache, prefill=True)
+        if run.device.type == "cuda":
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    for token in tokens[:8]:
+                        adapter.forward(hf, torch.tensor([[token]], device=run.device), cache, prefill=False)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            out["host_syncs_per_step"] = sum("synchroniz" in str(w.message) for w in caught) / 8
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                adapter.forward(hf, torch.tensor([[tokens[0]]], device=run.device), cache, prefill=False)
+                run.sync()
+            out["kernels_per_step"] = sum(e.count for e in prof.key_averages() if e.device_type.name == "CUDA")
+        else:
+            out["host_syncs_per_step"] = out["kernels_per_step"] = "needs a GPU"
+    return out
+
+
+def _decode_row(run: Run, model, ids, sampled=False) -> dict:
+    done, error, cache = greedy_turn(model, ids, run.new_tokens, sampled=sampled)
+    if done is None or error is not None:
+        return {"error": error.message if error else "no reply"}
+    s = done.stats
+    return {"ttft_s": s.ttft_s, "decode_tok_s": s.decode_tok_s, "kv_bytes": s.kv_stored_bytes,
+            "stored": cache.stored}
+
+
+def section_speed(run: Run) -> dict:
+    from benchmarks.speed import core
+    from engine.models import adapter
+
+    hf = run.model.hf_model
+    bandwidth = core.read_bandwidth(run.device, (64 << 20) if run.smoke else (4 << 30))
+    weights = core.weight_read_bytes(hf)
+    out = {"bandwidth_bytes_per_s": bandwidth["bytes_per_s"], "weight_bytes": weights,
+           "graph_capture": "not built: these rows are the per-op step", "contexts": {}}
+    rows = {"engine dense": dict(kv_cache_ratio=1.0, csa2_topk=0), "engine + CED": dict(kv_cache_ratio=0.5, csa2_topk=0),
+            "engine + CED + CSA2": dict(kv_cache_ratio=0.5, csa2_topk=256)}
+    for context in run.contexts:
+        ids = prompt_ids(run, context, seed=3)
+        table = {}
+        for name, knobs in rows.items():
+            engine = engine_for(run, hf, run.tok, **knobs)
+            _decode_row(run, engine, ids[:32])  # first use
+            table[name] = _decode_row(run, engine, ids)
+            table[name + ", sampled"] = _decode_row(run, engine, ids, sampled=True)
+        for impl in ("sdpa", "eager"):
+            with adapter.transformers_attention(hf, impl):
+                try:
+                    core.hf_generate(hf, ids[:32], 2)
+                    table[f"transformers {impl}"] = core.hf_generate(hf, ids, run.new_tokens)
+                except Exception as exc:  # noqa: BLE001
+                    table[f"transformers {impl}"] = {"error": f"{type(exc).__name__}: {exc}"}
+        kv_per_token = run.model.kv_bytes_per_token()
+        for row in table.values():
+            if row.get("decode_tok_s"):
+                stored = row.get("stored", context)
+                per_token = weights + kv_per_token * stored
+                row["bytes_per_token"] = per_token
+                row["share_of_bandwidth_bound"] = row["decode_tok_s"] * per_token / bandwidth["bytes_per_s"]
+        sdpa = table.get("transformers sdpa", {}).get("decode_tok_s")
+        for name in rows:
+            if sdpa and table[name].get("decode_tok_s"):
+                table[name]["over_transformers_sdpa"] = table[name]["decode_tok_s"] / sdpa
+        out["contexts"][str(context)] = table
+    longest = out["contexts"][str(run.contexts[-1])]
+    out["long_ttft_s"] = longest["engine dense"].get("ttft_s")
+    dense_1k = out["contexts"][str(run.contexts[0])]["engine + CED"].get("decode_tok_s")
+    dense_8k = longest["engine + CED"].get("decode_tok_s")
+    out["ced_long_over_short_decode"] = dense_8k / dense_1k if dense_1k and dense_8k else None
+    # cold against warm TTFT: a fresh engine's first turn, then the same turn again
+    engine = engine_for(run, hf, run.tok, kv_cache_ratio=1.0, csa2_topk=0, prefill_chunk=run.contexts[0] // 2)
+    ids = prompt_ids(run, run.contexts[0], seed=4)
+    cold = _decode_row(run, engine, ids)
+    warm = _decode_row(run, engine, ids)
+    out["cold_ttft_s"], out["warm_ttft_s"] = cold.get("ttft_s"), warm.get("ttft_s")
+    return out
+
+
+def section_memory(run: Run) -> dict:
+    model = engine_for(run, run.model.hf_model, run.tok, kv_cache_ratio=0.5)
+    ids = prompt_ids(run, run.contexts[-1], seed=5)
+    if run.device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+    done, error, cache = greedy_turn(model, ids, 16)
+    report = model.memory_report(cache)
+    out = {"tokens": len(ids), "reported": report.to_dict(), "turn_error": error.message if error else None}
+    if run.device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated()
+        out["measured_peak_bytes"] = peak
+        out["measured_turn_extra_bytes"] = peak - before
+        reported = report.weights + report.kv_reserved + report.activations
+        out["reported_weights_kv_activations"] = reported
+        out["reported_over_measured_peak"] = reported / peak
+    return out
+
+
+def _say(session, text: str, cancel=None, cancel_after_first_chunk: bool = False):
+    """One greedy turn of a chat session (8 tokens); returns (Done or None, ErrorEvent or None)."""
+    from engine.events import Done, ErrorEvent, PrefillProgress
+
+    done = error = None
+    for event in session.send(text, cancel=cancel, max_new_tokens=8, greedy=True, repetition_penalty=1.0):
+        if isinstance(event, Done):
+            done = event
+        elif isinstance(event, ErrorEvent):
+            error = event
+        elif isinstance(event, PrefillProgress) and cancel_after_first_chunk and event.done > 0:
+            cancel.set()
+    return done, error
+
+
+def section_failures(run: Run) -> dict:
+    """Through chat sessions, as the app drives them: after a cancel mid-prefill and after an out-of-memory
+    turn the same session must answer exactly as a fresh one does."""
+    model = engine_for(run, run.model.hf_model, run.tok, kv_cache_ratio=0.5, cold_tier="ram",
+                       prefill_chunk=max(16, run.contexts[0] // 4), **run.small_knobs)
+    text = run.tok.decode(prompt_ids(run, run.contexts[0], seed=6)) + "\n\nWhat is this about?"
+    reference, _ = _say(model.chat_session(), text)
+    out = {}
+    session = model.chat_session()
+    stopped, _ = _say(session, text, threading.Event(), cancel_after_first_chunk=True)
+    again, _ = _say(session, text)
+    out["cancel"] = {"reason": stopped.reason if stopped else None,
+                     "then_same_as_fresh": again is not None and again.text == reference.text}
+    if run.device.type != "cuda":
+        out["oom"] = "needs a GPU (set_per_process_memory_fraction)"
+        return out
+    _, total = torch.cuda.mem_get_info()
+    allocated = torch.cuda.memory_allocated()
+    long_text = run.tok.decode(prompt_ids(run, run.contexts[-1], seed=7)) + "\n\nWhat is this about?"
+    session = model.chat_session()
+    torch.cuda.set_per_process_memory_fraction(min(1.0, (allocated + (64 << 20)) / total))
+    try:
+        failed, error = _say(session, long_text)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    out["oom"] = {"error_kind": error.kind if error else None, "message": error.message if error else None,
+                  "allocated_before_bytes": allocated, "allocated_after_bytes": torch.cuda.memory_allocated()}
+    after, _ = _say(session, text)
+    out["oom"]["then_same_as_fresh"] = after is not None and after.text == reference.text
+    return out
+
+
+def section_quantized(run: Run) -> dict:
+    try:
+        import bitsandbytes  # noqa: F401
+    except Exception as exc:  # noqa: BLE001
+        return {"skipped": f"bitsandbytes does not import ({type(exc).__name__})"}
+    if run.device.type != "cuda":
+        return {"skipped": "bitsandbytes' INT8/INT4 are measured on a GPU"}
+    from engine.config import DSV41Config
+    from engine.model import DSV41Model
+
+    small = make_model(run, layers=4, seed=1)
+    out = {}
+    with tempfile.TemporaryDirectory() as folder:
+        from engine.models import adapter
+
+        with adapter.transformers_attention(small, "sdpa"):
+            small.save_pretrained(folder)
+        run.tok.save_pretrained(folder)
+        del small
+        ids = prompt_ids(run, 512, seed=8)
+        reference = None
+        for quant in ("none", "int8", "int4"):
+            started = time.perf_counter()
+            model = DSV41Model.from_pretrained(DSV41Config(model_path=folder, weight_quant=quant, dtype="bfloat16",
+                                                           conversation_cache_mb=0, kv_cache_ratio=1.0))
+            load_s = time.perf_counter() - started
+            cache = model.new_cache()
+            with torch.inference_mode():
+                logits = adapter.forward(model.hf_model, torch.tensor([ids], device=model.device), cache,
+                                         prefill=True)[0, -1]
+            reference = logits if reference is None else reference
+            row = _decode_row(run, model, ids)
+            out[quant] = {"load_s": load_s, "weights_bytes": model.weights_bytes, "decode_tok_s": row.get("decode_tok_s"),
+                          **({} if quant == "none" else {"logit_cosine_vs_bf16": _compare(logits, reference)["cosine"]})}
+            del model, cache
+            torch.cuda.empty_cache()
+    return out
+
+
+SECTIONS = {"environment": section_environment, "parity": section_parity, "speed": section_speed,
+            "memory": section_memory, "failures": section_failures, "quantized": section_quantized}
+
+
+def main(argv=None, prog: str = "python -m benchmarks.gpucheck") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="every section on a tiny model on the CPU (seconds)")
+    parser.add_argument("--out", default=None, help="results folder (default results/gpucheck; --smoke: a temp folder)")
+    parser.add_argument("--sections", default=",".join(SECTIONS))
+    args = parser.parse_args(argv)
+    if not args.smoke and not torch.cuda.is_available():
+        print("gpucheck needs a CUDA GPU and a CUDA build of torch; none is visible here (python -m engine doctor "
+              "says why). --smoke runs it on a tiny model on the CPU.", file=sys.stderr)
+        return 2
+    sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    unknown = set(sections) - set(SECTIONS)
+    if unknown:
+        print(f"unknown section(s): {', '.join(sorted(unknown))} (known: {', '.join(SECTIONS)})", file=sys.stderr)
+        return 2
+    out = Path(args.out) if args.out else (Path(tempfile.mkdtemp(prefix="gpucheck-")) if args.smoke
+                                           else Path("results/gpucheck"))
+    run = Run(args.smoke, out)
+    started = time.perf_counter()
+    run.tok = tokenizer()
+    print(f"[gpucheck] making the {'tiny' if run.smoke else '8B-shape'} model on {run.device} ...", flush=True)
+    run.model = engine_for(run, make_model(run), run.tok)
+    run.results["model"] = {"shape": run.shape, "peak_scale": PEAK_SCALE, "weights_bytes": run.model.weights_bytes,
+                            "attention_kernels": run.model.info.attention_kernels}
+    for name in sections:
+        run.section(name, SECTIONS[name])
+    run.results["elapsed_s"] = round(time.perf_counter() - started, 1)
+    run.write()
+    failed = [n for n, r in run.results["sections"].items() if "error" in r]
+    print(f"[gpucheck] wrote {out / 'gpucheck.json'} in {run.results['elapsed_s']:.0f} s"
+          + (f"; sections that failed: {', '.join(failed)}" if failed else ""), flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
