@@ -61,7 +61,7 @@ def run_turn(model, tokenizer, cache: DSV41Cache, plan: TurnPlan, settings: Gene
     device = next(model.parameters()).device
     if device.type == "cuda":
         begin_turn(cache.devices)  # "activations" in the memory report: this turn's working memory
-    generator = torch.Generator().manual_seed(settings.seed) if settings.seed is not None else None
+    generator = None  # made beside the first logits: sampling runs where they are (sampling.py)
     started = time.perf_counter()
     compaction_before = cache.compaction_seconds
     first_token_at = None
@@ -79,8 +79,10 @@ def run_turn(model, tokenizer, cache: DSV41Cache, plan: TurnPlan, settings: Gene
                 if cancel.is_set():
                     reason = "cancelled"
                     break
-                seen_ids = torch.tensor(history[-REPETITION_WINDOW:], dtype=torch.long)
-                token = sample(logits[0, -1].cpu(), settings, seen_ids, generator)
+                if generator is None and settings.seed is not None:
+                    generator = torch.Generator(device=logits.device).manual_seed(settings.seed)
+                seen_ids = torch.tensor(history[-REPETITION_WINDOW:], dtype=torch.long, device=logits.device)
+                token = sample(logits[0, -1], settings, seen_ids, generator)
                 if token in eos_ids and not settings.ignore_eos:
                     reason = "eos"
                     break

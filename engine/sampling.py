@@ -1,4 +1,5 @@
-"""Sampling as small pure functions over one logits vector [V] (float32)."""
+"""Sampling as small pure functions over one logits vector [V] (float32), on whatever device the logits are: on a
+GPU nothing leaves the device but the chosen token id (one host sync per token)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import torch
 
 from .config import GenerationSettings
 
-__all__ = ["GenerationSettings", "apply_repetition_penalty", "logits_to_probs", "sample"]
+__all__ = ["GenerationSettings", "apply_repetition_penalty", "head_probs", "logits_to_probs", "sample"]
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen_ids: torch.Tensor, penalty: float) -> torch.Tensor:
@@ -34,10 +35,27 @@ def logits_to_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p:
     return probs
 
 
+def head_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same distribution as logits_to_probs, over the top_k best tokens only: (probabilities [k], token ids
+    [k]), top-p applied within the top-k, so only k values are sorted, not the vocabulary (128k on a Llama 3)."""
+    values, ids = torch.topk(logits, top_k)  # sorted, best first
+    probs = torch.softmax(values / max(temperature, 1e-5), dim=-1)
+    if top_p < 1.0:
+        remove = probs.cumsum(-1) - probs > top_p
+        probs = probs.masked_fill(remove, 0.0)
+        probs = probs / probs.sum()
+    return probs, ids
+
+
 def sample(logits: torch.Tensor, settings: GenerationSettings, seen_ids: torch.Tensor,
            generator: torch.Generator | None) -> int:
+    """The next token: argmax when greedy, else a draw from the tempered top-k / top-p distribution (from the
+    head only when top_k cuts the vocabulary). `seen_ids` and `generator` on the logits' device."""
     logits = apply_repetition_penalty(logits, seen_ids, settings.repetition_penalty)
     if settings.is_greedy:
         return int(torch.argmax(logits))
+    if 0 < settings.top_k < logits.shape[-1]:
+        probs, ids = head_probs(logits, settings.temperature, settings.top_k, settings.top_p)
+        return int(ids[torch.multinomial(probs, 1, generator=generator)])
     probs = logits_to_probs(logits, settings.temperature, settings.top_k, settings.top_p)
     return int(torch.multinomial(probs, 1, generator=generator))

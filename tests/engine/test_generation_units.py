@@ -17,6 +17,29 @@ def test_top_k_and_top_p_keep_only_the_head():
     assert probs[0] == 1.0  # the top token alone already has >= 0.5 of the mass
 
 
+def test_top_p_within_top_k_is_the_same_distribution_as_over_the_vocabulary():
+    from engine.sampling import head_probs
+
+    logits = torch.randn(5000, generator=torch.Generator().manual_seed(3)) * 3
+    for temperature, top_k, top_p in ((0.7, 50, 0.9), (1.0, 10, 1.0), (1.3, 200, 0.5)):
+        full = logits_to_probs(logits, temperature, top_k, top_p)
+        probs, ids = head_probs(logits, temperature, top_k, top_p)
+        assert ids.shape == (top_k,) and torch.allclose(full[ids], probs, atol=1e-6)
+        assert torch.isclose(full[ids].sum(), torch.tensor(1.0), atol=1e-5)  # nothing outside the head
+    # draws follow it: a seeded run picks only head tokens, and is reproducible
+    settings = GenerationSettings(temperature=0.7, top_k=50, top_p=0.9, seed=1)
+    none = torch.tensor([], dtype=torch.long)
+    draws = [sample(logits, settings, none, torch.Generator().manual_seed(5)) for _ in range(2)]
+    assert draws[0] == draws[1] and draws[0] in head_probs(logits, 0.7, 50, 0.9)[1].tolist()
+    counts = torch.zeros(5000)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3000):
+        counts[sample(logits, settings, none, g)] += 1
+    expected = logits_to_probs(logits, 0.7, 50, 0.9)
+    assert (counts[expected == 0] == 0).all()
+    assert torch.allclose(counts / 3000, expected, atol=0.03)
+
+
 def test_repetition_penalty_lowers_seen_tokens():
     logits = torch.tensor([2.0, -2.0, 1.0])
     out = apply_repetition_penalty(logits, torch.tensor([0, 1]), 2.0)
