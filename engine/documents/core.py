@@ -106,9 +106,10 @@ def is_supported(path: str | os.PathLike[str]) -> bool:
 
 
 def _supported_summary() -> str:
-    text = ", ".join(sorted(_TEXT_SUFFIXES | _MARKDOWN_SUFFIXES))
-    source = ", ".join(sorted(_SOURCE_SUFFIXES))
-    return f"Supported: PDF (.pdf), Word (.docx), text ({text}) and source code ({source})."
+    """One line a user can read: the kinds, a few examples of each, and how many source suffixes there are."""
+    return (f"Supported: PDF (.pdf), Word (.docx), plain text and Markdown (.txt, .md, .csv, .json and "
+            f"{len(_TEXT_SUFFIXES | _MARKDOWN_SUFFIXES) - 4} more) and source code (.py, .js, .c, .java and "
+            f"{len(_SOURCE_SUFFIXES) - 4} more).")
 
 
 # --------------------------------------------------------------------------------------------------

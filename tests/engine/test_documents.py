@@ -442,6 +442,8 @@ def test_unsupported_suffix(tmp_path):
     err = assert_error(exc_info, "unsupported", "setup.exe")
     for suffix in (".pdf", ".docx", ".txt", ".md", ".py"):
         assert suffix in str(err)
+    # one readable line naming the kinds, not every one of about a hundred suffixes
+    assert "\n" not in str(err) and len(str(err)) < 300 and ".zsh" not in str(err)
 
 
 def test_unsupported_doc_gets_a_hint(tmp_path):
