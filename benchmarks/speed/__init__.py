@@ -379,6 +379,7 @@ def main(argv=None, prog: str = "python -m benchmarks.speed") -> int:
                ("process RSS sampled every 2 ms in a run of its own" +
                 (" (glibc: 128 KiB mmap threshold, heap trimmed)" if glibc else ""))}
     payload["weight_read_bytes"] = core.weight_read_bytes(ctx.engine.hf_model)
+    payload["attention_kernels"] = ctx.engine.info.attention_kernels  # which kernel each attention call runs
     if any(s in sections for s in ("seed", "scaling")):
         ctx.hf = HFModels(folder, ctx.device, dtype, one_at_a_time=args.gpu)
         ctx.engine_rows = {name: ctx.engine for name in ENGINE_KNOBS}

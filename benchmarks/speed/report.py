@@ -144,6 +144,8 @@ def markdown(payload: dict) -> str:
              + f"; torch {m['torch']}, transformers {m['transformers']}; {m['date']}",
              f"Model: {payload['model']} ({_dtype_text(payload)}); mode {payload['mode']}; medians of {payload['reps']} "
              "interleaved repetitions", ""]
+    if payload.get("attention_kernels"):
+        lines[-1:-1] = [f"Attention kernels: {payload['attention_kernels']}"]
     dates = payload.get("section_dates") or {}
     if len(set(dates.values())) > 1:
         lines += ["Sections were run separately: " + ", ".join(f"{k} {v}" for k, v in dates.items()), ""]
