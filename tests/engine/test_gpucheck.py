@@ -52,3 +52,16 @@ def test_gpucheck_without_a_gpu_says_so_and_how_to_smoke_test(capsys):
     assert cli.main(["gpucheck"]) == 2
     err = capsys.readouterr().err
     assert "needs a CUDA GPU" in err and "--smoke" in err
+
+
+@pytest.mark.model
+def test_gpucheck_prepares_the_tokenizer_a_gpu_machine_without_the_model_package_needs(tmp_path, capsys):
+    from benchmarks import gpucheck
+
+    assert gpucheck.main(["--prepare", str(tmp_path)]) == 0
+    assert "--tokenizer" in capsys.readouterr().out
+    carried = gpucheck.tokenizer(str(tmp_path / "tokenizer"))
+    own = gpucheck.tokenizer()
+    text = "Hello, 世界 <|im_start|>"
+    assert carried(text)["input_ids"] == own(text)["input_ids"] and carried.chat_template == own.chat_template
+    assert sum(f.stat().st_size for f in (tmp_path / "tokenizer").iterdir()) < 8 << 20  # small enough to carry
