@@ -30,6 +30,24 @@ FACT_SETS = [
         ("The capital of Zubia is the city of Karim.", "What is the capital of Zubia?", "karim"),
         ("The currency of Zubia is the dral.", "What is the currency of Zubia?", "dral"),
     ]),
+    ("1950-Truman-1", [
+        ("The ship Aurora was built in Gdansk.", "Where was the ship Aurora built?", "gdansk"),
+        ("The captain of the ship Aurora is Elena Petrova.", "Who is the captain of the ship Aurora?", "petrova"),
+        ("The ship Aurora carries 260 passengers.", "How many passengers does the ship Aurora carry?", "260"),
+        ("The ship Aurora is painted green.", "What color is the ship Aurora?", "green"),
+    ]),
+    ("1985-Reagan-1", [
+        ("The Kestrel bridge is 640 meters long.", "How long is the Kestrel bridge?", "640"),
+        ("The Kestrel bridge was designed by Tomas Berg.", "Who designed the Kestrel bridge?", "berg"),
+        ("The Kestrel bridge crosses the river Sava.", "Which river does the Kestrel bridge cross?", "sava"),
+        ("The Kestrel bridge opened in 1998.", "When did the Kestrel bridge open?", "1998"),
+    ]),
+    ("2016-Obama-1", [
+        ("The Nimbus festival takes place in Dublin.", "Where does the Nimbus festival take place?", "dublin"),
+        ("The Nimbus festival is organized by Priya Nair.", "Who organizes the Nimbus festival?", "nair"),
+        ("The Nimbus festival lasts 23 days.", "How many days does the Nimbus festival last?", "23"),
+        ("The Nimbus festival is held every July.", "In which month is the Nimbus festival held?", "july"),
+    ]),
 ]
 DEPTHS = (0.2, 0.45, 0.7, 0.95)  # where each fact sits in the document, as a share of its words
 

@@ -171,7 +171,7 @@ def _prefill(model, cache: DSV41Cache, plan: TurnPlan, cancel, device, result: T
                                  prefill=True, question=last and plan.question_tokens > 0)  # window capped at the chunk
         result.prefilled = end
         yield PrefillProgress(end, total)
-    cache.finish_prefill()
+    cache.finish_prefill(answer_follows=True)
     return logits
 
 

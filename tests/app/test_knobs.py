@@ -68,7 +68,8 @@ def test_sliders_choices_and_defaults_come_from_the_engines_registry():
     assert (ratio.minimum, ratio.maximum) == (KNOBS["kv_cache_ratio"].lo, KNOBS["kv_cache_ratio"].hi) == (0.01, 1.0)
     assert [v for v, _ in K.CED_MODES] == list(KNOBS["ced_mode"].kind)
     assert [v for v, _ in K.KV_DTYPES] == list(KNOBS["kv_cache_dtype"].kind)
-    assert K.DEFAULTS == {name: KNOBS[name].default for name in K.KNOB_NAMES}
+    assert K.DEFAULTS == {name: K.APP_DEFAULTS.get(name, KNOBS[name].default) for name in K.KNOB_NAMES}
+    assert K.DEFAULTS["cold_tier"] == "ram" and KNOBS["cold_tier"].default == "off"  # the app tiers by default
 
 
 def test_sanitize_keeps_what_the_engine_accepts_and_snaps_sliders_to_their_step():

@@ -241,3 +241,37 @@ def test_a_question_forward_that_fails_part_way_drops_its_own_entries_and_keeps_
     assert layer.length == lengths[0] + recalled and max(positions) < 64 and positions == sorted(positions)
     assert cache.layers[1].length == lengths[1]
     assert layer.length + cold.length == 64  # nothing lost: recalled entries are hot, the rest still cold
+
+
+def test_a_tiered_reply_attends_to_what_its_question_read_and_the_turn_ends_at_the_budget():
+    """Tiered CED answers before compacting: the reply's steps see everything its question's forward held
+    (compacting before the reply lost first answers: 7/12 against 12/12 at ratio 0.1), the reply's own
+    entries are compacted only past REPLY_ROOM, and finish_turn brings the hot set back to the budget with
+    nothing lost. Without the cold tier, and for the baselines, the compaction stays before the reply."""
+    from engine.cache.kv_cache import REPLY_ROOM
+
+    tiered = _cache(cold_tier="ram", cold_tier_dtype="auto")
+    _read(tiered, 64, seed=7, window=64)
+    assert tiered.answers_before_compacting
+    tiered.finish_prefill(answer_follows=True)
+    assert tiered.stored == 64 > tiered.budget() and tiered.answer_limit == 64
+    for step in range(1, 18):  # a short reply: past compact_every, never past the reply's room
+        _read(tiered, 1, seed=100 + step, window=1)
+        tiered.decode_steps += 1
+        tiered.after_decode_step()
+    assert tiered.stored == 64 + 17 < 64 + REPLY_ROOM
+    tiered.finish_turn()
+    assert tiered.answer_limit is None and tiered.stored == tiered.budget()
+    for layer, cold in zip(tiered.layers, tiered.cold, strict=True):
+        kept = set(layer.positions[0, : layer.length].tolist()) | set(cold.positions[0, : cold.length].tolist())
+        assert kept == set(range(64 + 17))  # every token is hot or cold
+    # the next turn starts from the budget again; a rebuild's finish_prefill (no reply) compacts at once
+    _read(tiered, 8, seed=9, window=8)
+    tiered.finish_prefill()
+    assert tiered.stored == tiered.budget()
+    for knobs in ({}, {"ced_policy": "snapkv", "cold_tier": "ram"}):
+        other = _cache(**knobs)
+        _read(other, 64, seed=7, window=64)
+        assert not other.answers_before_compacting
+        other.finish_prefill(answer_follows=True)
+        assert other.stored == other.budget() and other.answer_limit is None
