@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.config import KNOBS, Knob
+from engine.config import KNOBS, USER_DEFAULTS, Knob
 from engine.errors import ConfigError
 
 
@@ -73,11 +73,8 @@ HEADROOM_LABEL = KNOBS["prefill_headroom"].label
 HEADROOM_STEPS = (None, 1024, 2048, 4096, 8192, 16384, 32768, 65536)  # None = auto (what free memory allows)
 
 KNOB_NAMES = tuple(SLIDER) + ("ced_mode", "kv_cache_dtype", "cold_tier", "prefill_headroom")
-# What the app starts with: the registry's defaults, except that compaction keeps what it takes out of the hot set
-# in the cold tier, so follow-up questions about a document find it again (benchmarks/followups.py, 1k-token
-# documents at ratio 0.5: 30 of 36 follow-ups against 14 discarding, uncompressed 29; README). The engine's own
-# default stays "off", the baseline its benchmarks compare against.
-APP_DEFAULTS = {"cold_tier": "ram"}
+# What the app starts with: the registry's defaults but for engine.config.USER_DEFAULTS (the cold tier on)
+APP_DEFAULTS = USER_DEFAULTS
 DEFAULTS = {name: APP_DEFAULTS.get(name, KNOBS[name].default) for name in KNOB_NAMES}
 
 PRESETS: dict[str, dict] = {

@@ -7,7 +7,7 @@ import queue
 import sys
 import threading
 
-from .config import KNOBS, KNOBS_LIST, DSV41Config
+from .config import KNOBS, KNOBS_LIST, USER_DEFAULTS, DSV41Config
 from .errors import EngineError
 
 
@@ -29,8 +29,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
             continue
         if knob.kind is bool:
             g.add_argument(knob.flag, action="store_true", help=knob.help)
-        elif isinstance(knob.kind, tuple):
-            g.add_argument(knob.flag, choices=knob.kind, default=knob.default, help=knob.help)
+        elif isinstance(knob.kind, tuple):  # the terminal chat starts as the app does (config.USER_DEFAULTS)
+            default = USER_DEFAULTS.get(knob.name, knob.default)
+            g.add_argument(knob.flag, choices=knob.kind, default=default, help=f"{knob.help} (default {default})")
         else:
             kind = {int: int, float: float, str: str}.get(knob.kind, _number)
             g.add_argument(knob.flag, type=kind, default=knob.default, help=f"{knob.help} (default {knob.default})")

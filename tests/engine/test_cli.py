@@ -68,3 +68,16 @@ def test_interactive_chat_streams_and_handles_commands(tmp_path):
     assert "MARMALADE" in proc.stdout.upper()
     assert "Model weights:" in proc.stdout and "KV Cache:" in proc.stdout
     assert "attached" in proc.stderr and "(new conversation)" in proc.stderr
+
+
+def test_the_terminal_chat_starts_with_the_cold_tier_on_as_the_app_does():
+    from app import knobs as app_knobs
+    from engine.cli import _config, build_parser
+    from engine.config import KNOBS, USER_DEFAULTS
+
+    for command in (["chat"], ["generate", "--prompt", "hi"]):
+        config = _config(build_parser().parse_args(command))
+        assert config.cold_tier == USER_DEFAULTS["cold_tier"] == "ram"
+    assert _config(build_parser().parse_args(["chat", "--cold-tier", "off"])).cold_tier == "off"
+    assert KNOBS["cold_tier"].default == "off"  # the engine API's default: the benchmarks' baseline
+    assert app_knobs.DEFAULTS["cold_tier"] == "ram"
