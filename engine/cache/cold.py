@@ -191,13 +191,17 @@ def recall_mass(query: torch.Tensor, hot_keys: torch.Tensor, cold_keys: torch.Te
     entries (`hot_keys` [h, S, d]): each sees the hot entries up to its own and every cold one (all earlier)."""
     h, s = hot_keys.shape[0], hot_keys.shape[1]
     tq = query.shape[1]
-    q = query.float().reshape(h, -1, query.shape[-1])  # [h, G * Tq, d], query i of each head at row g * Tq + i
-    hot = torch.matmul(q, hot_keys.float().transpose(1, 2)) * scaling
+    # [h, G * Tq, d], query i of each head at row g * Tq + i; the scaling folded into the queries once
+    q = query.float().reshape(h, -1, query.shape[-1]) * scaling
+    hot = torch.matmul(q, hot_keys.float().transpose(1, 2))
     if hot_log_counts is not None:
-        hot = hot + hot_log_counts[:, None, :]
+        hot += hot_log_counts[:, None, :]
     future = torch.ones(tq, tq, dtype=torch.bool, device=hot.device).triu(1)
     hot[:, :, s - tq:].masked_fill_(future.repeat(q.shape[1] // tq, 1)[None], float("-inf"))
-    cold = torch.matmul(q, cold_keys.float().transpose(1, 2)) * scaling
-    # log-sum-exp over both, per query row: cold entry j's share is exp(cold_j - lse)
-    lse = torch.logaddexp(torch.logsumexp(hot, dim=-1, keepdim=True), torch.logsumexp(cold, dim=-1, keepdim=True))
-    return torch.exp(cold - lse).sum(dim=1)
+    cold = torch.matmul(q, cold_keys.float().transpose(1, 2))
+    # one softmax over both, per query row, with one exp per logit: cold entry j's share is
+    # exp(cold_j - top) / (sum exp(hot - top) + sum exp(cold - top))
+    top = torch.maximum(hot.amax(dim=-1, keepdim=True), cold.amax(dim=-1, keepdim=True))
+    cold = torch.exp_(cold - top)
+    total = torch.exp_(hot - top).sum(dim=-1, keepdim=True) + cold.sum(dim=-1, keepdim=True)
+    return (cold / total).sum(dim=1)

@@ -275,3 +275,24 @@ def test_a_tiered_reply_attends_to_what_its_question_read_and_the_turn_ends_at_t
         assert not other.answers_before_compacting
         other.finish_prefill(answer_follows=True)
         assert other.stored == other.budget() and other.answer_limit is None
+
+
+@pytest.mark.parametrize("merged", [False, True])
+def test_recall_mass_is_each_cold_entrys_share_of_one_softmax_over_hot_and_cold(merged):
+    """The recall ranks cold entries by the attention they would get if hot: one softmax over the hot entries
+    (causal over the question's own, merge counts as log-biases) and every cold one, summed over the queries."""
+    from engine.cache.cold import recall_mass
+
+    g = torch.Generator().manual_seed(4)
+    h, groups, d, s, c, tq = 2, 3, 16, 40, 70, 6
+    query = torch.randn(h * groups, tq, d, generator=g) * 2
+    hot, cold = torch.randn(h, s, d, generator=g) * 2, torch.randn(h, c, d, generator=g) * 2
+    counts = torch.rand(h, s, generator=g).mul(3).add(1).log() if merged else None
+    got = recall_mass(query, hot, cold, counts, 0.25)
+    q = query.double().reshape(h, groups * tq, d)
+    hot_logits = q @ hot.double().transpose(1, 2) * 0.25 + (0 if counts is None else counts.double()[:, None, :])
+    future = torch.ones(tq, tq, dtype=torch.bool).triu(1).repeat(groups, 1)  # query i sees hot entries up to its own
+    hot_logits[:, :, s - tq:] = hot_logits[:, :, s - tq:].masked_fill(future[None], float("-inf"))
+    probs = torch.softmax(torch.cat([hot_logits, q @ cold.double().transpose(1, 2) * 0.25], dim=-1), dim=-1)
+    assert torch.allclose(got.double(), probs[..., s:].sum(dim=1), atol=1e-5)
+    assert got.shape == (h, c) and float(got.sum()) <= h * groups * tq + 1e-4
