@@ -74,8 +74,7 @@ HEADROOM_STEPS = (None, 1024, 2048, 4096, 8192, 16384, 32768, 65536)  # None = a
 
 KNOB_NAMES = tuple(SLIDER) + ("ced_mode", "kv_cache_dtype", "cold_tier", "prefill_headroom")
 # What the app starts with: the registry's defaults but for engine.config.USER_DEFAULTS (the cold tier on)
-APP_DEFAULTS = USER_DEFAULTS
-DEFAULTS = {name: APP_DEFAULTS.get(name, KNOBS[name].default) for name in KNOB_NAMES}
+DEFAULTS = {name: USER_DEFAULTS.get(name, KNOBS[name].default) for name in KNOB_NAMES}
 
 PRESETS: dict[str, dict] = {
     "Chat": dict(DEFAULTS),

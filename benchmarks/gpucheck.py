@@ -168,8 +168,9 @@ def prompt_ids(run: Run, count: int, seed: int = 1) -> list[int]:
 
 def greedy_turn(model, ids: list[int], new_tokens: int, *, question_tokens: int = 16, cache=None, cancel=None,
                 sampled: bool = False, limit: int = 8192):
-    """One turn through the engine's turn loop on these ids; returns (Done, cache, first-token logits?)."""
-    from engine.config import GenerationSettings  # noqa: F401 - the engine's own settings type
+    """One turn through the engine's turn loop on these ids; returns (Done or None, ErrorEvent or None, cache).
+    `cancel`: an Event set as soon as the first prefill chunk is in."""
+    from engine.config import GenerationSettings
     from engine.events import Done, ErrorEvent, PrefillProgress
     from engine.generate import TurnPlan, TurnResult, run_turn
 
@@ -398,9 +399,9 @@ def section_speed(run: Run) -> dict:
         out["contexts"][str(context)] = table
     longest = out["contexts"][str(run.contexts[-1])]
     out["long_ttft_s"] = longest["engine dense"].get("ttft_s")
-    dense_1k = out["contexts"][str(run.contexts[0])]["engine + CED"].get("decode_tok_s")
-    dense_8k = longest["engine + CED"].get("decode_tok_s")
-    out["ced_long_over_short_decode"] = dense_8k / dense_1k if dense_1k and dense_8k else None
+    ced_short = out["contexts"][str(run.contexts[0])]["engine + CED"].get("decode_tok_s")
+    ced_long = longest["engine + CED"].get("decode_tok_s")
+    out["ced_long_over_short_decode"] = ced_long / ced_short if ced_short and ced_long else None
     # cold against warm TTFT: a fresh engine's first turn, then the same turn again
     engine = engine_for(run, hf, run.tok, kv_cache_ratio=1.0, csa2_topk=0, prefill_chunk=run.contexts[0] // 2)
     ids = prompt_ids(run, run.contexts[0], seed=4)

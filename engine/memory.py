@@ -231,9 +231,10 @@ def _measure_cuda(devices, weights, kv_stored, kv_uncompressed, tokens_seen, kv_
             outside = max(dev_total - dev_free - reserved, 0)
         total, free = total + int(dev_total), free + int(dev_free)
         other += max(reserved - allocated, 0) + outside
-    label = names[0] if len(set(names)) == 1 else " + ".join(names)
-    if len(names) > 1 and len(set(names)) == 1:
-        label = f"{len(names)} x {names[0]}"
+    if len(set(names)) > 1:
+        label = " + ".join(names)
+    else:
+        label = names[0] if len(names) == 1 else f"{len(names)} x {names[0]}"
     device = ",".join(f"cuda:{i}" for i in indices)
     return MemoryReport(device, label, weights, kv_stored, kv_uncompressed, working, other, total, free,
                         tokens_seen, kv_tokens)

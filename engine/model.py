@@ -76,7 +76,8 @@ class DSV41Model:
         self.weights_bytes = memory_mod.module_bytes(hf_model)
         self.num_layers, self.kv_heads, self.head_dim = adapter.kv_geometry(hf_model)
         # every device the weights and the cache use (several GPUs when device_map="auto" spread the layers)
-        self.devices = tuple(dict.fromkeys([str(self.device)] + [str(d) for d in adapter.layer_devices(hf_model)]))
+        self._layer_devices = tuple(adapter.layer_devices(hf_model))
+        self.devices = tuple(dict.fromkeys([str(self.device)] + [str(d) for d in self._layer_devices]))
         memory_mod.begin_turn(self.devices)  # the load's own peak is not a turn's working memory
         self.eos_ids = _eos_ids(hf_model, tokenizer)
         self._sessions: weakref.WeakSet[ChatSession] = weakref.WeakSet()
@@ -157,11 +158,10 @@ class DSV41Model:
     def new_cache(self) -> DSV41Cache:
         settings = self.cache_settings()
         initial = max(256, int(self.config.max_seq_len * self.config.kv_cache_ratio))
-        devices = adapter.layer_devices(self.hf_model)
         return DSV41Cache(self.num_layers, self.kv_heads, self.head_dim, self.kv_dtype, self.device, settings,
                           backend=self.info.attention_backend, initial_capacity=initial,
                           prefill_bf16=adapter.prefill_bf16(self.hf_model),
-                          layer_devices=tuple(devices) if len(set(devices)) > 1 else None)
+                          layer_devices=self._layer_devices if len(set(self._layer_devices)) > 1 else None)
 
     @property
     def kv_dtype(self) -> torch.dtype:

@@ -105,8 +105,8 @@ def _tag_cuda(tag: str) -> tuple:
 
 
 def _release_in_spec(release: tuple, spec: str) -> bool:
-    """Whether some patch release of `release` (2, 14) can meet `spec` (its first or a late patch)."""
-    return any(version_in_spec(f"{release[0]}.{release[1]}.{patch}", spec) for patch in (0, 1, 2, 9))
+    """Whether some patch release of `release` (2, 14) can meet `spec` (its first or a late one)."""
+    return any(version_in_spec(f"{release[0]}.{release[1]}.{patch}", spec) for patch in (0, 99))
 
 
 def cuda_wheel_choices(driver_cuda: str | None, torch_spec: str = TORCH_SPEC_DEFAULT, limit: int = 2) -> list:
@@ -134,11 +134,6 @@ def cuda_wheel_choices(driver_cuda: str | None, torch_spec: str = TORCH_SPEC_DEF
                 best[tag] = choice
     ranked = sorted(best.values(), key=lambda c: (c.torch, not c.experimental, _tag_cuda(c.tag)), reverse=True)
     return ranked[:limit]
-
-
-def cuda_wheel_tags(driver_cuda: str | None, limit: int = 2, torch_spec: str = TORCH_SPEC_DEFAULT) -> list:
-    """The tags of cuda_wheel_choices, e.g. ["cu130", "cu126"]."""
-    return [c.tag for c in cuda_wheel_choices(driver_cuda, torch_spec, limit)]
 
 
 def _cuda_of_tag(tag: str) -> str:

@@ -56,12 +56,12 @@ def attention_kernels(backend: str, device, dtype: torch.dtype, kv_heads: int, g
     device = torch.device(device)
     s, t = 96, 32
 
-    def rand(*shape):
+    def zeros(*shape):  # only shapes, dtypes and devices decide the kernel
         return torch.zeros(*shape, device=device, dtype=dtype)
 
-    keys = rand(kv_heads, s, head_dim)
+    keys = zeros(kv_heads, s, head_dim)
     k = keys[:, None].expand(kv_heads, groups, s, head_dim)
-    q = rand(kv_heads, groups, t, head_dim)
+    q = zeros(kv_heads, groups, t, head_dim)
     if backend == "eager":
         prefill = merged = "matmul"
     else:
@@ -73,7 +73,7 @@ def attention_kernels(backend: str, device, dtype: torch.dtype, kv_heads: int, g
             prefill = _sdpa_choice(q, k, k, causal_bias(t, s, dtype, device))
         bias = torch.zeros(kv_heads, 1, t, s, device=device, dtype=dtype).expand(kv_heads, groups, t, s)
         merged = _sdpa_choice(q, k, k, bias)
-    decode = _sdpa_choice(rand(1, kv_heads, groups, head_dim), keys[None], keys[None])
+    decode = _sdpa_choice(zeros(1, kv_heads, groups, head_dim), keys[None], keys[None])
     return {"prefill": prefill, "decode": decode, "scored decode": "matmul", "merged": merged}
 
 

@@ -399,10 +399,10 @@ class DSV41Cache:
         if (s.csa2_topk > 0 and self.decode_steps % s.compact_every == 0 and self.layers
                 and self.layers[0].projected_keys is None and csa2.pays(self.stored, self.settings)):
             self.fit_sparse()
-        limit = self.budget() if self.answer_limit is None else \
-            max(self.answer_limit + REPLY_ROOM, self.budget())
-        if s.compressing and self.decode_steps and self.decode_steps % s.compact_every == 0 and self.stored > limit:
-            return self.compact(limit)
+        if s.compressing and self.decode_steps and self.decode_steps % s.compact_every == 0:
+            limit = self.budget() if self.answer_limit is None else max(self.answer_limit + REPLY_ROOM, self.budget())
+            if self.stored > limit:
+                return self.compact(limit)
         return 0
 
     def finish_turn(self) -> None:

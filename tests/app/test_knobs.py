@@ -54,7 +54,7 @@ def test_presets_set_every_knob(qtbot, window, fake_model):
 
 def test_sliders_choices_and_defaults_come_from_the_engines_registry():
     from app import knobs as K
-    from engine.config import KNOBS
+    from engine.config import KNOBS, USER_DEFAULTS
 
     assert [s.name for s in K.SLIDERS] == ["kv_cache_ratio", "ced_decay", "ced_threshold", "csa2_topk"]
     for spec in K.SLIDERS:
@@ -68,7 +68,7 @@ def test_sliders_choices_and_defaults_come_from_the_engines_registry():
     assert (ratio.minimum, ratio.maximum) == (KNOBS["kv_cache_ratio"].lo, KNOBS["kv_cache_ratio"].hi) == (0.01, 1.0)
     assert [v for v, _ in K.CED_MODES] == list(KNOBS["ced_mode"].kind)
     assert [v for v, _ in K.KV_DTYPES] == list(KNOBS["kv_cache_dtype"].kind)
-    assert K.DEFAULTS == {name: K.APP_DEFAULTS.get(name, KNOBS[name].default) for name in K.KNOB_NAMES}
+    assert K.DEFAULTS == {name: USER_DEFAULTS.get(name, KNOBS[name].default) for name in K.KNOB_NAMES}
     assert K.DEFAULTS["cold_tier"] == "ram" and KNOBS["cold_tier"].default == "off"  # the app tiers by default
 
 

@@ -111,11 +111,13 @@ def test_torch_plan_without_a_cuda_version_or_on_windows(tmp_path, monkeypatch):
 
 
 def test_cuda_wheel_choices_follow_the_torch_range():
-    assert torch_choice.cuda_wheel_tags("13.0") == ["cu130", "cu126"]
-    assert torch_choice.cuda_wheel_tags("13.1", limit=4) == ["cu130", "cu126", "cu128", "cu129"]
-    assert torch_choice.cuda_wheel_tags("12") == ["cu118"]  # "12" is 12.0: older than every 12.x build
-    assert torch_choice.cuda_wheel_tags(None) == [] and torch_choice.cuda_wheel_tags("") == []
-    assert torch_choice.cuda_wheel_tags("x") == []
+    def tags(cuda, limit=2):
+        return [c.tag for c in torch_choice.cuda_wheel_choices(cuda, limit=limit)]
+
+    assert tags("13.0") == ["cu130", "cu126"]
+    assert tags("13.1", limit=4) == ["cu130", "cu126", "cu128", "cu129"]
+    assert tags("12") == ["cu118"]  # "12" is 12.0: older than every 12.x build
+    assert tags(None) == [] and tags("") == [] and tags("x") == []
     # A range that stops at 2.11 makes cu128 the best for a 12.8 driver again; 2.13's cu132 is experimental.
     assert torch_choice.cuda_wheel_choices("12.8", "torch>=2.4,<2.12")[0] == \
         torch_choice.CudaChoice("cu128", (2, 11), False)
