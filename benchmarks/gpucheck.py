@@ -13,16 +13,18 @@ soon as it ends (a run cut short keeps what it measured):
   per-step logits and greedy tokens), chunked against one-shot prefill over 6k tokens, and every cache mode
   (merge, INT8 KV, compaction, forced CSA2, the question probe, reconfigure, the cold tier's recall) for two
   turns with a device-consistency guard; host syncs per decode step (`set_sync_debug_mode`) and kernels per
-  decode step (profiler);
-- speed: read bandwidth, decode tok/s at 1k and 8k (dense, CED, CED + CSA2; greedy and sampled) beside
-  transformers SDPA and eager `generate` on the same weights, bytes per token and share of the bandwidth
-  bound, 8k TTFT, cold against warm TTFT;
+  decode step (profiler), each for the graph-captured step and the per-op step; the graph's logits against the
+  per-op step's;
+- speed: read bandwidth, decode tok/s at 1k and 8k (dense, CED, CED + CSA2; greedy and sampled) with the decode
+  step captured as a CUDA graph and without (the per-op step), beside transformers SDPA and eager `generate` on
+  the same weights, bytes per token and share of the bandwidth bound, 8k TTFT, cold against warm TTFT;
 - memory: the peak of an 8k turn against what the memory report says;
 - failures: an out-of-memory injected with `set_per_process_memory_fraction`, a cancel mid-prefill, then a
   turn that must equal a fresh session's;
 - quantized: bitsandbytes INT8 / INT4 on the 4-layer model (logit cosine against bf16, tok/s), when it imports.
 
-Graph-captured decode is not built yet: the speed rows are the eager per-op step.
+Decode modes (engine.models.static_step): "graph" (the static step replayed as a CUDA graph: the default on a
+GPU), "static" (the same step launched op by op), "per-op" (decoder.py + DSV41Cache.attend).
 
 `--smoke` runs every section on a tiny model on the CPU (seconds; the test suite does), skipping what needs a
 GPU with the reason, so the script itself is tested where no GPU is.
@@ -31,6 +33,7 @@ GPU with the reason, so the script itself is tested where no GPU is.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import sys
@@ -205,6 +208,33 @@ def device_guard(cache) -> list[str]:
     return problems
 
 
+@contextlib.contextmanager
+def decode_mode(hf, mode: str):
+    """Run decode steps as "graph", "static" or "per-op" (the module docstring) for a while. On the CPU (--smoke)
+    "graph" and "static" both run the static step without a graph, so the smoke run exercises it too."""
+    from engine.models import adapter
+    from engine.models.static_step import StaticDecodeStep, supports
+
+    decoder = adapter.runtime(hf).decoder
+    if decoder is None:
+        yield None
+        return
+    saved = decoder.static
+    graphs = saved.graphs if saved is not None else None
+    try:
+        if mode == "per-op":
+            decoder.static = None
+        elif saved is None and supports(decoder.w):
+            decoder.static = StaticDecodeStep(decoder.w)  # the CPU: no graph
+        if decoder.static is not None and saved is not None:
+            saved.graphs = mode == "graph" and saved.device.type == "cuda"
+        yield decoder.static
+    finally:
+        decoder.static = saved
+        if saved is not None:
+            saved.graphs = graphs
+
+
 def _compare(ours: torch.Tensor, ref: torch.Tensor) -> dict:
     ours, ref = ours.float().flatten(), ref.float().flatten()
     return {"cosine": float(torch.nn.functional.cosine_similarity(ours, ref, dim=0)),
@@ -325,29 +355,55 @@ def section_parity(run: Run) -> dict:
             "csa2_layers_fitted": sum(layer.projected_keys is not None for layer in cache.layers)}
     out["modes_ok"] = all(not m.get("errors") and not m.get("device_problems") and "error" not in m
                           for m in out["modes"].values())
-    # host syncs and kernels per decode step
-    cache = dense.new_cache()
+    # the graph-captured step against the per-op step, teacher-forced on the same tokens
+    per_mode = {}
+    for mode in ("graph", "per-op"):
+        with decode_mode(hf, mode) as static:
+            cache = dense.new_cache()
+            with torch.inference_mode():
+                logits = [adapter.forward(hf, torch.tensor([ids], device=run.device), cache, prefill=True)[0, -1]]
+                for token in tokens[:-1]:
+                    logits.append(adapter.forward(hf, torch.tensor([[token]], device=run.device), cache,
+                                                  prefill=False)[0, -1].clone())
+            per_mode[mode] = logits
+            out.setdefault("decode_step", {})[mode] = static.describe() if static is not None else "per-op"
+    steps = [_compare(a, b) for a, b in zip(per_mode["graph"], per_mode["per-op"], strict=True)]
+    out["graph_vs_per_op"] = {"steps": len(steps), "min_cosine": min(s["cosine"] for s in steps),
+                              "greedy_agreement": sum(s["same_argmax"] for s in steps) / len(steps)}
+    # host syncs and kernels per decode step, for each mode
+    for mode in ("graph", "per-op"):
+        with decode_mode(hf, mode):
+            out.setdefault("host_syncs_per_step", {})[mode], out.setdefault("kernels_per_step", {})[mode] = \
+                _syncs_and_kernels(run, hf, dense, ids, tokens)
+    return out
+
+
+def _syncs_and_kernels(run: Run, hf, engine, ids, tokens):
+    """(host syncs per decode step by set_sync_debug_mode's warnings, CUDA kernels of one step by the profiler)."""
+    from engine.models import adapter
+
+    if run.device.type != "cuda":
+        return "needs a GPU", "needs a GPU"
+    cache = engine.new_cache()
     with torch.inference_mode():
         adapter.forward(hf, torch.tensor([ids], device=run.device), cache, prefill=True)
-        if run.device.type == "cuda":
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                torch.cuda.set_sync_debug_mode("warn")
-                try:
-                    for token in tokens[:8]:
-                        adapter.forward(hf, torch.tensor([[token]], device=run.device), cache, prefill=False)
-                finally:
-                    torch.cuda.set_sync_debug_mode("default")
-            out["host_syncs_per_step"] = sum("synchroniz" in str(w.message) for w in caught) / 8
-            from torch.profiler import ProfilerActivity, profile
+        adapter.forward(hf, torch.tensor([[tokens[0]]], device=run.device), cache, prefill=False)  # a capture
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                for token in tokens[1:9]:
+                    adapter.forward(hf, torch.tensor([[token]], device=run.device), cache, prefill=False)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs = sum("synchroniz" in str(w.message) for w in caught) / 8
+        from torch.profiler import ProfilerActivity, profile
 
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                adapter.forward(hf, torch.tensor([[tokens[0]]], device=run.device), cache, prefill=False)
-                run.sync()
-            out["kernels_per_step"] = sum(e.count for e in prof.key_averages() if e.device_type.name == "CUDA")
-        else:
-            out["host_syncs_per_step"] = out["kernels_per_step"] = "needs a GPU"
-    return out
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            adapter.forward(hf, torch.tensor([[tokens[0]]], device=run.device), cache, prefill=False)
+            run.sync()
+        kernels = sum(e.count for e in prof.key_averages() if e.device_type.name == "CUDA")
+    return syncs, kernels
 
 
 def _decode_row(run: Run, model, ids, sampled=False) -> dict:
@@ -366,8 +422,7 @@ def section_speed(run: Run) -> dict:
     hf = run.model.hf_model
     bandwidth = core.read_bandwidth(run.device, (64 << 20) if run.smoke else (4 << 30))
     weights = core.weight_read_bytes(hf)
-    out = {"bandwidth_bytes_per_s": bandwidth["bytes_per_s"], "weight_bytes": weights,
-           "graph_capture": "not built: these rows are the per-op step", "contexts": {}}
+    out = {"bandwidth_bytes_per_s": bandwidth["bytes_per_s"], "weight_bytes": weights, "contexts": {}}
     rows = {"engine dense": dict(kv_cache_ratio=1.0, csa2_topk=0), "engine + CED": dict(kv_cache_ratio=0.5, csa2_topk=0),
             "engine + CED + CSA2": dict(kv_cache_ratio=0.5, csa2_topk=256)}
     for context in run.contexts:
@@ -375,9 +430,16 @@ def section_speed(run: Run) -> dict:
         table = {}
         for name, knobs in rows.items():
             engine = engine_for(run, hf, run.tok, **knobs)
-            _decode_row(run, engine, ids[:32])  # first use
-            table[name] = _decode_row(run, engine, ids)
-            table[name + ", sampled"] = _decode_row(run, engine, ids, sampled=True)
+            with decode_mode(hf, "graph") as static:
+                _decode_row(run, engine, ids[:32])  # first use
+                table[name] = _decode_row(run, engine, ids)
+                table[name + ", sampled"] = _decode_row(run, engine, ids, sampled=True)
+                table[name]["decode_step"] = static.describe() if static is not None else "per-op"
+            with decode_mode(hf, "per-op"):
+                table[name + ", per-op step"] = _decode_row(run, engine, ids)
+            graph, per_op = table[name].get("decode_tok_s"), table[name + ", per-op step"].get("decode_tok_s")
+            if graph and per_op:
+                table[name]["graph_over_per_op"] = graph / per_op
         for impl in ("sdpa", "eager"):
             with adapter.transformers_attention(hf, impl):
                 try:

@@ -140,6 +140,8 @@ KNOBS_LIST: tuple[Knob, ...] = (
          lo=16, hi=1 << 20),
     Knob("use_flash_attention", True, bool, "Flash attention", "fused attention kernels (SDPA / flash-attn); "
          "off: eager attention", cli=False),
+    Knob("decode_graph", True, bool, "CUDA graph decode", "on a GPU, replay each decode step as one captured CUDA "
+         "graph; off: the same step launched op by op", cli=False),
     Knob("weight_quant", "none", ("none", "int8", "int4"), "Weights", "weight format: as loaded, int8 or int4"),
     Knob("dtype", "auto", ("auto", "float32", "bfloat16", "float16"), "Compute dtype",
          "activations and KV cache dtype; auto: float32 on CPU, bf16 on GPU"),

@@ -118,11 +118,11 @@ class DSV41Model:
         # perplexity within +-0.2 % (adapter.set_prefill_bf16)
         rounded_source = config.dtype == "auto" and loader.source_is_quantized(source.path)
         adapter.install(hf_model, pack_rounding=rounded_source, pack_format="int8" if own_int8 else "bf16",
-                        prefill_bf16=rounded_source)
+                        prefill_bf16=rounded_source, graphs=config.decode_graph)
         if own_int8 and adapter.packed_format(hf_model) != "int8":  # a layout our decoder does not cover
             del hf_model
             hf_model, tokenizer = loader.load_model(source.path, weight_quant="int8", **load)
-            adapter.install(hf_model)
+            adapter.install(hf_model, graphs=config.decode_graph)
         first_device = next(hf_model.parameters()).device
         backend = pick_backend(config.use_flash_attention, first_device, dtype)
         info = LoadInfo(source.kind, source.display_name, str(source.path), resolved - started,

@@ -37,11 +37,20 @@ from .cold import ColdLayer, recall_layer
 from .merge import merge_into_kept
 from .policies import PROBE, QUESTION, STREAM
 from .policies.ced import SPAN_TOKENS
-from .records import CacheStats, Checkpoint, Forward, FusedPlan, Prefill, kv_bytes_per_token
+from .records import (
+    CacheStats,
+    Checkpoint,
+    Forward,
+    FusedPlan,
+    Prefill,
+    StaticLayer,
+    StaticPlan,
+    kv_bytes_per_token,
+)
 from .settings import CacheSettings
 from .storage import LayerKV
 
-__all__ = ["CacheStats", "Checkpoint", "DSV41Cache", "FusedPlan", "Prefill", "kv_bytes_per_token"]
+__all__ = ["CacheStats", "Checkpoint", "DSV41Cache", "FusedPlan", "Prefill", "StaticPlan", "kv_bytes_per_token"]
 
 
 # A reply decoded before its question's compaction (DSV41Cache.answers_before_compacting) may add this many
@@ -162,7 +171,7 @@ class DSV41Cache:
         window = self.policy.stream_window if score_window is None else score_window
         question = question and self.cold is not None and self.settings.compressing
         self._fwd = Forward(tokens, positions, window, tokens > 1 if prefill is None else prefill,
-                             tuple(layer.length for layer in self.layers), question=question)
+                             tuple(layer.length for layer in self.layers), question=question, first=first)
         if question:
             self.recalled, self.recall_seconds = 0, 0.0
         return positions[None]
@@ -264,6 +273,44 @@ class DSV41Cache:
                 layer.ensure_capacity(layer.length + 1)
             by_python.append(python)
         return FusedPlan(by_python, score, 1.0 if decay is None else decay)
+
+    def static_plan(self) -> StaticPlan | None:
+        """For a decode step with static shapes (engine.models.static_step, CUDA-graph captured on a GPU): per
+        layer, dense attention over its capacity or CSA2 screening with fixed counts (as `attend` would choose
+        for the length it is about to have), each with room for one more entry. None where the step must run
+        through `attend`: not a one-token decode, a probe, layers on several devices, a policy whose decode
+        update is not `decay * scores + attention`, or a step that samples CSA2's recall (csa2.RECALL_EVERY)."""
+        fwd = self._fwd
+        if fwd.tokens != 1 or fwd.prefill or self._capture is not None or len(self.devices) > 1:
+            return None
+        s = self.settings
+        policy = self.policy
+        score = s.compressing and policy.uses_attention
+        decay = policy.decode_decay() if score else 1.0
+        if decay is None:
+            return None
+        modes = []
+        for layer in self.layers:
+            n = layer.length + 1
+            if s.csa2_topk > 0 and layer.projected_keys is not None and csa2.pays(n, s):
+                n_sink, n_recent = csa2.protected_counts(n, s.ced_sink_tokens, s.ced_recent_tokens)
+                span = n - n_sink - n_recent
+                k = min(s.csa2_topk, span)
+                modes.append(StaticLayer(True, k, min(k * max(csa2.RERANK, 1), span)))
+            else:
+                modes.append(StaticLayer())
+        if modes and any(m.sparse for m in modes) and self.decode_steps % csa2.RECALL_EVERY == 0:
+            return None
+        for layer in self.layers:
+            layer.ensure_capacity(layer.length + 1)
+        return StaticPlan(fwd.first, modes, score, decay, s.ced_sink_tokens, s.ced_recent_tokens)
+
+    def commit_static(self, plan: StaticPlan) -> None:
+        """A static step wrote every layer's entry at its length: count it."""
+        for layer in self.layers:
+            layer.length += 1
+        if plan.layers and plan.layers[0].sparse:
+            self._csa2_steps += 1
 
     # ------------------------------------------------------------------ question probe
     def start_capture(self) -> None:

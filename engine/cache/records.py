@@ -73,6 +73,29 @@ class FusedPlan:
     decay: float
 
 
+@dataclass(frozen=True)
+class StaticLayer:
+    """How one layer attends in a static decode step: densely over its capacity, or screened by CSA2 down to
+    `k` entries (from `pool` candidates re-ranked exactly) plus the sinks and the recent window."""
+
+    sparse: bool = False
+    k: int = 0
+    pool: int = 0
+
+
+@dataclass
+class StaticPlan:
+    """A decode step with static shapes (engine.models.static_step; DSV41Cache.static_plan): the token's position,
+    each layer's attention, and the score update scores <- decay * scores + attention (when `score`)."""
+
+    position: int
+    layers: list[StaticLayer]
+    score: bool
+    decay: float
+    sink: int
+    recent: int
+
+
 @dataclass
 class Forward:
     """The forward in progress (DSV41Cache.begin_forward .. end_forward)."""
@@ -86,3 +109,4 @@ class Forward:
     question: bool = False  # a turn's question is in this forward: each layer recalls from the cold tier first
     recalled: dict[int, int] = field(default_factory=dict)  # entries per head each layer recalled (abort keeps them)
     moved: dict = field(default_factory=dict)  # the positions on each other device a layer lives on
+    first: int = 0  # the first token's position (a host int: `positions` may live on a GPU)

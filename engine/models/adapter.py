@@ -93,11 +93,12 @@ def register() -> None:
 
 
 def install(model, *, fast: bool = True, pack: bool = True, pack_rounding: bool = False,
-            pack_format: str = "bf16", prefill_bf16: bool = False) -> None:
+            pack_format: str = "bf16", prefill_bf16: bool = False, graphs: bool = True) -> None:
     """Switch a loaded HF causal LM to the DS-V4.1 attention path (and our fused decoder where it applies).
     `pack`: on CPU, hold the decoder's matrices as bf16 for our kernels when that is exact, or with
     `pack_rounding` also when it rounds; `pack_format="int8"` quantizes them to int8 (pack_weights).
-    `prefill_bf16`: where the matrices are held as bf16, prefill runs in bf16 (set_prefill_bf16)."""
+    `prefill_bf16`: where the matrices are held as bf16, prefill runs in bf16 (set_prefill_bf16).
+    `graphs`: on a GPU, capture the decode step as one CUDA graph (engine.models.static_step)."""
     check_architecture(getattr(model.config, "model_type", None))
     register()
     model.set_attn_implementation(ATTENTION_NAME)
@@ -105,7 +106,8 @@ def install(model, *, fast: bool = True, pack: bool = True, pack_rounding: bool 
     weights = decoder_weights(model) if fast else None
     packed = pack_weights(model, weights, rounding=pack_rounding, fmt=pack_format) \
         if weights is not None and pack else None
-    _RUNTIMES[model] = Runtime(compute, Decoder(weights) if weights is not None else None, packed)
+    decoder = Decoder(weights, graphs=graphs) if weights is not None else None
+    _RUNTIMES[model] = Runtime(compute, decoder, packed)
     set_prefill_bf16(model, prefill_bf16)
 
 
@@ -315,7 +317,7 @@ def decoder_weights(model) -> DecoderWeights | None:
         embed=base.embed_tokens.weight, layers=out, final_norm=base.norm.weight, lm_head=lm_head.weight,
         lm_head_bias=lm_head.bias, heads=heads, kv_heads=kv_heads, head_dim=head_dim, eps=eps,
         scaling=attn0.scaling, rotary=lambda x, pos: rotary(x, position_ids=pos), act=layers[0].mlp.act_fn,
-        act_name=getattr(cfg, "hidden_act", None))
+        act_name=getattr(cfg, "hidden_act", None), rope_type=str(getattr(rotary, "rope_type", "default")))
 
 
 def step_matrices(model) -> list | None:

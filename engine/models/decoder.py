@@ -55,6 +55,7 @@ class DecoderWeights:
     rotary: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # (x, position_ids) -> cos, sin
     act: Callable[[torch.Tensor], torch.Tensor]
     act_name: str | None = None  # the config's name for `act` ("silu"): what a fused kernel may compute instead
+    rope_type: str = "default"  # the rotary module's kind ("dynamic" ones change with the length: no cos/sin table)
 
 
 _FUSED_RMS_NORM = hasattr(F, "rms_norm")
@@ -124,7 +125,7 @@ def _device_of(weight) -> torch.device:
 class Decoder:
     """forward(input_ids [1, T], cache, logits_to_keep) -> logits [1, keep, V], attention through `cache`."""
 
-    def __init__(self, weights: DecoderWeights):
+    def __init__(self, weights: DecoderWeights, *, graphs: bool = True):
         self.w = weights
         # One C call per CPU decode step where the kernels can read the weights (packed bf16 / int8, or float32
         # tensors); None elsewhere (GPU, float16, no compiler), and forward() runs the per-op step below.
@@ -132,11 +133,22 @@ class Decoder:
         on_cpu = weights.final_norm.device.type == "cpu"
         self.fused = FusedDecodeStep.build(weights) \
             if on_cpu and weights.final_norm.dtype in (torch.float32, torch.bfloat16) else None
+        # On a GPU a decode step runs with static shapes (static_step.py), captured as one CUDA graph when
+        # `graphs`; None elsewhere (the CPU's fused step is faster there; tests build one on the CPU to compare)
+        self.static = None
+        from . import static_step  # (it builds on this module's functions)
+
+        if weights.final_norm.device.type == "cuda" and static_step.supports(weights):
+            self.static = static_step.StaticDecodeStep(weights, graphs=graphs)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache, logits_to_keep: int = 1):
         w = self.w
         heads, kv_heads, d = w.heads, w.kv_heads, w.head_dim
+        if input_ids.shape[1] == 1 and self.static is not None:
+            plan = cache.static_plan()
+            if plan is not None:
+                return self.static.step(input_ids, cache, plan).view(1, 1, -1)
         if isinstance(w.embed, PackedMatrix):
             x = w.embed.rows(input_ids[0], w.final_norm.dtype)  # [T, D]
         else:

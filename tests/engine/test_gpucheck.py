@@ -36,11 +36,16 @@ def test_gpucheck_smoke_runs_every_section_and_checks_what_it_says(tmp_path):
     assert modes["compaction 0.5"]["stored"] < modes["compaction 0.5"]["seen"]  # it really compacted
     assert modes["forced CSA2"]["csa2_layers_fitted"] > 0  # and the sparse step really ran
     assert modes["cold tier"]["cold_entries"] > 0 and modes["cold tier"]["recalled"] > 0
-    assert parity["host_syncs_per_step"] == "needs a GPU"  # said, not faked
+    assert parity["host_syncs_per_step"] == {"graph": "needs a GPU", "per-op": "needs a GPU"}  # said, not faked
+    # the static step (no graph on the CPU) against the per-op step, teacher-forced
+    assert parity["graph_vs_per_op"]["min_cosine"] > 0.9999 and parity["graph_vs_per_op"]["greedy_agreement"] == 1
+    assert parity["decode_step"] == {"graph": "static step (no graph)", "per-op": "per-op"}
     speed = sections["speed"]
     for context in speed["contexts"].values():
-        for name in ("engine dense", "engine + CED", "engine + CED + CSA2", "transformers sdpa"):
+        for name in ("engine dense", "engine + CED", "engine + CED + CSA2", "transformers sdpa",
+                     "engine dense, per-op step", "engine + CED, per-op step"):
             assert context[name]["decode_tok_s"] > 0
+        assert context["engine dense"]["graph_over_per_op"] > 0
     assert sections["failures"]["cancel"] == {"reason": "cancelled", "then_same_as_fresh": True}
     assert "needs a GPU" in sections["failures"]["oom"]
     assert sections["environment"]["attention_kernels"]["prefill"] in ("flash", "math", "memory-efficient")
