@@ -379,28 +379,33 @@ def section_parity(run: Run) -> dict:
 
 
 def _syncs_and_kernels(run: Run, hf, engine, ids, tokens):
-    """(host syncs per decode step by set_sync_debug_mode's warnings, CUDA kernels of one step by the profiler)."""
+    """(host syncs per decode step, CUDA kernels of one decode step). Syncs: set_sync_debug_mode's warnings over
+    whole turns through the engine's turn loop (sampling included), a 17-token reply's less a 1-token reply's,
+    over the 16 steps between; kernels: the profiler over one step."""
     from engine.models import adapter
 
     if run.device.type != "cuda":
         return "needs a GPU", "needs a GPU"
-    cache = engine.new_cache()
-    with torch.inference_mode():
-        adapter.forward(hf, torch.tensor([ids], device=run.device), cache, prefill=True)
-        adapter.forward(hf, torch.tensor([[tokens[0]]], device=run.device), cache, prefill=False)  # a capture
+    greedy_turn(engine, ids, 4)  # first use (a capture)
+    counts = []
+    for new_tokens in (1, 17):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
             try:
-                for token in tokens[1:9]:
-                    adapter.forward(hf, torch.tensor([[token]], device=run.device), cache, prefill=False)
+                greedy_turn(engine, ids, new_tokens)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-        syncs = sum("synchroniz" in str(w.message) for w in caught) / 8
+        counts.append(sum("synchroniz" in str(w.message) for w in caught))
+    syncs = (counts[1] - counts[0]) / 16
+    cache = engine.new_cache()
+    with torch.inference_mode():
+        adapter.forward(hf, torch.tensor([ids], device=run.device), cache, prefill=True)
+        adapter.forward(hf, torch.tensor([[tokens[0]]], device=run.device), cache, prefill=False)
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            adapter.forward(hf, torch.tensor([[tokens[0]]], device=run.device), cache, prefill=False)
+            adapter.forward(hf, torch.tensor([[tokens[1]]], device=run.device), cache, prefill=False)
             run.sync()
         kernels = sum(e.count for e in prof.key_averages() if e.device_type.name == "CUDA")
     return syncs, kernels

@@ -20,7 +20,7 @@ from .detokenizer import IncrementalDetokenizer
 from .events import Done, ErrorEvent, Event, PrefillProgress, TokenText, TurnStats
 from .memory import begin_turn
 from .models import adapter
-from .sampling import GenerationSettings, sample
+from .sampling import GenerationSettings, sample_tensor
 
 REPETITION_WINDOW = 256  # recent tokens the repetition penalty looks at
 
@@ -74,20 +74,22 @@ def run_turn(model, tokenizer, cache: DSV41Cache, plan: TurnPlan, settings: Gene
         if logits is None:
             reason = "cancelled"
         else:
-            history = list(plan.new_ids[-REPETITION_WINDOW:])
+            # the recent tokens stay on the logits' device and the sampled token is fed from there: a decode step
+            # reads one value on the host (the token id, for the stop checks and the text), nothing else
+            seen_ids = torch.tensor(plan.new_ids[-REPETITION_WINDOW:], dtype=torch.long, device=logits.device)
             while True:
                 if cancel.is_set():
                     reason = "cancelled"
                     break
                 if generator is None and settings.seed is not None:
                     generator = torch.Generator(device=logits.device).manual_seed(settings.seed)
-                seen_ids = torch.tensor(history[-REPETITION_WINDOW:], dtype=torch.long, device=logits.device)
-                token = sample(logits[0, -1], settings, seen_ids, generator)
+                token_ids = sample_tensor(logits[0, -1], settings, seen_ids, generator)
+                token = int(token_ids)
                 if token in eos_ids and not settings.ignore_eos:
                     reason = "eos"
                     break
                 result.generated.append(token)
-                history.append(token)
+                seen_ids = torch.cat((seen_ids[1 - REPETITION_WINDOW:], token_ids))
                 detok.push(token)
                 text, hit = _cut_at_stop(detok.text, settings.stop)
                 safe = text if hit else text[: len(text) - _held_back(text, settings.stop)]
@@ -106,7 +108,7 @@ def run_turn(model, tokenizer, cache: DSV41Cache, plan: TurnPlan, settings: Gene
                 if cache.seen + 1 > plan.limit:
                     reason = "context_full"
                     break
-                logits = adapter.forward(model, torch.tensor([[token]], device=device), cache, prefill=False)
+                logits = adapter.forward(model, token_ids.view(1, 1).to(device), cache, prefill=False)
                 result.fed_generated += 1
                 cache.after_decode_step()
             cache.finish_turn()

@@ -7,7 +7,7 @@ import torch
 
 from .config import GenerationSettings
 
-__all__ = ["GenerationSettings", "apply_repetition_penalty", "head_probs", "logits_to_probs", "sample"]
+__all__ = ["GenerationSettings", "apply_repetition_penalty", "head_probs", "logits_to_probs", "sample", "sample_tensor"]
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen_ids: torch.Tensor, penalty: float) -> torch.Tensor:
@@ -47,15 +47,22 @@ def head_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: floa
     return probs, ids
 
 
-def sample(logits: torch.Tensor, settings: GenerationSettings, seen_ids: torch.Tensor,
-           generator: torch.Generator | None) -> int:
-    """The next token: argmax when greedy, else a draw from the tempered top-k / top-p distribution (from the
-    head only when top_k cuts the vocabulary). `seen_ids` and `generator` on the logits' device."""
+def sample_tensor(logits: torch.Tensor, settings: GenerationSettings, seen_ids: torch.Tensor,
+                  generator: torch.Generator | None) -> torch.Tensor:
+    """The next token as a one-element long tensor [1] on the logits' device (nothing is read on the host): argmax
+    when greedy, else a draw from the tempered top-k / top-p distribution (from the head only when top_k cuts
+    the vocabulary). `seen_ids` and `generator` on the logits' device."""
     logits = apply_repetition_penalty(logits, seen_ids, settings.repetition_penalty)
     if settings.is_greedy:
-        return int(torch.argmax(logits))
+        return torch.argmax(logits).view(1)
     if 0 < settings.top_k < logits.shape[-1]:
         probs, ids = head_probs(logits, settings.temperature, settings.top_k, settings.top_p)
-        return int(ids[torch.multinomial(probs, 1, generator=generator)])
+        return ids[torch.multinomial(probs, 1, generator=generator)]
     probs = logits_to_probs(logits, settings.temperature, settings.top_k, settings.top_p)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return torch.multinomial(probs, 1, generator=generator)
+
+
+def sample(logits: torch.Tensor, settings: GenerationSettings, seen_ids: torch.Tensor,
+           generator: torch.Generator | None) -> int:
+    """sample_tensor's token id on the host (on a GPU: the one host sync of a decode step)."""
+    return int(sample_tensor(logits, settings, seen_ids, generator))

@@ -62,6 +62,7 @@ class StaticDecodeStep:
         # [token, position, slot of layer 0, ..., slot of layer L-1]: what the host writes before a step
         self.inputs = torch.zeros(2 + layers, dtype=torch.long, device=self.device)
         self._host = torch.zeros(1 + layers, dtype=torch.long, pin_memory=self.device.type == "cuda")
+        self._host_view = self._host.numpy()  # written without a torch op per value
         self._cos = self._sin = None
         self._clean: list[int | None] = [None] * layers  # storage_version whose tail past `length` is zeroed
         # the CUDA graph: what it was captured for, its output, the memory pool captures share
@@ -92,12 +93,12 @@ class StaticDecodeStep:
         return logits
 
     def _write_inputs(self, input_ids: torch.Tensor, cache, position: int) -> None:
-        host = self._host
-        host[0] = position
-        for index, layer in enumerate(cache.layers):
-            host[1 + index] = layer.length  # the new entry's slot
+        """The token (already on the device), its position and each layer's slot (its length: where the new
+        entry goes) into the step's input tensor: one copy from pinned host memory, no torch op per value."""
+        self._host_view[0] = position
+        self._host_view[1:] = [layer.length for layer in cache.layers]
         self.inputs[:1].copy_(input_ids.reshape(1))
-        self.inputs[1:].copy_(host, non_blocking=True)
+        self.inputs[1:].copy_(self._host, non_blocking=True)
 
     @torch.inference_mode()
     def _prepare(self, cache, position: int) -> None:

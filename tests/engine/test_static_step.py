@@ -276,3 +276,52 @@ def test_cuda_graph_replay_equals_the_static_step_and_the_per_op_step(tiny_model
     assert torch.equal(g, s)  # the graph replays exactly the static step's kernels
     assert torch.equal(g.argmax(-1), p.argmax(-1)) or (g - p).abs().max() < 0.1
     assert cg.stored == cs.stored == cp.stored
+
+
+class _HostReads(TorchDispatchMode):
+    """Counts the ops that read a tensor's value on the host (a device sync on a GPU) and the tensors made from
+    host data (torch.tensor(...): a copy to the device on a GPU)."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = 0
+        self.from_host = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default):
+            self.reads += 1
+        elif func is torch.ops.aten.lift_fresh.default:
+            self.from_host += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_a_decode_step_of_the_turn_loop_reads_one_value_on_the_host(sampled, tiny_model):
+    """The turn loop with the static step: the sampled token id is the only value a decode step reads on the
+    host (on a GPU, its one sync); the token is fed back and the repetition window kept on the device."""
+    from engine.config import GenerationSettings
+    from engine.generate import TurnPlan, run_turn
+
+    model, decoder = _installed(tiny_model)
+    decoder.static = StaticDecodeStep(decoder.w)
+    ids = torch.randint(0, 256, (60,)).tolist()
+
+    class Tok:  # the detokenizer's side of a tokenizer
+        def decode(self, tokens, **_):
+            return "".join(chr(97 + t % 26) for t in tokens)
+
+    reads = []
+    try:
+        for new_tokens in (1, 17):
+            settings = GenerationSettings(max_new_tokens=new_tokens, greedy=not sampled, temperature=0.8, top_k=20,
+                                          top_p=0.9, seed=1 if sampled else None, ignore_eos=True,
+                                          repetition_penalty=1.2)
+            cache = _cache(model, kv_cache_ratio=1.0)
+            with _HostReads() as counter:
+                events = list(run_turn(model, Tok(), cache, TurnPlan(ids, 8), settings))
+            assert events[-1].reason == "length" and len(events[-1].token_ids) == new_tokens
+            reads.append((counter.reads, counter.from_host))
+    finally:
+        decoder.static = None
+    assert reads[1][0] - reads[0][0] == 16, reads  # one read per step: the token id
+    assert reads[1][1] == reads[0][1], reads  # and nothing copied from the host per step
