@@ -40,6 +40,10 @@ class EngineSession(Protocol):
         """Remove the conversation's saved caches from disk (its chat was deleted)."""
         ...
 
+    def set_system_prompt(self, system_prompt: str | None) -> None:
+        """The chat's system prompt changed: the next turn reads the conversation again under it."""
+        ...
+
 
 @runtime_checkable
 class EngineModel(Protocol):
@@ -67,7 +71,7 @@ class EngineModel(Protocol):
     def document_tokens(self, document: Document) -> int: ...
 
     def context_usage(self, session: EngineSession | None, history: list[dict], prompt: str = "",
-                      documents: Sequence[Document] = ()) -> ContextUsage: ...
+                      documents: Sequence[Document] = (), system_prompt: str | None = None) -> ContextUsage: ...
 
     def stored_kv_bytes(self, tokens_seen: int, **knobs: Any) -> int: ...
 

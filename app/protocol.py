@@ -6,6 +6,7 @@ calls on its own thread.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from dataclasses import dataclass, field
 
@@ -43,10 +44,36 @@ class HistoryTurn:
 
 @dataclass(frozen=True)
 class GenerationOptions:
+    """The reply's sampling options (the engine's GenerationSettings validates them; the defaults are its own)."""
+
     max_new_tokens: int = 512
     temperature: float = 0.7
     greedy: bool = False
     seed: int | None = None
+    top_p: float = 0.9
+    top_k: int = 50
+    repetition_penalty: float = 1.1
+
+    @classmethod
+    def from_dict(cls, stored) -> GenerationOptions:
+        """From saved settings (possibly stale or hand-edited): known fields of the right kind, defaults for
+        the rest; values the engine would refuse go back to the default too."""
+        from engine.config import GenerationSettings
+        from engine.errors import ConfigError
+
+        if not isinstance(stored, dict):
+            return cls()
+        options = cls()
+        for name in cls.__dataclass_fields__:
+            if name not in stored:
+                continue
+            try:
+                candidate = dataclasses.replace(options, **{name: stored[name]})
+                GenerationSettings(**dataclasses.asdict(candidate))
+            except (TypeError, ValueError, ConfigError):
+                continue
+            options = candidate
+        return options
 
 
 @dataclass
@@ -58,6 +85,7 @@ class TurnRequest:
     documents: tuple[AttachedDocument, ...]
     generation: GenerationOptions
     cancel: threading.Event = field(default_factory=threading.Event)
+    system_prompt: str = ""  # the chat's ('' for none)
 
 
 @dataclass(frozen=True)
@@ -81,6 +109,7 @@ class UsageRequest:
     prompt: str
     documents: tuple[AttachedDocument, ...]
     knobs: dict = field(default_factory=dict)  # the knob panel's values: the KV figures are worked out at them
+    system_prompt: str = ""  # the chat's ('' for none)
 
 
 @dataclass(frozen=True)

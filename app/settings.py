@@ -21,6 +21,7 @@ class Key(enum.Enum):
     KNOBS = "knobs/values"  # JSON
     GENERATION = "generation/options"  # JSON
     LAST_CONVERSATION = "chat/last_conversation"
+    DEFAULT_SYSTEM_PROMPT = "chat/default_system_prompt"  # what a new chat starts with
 
 
 class Settings:
@@ -55,11 +56,11 @@ class Settings:
         return K.sanitize(stored if isinstance(stored, dict) else {})
 
     def generation(self) -> GenerationOptions:
-        stored = self.json(Key.GENERATION, {})
-        try:
-            return GenerationOptions(**{k: v for k, v in stored.items() if k in GenerationOptions.__dataclass_fields__})
-        except (TypeError, AttributeError):
-            return GenerationOptions()
+        return GenerationOptions.from_dict(self.json(Key.GENERATION, {}))
+
+    def default_system_prompt(self) -> str:
+        value = self.value(Key.DEFAULT_SYSTEM_PROMPT, "")
+        return value if isinstance(value, str) else ""
 
     def last_conversation(self) -> int | None:
         value = self.value(Key.LAST_CONVERSATION)

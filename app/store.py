@@ -18,14 +18,16 @@ from .format import pages as page_count
 from .paths import database_path
 from .protocol import AttachedDocument, HistoryTurn
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: each conversation's system prompt and settings (knobs, reply options)
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS conversations (
     id INTEGER PRIMARY KEY,
     title TEXT NOT NULL,
     created REAL NOT NULL,
-    updated REAL NOT NULL
+    updated REAL NOT NULL,
+    system_prompt TEXT NOT NULL DEFAULT '',
+    settings_json TEXT
 );
 CREATE TABLE IF NOT EXISTS messages (
     id INTEGER PRIMARY KEY,
@@ -54,6 +56,9 @@ CREATE TABLE IF NOT EXISTS attachments (
 );
 CREATE INDEX IF NOT EXISTS attachments_by_message ON attachments(message_id);
 """
+
+# Columns added after version 1, with their declarations (an older database gains them when it is opened)
+ADDED_COLUMNS = {"conversations": (("system_prompt", "TEXT NOT NULL DEFAULT ''"), ("settings_json", "TEXT"))}
 
 # Statuses of an assistant row.
 STREAMING, DONE, STOPPED, ERROR, INTERRUPTED = "streaming", "done", "stopped", "error", "interrupted"
@@ -123,6 +128,11 @@ class ConversationStore:
                     "SELECT 1 FROM sqlite_master WHERE name='attachments'").fetchone():
                 with db:
                     db.executescript(SCHEMA)
+                    for table, columns in ADDED_COLUMNS.items():
+                        have = {r[1] for r in db.execute(f"PRAGMA table_info({table})")}
+                        for name, declaration in columns:
+                            if name not in have:
+                                db.execute(f"ALTER TABLE {table} ADD COLUMN {name} {declaration}")
                     db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
             # A write now, so that a folder that cannot take one is found at the start, not at the first send.
             with db:
@@ -196,6 +206,32 @@ class ConversationStore:
             cur = self.db.execute("INSERT INTO conversations(title, created, updated) VALUES (?, ?, ?)",
                                   (title, now, now))
         return int(cur.lastrowid)
+
+    def system_prompt(self, conversation_id: int) -> str:
+        """The chat's system prompt ('' for none; a database from before version 2 has none)."""
+        r = self.db.execute("SELECT * FROM conversations WHERE id=?", (conversation_id,)).fetchone()
+        return (r["system_prompt"] or "") if r is not None and "system_prompt" in r.keys() else ""
+
+    def set_system_prompt(self, conversation_id: int, text: str) -> None:
+        self.check_writable()
+        with self.db:
+            self.db.execute("UPDATE conversations SET system_prompt=? WHERE id=?", (text, conversation_id))
+
+    def chat_settings(self, conversation_id: int) -> dict | None:
+        """The settings the chat was last used with ({"knobs": ..., "generation": ...}), None if never saved."""
+        r = self.db.execute("SELECT * FROM conversations WHERE id=?", (conversation_id,)).fetchone()
+        if r is None or "settings_json" not in r.keys():
+            return None
+        try:
+            value = _loads(r["settings_json"])
+        except ValueError:
+            return None
+        return value if isinstance(value, dict) else None
+
+    def set_chat_settings(self, conversation_id: int, settings: dict) -> None:
+        self.check_writable()
+        with self.db:
+            self.db.execute("UPDATE conversations SET settings_json=? WHERE id=?", (_dumps(settings), conversation_id))
 
     def rename(self, conversation_id: int, title: str) -> None:
         title = " ".join(title.split()) or "Untitled"
@@ -346,11 +382,15 @@ class ConversationStore:
                     item["error"] = m.error
             messages.append(item)
         return {"format": "ds-v41-chat/conversation", "version": SCHEMA_VERSION, "title": conv.title,
-                "created": _iso(conv.created), "updated": _iso(conv.updated), "messages": messages}
+                "created": _iso(conv.created), "updated": _iso(conv.updated),
+                "system_prompt": self.system_prompt(conversation_id),
+                "settings": self.chat_settings(conversation_id), "messages": messages}
 
     def export_markdown(self, conversation_id: int) -> str:
         data = self.export_json(conversation_id)
         lines = [f"# {data['title']}", "", f"*Exported from DS-V4.1 Chat — created {data['created']}*", ""]
+        if data.get("system_prompt"):
+            lines += ["## System prompt", "", data["system_prompt"], ""]
         for m in data["messages"]:
             if m["role"] == "user":
                 lines += ["## You", ""]

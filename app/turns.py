@@ -67,7 +67,8 @@ class TurnController(QObject):
     # ------------------------------------------------------------------ starting
     def start(self, conversation_id: int, prompt: str, documents: tuple[AttachedDocument, ...],
               doc_tokens: dict[str, int], generation: GenerationOptions, settings: dict,
-              history: tuple[HistoryTurn, ...], *, replace_from: int | None = None) -> ActiveTurn:
+              history: tuple[HistoryTurn, ...], *, replace_from: int | None = None,
+              system_prompt: str = "") -> ActiveTurn:
         """Save the user's message (raises sqlite3.Error / StoreUnavailable, with nothing changed, when it
         cannot be saved), show it, and send the turn to the engine."""
         user_id, reply_id = self.store.add_turn(conversation_id, prompt,
@@ -77,7 +78,8 @@ class TurnController(QObject):
         self.view.add(MessageBubble("user", prompt, message_id=user_id, attachments=user.attachments))
         bubble = self.view.add(MessageBubble("assistant", "", message_id=reply_id))
         bubble.set_progress("Waiting for the engine…")
-        request = TurnRequest(next(_turn_ids), conversation_id, history, prompt, documents, generation)
+        request = TurnRequest(next(_turn_ids), conversation_id, history, prompt, documents, generation,
+                              system_prompt=system_prompt)
         self.active = ActiveTurn(request, conversation_id, user_id, reply_id, prompt, documents, bubble)
         self.client.send_turn(request)
         self.started.emit()

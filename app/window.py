@@ -30,7 +30,7 @@ from PySide6.QtWidgets import (
 
 from . import knobs as K
 from .documents import MIN_SUGGESTED_RATIO, DocumentLoader, assess_fit
-from .protocol import AttachedDocument, ContextFigures, DocumentFigures, UsageRequest
+from .protocol import AttachedDocument, ContextFigures, DocumentFigures, GenerationOptions, UsageRequest
 from .settings import Key, Settings
 from .store import ConversationStore, StoreUnavailable, reply_footer
 from .turns import TurnController
@@ -41,6 +41,7 @@ from .widgets.document_chips import DocumentChips
 from .widgets.knob_panel import KnobPanel
 from .widgets.memory_panel import MemoryPanel
 from .widgets.model_panel import ModelPanel
+from .widgets.system_prompt import SystemPromptBox
 from .worker import EngineClient
 
 log = logging.getLogger(__name__)
@@ -81,6 +82,7 @@ class MainWindow(QMainWindow):
         self.doc_tokens: dict[str, int] = {}  # the engine's count per attachment key
         self.doc_figures: dict[str, DocumentFigures] = {}  # the engine's latest figures per attachment key
         self.editing_message_id: int | None = None
+        self._showing = False  # a chat's own settings are being put back (not a change to save)
         self.loading = False
         self._after_load = None  # a callable to run once the next load succeeds (OOM retry)
         self._memory_requested = False
@@ -121,11 +123,13 @@ class MainWindow(QMainWindow):
         self.edit_button = QPushButton("✎ Edit last")
         self.memory_panel = MemoryPanel()
         self.knob_panel = KnobPanel()
+        self.system_prompt = SystemPromptBox()
 
         center = QWidget()
         center_layout = QVBoxLayout(center)
         center_layout.setContentsMargins(0, 0, 0, 6)
         center_layout.setSpacing(4)
+        center_layout.addWidget(self.system_prompt)
         center_layout.addWidget(self.chat, 1)
         bottom = QVBoxLayout()
         bottom.setContentsMargins(8, 0, 8, 0)
@@ -170,9 +174,51 @@ class MainWindow(QMainWindow):
         self.setCentralWidget(root)
         self.resize(1280, 800)
 
-        new_action = QAction("New chat", self, shortcut=QKeySequence.StandardKey.New)
-        new_action.triggered.connect(self.new_conversation)
-        self.addAction(new_action)
+        self._build_menus()
+
+    def _build_menus(self) -> None:
+        """The window's shortcuts, each an action of the Chat menu, and Help → Keyboard shortcuts listing them."""
+        chat_menu = self.menuBar().addMenu("&Chat")
+        self.actions_by_name: dict[str, QAction] = {}
+        for name, label, keys, slot in (
+                ("new", "New chat", QKeySequence(QKeySequence.StandardKey.New), self.new_conversation),
+                ("search", "Search chats", QKeySequence(QKeySequence.StandardKey.Find), self.focus_search),
+                ("stop", "Stop the reply", QKeySequence(Qt.Key.Key_Escape), self.escape),
+                ("regenerate", "Regenerate the last reply", QKeySequence("Ctrl+R"), self.regenerate),
+                ("edit_last", "Edit the last message", QKeySequence("Ctrl+E"), self.edit_last),
+                ("attach", "Attach documents…", QKeySequence("Ctrl+O"), self._pick_files)):
+            action = QAction(label, self, shortcut=keys)
+            action.setShortcutContext(Qt.ShortcutContext.WindowShortcut)
+            action.triggered.connect(slot)
+            chat_menu.addAction(action)
+            self.actions_by_name[name] = action
+        help_menu = self.menuBar().addMenu("&Help")
+        shortcuts = QAction("Keyboard shortcuts", self, shortcut=QKeySequence(QKeySequence.StandardKey.HelpContents))
+        shortcuts.triggered.connect(self.show_shortcuts)
+        help_menu.addAction(shortcuts)
+        self.actions_by_name["shortcuts"] = shortcuts
+
+    def shortcut_lines(self) -> list[str]:
+        """'Ctrl+N — New chat', one per shortcut, plus the composer's own keys."""
+        lines = [f"{a.shortcut().toString(QKeySequence.SequenceFormat.NativeText)} — {a.text()}"
+                 for a in self.actions_by_name.values()]
+        return lines + ["Enter — Send", "Shift+Enter — New line in the message",
+                        "Up (in an empty message box) — Edit the last message",
+                        "Esc — Stop the reply (or its reading); while editing, cancel the edit"]
+
+    def show_shortcuts(self) -> None:
+        self.inform("Keyboard shortcuts", "\n".join(self.shortcut_lines()), icon=QMessageBox.Icon.Information)
+
+    def focus_search(self) -> None:
+        self.conversations.search.setFocus()
+        self.conversations.search.selectAll()
+
+    def escape(self) -> None:
+        """Esc: stop the reply (also while its prompt is still being read); otherwise leave an edit."""
+        if self.turns.busy:
+            self.stop()
+        else:
+            self.cancel_edit()
 
     def _connect(self) -> None:
         worker = self.client.worker
@@ -202,7 +248,8 @@ class MainWindow(QMainWindow):
 
         self.composer.submitted.connect(self.send)
         self.composer.files_dropped.connect(self.attach_files)
-        self.composer.escape_pressed.connect(self.cancel_edit)
+        self.composer.escape_pressed.connect(self.escape)
+        self.composer.edit_last_requested.connect(self.edit_last)
         self.composer.textChanged.connect(self._schedule_usage)
         self.send_button.clicked.connect(self.send)
         self.stop_button.clicked.connect(self.stop)
@@ -213,6 +260,9 @@ class MainWindow(QMainWindow):
         self.loader.parsed.connect(self._on_document_parsed)
         self.loader.failed.connect(self._on_document_failed)
         self.knob_panel.knobs_changed.connect(self._on_knobs_changed)
+        self.knob_panel.generation_changed.connect(self._on_generation_changed)
+        self.system_prompt.changed.connect(self._on_system_prompt_changed)
+        self.system_prompt.make_default.connect(self._make_default_system_prompt)
 
         self.memory_timer = QTimer(self, interval=MEMORY_REFRESH_MS)
         self.memory_timer.timeout.connect(self._request_memory)
@@ -287,11 +337,64 @@ class MainWindow(QMainWindow):
         if self.closed:
             return
         self.settings.set_json(Key.KNOBS, knobs)
+        self._save_chat_settings()
         self._refresh_chips()
         self._schedule_usage()  # the documents' KV figures at the new values
         if self.facts is None:
             return  # used at the next load
         self._apply_knobs(knobs)
+
+    def _on_generation_changed(self, options) -> None:
+        if self.closed:
+            return
+        self.settings.set_json(Key.GENERATION, options.__dict__)
+        self._save_chat_settings()
+
+    # ------------------------------------------------------------------ per-chat settings and system prompt
+    def _chat_settings(self) -> dict:
+        return {"knobs": self.knob_panel.values(), "generation": self.knob_panel.generation().__dict__}
+
+    def _save_chat_settings(self, conversation_id: int | None = None) -> None:
+        """The open chat keeps the knobs and reply options it is used with (they come back when it is reopened)."""
+        conversation_id = self.conversation_id if conversation_id is None else conversation_id
+        if conversation_id is None or self.store.read_only or self._showing:
+            return
+        try:
+            self.store.set_chat_settings(conversation_id, self._chat_settings())
+        except (sqlite3.Error, StoreUnavailable) as exc:
+            log.warning("the chat's settings were not saved: %s", exc)
+
+    def _restore_chat_settings(self, conversation_id: int | None) -> None:
+        """Opening a chat: its system prompt, and the knobs and reply options it was last used with (a chat that
+        never saved any keeps what the panel shows; a new chat starts with the default system prompt)."""
+        if conversation_id is None:
+            self.system_prompt.set_text(self.settings.default_system_prompt())
+            return
+        self.system_prompt.set_text(self.store.system_prompt(conversation_id))
+        stored = self.store.chat_settings(conversation_id)
+        if not stored:
+            return
+        if isinstance(stored.get("generation"), dict):
+            self.knob_panel.set_generation(GenerationOptions.from_dict(stored["generation"]))
+        knobs = stored.get("knobs")
+        if isinstance(knobs, dict) and K.sanitize({**self.knob_panel.values(), **knobs}) != self.knob_panel.values():
+            self.knob_panel.set_values(knobs, notify=True)  # sent to the engine like a slider move
+            self.knob_panel.status.setText("This chat's settings")
+
+    def _on_system_prompt_changed(self, text: str) -> None:
+        if self.closed:
+            return
+        if self.conversation_id is not None and not self.store.read_only:
+            try:
+                self.store.set_system_prompt(self.conversation_id, text)
+            except (sqlite3.Error, StoreUnavailable) as exc:
+                self._save_failed(f"The system prompt was not saved ({exc}).")
+        self._schedule_usage()
+
+    def _make_default_system_prompt(self, text: str) -> None:
+        self.settings.set(Key.DEFAULT_SYSTEM_PROMPT, text)
+        self.statusBar().showMessage("New chats will start with this system prompt." if text else
+                                     "New chats will start without a system prompt.", 5000)
 
     def _changed_knobs(self, knobs: dict) -> dict:
         config = self.facts.config if self.facts else {}
@@ -347,7 +450,7 @@ class MainWindow(QMainWindow):
             history = self.store.history(self.conversation_id, before_message_id=self.editing_message_id)
         docs = tuple(d for d in self.attached.values() if d is not None)
         self.client.count_usage.emit(UsageRequest(self.conversation_id, history, self.composer.toPlainText(), docs,
-                                                  self.knob_panel.values()))
+                                                  self.knob_panel.values(), self.system_prompt.text()))
 
     def _on_usage(self, figures: ContextFigures) -> None:
         self.figures = figures
@@ -437,7 +540,15 @@ class MainWindow(QMainWindow):
         if conversation_id is not None and self.store.conversation(conversation_id) is None:
             conversation_id = None
         self.cancel_edit()
+        self.system_prompt.flush()  # an edit still waiting belongs to the chat being left
+        changed = conversation_id != self.conversation_id
         self.conversation_id = conversation_id
+        if changed or conversation_id is None:
+            self._showing = True
+            try:
+                self._restore_chat_settings(conversation_id)
+            finally:
+                self._showing = False
         self.settings.set(Key.LAST_CONVERSATION, conversation_id if conversation_id is not None else "")
         self.turns.save_now()
         self.chat.clear()
@@ -531,8 +642,11 @@ class MainWindow(QMainWindow):
         # Nothing the user typed is lost: the composer is cleared only once the message is saved.
         created = None
         try:
+            self.system_prompt.flush()
             if self.conversation_id is None:
                 created = self.store.create_conversation(_title_from(prompt))
+                self.store.set_system_prompt(created, self.system_prompt.text())
+                self.store.set_chat_settings(created, self._chat_settings())
             conversation = created if created is not None else self.conversation_id
             if self.editing_message_id is not None:
                 history = self.store.history(conversation, before_message_id=self.editing_message_id)
@@ -570,7 +684,8 @@ class MainWindow(QMainWindow):
                     replace_from: int | None = None) -> None:
         conversation_id = self.conversation_id if conversation_id is None else conversation_id
         self.turns.start(conversation_id, prompt, documents, dict(self.doc_tokens), self.knob_panel.generation(),
-                         self._reply_settings(), history, replace_from=replace_from)
+                         self._reply_settings(), history, replace_from=replace_from,
+                         system_prompt=self.store.system_prompt(conversation_id))
         self.settings.set_json(Key.GENERATION, self.knob_panel.generation().__dict__)
         self._update_actions()
 
@@ -581,6 +696,7 @@ class MainWindow(QMainWindow):
                 "device": facts.device, "dtype": facts.dtype, "attention": facts.attention_backend,
                 "attention_kernels": facts.attention_kernels,
                 "max_seq_len": facts.config.get("max_seq_len"), "knobs": knobs,
+                "system_prompt": self.system_prompt.text(),
                 "generation": self.knob_panel.generation().__dict__}
 
     def stop(self) -> None:

@@ -182,12 +182,13 @@ class EngineWorker(QObject):
                                "or pick a model in the model panel and press Load.", error_kind="no_model")
         if request.cancel.is_set():
             return TurnOutcome(turn, "cancelled", "")
-        session = self._session_for(request.conversation_id, request.history)
         gen = request.generation
         try:
+            session = self._session_for(request.conversation_id, request.history, request.system_prompt)
             events = session.send(request.prompt, documents=[_engine_document(d) for d in request.documents],
                                   cancel=request.cancel, max_new_tokens=gen.max_new_tokens,
-                                  temperature=gen.temperature, seed=gen.seed, greedy=gen.greedy)
+                                  temperature=gen.temperature, seed=gen.seed, greedy=gen.greedy, top_p=gen.top_p,
+                                  top_k=gen.top_k, repetition_penalty=gen.repetition_penalty)
         except ContextOverflowError as exc:
             return TurnOutcome(turn, "refused", "", error=str(exc), error_kind="overflow",
                                overflow={"needed": exc.needed, "limit": exc.limit, "parts": dict(exc.parts)})
@@ -245,15 +246,18 @@ class EngineWorker(QObject):
                            error=error.message if error else None, error_kind=error.kind if error else None,
                            model_content=model_content)
 
-    def _session_for(self, conversation_id: int, history: tuple[HistoryTurn, ...]) -> EngineSession:
-        """The engine session of this conversation, holding exactly `history` (the cache is reused when it does)."""
+    def _session_for(self, conversation_id: int, history: tuple[HistoryTurn, ...],
+                     system_prompt: str = "") -> EngineSession:
+        """The engine session of this conversation, holding exactly `history` under `system_prompt` (the cache
+        is reused when it does)."""
         session = self._sessions.get(conversation_id)
         if session is None:
-            session = self.model.chat_session()
+            session = self.model.chat_session(system_prompt or None)
             self._sessions[conversation_id] = session
             while len(self._sessions) > KEPT_SESSIONS:
                 self._sessions.popitem(last=False)
         self._sessions.move_to_end(conversation_id)
+        session.set_system_prompt(system_prompt or None)
         wanted = self._history_messages(history)
         system = [m for m in session.messages if m.get("role") == "system"]
         if session.messages != system + wanted:
@@ -331,7 +335,8 @@ class EngineWorker(QObject):
 
     def _usage(self, request: UsageRequest) -> ContextFigures:
         session = self._sessions.get(request.conversation_id) if request.conversation_id is not None else None
-        usage = self.model.context_usage(session, self._history_messages(request.history), request.prompt)
+        usage = self.model.context_usage(session, self._history_messages(request.history), request.prompt,
+                                         system_prompt=request.system_prompt)
         # Documents are counted once per attachment (the engine's count, kept by key): the context bar asks
         # again at every pause in typing.
         return dataclasses.replace(usage, documents=sum(self._document_tokens(d) for d in request.documents))

@@ -148,6 +148,13 @@ def render(tokenizer, messages: list[dict], add_generation_prompt: bool) -> Rend
     return Rendered("".join(out), tuple(specials))
 
 
+def count_system(tokenizer, system_prompt: str | None) -> int:
+    """Tokens a system prompt takes at the start of a conversation, its template markers included (0: none)."""
+    if not system_prompt:
+        return 0
+    return len(encode(tokenizer, render(tokenizer, [{"role": "system", "content": system_prompt}], False)))
+
+
 def encode(tokenizer, rendered: Rendered, start: int = 0, end: int | None = None) -> list[int]:
     """Token ids of rendered.text[start:end]: the template's control tokens by id, the rest as plain data."""
     end = len(rendered.text) if end is None else end

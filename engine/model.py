@@ -5,6 +5,10 @@ and the DS-V4.1 cache.
     model.warmup(sample_inputs=["你好", "请介绍一下你自己"])
     for event in model.chat_session().send("Summarise this", documents=["paper.pdf"]): ...
     model.print_memory_usage()
+
+Why this file is long: DSV41Model is the one object the app, the CLI and the benchmarks hold (loading, sessions,
+the figures shown before a turn, saved caches, memory, reconfigure); what does not need its state lives in
+loader.py, session.py, memory.py and the cache package.
 """
 
 from __future__ import annotations
@@ -233,12 +237,15 @@ class DSV41Model:
         return stored * self._bytes_per_token(config.kv_cache_dtype == "int8")
 
     def context_usage(self, session: ChatSession | None, history: list[dict], prompt: str = "",
-                      documents=()) -> ContextUsage:
+                      documents=(), system_prompt: str | None = None) -> ContextUsage:
         """What a conversation with `history` (user/assistant messages) holds, plus a pending prompt and
         documents. Where `session` holds exactly that history, its cache's count is used; otherwise the
-        history is counted as the template renders it."""
+        history is counted as the template renders it, under `system_prompt` when that is not the session's."""
         system_tokens, history_tokens = 0, 0
-        if session is not None:
+        if system_prompt is not None and (session is None or (session.system_prompt or "") != system_prompt):
+            system_tokens = chat_template.count_system(self.tokenizer, system_prompt)
+            history_tokens = self.count_chat(history)
+        elif session is not None:
             system = [m for m in session.messages if m.get("role") == "system"]
             system_tokens = session.system_tokens
             if session.messages == system + history and session.cache.seen:

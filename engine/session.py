@@ -52,8 +52,7 @@ class ChatSession:
         self.transcript_ids: list[int] = []  # every token fed, in order (for rebuilds)
         self.fed_text = ""  # the rendered conversation those tokens stand for
         self.fed_specials: tuple[tuple[int, int, int], ...] = ()  # where its control tokens are (template.Rendered)
-        self.system_tokens = len(template.encode(self.tokenizer, self._render(self.messages, False))) \
-            if system_prompt else 0
+        self.system_tokens = template.count_system(self.tokenizer, system_prompt)
         # A reply ends at the first control token the model generates (EOS or any other special token): a
         # control token is never fed as reply text, so a reply cannot open a turn of its own.
         self.stop_ids = frozenset(model.eos_ids) | template.special_ids(self.tokenizer)
@@ -62,6 +61,19 @@ class ChatSession:
         self._busy = False
         self._dirty = False  # cache no longer matches fed_text (e.g. cancelled mid-compaction)
         self.last_save_seconds: float | None = None  # writing the last turn's saved cache
+
+    def set_system_prompt(self, system_prompt: str | None) -> None:
+        """A new system prompt for this chat ('' or None: none). The transcript then no longer extends what
+        the cache holds, so the next turn reads the conversation again under the new prompt."""
+        system_prompt = system_prompt or None
+        if system_prompt == self.system_prompt:
+            return
+        if self._busy:
+            raise BusyError("A reply is still being generated in this chat; stop it or wait for it to finish.")
+        rest = [m for m in self.messages if m.get("role") != "system"]
+        self.system_prompt = system_prompt
+        self.messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + rest
+        self.system_tokens = template.count_system(self.tokenizer, system_prompt)
 
     # ------------------------------------------------------------------ helpers
     @property

@@ -10,6 +10,7 @@ class Composer(QPlainTextEdit):
     submitted = Signal()
     files_dropped = Signal(list)  # local paths
     escape_pressed = Signal()
+    edit_last_requested = Signal()  # Up in an empty box
 
     def __init__(self, parent=None):
         super().__init__(parent)
@@ -29,6 +30,9 @@ class Composer(QPlainTextEdit):
                 return
         if event.key() == Qt.Key.Key_Escape:
             self.escape_pressed.emit()
+            return
+        if event.key() == Qt.Key.Key_Up and not event.modifiers() and not self.toPlainText():
+            self.edit_last_requested.emit()
             return
         super().keyPressEvent(event)
 

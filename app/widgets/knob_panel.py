@@ -28,6 +28,7 @@ DEBOUNCE_MS = 300
 
 class KnobPanel(QGroupBox):
     knobs_changed = Signal(dict)  # debounced; the window sends it to the engine (pending during a reply)
+    generation_changed = Signal(object)  # GenerationOptions: a reply option was edited
 
     def __init__(self, parent: QWidget | None = None):
         super().__init__("Compression", parent)
@@ -105,23 +106,49 @@ class KnobPanel(QGroupBox):
         layout.addWidget(self.status)
 
         gen = QGroupBox("Reply")
+        gen.setObjectName("replyOptions")
         gen_form = QFormLayout(gen)
         gen_form.setSpacing(3)
+        defaults = GenerationOptions()
         self.max_tokens = QSpinBox()
         self.max_tokens.setRange(1, 8192)
-        self.max_tokens.setValue(512)
         self.temperature = QDoubleSpinBox()
         self.temperature.setRange(0.0, 2.0)
         self.temperature.setSingleStep(0.05)
-        self.temperature.setValue(0.7)
         self.greedy = QCheckBox("Greedy")
-        self.greedy.setToolTip("Always pick the most likely token: the same question gives the same answer")
+        self.greedy.setToolTip("Always pick the most likely token: the same question gives the same answer "
+                               "(temperature, top-p, top-k and seed are then not used)")
         row = QHBoxLayout()
         row.addWidget(self.temperature)
         row.addWidget(self.greedy)
+        # the ranges are the engine's (engine.config.GenerationSettings), so no value the engine refuses can be set
+        self.top_p = QDoubleSpinBox()
+        self.top_p.setRange(0.01, 1.0)
+        self.top_p.setSingleStep(0.05)
+        self.top_p.setToolTip("Sample from the smallest set of tokens whose probabilities add up to this (1 = off)")
+        self.top_k = QSpinBox()
+        self.top_k.setRange(0, 1000)
+        self.top_k.setSpecialValueText("off")
+        self.top_k.setToolTip("Sample from the k most likely tokens only (0 = off)")
+        self.repetition_penalty = QDoubleSpinBox()
+        self.repetition_penalty.setRange(1.0, 3.0)
+        self.repetition_penalty.setSingleStep(0.05)
+        self.repetition_penalty.setToolTip("Make tokens of the last 256 less likely to come again (1 = off)")
+        self.seed = QSpinBox()
+        self.seed.setRange(-1, 2**31 - 1)
+        self.seed.setSpecialValueText("random")
+        self.seed.setToolTip("A fixed seed makes a sampled reply repeatable (random: a new draw every time)")
         gen_form.addRow("Max new tokens", self.max_tokens)
         gen_form.addRow("Temperature", row)
+        gen_form.addRow("Top-p", self.top_p)
+        gen_form.addRow("Top-k", self.top_k)
+        gen_form.addRow("Repetition penalty", self.repetition_penalty)
+        gen_form.addRow("Seed", self.seed)
         layout.addWidget(gen)
+        self.set_generation(defaults)
+        for box in (self.max_tokens, self.temperature, self.top_p, self.top_k, self.repetition_penalty, self.seed):
+            box.valueChanged.connect(self._generation_edited)
+        self.greedy.toggled.connect(self._generation_edited)
 
         self._debounce = QTimer(self, singleShot=True, interval=DEBOUNCE_MS)
         self._debounce.timeout.connect(lambda: self.knobs_changed.emit(self.values()))
@@ -160,13 +187,35 @@ class KnobPanel(QGroupBox):
         self.status.setText(f"Preset “{name}”")
 
     def generation(self) -> GenerationOptions:
-        return GenerationOptions(max_new_tokens=self.max_tokens.value(), temperature=self.temperature.value(),
-                                 greedy=self.greedy.isChecked())
+        seed = self.seed.value()
+        return GenerationOptions(max_new_tokens=self.max_tokens.value(), temperature=round(self.temperature.value(), 2),
+                                 greedy=self.greedy.isChecked(), seed=None if seed < 0 else seed,
+                                 top_p=round(self.top_p.value(), 2), top_k=self.top_k.value(),
+                                 repetition_penalty=round(self.repetition_penalty.value(), 2))
 
     def set_generation(self, options: GenerationOptions) -> None:
-        self.max_tokens.setValue(options.max_new_tokens)
-        self.temperature.setValue(options.temperature)
-        self.greedy.setChecked(options.greedy)
+        self._generation_quiet = True
+        try:
+            self.max_tokens.setValue(options.max_new_tokens)
+            self.temperature.setValue(options.temperature)
+            self.greedy.setChecked(options.greedy)
+            self.top_p.setValue(options.top_p)
+            self.top_k.setValue(options.top_k)
+            self.repetition_penalty.setValue(options.repetition_penalty)
+            self.seed.setValue(-1 if options.seed is None or options.seed > self.seed.maximum() else options.seed)
+        finally:
+            self._generation_quiet = False
+        self._sampling_enabled()
+
+    def _generation_edited(self, *_args) -> None:
+        self._sampling_enabled()
+        if not getattr(self, "_generation_quiet", False):
+            self.generation_changed.emit(self.generation())
+
+    def _sampling_enabled(self) -> None:
+        sampled = not self.greedy.isChecked()
+        for box in (self.temperature, self.top_p, self.top_k, self.seed):
+            box.setEnabled(sampled)
 
     # ------------------------------------------------------------------ feedback
     def show_pending(self, knobs: dict) -> None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import PackedMatrix, bf16_exact, load, quantize_rows_int8
+from . import static_step
 from .decoder import Decoder, DecoderWeights, LayerWeights
 
 SUPPORTED_ARCHITECTURES = {
@@ -106,7 +107,9 @@ def install(model, *, fast: bool = True, pack: bool = True, pack_rounding: bool 
     weights = decoder_weights(model) if fast else None
     packed = pack_weights(model, weights, rounding=pack_rounding, fmt=pack_format) \
         if weights is not None and pack else None
-    decoder = Decoder(weights, graphs=graphs) if weights is not None else None
+    decoder = Decoder(weights) if weights is not None else None
+    if decoder is not None and weights.final_norm.device.type == "cuda" and static_step.supports(weights):
+        decoder.static = static_step.StaticDecodeStep(weights, graphs=graphs)
     _RUNTIMES[model] = Runtime(compute, decoder, packed)
     set_prefill_bf16(model, prefill_bf16)
 

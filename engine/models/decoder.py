@@ -125,7 +125,7 @@ def _device_of(weight) -> torch.device:
 class Decoder:
     """forward(input_ids [1, T], cache, logits_to_keep) -> logits [1, keep, V], attention through `cache`."""
 
-    def __init__(self, weights: DecoderWeights, *, graphs: bool = True):
+    def __init__(self, weights: DecoderWeights):
         self.w = weights
         # One C call per CPU decode step where the kernels can read the weights (packed bf16 / int8, or float32
         # tensors); None elsewhere (GPU, float16, no compiler), and forward() runs the per-op step below.
@@ -133,13 +133,10 @@ class Decoder:
         on_cpu = weights.final_norm.device.type == "cpu"
         self.fused = FusedDecodeStep.build(weights) \
             if on_cpu and weights.final_norm.dtype in (torch.float32, torch.bfloat16) else None
-        # On a GPU a decode step runs with static shapes (static_step.py), captured as one CUDA graph when
-        # `graphs`; None elsewhere (the CPU's fused step is faster there; tests build one on the CPU to compare)
+        # On a GPU a decode step runs with static shapes (static_step.StaticDecodeStep, set by adapter.install),
+        # captured as one CUDA graph; None elsewhere (the CPU's fused step is faster there; tests set one on the
+        # CPU to compare)
         self.static = None
-        from . import static_step  # (it builds on this module's functions)
-
-        if weights.final_norm.device.type == "cuda" and static_step.supports(weights):
-            self.static = static_step.StaticDecodeStep(weights, graphs=graphs)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache, logits_to_keep: int = 1):

@@ -37,12 +37,23 @@ class FakeCache:
 
 
 class FakeSession:
-    def __init__(self, model):
+    def __init__(self, model, system_prompt=None):
         self.model = model
         self.messages: list[dict] = []
         self.cache = FakeCache(model)
+        self.system_prompt = None
         self.system_tokens = 0
         self.busy = False
+        self.set_system_prompt(system_prompt)
+
+    def set_system_prompt(self, system_prompt):
+        system_prompt = system_prompt or None
+        if system_prompt == self.system_prompt:
+            return
+        rest = [m for m in self.messages if m.get("role") != "system"]
+        self.system_prompt = system_prompt
+        self.messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + rest
+        self.system_tokens = self.model.count_system(system_prompt or "")
 
     def forget_saved(self):
         self.model.record("forget_saved", history=[dict(m) for m in self.messages])
@@ -142,7 +153,7 @@ class FakeModel:
         return min(self.config.max_seq_len, self.max_positions)
 
     def chat_session(self, system_prompt=None):
-        session = FakeSession(self)
+        session = FakeSession(self, system_prompt)
         self.sessions.append(session)
         return session
 
@@ -152,15 +163,20 @@ class FakeModel:
     def count_tokens(self, text: str) -> int:
         return max(len(text) // 4, 1) if text else 0
 
+    def count_system(self, system_prompt: str) -> int:
+        return self.count_tokens(system_prompt) + 4 if system_prompt else 0
+
     def count_chat(self, messages: list[dict]) -> int:
         return sum(self.count_tokens(m["content"]) + 4 for m in messages)
 
     def document_tokens(self, document: Document) -> int:
         return self.count_tokens(format_for_prompt(document))
 
-    def context_usage(self, session, history, prompt="", documents=()) -> ContextUsage:
+    def context_usage(self, session, history, prompt="", documents=(), system_prompt=None) -> ContextUsage:
         system_tokens, history_tokens = 0, self.count_chat(history)
-        if session is not None:
+        if system_prompt is not None and (session is None or (session.system_prompt or "") != system_prompt):
+            system_tokens = self.count_system(system_prompt)
+        elif session is not None:
             system = [m for m in session.messages if m.get("role") == "system"]
             system_tokens = session.system_tokens
             if session.messages == system + history and session.cache.seen:
