@@ -225,6 +225,7 @@ class ChatView(QScrollArea):
     def clear(self) -> None:
         for bubble in self.bubbles:
             self._layout.removeWidget(bubble)
+            bubble.hide()  # at once: the deletion waits for the event loop
             bubble.deleteLater()
         self.bubbles.clear()
         self._placeholder.show()
@@ -241,6 +242,7 @@ class ChatView(QScrollArea):
         if bubble in self.bubbles:
             self.bubbles.remove(bubble)
             self._layout.removeWidget(bubble)
+            bubble.hide()  # at once: the deletion waits for the event loop
             bubble.deleteLater()
         self._placeholder.setVisible(not self.bubbles)
 
