@@ -34,3 +34,12 @@ def kv_line(stored: int, uncompressed: int) -> str:
 
 def fmt_tokens(n: int) -> str:
     return f"{n:,}"
+
+
+def ratio_line(report) -> str:
+    """'target 0.50 · now ×0.21 — threshold 0.10 removed more': the slider's ratio, the cache's, and why they
+    differ (the engine's words, MemoryReport.kv_ratio_reason)."""
+    if report.kv_target_ratio is None or not report.tokens_seen:
+        return ""
+    text = f"Compression: target {report.kv_target_ratio:.2f} · now ×{report.compression_ratio:.2f}"
+    return text + (f" — {report.kv_ratio_reason}" if report.kv_ratio_reason else "")

@@ -33,6 +33,8 @@ class MemoryReport:
     kv_cold_disk: int = 0  # the cold tier's part in a file (past its RAM cap, or cold_tier 'disk')
     recall_s: float | None = None  # the last question's recall from the cold tier (None: nothing recalled yet)
     saved_caches: int = 0  # saved conversation caches on disk (engine.conversation_store), not in memory
+    kv_target_ratio: float | None = None  # the ratio the knobs ask for (kv_cache_ratio); None: no cache yet
+    kv_ratio_reason: str = ""  # why compression_ratio differs from it ('' when they agree; cache.budget.explain_ratio)
 
     @property
     def compression_ratio(self) -> float:
@@ -68,6 +70,16 @@ class MemoryReport:
         if quality:
             hints.append(quality)
         return " ".join(hints) or None
+
+    def short_hint(self) -> str | None:
+        """hint() in a line or two (the memory panel shows this and the whole hint as its tooltip)."""
+        hints = []
+        if self.weights and self.kv_over_weights() > 0.30:
+            hints.append(f"KV cache is {self.kv_over_weights() * 100:.0f} % of the weights: compress harder")
+        if self.quality_hint():
+            hints.append(f"keeps {self.kept_share * 100:.0f} % of the {self.tokens_seen:,} tokens read: answers may "
+                         "drift")
+        return "; ".join(hints) or None
 
     def format_text(self) -> str:
         """Weights, KV cache (stored and uncompressed), activations, total (print_memory_usage); then the cold tier

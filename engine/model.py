@@ -333,7 +333,7 @@ class DSV41Model:
         cache = cache if cache is not None else (self._active.cache if self._active else None)
         kv = cache.stored_kv_bytes() if cache else 0
         kv_full = cache.uncompressed_bytes() if cache else 0
-        return memory_mod.measure(
+        report = memory_mod.measure(
             str(self.device), self.weights_bytes, kv, kv_full, baseline_rss=self._baseline_rss,
             tokens_seen=cache.seen if cache else 0, kv_stored_tokens=cache.stored if cache else 0,
             kv_reserved=cache.nbytes() if cache else 0, kv_cold=cache.cold_bytes("ram") if cache else 0,
@@ -341,6 +341,10 @@ class DSV41Model:
             recall_s=cache.recall_seconds if cache is not None and cache.recalled else None,
             saved_caches=store.total_bytes() if (store := self.conversation_store) is not None else 0,
             devices=self.devices)
+        if cache is None:
+            return report
+        return dataclasses.replace(report, kv_target_ratio=cache.settings.kv_cache_ratio,
+                                   kv_ratio_reason=cache.ratio_reason(report.compression_ratio))
 
     def print_memory_usage(self, cache: DSV41Cache | None = None) -> MemoryReport:
         report = self.memory_report(cache)

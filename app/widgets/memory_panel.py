@@ -10,7 +10,7 @@ from PySide6.QtCore import QPointF, QRectF, Qt
 from PySide6.QtGui import QColor, QPainter, QPainterPath, QPen
 from PySide6.QtWidgets import QGridLayout, QGroupBox, QLabel, QSizePolicy, QVBoxLayout, QWidget
 
-from ..format import fmt_bytes, kv_line
+from ..format import fmt_bytes, kv_line, ratio_line
 
 MEMORY_COLORS = {
     "Weights": "#4e79a7", "KV cache": "#f28e2b", "Activations": "#59a14f", "Other": "#9d8f8a", "Free": "#dfe3e8",
@@ -147,11 +147,19 @@ class MemoryPanel(QGroupBox):
         self.tokens_label.setObjectName("dimLabel")
         self.tokens_label.setWordWrap(True)
         layout.addWidget(self.tokens_label)
+        # The compression line and the warning keep their room (two lines each) whether or not they have
+        # anything to say, so the panel below never jumps when a warning comes or goes
+        self.ratio_label = QLabel("")
+        self.ratio_label.setObjectName("dimLabel")
+        self.ratio_label.setWordWrap(True)
+        layout.addWidget(self.ratio_label)
         self.hint_label = QLabel("")
         self.hint_label.setObjectName("hintLabel")
         self.hint_label.setWordWrap(True)
-        self.hint_label.hide()
         layout.addWidget(self.hint_label)
+        lines = 2 * self.fontMetrics().lineSpacing() + 2
+        for label in (self.ratio_label, self.hint_label):
+            label.setFixedHeight(lines)
         self.timeline = Timeline()
         layout.addWidget(self.timeline)
         layout.addSpacing(4)
@@ -190,9 +198,11 @@ class MemoryPanel(QGroupBox):
         saved = report.saved_caches
         self.tokens_label.setText(f"{report.tokens_seen:,} tokens seen · {report.kv_stored_tokens:,} entries stored"
                                   + (f" · saved chat caches {fmt_bytes(saved)} on disk" if saved else ""))
-        hint = report.hint()
-        self.hint_label.setText(("⚠ " + hint) if hint else "")
-        self.hint_label.setVisible(bool(hint))
+        self.ratio_label.setText(ratio_line(report))
+        self.ratio_label.setToolTip(ratio_line(report))
+        hint, short = report.hint(), report.short_hint()
+        self.hint_label.setText(("⚠ " + short) if short else "")
+        self.hint_label.setToolTip(hint or "")
         self.timeline.add(report.kv_stored, used)
 
     def show_context(self, figures) -> None:

@@ -64,3 +64,35 @@ def plan_compaction(rank: torch.Tensor, budget: int, *, sink: int, recent: int, 
     dropped_mask.scatter_(1, keep, False)
     drop = dropped_mask.nonzero()[:, 1].view(h, -1)
     return CompactionPlan(keep=keep, drop=drop, kept_unprotected=top)
+
+
+def explain_ratio(*, seen: int, stored: int, byte_ratio: float, settings, threshold_applies: bool) -> str:
+    """Why the cache's byte ratio (stored / uncompressed bytes) is not the ratio the slider asks for, in words for
+    the memory panel ('' when they agree within 2 %): the budget floor or protected window keeps a short chat
+    whole, a reply's entries wait for the turn's compaction, the threshold removed more, INT8 bytes, and the
+    bookkeeping each entry carries (position, score, merge count)."""
+    s = settings
+    if seen <= 0 or stored <= 0:
+        return ""
+    target = s.kv_cache_ratio
+    token_ratio = stored / seen
+    budget = budget_for(seen, target, s.ced_sink_tokens, s.ced_recent_tokens, s.min_entries)
+    reasons = []
+    if target < 1.0 and token_ratio > target * 1.02:
+        if stored > budget:
+            reasons.append(f"{stored - budget:,} reply entries wait for the turn's compaction")
+        elif budget > math.ceil(target * seen) and stored >= min(seen, budget) - 1:
+            reasons.append(f"a short chat is kept whole (floor {budget:,} entries)")
+    elif token_ratio < min(target, budget / seen) * 0.98:
+        if threshold_applies and s.ced_threshold > 0:
+            reasons.append(f"threshold {s.ced_threshold:.2f} removed more")
+        else:
+            reasons.append("compacted further")
+    bytes_factor = byte_ratio / token_ratio
+    if s.kv_int8:
+        reasons.append(f"INT8: ×{bytes_factor:.2f} of the bytes")
+    elif bytes_factor > 1.02:
+        reasons.append(f"+{(bytes_factor - 1) * 100:.0f} % for positions and scores")
+    if not reasons and abs(byte_ratio - target) <= 0.02 * max(target, 1e-9):
+        return ""
+    return "; ".join(reasons)

@@ -32,7 +32,7 @@ import torch
 
 from ..paths import cold_dir
 from . import attention, csa2, policies
-from .budget import budget_for, plan_compaction
+from .budget import budget_for, explain_ratio, plan_compaction
 from .cold import ColdLayer, recall_layer
 from .merge import merge_into_kept
 from .policies import PROBE, QUESTION, STREAM
@@ -560,6 +560,11 @@ class DSV41Cache:
         if s.cold_tier == "disk" or in_ram + extra_bytes > s.cold_tier_ram_mb * 2**20:
             return cold_dir()
         return None
+
+    def ratio_reason(self, byte_ratio: float) -> str:
+        """Why `byte_ratio` (stored over uncompressed bytes) is not kv_cache_ratio, in words (budget.explain_ratio)."""
+        return explain_ratio(seen=self.seen, stored=self.stored, byte_ratio=byte_ratio, settings=self.settings,
+                             threshold_applies=self.cold is None and self.policy.uses_attention)
 
     def bytes_per_token(self) -> int:
         return kv_bytes_per_token(self.num_layers, self.kv_heads, self.head_dim, self.kv_bytes_per_element,

@@ -33,7 +33,12 @@ class FakeCache:
 
     @property
     def stored(self) -> int:
-        return int(self.seen * self.model.config.kv_cache_ratio)
+        """What the real cache keeps: everything up to its budget (the floor keeps a short chat whole)."""
+        c = self.model.config
+        if c.kv_cache_ratio >= 1.0:
+            return self.seen
+        return min(self.seen, budget_for(self.seen, c.kv_cache_ratio, c.ced_sink_tokens, c.ced_recent_tokens,
+                                         c.min_entries))
 
 
 class FakeSession:
@@ -196,8 +201,20 @@ class FakeModel:
         seen = cache.seen if cache is not None else 0
         stored = cache.stored if cache is not None else 0
         per_token = self.kv_bytes_per_token()
-        return MemoryReport("cpu", "CPU (system RAM via psutil)", WEIGHTS, stored * per_token, seen * KV_BYTES_PER_TOKEN,
-                            120_000_000, 900_000_000, 16 * 1024**3, 12 * 1024**3, seen, stored)
+        report = MemoryReport("cpu", "CPU (system RAM via psutil)", WEIGHTS, stored * per_token,
+                              seen * KV_BYTES_PER_TOKEN, 120_000_000, 900_000_000, 16 * 1024**3, 12 * 1024**3, seen,
+                              stored)
+        if cache is None:
+            return report
+        from dataclasses import replace
+
+        from engine.cache.budget import explain_ratio
+        from engine.cache.settings import CacheSettings
+
+        settings = CacheSettings.from_config(self.config)
+        reason = explain_ratio(seen=seen, stored=stored, byte_ratio=report.compression_ratio, settings=settings,
+                               threshold_applies=True)
+        return replace(report, kv_target_ratio=self.config.kv_cache_ratio, kv_ratio_reason=reason)
 
     def reconfigure(self, session=None, progress=None, **knobs):
         busy = any(s.busy for s in self.sessions)

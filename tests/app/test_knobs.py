@@ -96,10 +96,12 @@ def test_the_ratio_slider_reaches_below_a_tenth(qtbot, window, fake_model):
 def test_memory_panel_shows_the_kv_line_and_the_hint(qtbot, window, fake_model):
     fake_model.reply_text = "ok"
     send(qtbot, window, "x" * 40_000)  # ~10k tokens seen: KV > 30 % of the weights
-    qtbot.waitUntil(lambda: window.memory_panel.hint_label.isVisible(), timeout=5_000)
-    assert "30 %" in window.memory_panel.hint_label.text()
+    qtbot.waitUntil(lambda: bool(window.memory_panel.hint_label.text()), timeout=5_000)
+    assert "of the weights" in window.memory_panel.hint_label.text()
+    assert "30 %" in window.memory_panel.hint_label.toolTip()
     kv = window.memory_panel.values["KV cache"].text()
     assert "(from " in kv and "×0.50" in kv
+    assert window.memory_panel.ratio_label.text() == "Compression: target 0.50 · now ×0.50"
     assert window.memory_panel.device_label.text().startswith("CPU")
     assert len(window.memory_panel.timeline.samples) >= 1
     qtbot.waitUntil(lambda: window.figures is not None and window.figures.history > 0, timeout=3_000)
@@ -111,11 +113,15 @@ def test_memory_panel_warns_when_the_cache_keeps_too_little(qtbot, window, fake_
     qtbot.waitUntil(lambda: fake_model.config.kv_cache_ratio == 0.2, timeout=3_000)
     fake_model.reply_text = "ok"
     send(qtbot, window, "x" * 4_000)  # ~1k tokens: the KV stays far below 30 % of the weights
-    qtbot.waitUntil(lambda: window.memory_panel.hint_label.isVisible(), timeout=5_000)
-    text = window.memory_panel.hint_label.text()
+    panel = window.memory_panel
+    qtbot.waitUntil(lambda: bool(panel.hint_label.text()), timeout=5_000)
+    text = panel.hint_label.toolTip()
     assert "answers measurably worsen" in text and "20 %" in text and "of the weights" not in text
+    assert "answers may drift" in panel.hint_label.text()
+    below = panel.timeline.geometry().top()
     slider_to(window, "kv_cache_ratio", 0.5)
-    qtbot.waitUntil(lambda: not window.memory_panel.hint_label.isVisible(), timeout=5_000)
+    qtbot.waitUntil(lambda: not panel.hint_label.text(), timeout=5_000)
+    assert panel.timeline.geometry().top() == below  # the panel does not jump when the warning goes
 
 
 def test_knobs_and_model_choice_are_kept_across_starts(qtbot, make_window, fake_model):
@@ -131,3 +137,12 @@ def test_knobs_and_model_choice_are_kept_across_starts(qtbot, make_window, fake_
     assert second.knob_panel.greedy.isChecked()
     assert second.model_panel.max_seq_len.value() == 4096
     assert second.facts.config["ced_threshold"] == 0.25  # the knobs go into the load, too
+
+
+def test_the_compression_line_says_why_the_cache_is_not_at_the_slider(qtbot, window, fake_model):
+    fake_model.reply_text = "ok"
+    send(qtbot, window, "short")  # a few tokens: the budget floor keeps them all
+    label = window.memory_panel.ratio_label
+    qtbot.waitUntil(lambda: "target 0.50" in label.text(), timeout=5_000)
+    assert "now ×1.00" in label.text() and "a short chat is kept whole (floor 128 entries)" in label.text()
+    assert label.toolTip() == label.text()

@@ -163,7 +163,7 @@ class Shooter:
 
         print("4. back to a plain cache: the KV grows past 30 % of the weights, the hint appears")
         window.knob_panel.apply_preset("Max quality")
-        self.wait(lambda: window.memory_panel.hint_label.isVisible(), 900, "the hint")
+        self.wait(lambda: bool(window.memory_panel.hint_label.text()), 900, "the hint")
         self.pause(1.5)
         self.shot("07-max-quality-hint")
 

@@ -37,3 +37,45 @@ def test_the_printed_report_keeps_the_four_seed_lines_first_and_adds_the_cold_ti
     assert tiered[:4] == plain[:3] + [tiered[3]] and tiered[3].startswith("Total: ")
     assert tiered[4] == "KV Cold tier: 0.50 GB host RAM + 1.00 GB disk (recalled per question; last recall 42 ms)"
     assert tiered[5] == "Saved chat caches: 3.00 GB (disk)"
+
+
+def _why(seen, stored, byte_ratio, *, applies=True, **knobs):
+    from engine.cache.budget import explain_ratio
+    from engine.cache.settings import CacheSettings
+
+    return explain_ratio(seen=seen, stored=stored, byte_ratio=byte_ratio, settings=CacheSettings(**knobs),
+                         threshold_applies=applies)
+
+
+def test_the_ratio_the_slider_asks_for_against_the_caches_is_explained():
+    # they agree: nothing to say
+    assert _why(1_000, 500, 0.50, kv_cache_ratio=0.5) == ""
+    # slider 0.50, cache x0.21: the threshold compressed harder (not with the cold tier on: it does not apply)
+    assert _why(1_000, 210, 0.21, kv_cache_ratio=0.5, ced_threshold=0.1) == "threshold 0.10 removed more"
+    assert _why(1_000, 210, 0.21, kv_cache_ratio=0.5, ced_threshold=0.1, applies=False) == "compacted further"
+    # a short chat stays whole under the budget floor
+    assert _why(100, 100, 1.0, kv_cache_ratio=0.5) == "a short chat is kept whole (floor 128 entries)"
+    # a reply grew past the budget and waits for the end-of-turn compaction
+    assert _why(1_000, 540, 0.54, kv_cache_ratio=0.5) == "40 reply entries wait for the turn's compaction"
+    # slider 1.00, cache x1.05: positions and scores ride along with every entry
+    assert _why(1_000, 1_000, 1.047, kv_cache_ratio=1.0) == "+5 % for positions and scores"
+    # INT8 halves the bytes of what is kept
+    assert _why(1_000, 500, 0.26, kv_cache_ratio=0.5, kv_cache_dtype="int8") == "INT8: ×0.52 of the bytes"
+    assert _why(0, 0, 1.0) == ""
+
+
+def test_a_real_caches_report_carries_the_target_and_the_reason(tiny_model):
+    import torch
+
+    from engine.cache import DSV41Cache
+    from engine.cache.settings import CacheSettings
+    from engine.models import adapter
+
+    model = tiny_model()
+    adapter.install(model)
+    layers, kv_heads, head_dim = adapter.kv_geometry(model)
+    cache = DSV41Cache(layers, kv_heads, head_dim, torch.float32, "cpu", CacheSettings(kv_cache_ratio=1.0))
+    adapter.forward(model, torch.randint(0, 256, (1, 64)), cache, prefill=True)
+    ratio = cache.stored_kv_bytes() / cache.uncompressed_bytes()
+    assert ratio > 1.0  # head_dim 16: positions, scores and counts are a large share of an entry
+    assert cache.ratio_reason(ratio) == f"+{(ratio - 1) * 100:.0f} % for positions and scores"
