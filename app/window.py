@@ -34,6 +34,7 @@ from .protocol import AttachedDocument, ContextFigures, DocumentFigures, Generat
 from .settings import Key, Settings
 from .store import ConversationStore, StoreUnavailable, reply_footer
 from .turns import TurnController
+from .widgets import fit_to_text
 from .widgets.chat_view import ChatView, MessageBubble
 from .widgets.composer import Composer
 from .widgets.conversation_list import ConversationList
@@ -139,6 +140,10 @@ class MainWindow(QMainWindow):
         bottom.addWidget(self.composer)
         buttons = QHBoxLayout()
         for button in (self.attach_button, self.edit_button, self.regenerate_button):
+            fit_to_text(button)
+        for button in (self.stop_button, self.send_button):  # bold, with the style sheet's wider padding
+            fit_to_text(button, padding=32)
+        for button in (self.attach_button, self.edit_button, self.regenerate_button):
             buttons.addWidget(button)
         buttons.addStretch(1)
         buttons.addWidget(self.stop_button)
@@ -157,7 +162,8 @@ class MainWindow(QMainWindow):
         side_scroll.setWidgetResizable(True)
         side_scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         side_scroll.setWidget(side)
-        side_scroll.setMinimumWidth(340)
+        side_scroll.setMinimumWidth(330)
+        self.side_panel = side_scroll
 
         self.splitter = QSplitter(Qt.Orientation.Horizontal)
         self.splitter.addWidget(self.conversations)
@@ -191,6 +197,14 @@ class MainWindow(QMainWindow):
             action.setShortcutContext(Qt.ShortcutContext.WindowShortcut)
             action.triggered.connect(slot)
             chat_menu.addAction(action)
+            self.actions_by_name[name] = action
+        view_menu = self.menuBar().addMenu("&View")
+        for name, label, keys, widget in (
+                ("show_chats", "Chats list", "Ctrl+Shift+L", self.conversations),
+                ("show_side", "Memory and knobs", "Ctrl+Shift+M", self.side_panel)):
+            action = QAction(label, self, shortcut=QKeySequence(keys), checkable=True, checked=True)
+            action.toggled.connect(widget.setVisible)
+            view_menu.addAction(action)
             self.actions_by_name[name] = action
         help_menu = self.menuBar().addMenu("&Help")
         shortcuts = QAction("Keyboard shortcuts", self, shortcut=QKeySequence(QKeySequence.StandardKey.HelpContents))
@@ -607,7 +621,8 @@ class MainWindow(QMainWindow):
         if path is None:
             suggested = "".join(c if c.isalnum() or c in " -_" else "_" for c in conv.title).strip() or "chat"
             filters = "Markdown (*.md)" if fmt == "md" else "JSON (*.json)"
-            path, _ = QFileDialog.getSaveFileName(self, "Export chat", f"{suggested}.{fmt}", filters)
+            path, _ = QFileDialog.getSaveFileName(self, "Export chat", str(export_folder() / f"{suggested}.{fmt}"),
+                                                  filters)
             if not path:
                 return None
         try:
@@ -882,6 +897,14 @@ class MainWindow(QMainWindow):
             self.turns.active = None
         self.store.close()
         super().closeEvent(event)
+
+
+def export_folder() -> Path:
+    """Where the export dialog opens: the user's documents folder (the home folder where there is none)."""
+    from PySide6.QtCore import QStandardPaths
+
+    folder = QStandardPaths.writableLocation(QStandardPaths.StandardLocation.DocumentsLocation)
+    return Path(folder) if folder and Path(folder).is_dir() else Path.home()
 
 
 def _title_from(prompt: str, limit: int = 48) -> str:

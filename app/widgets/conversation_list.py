@@ -15,6 +15,8 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from . import fit_to_text
+
 ID_ROLE = Qt.ItemDataRole.UserRole
 
 
@@ -60,6 +62,7 @@ class ConversationList(QWidget):
         export_menu.addAction("As JSON…", lambda: self._export("json"))
         self.export_button.setMenu(export_menu)
         for button in (self.rename_button, self.delete_button, self.export_button):
+            fit_to_text(button)
             row.addWidget(button)
         layout.addLayout(row)
         self._populating = False

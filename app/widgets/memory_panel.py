@@ -203,6 +203,10 @@ class MemoryPanel(QGroupBox):
         hint, short = report.hint(), report.short_hint()
         self.hint_label.setText(("⚠ " + short) if short else "")
         self.hint_label.setToolTip(hint or "")
+        if self.hint_label.property("active") != bool(short):  # the yellow box only around a warning
+            self.hint_label.setProperty("active", bool(short))
+            self.hint_label.style().unpolish(self.hint_label)
+            self.hint_label.style().polish(self.hint_label)
         self.timeline.add(report.kv_stored, used)
 
     def show_context(self, figures) -> None:

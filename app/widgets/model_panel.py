@@ -13,10 +13,11 @@ from PySide6.QtWidgets import (
     QPushButton,
     QSizePolicy,
     QSpinBox,
+    QVBoxLayout,
     QWidget,
 )
 
-WEIGHTS = (("none", "None (full precision)"), ("int8", "INT8"), ("int4", "INT4"))
+WEIGHTS = (("none", "Full precision"), ("int8", "INT8"), ("int4", "INT4"))
 DEVICES = (("auto", "Auto"), ("cpu", "CPU"), ("cuda", "GPU (CUDA)"))
 DEFAULT_SOURCE = "default"
 
@@ -37,9 +38,14 @@ class ModelPanel(QWidget):
     def __init__(self, parent: QWidget | None = None):
         super().__init__(parent)
         self.setObjectName("modelPanel")
-        row = QHBoxLayout(self)
-        row.setContentsMargins(8, 4, 8, 4)
+        # two rows: the controls, then the loading progress and the status (a whole line of its own: readable at
+        # every window width down to 1024 px)
+        rows = QVBoxLayout(self)
+        rows.setContentsMargins(8, 4, 8, 2)
+        rows.setSpacing(2)
+        row = QHBoxLayout()
         row.setSpacing(6)
+        rows.addLayout(row)
         row.addWidget(QLabel("Model"))
         self.source = QComboBox()
         self.source.setEditable(True)
@@ -61,6 +67,8 @@ class ModelPanel(QWidget):
         self.weights = QComboBox()
         for value, label in WEIGHTS:
             self.weights.addItem(label, value)
+        self.weights.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
+        self.weights.setMinimumContentsLength(11)
         row.addWidget(self.weights)
         row.addWidget(QLabel("Device"))
         self.device = QComboBox()
@@ -79,18 +87,22 @@ class ModelPanel(QWidget):
         self.load_button.setObjectName("loadButton")
         self.load_button.clicked.connect(self.request_load)
         row.addWidget(self.load_button)
+        row.addStretch(0)
+        status_row = QHBoxLayout()
+        status_row.setSpacing(6)
+        rows.addLayout(status_row)
         self.progress = QProgressBar()
         self.progress.setRange(0, 100)
         self.progress.setMaximumWidth(160)
         self.progress.setTextVisible(True)
         self.progress.hide()
-        row.addWidget(self.progress)
+        status_row.addWidget(self.progress)
         self.status = ElidedLabel("No model")
         self.status.setObjectName("modelStatus")
         # Long names and messages must not widen the window; the full text is in the tooltip.
         self.status.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
         self.status.setMinimumWidth(120)
-        row.addWidget(self.status, 1)
+        status_row.addWidget(self.status, 1)
 
     # ------------------------------------------------------------------ values
     def options(self) -> dict:

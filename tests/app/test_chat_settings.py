@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sqlite3
+from pathlib import Path
 
 from conftest import send
 from PySide6.QtCore import Qt
@@ -149,7 +150,7 @@ def test_keyboard_up_edits_the_last_message_ctrl_f_searches_and_help_lists_the_s
     title, text = window.shown_messages[-1]
     assert title == "Keyboard shortcuts" and "Ctrl+N — New chat" in text and "Esc" in text and "Up" in text
     menus = [a.text() for a in window.menuBar().actions()]
-    assert menus == ["&Chat", "&Help"]
+    assert menus == ["&Chat", "&View", "&Help"]
 
 
 def test_a_database_from_before_chat_settings_opens_and_gains_them(data_dir):
@@ -178,3 +179,60 @@ def test_a_database_from_before_chat_settings_opens_and_gains_them(data_dir):
     assert store.system_prompt(1) == "Be kind." and store.chat_settings(1)["knobs"]["kv_cache_ratio"] == 0.4
     assert store.export_json(1)["system_prompt"] == "Be kind."
     assert "## System prompt" in store.export_markdown(1)
+
+
+def _overlaps(widgets) -> list[tuple[str, str]]:
+    """Pairs of visible sibling widgets whose rectangles (in window coordinates) intersect."""
+    rects = []
+    for w in widgets:
+        if w.isVisible() and w.width() > 0:
+            top_left = w.mapTo(w.window(), w.rect().topLeft())
+            rects.append((w, w.rect().translated(top_left)))
+    return [(a.objectName() or type(a).__name__, b.objectName() or type(b).__name__)
+            for i, (a, ra) in enumerate(rects) for b, rb in rects[i + 1:] if ra.intersects(rb)]
+
+
+def test_the_window_lays_out_at_1024x700_and_1280x720_without_overlaps(qtbot, window):
+    from PySide6.QtWidgets import QAbstractButton, QComboBox, QLabel, QSpinBox, QWidget
+
+    send(qtbot, window, "hello")
+    for width, height in ((1024, 700), (1280, 720)):
+        window.resize(width, height)
+        qtbot.waitUntil(lambda w=width: window.width() == w, timeout=2000)
+        assert window.height() == height and window.minimumSizeHint().width() <= 1024
+        panel = window.model_panel
+        controls = [w for w in panel.findChildren(QWidget)
+                    if w.parent() is panel and isinstance(w, (QAbstractButton, QComboBox, QLabel, QSpinBox))]
+        assert len(controls) >= 10 and not _overlaps(controls)
+        assert panel.status.width() >= 400  # the status line has a row of its own: readable
+        buttons = [window.attach_button, window.edit_button, window.regenerate_button, window.stop_button,
+                   window.send_button]
+        assert not _overlaps(buttons)
+        assert not _overlaps([window.conversations, window.chat, window.side_panel])
+        assert window.chat.width() >= 300 and window.send_button.geometry().right() < window.width()
+    # the side panels collapse from the View menu, and the chat takes their room
+    before = window.chat.width()
+    window.actions_by_name["show_side"].setChecked(False)
+    window.actions_by_name["show_chats"].setChecked(False)
+    qtbot.waitUntil(lambda: window.chat.width() > before + 300, timeout=2000)
+    assert not window.side_panel.isVisible() and not window.conversations.isVisible()
+    window.actions_by_name["show_side"].setChecked(True)
+    assert window.side_panel.isVisible()
+
+
+def test_the_export_dialog_opens_in_the_documents_folder(qtbot, window, monkeypatch, tmp_path):
+    from PySide6.QtWidgets import QFileDialog
+
+    import app.window as window_module
+
+    assert window_module.export_folder().is_dir() and window_module.export_folder() != Path.cwd()
+    documents = tmp_path / "Documents"
+    documents.mkdir()
+    monkeypatch.setattr(window_module, "export_folder", lambda: documents)
+    asked = []
+    monkeypatch.setattr(QFileDialog, "getSaveFileName",
+                        lambda parent, title, suggested, filters: (asked.append(suggested), (suggested, filters))[1])
+    send(qtbot, window, "Export me")
+    path = window.export_conversation(window.conversation_id, "md")
+    assert asked == [str(documents / "Export me.md")] and path == asked[0]
+    assert "Export me" in (documents / "Export me.md").read_text(encoding="utf-8")
