@@ -18,7 +18,7 @@ from .format import pages as page_count
 from .paths import database_path
 from .protocol import AttachedDocument, HistoryTurn
 
-SCHEMA_VERSION = 2  # 2: each conversation's system prompt and settings (knobs, reply options)
+SCHEMA_VERSION = 2  # 2: each conversation's system prompt and settings; replies kept as versions
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS conversations (
@@ -40,7 +40,9 @@ CREATE TABLE IF NOT EXISTS messages (
     stats_json TEXT,
     settings_json TEXT,
     created REAL NOT NULL,
-    updated REAL NOT NULL
+    updated REAL NOT NULL,
+    reply_to INTEGER,
+    active INTEGER NOT NULL DEFAULT 1
 );
 CREATE INDEX IF NOT EXISTS messages_by_conversation ON messages(conversation_id, id);
 CREATE TABLE IF NOT EXISTS attachments (
@@ -58,7 +60,10 @@ CREATE INDEX IF NOT EXISTS attachments_by_message ON attachments(message_id);
 """
 
 # Columns added after version 1, with their declarations (an older database gains them when it is opened)
-ADDED_COLUMNS = {"conversations": (("system_prompt", "TEXT NOT NULL DEFAULT ''"), ("settings_json", "TEXT"))}
+ADDED_COLUMNS = {"conversations": (("system_prompt", "TEXT NOT NULL DEFAULT ''"), ("settings_json", "TEXT")),
+                 # a reply's versions (regenerate keeps the earlier ones): the user message they answer, and
+                 # whether this one is the version shown and read by the engine
+                 "messages": (("reply_to", "INTEGER"), ("active", "INTEGER NOT NULL DEFAULT 1"))}
 
 # Statuses of an assistant row.
 STREAMING, DONE, STOPPED, ERROR, INTERRUPTED = "streaming", "done", "stopped", "error", "interrupted"
@@ -246,8 +251,14 @@ class ConversationStore:
         self.db.execute("UPDATE conversations SET updated=? WHERE id=?", (now, conversation_id))
 
     # ------------------------------------------------------------------ messages
+    def _has_versions(self) -> bool:
+        return "active" in {r[1] for r in self.db.execute("PRAGMA table_info(messages)")}
+
     def messages(self, conversation_id: int) -> list[Message]:
-        rows = self.db.execute("SELECT * FROM messages WHERE conversation_id=? ORDER BY id", (conversation_id,))
+        """The conversation as shown and read: each reply's active version."""
+        where = " AND active=1" if self._has_versions() else ""
+        rows = self.db.execute(f"SELECT * FROM messages WHERE conversation_id=?{where} ORDER BY id",
+                               (conversation_id,))
         out = []
         for r in rows.fetchall():
             out.append(Message(
@@ -297,11 +308,87 @@ class ConversationStore:
                     "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                     (user_id, doc.name, doc.path, doc.kind, doc.pages, doc.chars, tokens, doc.text))
             cur = self.db.execute(
-                "INSERT INTO messages(conversation_id, role, content, status, settings_json, created, updated) "
-                "VALUES (?, 'assistant', '', ?, ?, ?, ?)", (conversation_id, STREAMING, _dumps(settings), now, now))
+                "INSERT INTO messages(conversation_id, role, content, status, settings_json, created, updated, "
+                "reply_to) VALUES (?, 'assistant', '', ?, ?, ?, ?, ?)",
+                (conversation_id, STREAMING, _dumps(settings), now, now, user_id))
             reply_id = int(cur.lastrowid)
             self._touch(conversation_id, now)
         return user_id, reply_id
+
+    # ------------------------------------------------------------------ versions of a reply
+    def _answered(self, reply_id: int) -> int | None:
+        """The user message a reply answers: its reply_to, else (older rows) the user message before it."""
+        r = self.db.execute("SELECT conversation_id, reply_to FROM messages WHERE id=? AND role='assistant'",
+                            (reply_id,)).fetchone()
+        if r is None:
+            return None
+        if r["reply_to"] is not None:
+            return int(r["reply_to"])
+        u = self.db.execute("SELECT max(id) FROM messages WHERE conversation_id=? AND role='user' AND id<?",
+                            (r["conversation_id"], reply_id)).fetchone()
+        return int(u[0]) if u and u[0] is not None else None
+
+    def versions(self, reply_id: int) -> list[int]:
+        """Every version of this reply (ids, oldest first): the replies to the same user message."""
+        user_id = self._answered(reply_id)
+        if user_id is None:
+            return [reply_id]
+        rows = self.db.execute(
+            "SELECT id FROM messages WHERE role='assistant' AND (reply_to=? OR (reply_to IS NULL AND id=?)) "
+            "ORDER BY id", (user_id, reply_id))
+        return [int(r[0]) for r in rows] or [reply_id]
+
+    def add_version(self, conversation_id: int, user_id: int, settings: dict | None = None) -> int:
+        """A new (streaming) reply to `user_id`, shown instead of the ones before it, which stay as versions."""
+        self.check_writable()
+        now = time.time()
+        with self.db:
+            current = self.db.execute(
+                "SELECT id FROM messages WHERE conversation_id=? AND role='assistant' AND active=1 AND id>? "
+                "ORDER BY id LIMIT 1", (conversation_id, user_id)).fetchone()
+            if current is not None and self._answered(int(current[0])) == user_id:
+                self.db.execute("UPDATE messages SET reply_to=? WHERE id=?", (user_id, int(current[0])))
+            self.db.execute("UPDATE messages SET active=0 WHERE role='assistant' AND reply_to=?", (user_id,))
+            cur = self.db.execute(
+                "INSERT INTO messages(conversation_id, role, content, status, settings_json, created, updated, "
+                "reply_to, active) VALUES (?, 'assistant', '', ?, ?, ?, ?, ?, 1)",
+                (conversation_id, STREAMING, _dumps(settings), now, now, user_id))
+            self._touch(conversation_id, now)
+        return int(cur.lastrowid)
+
+    def select_version(self, reply_id: int) -> None:
+        """Show (and have the engine read) this version of its reply."""
+        user_id = self._answered(reply_id)
+        with self.db:
+            self.db.execute("UPDATE messages SET active=0 WHERE role='assistant' AND reply_to=?", (user_id,))
+            self.db.execute("UPDATE messages SET active=1, reply_to=? WHERE id=?", (user_id, reply_id))
+
+    def delete_message(self, message_id: int) -> None:
+        """A user message goes with every version of its reply; a reply's version goes alone (the newest other
+        version is shown instead)."""
+        self.check_writable()
+        r = self.db.execute("SELECT role, active FROM messages WHERE id=?", (message_id,)).fetchone()
+        if r is None:
+            return
+        with self.db:
+            if r["role"] == "user":
+                replies = self._reply_ids(message_id)
+                self.db.execute(f"DELETE FROM messages WHERE id IN ({','.join('?' * (len(replies) + 1))})",
+                                (message_id, *replies))
+                return
+            others = [i for i in self.versions(message_id) if i != message_id]
+            self.db.execute("DELETE FROM messages WHERE id=?", (message_id,))
+            if r["active"] and others:
+                self.db.execute("UPDATE messages SET active=1 WHERE id=?", (others[-1],))
+
+    def _reply_ids(self, user_id: int) -> list[int]:
+        first = self.db.execute(
+            "SELECT id FROM messages WHERE role='assistant' AND id>? AND conversation_id=(SELECT conversation_id "
+            "FROM messages WHERE id=?) AND active=1 ORDER BY id LIMIT 1", (user_id, user_id)).fetchone()
+        ids = {int(r[0]) for r in self.db.execute("SELECT id FROM messages WHERE reply_to=?", (user_id,))}
+        if first is not None and self._answered(int(first[0])) == user_id:
+            ids.add(int(first[0]))
+        return sorted(ids)
 
     def set_model_content(self, message_id: int, content: str) -> None:
         with self.db:

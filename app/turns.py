@@ -42,6 +42,7 @@ class ActiveTurn:
     last_save: float = field(default_factory=time.monotonic)
     stopping: bool = False
     save_failed: bool = False  # a write of this reply failed (said once)
+    new_version: bool = False  # a regenerated reply: the earlier ones stay as its versions
 
 
 class TurnController(QObject):
@@ -68,19 +69,24 @@ class TurnController(QObject):
     def start(self, conversation_id: int, prompt: str, documents: tuple[AttachedDocument, ...],
               doc_tokens: dict[str, int], generation: GenerationOptions, settings: dict,
               history: tuple[HistoryTurn, ...], *, replace_from: int | None = None,
-              system_prompt: str = "") -> ActiveTurn:
+              system_prompt: str = "", version_of: int | None = None) -> ActiveTurn:
         """Save the user's message (raises sqlite3.Error / StoreUnavailable, with nothing changed, when it
-        cannot be saved), show it, and send the turn to the engine."""
-        user_id, reply_id = self.store.add_turn(conversation_id, prompt,
-                                                [(d, doc_tokens.get(d.key)) for d in documents], settings,
-                                                replace_from=replace_from)
-        user = self.store.message(user_id)
-        self.view.add(MessageBubble("user", prompt, message_id=user_id, attachments=user.attachments))
+        cannot be saved), show it, and send the turn to the engine. `version_of`: the user message (already
+        saved) whose reply is made again; the earlier replies stay as versions."""
+        if version_of is not None:
+            user_id, reply_id = version_of, self.store.add_version(conversation_id, version_of, settings)
+        else:
+            user_id, reply_id = self.store.add_turn(conversation_id, prompt,
+                                                    [(d, doc_tokens.get(d.key)) for d in documents], settings,
+                                                    replace_from=replace_from)
+            user = self.store.message(user_id)
+            self.view.add(MessageBubble("user", prompt, message_id=user_id, attachments=user.attachments))
         bubble = self.view.add(MessageBubble("assistant", "", message_id=reply_id))
         bubble.set_progress("Waiting for the engine…")
         request = TurnRequest(next(_turn_ids), conversation_id, history, prompt, documents, generation,
                               system_prompt=system_prompt)
-        self.active = ActiveTurn(request, conversation_id, user_id, reply_id, prompt, documents, bubble)
+        self.active = ActiveTurn(request, conversation_id, user_id, reply_id, prompt, documents, bubble,
+                                 new_version=version_of is not None)
         self.client.send_turn(request)
         self.started.emit()
         return self.active
@@ -172,9 +178,14 @@ class TurnController(QObject):
         self.finished.emit(outcome, turn)
 
     def _roll_back(self, turn: ActiveTurn) -> None:
-        self._write(self.store.delete_messages_from, turn.user_id)
+        if turn.new_version:  # the new version goes; the one shown before is shown again
+            self._write(self.store.delete_message, turn.reply_id)
+            gone = (turn.reply_id,)
+        else:
+            self._write(self.store.delete_messages_from, turn.user_id)
+            gone = (turn.user_id, turn.reply_id)
         for bubble in list(self.view.bubbles):
-            if bubble.message_id in (turn.user_id, turn.reply_id):
+            if bubble.message_id in gone:
                 self.view.remove(bubble)
 
 

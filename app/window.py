@@ -264,6 +264,7 @@ class MainWindow(QMainWindow):
         self.composer.files_dropped.connect(self.attach_files)
         self.composer.escape_pressed.connect(self.escape)
         self.composer.edit_last_requested.connect(self.edit_last)
+        self.chat.message_action.connect(self._on_message_action)
         self.composer.textChanged.connect(self._schedule_usage)
         self.send_button.clicked.connect(self.send)
         self.stop_button.clicked.connect(self.stop)
@@ -572,6 +573,10 @@ class MainWindow(QMainWindow):
                                        footer=reply_footer(m.stats, m.status) if m.role == "assistant" else "",
                                        error=m.error)
                 self.chat.add(bubble)
+            replies = [b for b in self.chat.bubbles if b.role == "assistant"]
+            if replies and self.chat.bubbles[-1] is replies[-1]:  # the last reply: its versions (regenerate)
+                versions = self.store.versions(replies[-1].message_id)
+                replies[-1].set_versions(versions.index(replies[-1].message_id) + 1, len(versions))
         self.turns.rebind(self.chat.bubbles)
         if self.turns.active is not None and self.turns.active.bubble is not None:
             self.turns.active.bubble.set_text(self.turns.active.text)
@@ -696,11 +701,11 @@ class MainWindow(QMainWindow):
                     "(or make the folder writable), then send again.")
 
     def _start_turn(self, prompt: str, documents, history, conversation_id: int | None = None, *,
-                    replace_from: int | None = None) -> None:
+                    replace_from: int | None = None, version_of: int | None = None) -> None:
         conversation_id = self.conversation_id if conversation_id is None else conversation_id
         self.turns.start(conversation_id, prompt, documents, dict(self.doc_tokens), self.knob_panel.generation(),
                          self._reply_settings(), history, replace_from=replace_from,
-                         system_prompt=self.store.system_prompt(conversation_id))
+                         system_prompt=self.store.system_prompt(conversation_id), version_of=version_of)
         self.settings.set_json(Key.GENERATION, self.knob_panel.generation().__dict__)
         self._update_actions()
 
@@ -735,16 +740,24 @@ class MainWindow(QMainWindow):
         documents = self.store.attachments(user.id)
         history = self.store.history(self.conversation_id, before_message_id=user.id)
         try:
-            self._start_turn(user.content, documents, history, replace_from=user.id)
+            self._start_turn(user.content, documents, history, version_of=user.id)
         except (sqlite3.Error, StoreUnavailable) as exc:
             self._save_failed(f"The reply was not regenerated: it could not be saved ({exc}).")
             return
-        self.show_conversation(self.conversation_id)  # the replaced messages leave the view
+        self.show_conversation(self.conversation_id)  # the earlier reply becomes a version: the view shows the new one
 
     def edit_last(self) -> None:
-        if self.turns.busy:
-            return
         user = self._last_user_message()
+        if user is not None:
+            self.edit_message(user.id)
+
+    def edit_message(self, message_id: int) -> None:
+        """Put a message of yours back in the box: Send replaces it, and what came after it is removed (the chat
+        continues from the edited message)."""
+        if self.turns.busy or self.conversation_id is None:
+            return
+        user = next((m for m in self.store.messages(self.conversation_id) if m.id == message_id and m.role == "user"),
+                    None)
         if user is None:
             return
         self.composer.setPlainText(user.content)
@@ -766,9 +779,48 @@ class MainWindow(QMainWindow):
 
     def _set_editing(self, message_id: int | None) -> None:
         self.editing_message_id = message_id
-        self.edit_banner.setText("✎ Editing your last message: Send replaces it and its reply · Esc cancels")
+        if message_id is not None:
+            later = sum(1 for m in self.store.messages(self.conversation_id) if m.id > message_id)
+            after = f" and the {later} messages after it" if later > 1 else " and its reply" if later else ""
+            self.edit_banner.setText(f"✎ Editing a message: Send replaces it{after} · Esc cancels")
         self.edit_banner.setVisible(message_id is not None)
         self._schedule_usage()
+
+    def _on_message_action(self, action: str, message_id: int) -> None:
+        if self.turns.busy:
+            self.inform("Not now", "A reply is being generated. Stop it (Esc) or wait for it to finish, then change "
+                        "the chat.")
+            return
+        if action == "edit":
+            self.edit_message(message_id)
+        elif action == "delete":
+            self.delete_message(message_id)
+        elif action in ("previous", "next"):
+            versions = self.store.versions(message_id)
+            index = versions.index(message_id) + (1 if action == "next" else -1)
+            if 0 <= index < len(versions):
+                self._change_chat(self.store.select_version, versions[index])
+
+    def delete_message(self, message_id: int) -> None:
+        message = next((m for m in self.store.messages(self.conversation_id) if m.id == message_id), None)
+        if message is None:
+            return
+        what = "this message and its reply" if message.role == "user" else "this reply"
+        if self.confirm("Delete message", f"Delete {what}? The chat is read again without it at the next turn."):
+            self._change_chat(self.store.delete_message, message_id)
+
+    def _change_chat(self, change, *args) -> None:
+        """A change to the transcript (a version chosen, a message deleted): saved, shown, and read by the engine
+        at the next turn (restored from the chat's saved cache where it can, otherwise re-read)."""
+        try:
+            self.store.check_writable()
+            change(*args)
+        except (sqlite3.Error, StoreUnavailable) as exc:
+            self._save_failed(f"The chat was not changed ({exc}).")
+            return
+        self.cancel_edit()
+        self.show_conversation(self.conversation_id)
+        self._reload_conversations(select=self.conversation_id)
 
     def _on_turn_finished(self, outcome, turn) -> None:
         self._update_actions()
@@ -781,7 +833,10 @@ class MainWindow(QMainWindow):
 
     def _on_turn_refused(self, outcome, turn) -> None:
         # Nothing happened: put the question and its documents back so the user can adjust and resend.
-        if turn.conversation_id == self.conversation_id and not self.composer.toPlainText().strip():
+        if turn.new_version and turn.conversation_id == self.conversation_id:
+            self.show_conversation(self.conversation_id)  # the reply shown before is shown again
+        if (turn.conversation_id == self.conversation_id and not turn.new_version
+                and not self.composer.toPlainText().strip()):
             self.composer.setPlainText(turn.prompt)
             for doc in turn.documents:
                 if doc.key not in self.attached:
@@ -826,6 +881,8 @@ class MainWindow(QMainWindow):
 
     def _update_actions(self) -> None:
         busy = self.turns.busy if hasattr(self, "turns") else False
+        for bubble in self.chat.bubbles:
+            bubble.set_actions_enabled(not busy)
         ready = self.facts is not None and not self.loading
         has_messages = bool(self.chat.bubbles)
         self.send_button.setEnabled(not busy and ready)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import re
 
-from PySide6.QtCore import Qt, QUrl
+from PySide6.QtCore import Qt, QUrl, Signal
 from PySide6.QtGui import QColor, QGuiApplication, QTextCursor, QTextFormat
 from PySide6.QtWidgets import (
     QFrame,
@@ -119,12 +119,16 @@ class MarkdownView(QTextBrowser):
 
 
 class MessageBubble(QFrame):
-    """One message: who, the text, attachments, and (for replies) progress and the figures footer."""
+    """One message: who, the text, attachments, and (for replies) progress and the figures footer. Its header
+    carries the message's actions: Copy, Edit (yours), Delete, and a reply's versions (‹ 2/3 ›)."""
+
+    action_requested = Signal(str, int)  # "edit" | "delete" | "previous" | "next", the message id
 
     def __init__(self, role: str, text: str = "", *, message_id: int | None = None, attachments=(),
                  footer: str = "", error: str | None = None, parent: QWidget | None = None):
         super().__init__(parent)
         self.role, self.message_id = role, message_id
+        self._version, self._actions_enabled = (1, 1), True
         self.setObjectName("userBubble" if role == "user" else "assistantBubble")
         self.setFrameShape(QFrame.Shape.StyledPanel)
         layout = QVBoxLayout(self)
@@ -140,7 +144,21 @@ class MessageBubble(QFrame):
         self.copy_button.setFlat(True)
         self.copy_button.setCursor(Qt.CursorShape.PointingHandCursor)
         self.copy_button.clicked.connect(self.copy_text)
+        self.previous_button = self._head_button("‹", "The previous version of this reply", "previous")
+        self.version_label = QLabel("")
+        self.version_label.setObjectName("bubbleVersion")
+        self.next_button = self._head_button("›", "The next version of this reply", "next")
+        for widget in (self.previous_button, self.version_label, self.next_button):
+            widget.hide()
+            head.addWidget(widget)
+        self.edit_button = self._head_button("Edit", "Edit this message: the chat continues from it", "edit")
+        self.edit_button.setVisible(role == "user" and message_id is not None)
+        head.addWidget(self.edit_button)
         head.addWidget(self.copy_button)
+        self.delete_button = self._head_button(
+            "Delete", "Delete this message and its reply" if role == "user" else "Delete this reply", "delete")
+        self.delete_button.setVisible(message_id is not None)
+        head.addWidget(self.delete_button)
         layout.addLayout(head)
         for info in attachments:
             pages = f" · {page_count(info.pages)}" if info.pages else ""
@@ -167,6 +185,32 @@ class MessageBubble(QFrame):
         self.set_text(text)
         if error:
             self.set_error(error)
+
+    def _head_button(self, text: str, tip: str, action: str) -> QPushButton:
+        button = QPushButton(text)
+        button.setObjectName("bubbleCopy")
+        button.setFlat(True)
+        button.setToolTip(tip)
+        button.setCursor(Qt.CursorShape.PointingHandCursor)
+        button.clicked.connect(lambda: self.action_requested.emit(action, self.message_id or 0))
+        return button
+
+    def set_versions(self, index: int, count: int) -> None:
+        """Show '‹ index/count ›' (1-based) when the reply has more than one version."""
+        self._version = (index, count)
+        self.version_label.setText(f"{index}/{count}")
+        for widget in (self.previous_button, self.version_label, self.next_button):
+            widget.setVisible(count > 1)
+        self.set_actions_enabled(self._actions_enabled)
+
+    def set_actions_enabled(self, enabled: bool) -> None:
+        """Off while a reply streams (the transcript must not change under it)."""
+        self._actions_enabled = enabled
+        index, count = self._version
+        self.edit_button.setEnabled(enabled)
+        self.delete_button.setEnabled(enabled)
+        self.previous_button.setEnabled(enabled and index > 1)
+        self.next_button.setEnabled(enabled and index < count)
 
     def set_text(self, text: str) -> None:
         self.text = text
@@ -197,6 +241,8 @@ class MessageBubble(QFrame):
 
 class ChatView(QScrollArea):
     """The transcript. Follows the newest text while the user is at the bottom."""
+
+    message_action = Signal(str, int)  # a bubble's action (MessageBubble.action_requested)
 
     def __init__(self, parent: QWidget | None = None):
         super().__init__(parent)
@@ -232,6 +278,7 @@ class ChatView(QScrollArea):
         self._follow = True
 
     def add(self, bubble: MessageBubble) -> MessageBubble:
+        bubble.action_requested.connect(self.message_action)
         self._placeholder.hide()
         self._layout.insertWidget(self._layout.count() - 1, bubble)
         self.bubbles.append(bubble)

@@ -142,7 +142,7 @@ def test_keyboard_up_edits_the_last_message_ctrl_f_searches_and_help_lists_the_s
     qtbot.keyClick(window.composer, Qt.Key.Key_Up)  # not empty: the cursor moves, nothing is edited
     assert window.editing_message_id is None
     window.actions_by_name["search"].trigger()
-    assert window.conversations.search.hasFocus()
+    assert window.focusWidget() is window.conversations.search  # (hasFocus also needs the window active)
     assert window.actions_by_name["new"].shortcut().toString() == "Ctrl+N"
     assert window.actions_by_name["search"].shortcut().toString() == "Ctrl+F"
     assert window.actions_by_name["stop"].shortcut().toString() == "Esc"
@@ -168,12 +168,20 @@ def test_a_database_from_before_chat_settings_opens_and_gains_them(data_dir):
             text TEXT NOT NULL);
         INSERT INTO conversations VALUES (1, 'old chat', 0, 0);
         INSERT INTO messages(conversation_id, role, content, created, updated) VALUES (1, 'user', 'hi', 0, 0);
+        INSERT INTO messages(conversation_id, role, content, created, updated) VALUES (1, 'assistant', 'hello', 0, 0);
         PRAGMA user_version=1;
     """)
     db.close()
     store = ConversationStore(path)
     assert store.system_prompt(1) == "" and store.chat_settings(1) is None
-    assert [m.content for m in store.messages(1)] == ["hi"]
+    assert [m.content for m in store.messages(1)] == ["hi", "hello"]
+    # an old chat's reply becomes the first version when it is regenerated
+    new = store.add_version(1, 1)
+    store.finish_reply(new, "hello again", "done")
+    assert store.versions(new) == [2, new] and [m.content for m in store.messages(1)] == ["hi", "hello again"]
+    store.select_version(2)
+    assert [m.content for m in store.messages(1)] == ["hi", "hello"]
+    assert [t.reply for t in store.history(1)] == ["hello"]
     store.set_system_prompt(1, "Be kind.")
     store.set_chat_settings(1, {"knobs": {"kv_cache_ratio": 0.4}})
     assert store.system_prompt(1) == "Be kind." and store.chat_settings(1)["knobs"]["kv_cache_ratio"] == 0.4
