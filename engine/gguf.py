@@ -9,10 +9,13 @@ not this module.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import math
 import shutil
 import struct
+import threading
 import time
 from pathlib import Path
 
@@ -55,8 +58,36 @@ def _gguf_key(path: Path) -> str:
     return f"{path.stem}-{digest}"
 
 
+CONVERT_BYTES_PER_S = 20e6  # a guess of the conversion's pace (dequantize + save), for the progress while it runs
+
+
+@contextlib.contextmanager
+def _ticking(progress, message: str, start: float, end: float, expected_s: float):
+    """While a step of unknown length runs, report progress every half second from `start` toward `end` (never
+    reaching it: 1 - exp(-elapsed / expected_s) of the way) with the seconds spent, so the bar moves."""
+    if progress is None:
+        yield
+        return
+    stop = threading.Event()
+    began = time.perf_counter()
+
+    def tick():
+        while not stop.wait(0.5):
+            elapsed = time.perf_counter() - began
+            progress(f"{message} ({elapsed:.0f} s)", start + (end - start) * (1 - math.exp(-elapsed / expected_s)))
+
+    thread = threading.Thread(target=tick, name="convert-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
 def convert_gguf(path: Path, *, progress=None) -> Path:
-    """Convert a GGUF once to a safetensors folder in the user cache dir; later calls return it at once."""
+    """Convert a GGUF once to a safetensors folder in the user cache dir; later calls return it at once.
+    `progress(message, fraction)` hears the steps, and every half second while the weights are converted."""
     target = user_cache_dir() / "models" / _gguf_key(path)
     if (target / ".complete").is_file():
         return target
@@ -71,9 +102,17 @@ def convert_gguf(path: Path, *, progress=None) -> Path:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        expected = max(2.0, path.stat().st_size / CONVERT_BYTES_PER_S)
         with _quiet_transformers():
+            if progress:
+                progress("Converting model (first start only): reading the tokenizer…", 0.02)
             tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-            model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+            with _ticking(progress, "Converting model (first start only): dequantizing the weights", 0.05, 0.8,
+                          expected):
+                model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                             dtype=torch.float32)
+        if progress:
+            progress("Converting model (first start only): saving…", 0.85)
         from safetensors.torch import save_model
 
         # The weights are dequantized floats now; save them as a plain safetensors model -- unless some are

@@ -97,12 +97,14 @@ class DSV41Model:
         config = (config or DSV41Config()).replace(**overrides) if overrides else (config or DSV41Config())
         baseline_rss = psutil.Process().memory_info().rss
         started = time.perf_counter()
-        source = loader.resolve_source(config.model_path, progress=progress)
+        # a first start's conversion is the first 60 % of the bar, the load the rest (it never runs backwards)
+        convert = (lambda message, fraction: progress(message, 0.6 * fraction)) if progress else None
+        source = loader.resolve_source(config.model_path, progress=convert)
         resolved = time.perf_counter()
         device = loader.pick_device(config.device_map)
         dtype = loader.pick_dtype(config.dtype, device)
         if progress:
-            progress(f"Loading {source.display_name}…", 0.5)
+            progress(f"Loading {source.display_name}…", 0.65)
         # INT8 weights on the CPU: our per-row int8 and kernels (engine.kernels), ~3x faster than
         # bitsandbytes' CPU path; bitsandbytes elsewhere, or where our kernels cannot be built
         own_int8 = config.weight_quant == "int8" and device == "cpu" and kernels.load() is not None

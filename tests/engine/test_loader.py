@@ -169,3 +169,40 @@ def test_quantized_default_model_is_smaller_and_answers(default_model, quant, ma
     assert model.weights_bytes < max_fraction * float32_bytes
     reply = model.generate("What is the capital of France?", greedy=True, max_new_tokens=24)
     assert "Paris" in reply, reply
+
+
+def test_the_conversion_progress_moves_while_the_weights_are_converted():
+    """A first start converts the default GGUF (tens of seconds on 2 cores): while the weights are dequantized the
+    bar moves every half second toward its step's end, with the seconds spent, and stops when the step ends."""
+    import time
+
+    from engine.gguf import _ticking
+
+    seen = []
+    with _ticking(lambda message, fraction: seen.append((message, fraction)), "Converting", 0.05, 0.8, 1.0):
+        time.sleep(1.8)
+    count = len(seen)
+    time.sleep(0.7)
+    assert len(seen) == count >= 3  # ticked while it ran, not after
+    fractions = [f for _, f in seen]
+    assert fractions == sorted(fractions) and 0.05 < fractions[0] and fractions[-1] < 0.8
+    assert seen[-1][0].startswith("Converting (") and seen[-1][0].endswith(" s)")
+
+
+@pytest.mark.model
+def test_first_load_progress_runs_forward_from_the_conversion_into_the_load(monkeypatch):
+    from engine import DSV41Config, DSV41Model, loader
+
+    real = loader.resolve_source
+
+    def converting(model_path, *, progress=None):  # as a first start's conversion reports
+        for fraction in (0.0, 0.3, 0.85, 1.0):
+            progress("Converting model (first start only)…", fraction)
+        return real(model_path)
+
+    monkeypatch.setattr(loader, "resolve_source", converting)
+    seen = []
+    DSV41Model.from_pretrained(DSV41Config(), progress=lambda message, fraction: seen.append((message, fraction)))
+    fractions = [f for _, f in seen]
+    assert fractions == sorted(fractions) and fractions[-1] == 1.0  # never back to a lower figure
+    assert max(f for m, f in seen if "Converting" in m) == 0.6 and any("Loading" in m for m, _ in seen)
