@@ -11,6 +11,7 @@ from PySide6.QtCore import QObject, Qt, Signal
 from PySide6.QtGui import QFont, QIcon
 from PySide6.QtWidgets import QApplication, QMessageBox
 
+from . import theme
 from .paths import resource
 
 log = logging.getLogger("app")
@@ -61,6 +62,7 @@ def app_icon() -> QIcon:
 
 
 def style_sheet() -> str:
+    """The style sheet's template: colours as @name (app/theme.py fills them in)."""
     path = resource("style.qss")
     return path.read_text(encoding="utf-8") if path is not None else ""
 
@@ -76,7 +78,12 @@ def make_application(argv: list[str] | None = None) -> QApplication:
     # A CJK fallback after the UI font, so Chinese renders even where the UI font lacks it.
     font.setFamilies([font.family(), "Noto Sans CJK SC", "Noto Sans SC", "Microsoft YaHei", "PingFang SC"])
     app.setFont(font)
-    app.setStyleSheet(style_sheet())
+    template = style_sheet()
+    theme.apply(app, template)
+    try:  # follow the system when it switches between light and dark (Qt 6.5+)
+        app.styleHints().colorSchemeChanged.connect(lambda _scheme: theme.apply(app, template))
+    except AttributeError:
+        pass
     return app
 
 

@@ -10,6 +10,7 @@ from PySide6.QtCore import QPointF, QRectF, Qt
 from PySide6.QtGui import QColor, QPainter, QPainterPath, QPen
 from PySide6.QtWidgets import QGridLayout, QGroupBox, QLabel, QSizePolicy, QVBoxLayout, QWidget
 
+from .. import theme
 from ..format import fmt_bytes, kv_line, ratio_line
 
 MEMORY_COLORS = {
@@ -44,7 +45,7 @@ class StackedBar(QWidget):
         path = QPainterPath()
         path.addRoundedRect(rect, 4, 4)
         painter.setClipPath(path)
-        painter.fillRect(rect, QColor("#eef0f3"))
+        painter.fillRect(rect, theme.color("bar_track"))
         total = sum(v for _, v in self.segments)
         if total > 0:
             widths = [max(rect.width() * v / total, 2.0) if v > 0 else 0.0 for _, v in self.segments]
@@ -52,10 +53,11 @@ class StackedBar(QWidget):
             x = rect.left()
             for (name, _), width in zip(self.segments, widths, strict=False):
                 w = width * scale
-                painter.fillRect(QRectF(x, rect.top(), w, rect.height()), QColor(self.colors.get(name, "#888")))
+                fill = theme.color("free") if name == "Free" else QColor(self.colors.get(name, "#888"))
+                painter.fillRect(QRectF(x, rect.top(), w, rect.height()), fill)
                 x += w
         painter.setClipping(False)
-        painter.setPen(QPen(QColor("#b8bec6")))
+        painter.setPen(QPen(theme.color("bar_outline")))
         painter.drawPath(path)
 
 
@@ -78,11 +80,11 @@ class Timeline(QWidget):
         painter = QPainter(self)
         painter.setRenderHint(QPainter.RenderHint.Antialiasing)
         rect = QRectF(self.rect()).adjusted(1, 1, -1, -12)
-        painter.fillRect(QRectF(self.rect()), QColor("#fafbfc"))
-        painter.setPen(QPen(QColor("#d5d9de")))
+        painter.fillRect(QRectF(self.rect()), theme.color("plot"))
+        painter.setPen(QPen(theme.color("plot_grid")))
         painter.drawRect(rect)
         if not self.samples:
-            painter.setPen(QColor("#8a9099"))
+            painter.setPen(theme.color("plot_text"))
             painter.drawText(rect, Qt.AlignmentFlag.AlignCenter, "no samples yet")
             return
         now = self.samples[-1][0]
@@ -103,7 +105,7 @@ class Timeline(QWidget):
                     path.lineTo(QPointF(x, y))
             painter.setPen(QPen(QColor(color), 1.6))
             painter.drawPath(path)
-        painter.setPen(QColor("#6b717a"))
+        painter.setPen(theme.color("plot_text"))
         font = painter.font()
         font.setPointSizeF(max(font.pointSizeF() - 1.5, 6.5))
         painter.setFont(font)
@@ -220,5 +222,5 @@ class MemoryPanel(QGroupBox):
         over = figures.total >= figures.limit
         total = f"{figures.total:,} / {figures.limit:,} tokens (max_seq_len)"
         if over:
-            total = f'<b style="color:#c0392b">{total} — does not fit</b>'
+            total = f'<b style="color:{theme.colors()["danger"]}">{total} — does not fit</b>'
         self.context_label.setText(f"{text}<br>{total}")

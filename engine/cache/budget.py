@@ -82,7 +82,8 @@ def explain_ratio(*, seen: int, stored: int, byte_ratio: float, settings, thresh
         if stored > budget:
             reasons.append(f"{stored - budget:,} reply entries wait for the turn's compaction")
         elif budget > math.ceil(target * seen) and stored >= min(seen, budget) - 1:
-            reasons.append(f"a short chat is kept whole (floor {budget:,} entries)")
+            reasons.append(f"a short chat is kept whole (floor {budget:,} entries)" if stored >= seen - 1 else
+                           f"the cache never keeps fewer than {budget:,} entries")
     elif token_ratio < min(target, budget / seen) * 0.98:
         if threshold_applies and s.ced_threshold > 0:
             reasons.append(f"threshold {s.ced_threshold:.2f} removed more")

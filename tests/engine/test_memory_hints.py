@@ -55,6 +55,7 @@ def test_the_ratio_the_slider_asks_for_against_the_caches_is_explained():
     assert _why(1_000, 210, 0.21, kv_cache_ratio=0.5, ced_threshold=0.1, applies=False) == "compacted further"
     # a short chat stays whole under the budget floor
     assert _why(100, 100, 1.0, kv_cache_ratio=0.5) == "a short chat is kept whole (floor 128 entries)"
+    assert _why(177, 128, 0.72, kv_cache_ratio=0.5) == "the cache never keeps fewer than 128 entries"
     # a reply grew past the budget and waits for the end-of-turn compaction
     assert _why(1_000, 540, 0.54, kv_cache_ratio=0.5) == "40 reply entries wait for the turn's compaction"
     # slider 1.00, cache x1.05: positions and scores ride along with every entry
