@@ -39,6 +39,7 @@ from .widgets.chat_view import ChatView, MessageBubble
 from .widgets.composer import Composer
 from .widgets.conversation_list import ConversationList
 from .widgets.document_chips import DocumentChips
+from .widgets.download_dialog import DownloadDialog
 from .widgets.knob_panel import KnobPanel
 from .widgets.memory_panel import MemoryPanel
 from .widgets.model_panel import ModelPanel
@@ -253,6 +254,7 @@ class MainWindow(QMainWindow):
         self.turns.refused.connect(self._on_turn_refused)
 
         self.model_panel.load_requested.connect(self.load_model)
+        self.model_panel.download_requested.connect(self.open_download)
         self.conversations.selected.connect(self.show_conversation)
         self.conversations.new_requested.connect(self.new_conversation)
         self.conversations.delete_requested.connect(self.delete_conversation)
@@ -320,6 +322,30 @@ class MainWindow(QMainWindow):
         self._update_actions()
         self.settings.set_json(Key.MODEL, options)
         self.client.load_model.emit({**options, **self.knob_panel.values()})
+
+    def open_download(self) -> DownloadDialog:
+        """The hub download dialog, its estimates at this machine's free memory and the panel's context and knobs;
+        a finished download is loaded."""
+        if self.report is not None:
+            free = self.report.free
+        else:
+            import psutil
+
+            free = psutil.virtual_memory().available
+        knobs = self.knob_panel.values()
+        device = self.facts.device if self.facts is not None else "cpu"
+        dialog = DownloadDialog(self, context=self.model_panel.max_seq_len.value(), free_bytes=free, device=device,
+                                ratio=knobs["kv_cache_ratio"], cold_tier=knobs["cold_tier"] != "off",
+                                weight_quant=self.model_panel.weights.currentData())
+        dialog.downloaded.connect(self._on_downloaded)
+        self.download_dialog = dialog
+        dialog.open()
+        return dialog
+
+    def _on_downloaded(self, path: str) -> None:
+        self.model_panel.source.setCurrentText(path)
+        self.statusBar().showMessage(f"Downloaded to {path}", 8000)
+        self.load_model(self.model_panel.options())
 
     def _on_loaded(self, facts) -> None:
         self.loading = False

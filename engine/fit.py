@@ -56,13 +56,13 @@ class FitEstimate:
         return "tight" if self.total <= self.free else "will not fit"
 
     def describe(self) -> str:
-        """'fits: 1.2 GB of 22.1 GB free RAM (weights 0.25 · KV 0.05 at 8,192 tokens · working 0.9)'."""
+        """'fits: 1.04 GB of 22.10 GB free RAM (weights 257 MB · KV 18 MB · working 785 MB)'."""
         return (f"{self.verdict}: {_gb(self.total)} of {_gb(self.free)} free {self.where} (weights {_gb(self.weights)}"
                 f" · KV {_gb(self.kv)} · working {_gb(self.working)})")
 
 
 def _gb(n: int) -> str:
-    return f"{n / GB:.2f} GB"
+    return f"{n / GB:.2f} GB" if n >= GB else f"{n / 2**20:.0f} MB"
 
 
 def gguf_bits(file_name: str) -> float:

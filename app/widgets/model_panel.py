@@ -9,6 +9,7 @@ from PySide6.QtWidgets import (
     QFileDialog,
     QHBoxLayout,
     QLabel,
+    QMenu,
     QProgressBar,
     QPushButton,
     QSizePolicy,
@@ -34,6 +35,7 @@ class ElidedLabel(QLabel):
 
 class ModelPanel(QWidget):
     load_requested = Signal(dict)  # DSV41Config fields that need a (re)load
+    download_requested = Signal()  # the user wants a model from the hub (the window opens the dialog)
 
     def __init__(self, parent: QWidget | None = None):
         super().__init__(parent)
@@ -57,12 +59,15 @@ class ModelPanel(QWidget):
                                "or a Hugging Face hub id such as HuggingFaceTB/SmolLM2-360M-Instruct")
         self.source.lineEdit().setPlaceholderText("default, a folder, a .gguf file or a hub id")
         row.addWidget(self.source, 2)
-        self.folder_button = QPushButton("Folder…")
-        self.folder_button.clicked.connect(self._pick_folder)
-        self.gguf_button = QPushButton(".gguf…")
-        self.gguf_button.clicked.connect(self._pick_gguf)
-        row.addWidget(self.folder_button)
-        row.addWidget(self.gguf_button)
+        self.open_button = QPushButton("Open")
+        self.open_button.setToolTip("A model folder, a .gguf file, or a download from the Hugging Face hub")
+        menu = QMenu(self.open_button)
+        menu.addAction("Model folder…", self._pick_folder)
+        menu.addAction(".gguf file…", self._pick_gguf)
+        menu.addSeparator()
+        self.download_action = menu.addAction("Download from the Hugging Face hub…", self.download_requested.emit)
+        self.open_button.setMenu(menu)
+        row.addWidget(self.open_button)
         row.addWidget(QLabel("Weights"))
         self.weights = QComboBox()
         for value, label in WEIGHTS:
