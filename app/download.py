@@ -191,7 +191,7 @@ def _explain(exc: BaseException, repo_id: str, file: str | None = None) -> str:
     if name in ("LocalEntryNotFoundError", "OfflineModeIsEnabled", "ConnectError", "ConnectionError",
                 "ConnectTimeout", "ReadTimeout", "TimeoutException") or "connect" in text.lower():
         return ("The Hugging Face hub cannot be reached (offline?). Connect to the internet and try again, or pick "
-                "a model folder (Folder…) or a .gguf file (.gguf…) that is already on this machine.")
+                "a model folder or a .gguf file that is already on this machine (Open → Model folder… / .gguf file…).")
     if "peer closed connection" in text or "RemoteProtocolError" in name or "IncompleteRead" in text:
         return (f"The connection dropped while downloading {file or 'a file'} and could not be resumed. Start the "
                 "download again: the files already finished are kept.")

@@ -120,10 +120,17 @@ def working_bytes(config: dict, *, device: str, context: int, chunk: int = 512) 
     return (GPU_RUNTIME_BYTES if device.startswith("cuda") else CPU_RUNTIME_BYTES) + activations + attention
 
 
+def checkpoint_dtype_bytes(config: dict) -> int:
+    """Bytes per weight of a safetensors checkpoint, from its config.json ('dtype' / 'torch_dtype'; 2 if unsaid)."""
+    name = str(config.get("dtype") or config.get("torch_dtype") or "bfloat16")
+    return 4 if "32" in name else 2
+
+
 def estimate(config: dict, checkpoint_bytes: int, *, kind: str, context: int, free: int, device: str = "cpu",
-             weight_quant: str = "none", ratio: float = 0.5, kv_int8: bool = False, dtype_bytes: int = 2,
+             weight_quant: str = "none", ratio: float = 0.5, kv_int8: bool = False, dtype_bytes: int | None = None,
              file_name: str = "", chunk: int = 512, params: int | None = None, cold_tier: bool = True) -> FitEstimate:
     """The estimate for a model (its config.json) of `checkpoint_bytes` at `context` tokens against `free` bytes."""
+    dtype_bytes = checkpoint_dtype_bytes(config) if dtype_bytes is None else dtype_bytes
     weights = weight_bytes(checkpoint_bytes, kind=kind, weight_quant=weight_quant, dtype_bytes=dtype_bytes,
                            file_name=file_name, params=params)
     kv = kv_bytes(config, context, ratio=ratio, int8=kv_int8, cold_tier=cold_tier)

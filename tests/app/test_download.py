@@ -106,5 +106,5 @@ def test_errors_are_said_with_what_to_do(hub, tmp_path):
     closed = HubMirror({})
     url = closed.url
     closed.close()
-    with pytest.raises(download.DownloadError, match="cannot be reached.*Folder…"):
+    with pytest.raises(download.DownloadError, match="cannot be reached.*Model folder…"):
         download.list_files("org/tiny", endpoint=url)

@@ -74,5 +74,5 @@ def test_cancel_a_download_and_the_messages_for_a_missing_repository_and_no_conn
     assert "no model org/missing" in dialog.status.text() and dialog.choices.count() == 0
     hub.close()
     _find(qtbot, dialog)
-    assert "cannot be reached" in dialog.status.text() and "Folder" in dialog.status.text()
+    assert "cannot be reached" in dialog.status.text() and "Model folder…" in dialog.status.text()
     dialog.reject()

@@ -53,3 +53,9 @@ def test_a_local_gguf_counts_its_parameters_from_its_tensor_table():
 
     params = fit.gguf_parameters(loader.default_gguf_path())
     assert params is not None and 130e6 < params < 140e6  # SmolLM2-135M
+
+
+def test_a_float32_checkpoint_is_counted_at_its_parameters():
+    f32 = fit.estimate({**CONFIG, "torch_dtype": "float32"}, 542_000_000, kind="safetensors", context=1024, free=fit.GB)
+    bf16 = fit.estimate({**CONFIG, "dtype": "bfloat16"}, 271_000_000, kind="safetensors", context=1024, free=fit.GB)
+    assert f32.weights == bf16.weights == 271_000_000  # 135.5M parameters held as bf16 either way
