@@ -112,6 +112,9 @@ def apply(app, template: str, theme: str | None = None) -> str:
     app.setPalette(palette)
     app.setStyleSheet(style_sheet(template, theme))
     for widget in app.allWidgets():
+        changed = getattr(widget, "theme_changed", None)
+        if callable(changed):  # widgets that baked a colour in (the chat's code blocks)
+            changed()
         widget.update()
     return theme
 

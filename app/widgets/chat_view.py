@@ -83,6 +83,10 @@ class MarkdownView(QTextBrowser):
         self.setPlainText(text)
         self._fit()
 
+    def theme_changed(self) -> None:
+        """The palette changed (light / dark): shade the code blocks with the new one (app.theme.apply calls it)."""
+        self._style_code_blocks()
+
     def _style_code_blocks(self) -> None:
         """Shade fenced code and let long lines wrap (the bubble never scrolls sideways)."""
         doc = self.document()
@@ -165,6 +169,7 @@ class MessageBubble(QFrame):
             tokens = f" · ~{info.tokens:,} tokens" if info.tokens else ""
             chip = QLabel(f"❐ {info.name}{pages} · {info.chars:,} chars{tokens}")
             chip.setObjectName("bubbleAttachment")
+            chip.setWordWrap(True)  # never wider than the chat: a narrow window wraps it
             layout.addWidget(chip)
         self.progress = QLabel("")
         self.progress.setObjectName("bubbleProgress")
@@ -179,6 +184,7 @@ class MessageBubble(QFrame):
         layout.addWidget(self.error_label)
         self.footer = QLabel(footer)
         self.footer.setObjectName("bubbleFooter")
+        self.footer.setWordWrap(True)
         self.footer.setVisible(bool(footer))
         layout.addWidget(self.footer)
         self.text = ""

