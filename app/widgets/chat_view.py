@@ -20,6 +20,7 @@ from PySide6.QtWidgets import (
 )
 
 from ..format import pages as page_count
+from . import fit_to_text
 
 _FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
 COPY_SCHEME = "copy"
@@ -148,6 +149,7 @@ class MessageBubble(QFrame):
         self.copy_button.setFlat(True)
         self.copy_button.setCursor(Qt.CursorShape.PointingHandCursor)
         self.copy_button.clicked.connect(self.copy_text)
+        fit_to_text(self.copy_button, padding=12)
         self.previous_button = self._head_button("‹", "The previous version of this reply", "previous")
         self.version_label = QLabel("")
         self.version_label.setObjectName("bubbleVersion")
@@ -199,6 +201,7 @@ class MessageBubble(QFrame):
         button.setToolTip(tip)
         button.setCursor(Qt.CursorShape.PointingHandCursor)
         button.clicked.connect(lambda: self.action_requested.emit(action, self.message_id or 0))
+        fit_to_text(button, padding=12)  # flat links, not 80-px buttons: a narrow chat keeps them all
         return button
 
     def set_versions(self, index: int, count: int) -> None:
