@@ -8,7 +8,7 @@ import sys
 import threading
 
 from .config import KNOBS, KNOBS_LIST, USER_DEFAULTS, DSV41Config
-from .errors import EngineError
+from .errors import ConfigError, EngineError
 
 
 def _number(text: str) -> int | float:
@@ -244,6 +244,15 @@ def _checkout_tool(module: str, argv: list[str], prog: str) -> int:
     return main(argv, prog=prog)
 
 
+def cmd_serve(args) -> int:
+    from .server import LOOPBACK, serve
+
+    if args.host not in LOOPBACK and not args.api_key:  # said before the model loads
+        raise ConfigError("host", args.host, "127.0.0.1, or another address together with --api-key")
+    serve(_load(args), host=args.host, port=args.port, api_key=args.api_key)
+    return 0
+
+
 def cmd_bench(args) -> int:
     return _checkout_tool("benchmarks.speed", args.argv, "python -m engine bench")
 
@@ -269,6 +278,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--document", required=True)
     p.add_argument("--prompt", default="Summarise the document in one sentence.")
     p.set_defaults(func=cmd_memory, max_new_tokens=32)
+    p = sub.add_parser("serve", help="the model as an OpenAI-compatible API (POST /v1/chat/completions)")
+    _model_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (another than 127.0.0.1 needs --api-key)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require Authorization: Bearer <key> on every request")
+    p.set_defaults(func=cmd_serve)
     p = sub.add_parser("doctor", help="check the installation and suggest fixes")
     p.set_defaults(func=cmd_doctor)
     # every argument goes to the benchmark's own parser (no "-" prefix here, so none is taken as an option)

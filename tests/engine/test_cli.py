@@ -81,3 +81,11 @@ def test_the_terminal_chat_starts_with_the_cold_tier_on_as_the_app_does():
     assert _config(build_parser().parse_args(["chat", "--cold-tier", "off"])).cold_tier == "off"
     assert KNOBS["cold_tier"].default == "off"  # the engine API's default: the benchmarks' baseline
     assert app_knobs.DEFAULTS["cold_tier"] == "ram"
+
+
+def test_serve_refuses_another_address_without_an_api_key_before_loading(capsys):
+    from engine import cli as engine_cli
+
+    assert engine_cli.main(["serve", "--host", "0.0.0.0"]) == 2
+    err = capsys.readouterr().err
+    assert "host" in err and "--api-key" in err and "Loaded" not in err

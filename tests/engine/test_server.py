@@ -1,0 +1,147 @@
+"""python -m engine serve (engine/server.py): a real uvicorn server on 127.0.0.1 in front of the default model,
+driven with the standard library's HTTP client as an OpenAI client would: models, a completion with usage, the
+same conversation resent with one more turn (only the new turn is read), another conversation kept apart,
+streaming by server-sent events, our cache knobs and memory report, a context overflow refused with the numbers,
+a full queue answered 429, the API key, and the loopback rule."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+pytestmark = pytest.mark.model
+
+
+@pytest.fixture(scope="module")
+def server(default_model):
+    import uvicorn
+
+    from engine.server import create_app
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    app = create_app(default_model, api_key="secret", queue=1)
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
+    running = uvicorn.Server(config)
+    thread = threading.Thread(target=running.run, daemon=True)
+    thread.start()
+    end = time.time() + 20
+    while not running.started and time.time() < end:
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", default_model
+    running.should_exit = True
+    thread.join(10)
+
+
+def call(url, path, body=None, key="secret"):
+    request = urllib.request.Request(url + path, data=None if body is None else json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json",
+                                              **({"Authorization": f"Bearer {key}"} if key else {})})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, response.headers, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.headers, exc.read().decode()
+
+
+def chat(url, messages, **extra):
+    status, _, text = call(url, "/v1/chat/completions", {"messages": messages, "max_tokens": 12, "temperature": 0,
+                                                         **extra})
+    return status, json.loads(text)
+
+
+def test_models_completion_and_the_conversation_resent_reads_only_its_new_turn(server):
+    url, model = server
+    status, _, text = call(url, "/v1/models")
+    assert status == 200 and json.loads(text)["data"][0]["object"] == "model"
+    first = [{"role": "user", "content": "What is the capital of France?"}]
+    status, body = chat(url, first)
+    assert status == 200, body
+    answer = body["choices"][0]["message"]["content"]
+    assert "Paris" in answer and body["choices"][0]["finish_reason"] in ("stop", "length")
+    usage = body["usage"]
+    assert usage["prompt_tokens"] > 10 and usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert body["dsv41"]["tokens_seen"] >= usage["prompt_tokens"] and "compression_ratio" in body["dsv41"]
+    # the client resends the whole conversation with one more question: only that turn is read
+    second = first + [{"role": "assistant", "content": answer}, {"role": "user", "content": "And of Italy?"}]
+    status, again = chat(url, second)
+    assert status == 200 and again["usage"]["prompt_tokens"] < usage["prompt_tokens"]
+    # another conversation is read from the start, in a cache of its own
+    status, other = chat(url, [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi."}])
+    assert status == 200 and other["dsv41"]["tokens_seen"] < again["dsv41"]["tokens_seen"]
+    status, back = chat(url, second + [{"role": "assistant", "content": again["choices"][0]["message"]["content"]},
+                                      {"role": "user", "content": "Thanks."}])
+    assert status == 200 and back["usage"]["prompt_tokens"] < usage["prompt_tokens"]  # its cache was kept apart
+
+
+def test_streaming_by_server_sent_events(server):
+    url, _ = server
+    status, headers, text = call(url, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "Count to five."}], "max_tokens": 10, "stream": True,
+        "temperature": 0})
+    assert status == 200 and headers["content-type"].startswith("text/event-stream")
+    events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] and chunks[-1]["usage"]["completion_tokens"] > 0
+
+
+def test_cache_knobs_are_extensions_validated_like_the_config(server):
+    url, model = server
+    status, body = chat(url, [{"role": "user", "content": "Hi"}], kv_cache_ratio=0.4)
+    assert status == 200 and body["dsv41"]["kv_target_ratio"] == 0.4 and model.config.kv_cache_ratio == 0.4
+    status, body = chat(url, [{"role": "user", "content": "Hi"}], kv_cache_ratio=7)
+    assert status == 400 and "kv_cache_ratio" in body["error"]["message"]
+    status, _, text = call(url, "/v1/dsv41/memory")
+    assert status == 200 and json.loads(text)["kv_target_ratio"] == 0.4
+    chat(url, [{"role": "user", "content": "Hi"}], kv_cache_ratio=0.5)
+
+
+def test_refusals_say_why_before_any_work(server):
+    url, model = server
+    huge = "word " * (model.context_limit + 100)
+    status, body = chat(url, [{"role": "user", "content": huge}])
+    assert status == 400 and body["error"]["code"] == "context_length_exceeded"
+    assert f"holds {model.context_limit}" in body["error"]["message"]  # the numbers, not a silent cut
+    status, body = chat(url, [{"role": "assistant", "content": "no question"}])
+    assert status == 400 and body["error"]["type"] == "invalid_request_error"
+    status, _, text = call(url, "/v1/models", key=None)
+    assert status == 401 and "Bearer" in json.loads(text)["error"]["message"]
+    status, _, text = call(url, "/v1/models", key="wrong")
+    assert status == 401
+
+
+def test_a_full_queue_answers_429_with_retry_after(server):
+    url, _ = server
+    results = []
+
+    def slow():
+        results.append(chat(url, [{"role": "user", "content": "Write a long story."}], max_tokens=200))
+
+    threads = [threading.Thread(target=slow) for _ in range(3)]  # one runs, one waits (queue=1), one is refused
+    for t in threads:
+        t.start()
+        time.sleep(0.3)
+    for t in threads:
+        t.join(300)
+    statuses = sorted(status for status, _ in results)
+    assert statuses == [200, 200, 429], statuses
+    refused = next(body for status, body in results if status == 429)
+    assert refused["error"]["type"] == "rate_limit_error"
+
+
+def test_another_address_needs_an_api_key(default_model):
+    from engine.errors import ConfigError
+    from engine.server import serve
+
+    with pytest.raises(ConfigError, match="api-key"):
+        serve(default_model, host="0.0.0.0", port=0)
