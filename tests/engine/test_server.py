@@ -145,3 +145,21 @@ def test_another_address_needs_an_api_key(default_model):
 
     with pytest.raises(ConfigError, match="api-key"):
         serve(default_model, host="0.0.0.0", port=0)
+
+
+def test_a_client_that_goes_away_mid_stream_stops_the_reply(server, monkeypatch):
+    url, model = server
+    settings = model.generation_settings
+    # the reply would run its whole 3,000 tokens (~40 s here) unless the disconnect stops it
+    monkeypatch.setattr(model, "generation_settings", lambda **kw: settings(**{**kw, "ignore_eos": True}))
+    request = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps({
+        "messages": [{"role": "user", "content": "Write a very long story about the sea."}], "max_tokens": 3000,
+        "stream": True, "temperature": 0}).encode(),
+        headers={"Content-Type": "application/json", "Authorization": "Bearer secret"})
+    response = urllib.request.urlopen(request, timeout=60)
+    assert response.readline().startswith(b"data: ")  # the reply has started
+    response.close()  # the client goes away
+    started = time.time()
+    status, body = chat(url, [{"role": "user", "content": "Hi"}])
+    # had the 3,000-token reply gone on, this request would have waited for it behind the engine
+    assert status == 200 and time.time() - started < 10
