@@ -121,6 +121,8 @@ class ConversationStore:
         except (OSError, sqlite3.Error) as exc:
             self.db = self._open_read_only(exc)
             self.recovered = 0
+        # whether replies carry versions (schema 2; a database only read, from before it, has none): asked once
+        self.has_versions = "active" in {r[1] for r in self.db.execute("PRAGMA table_info(messages)")}
 
     def _open_writable(self) -> sqlite3.Connection:
         db = sqlite3.connect(str(self.path), timeout=5.0)
@@ -251,12 +253,9 @@ class ConversationStore:
         self.db.execute("UPDATE conversations SET updated=? WHERE id=?", (now, conversation_id))
 
     # ------------------------------------------------------------------ messages
-    def _has_versions(self) -> bool:
-        return "active" in {r[1] for r in self.db.execute("PRAGMA table_info(messages)")}
-
     def messages(self, conversation_id: int) -> list[Message]:
         """The conversation as shown and read: each reply's active version."""
-        where = " AND active=1" if self._has_versions() else ""
+        where = " AND active=1" if self.has_versions else ""
         rows = self.db.execute(f"SELECT * FROM messages WHERE conversation_id=?{where} ORDER BY id",
                                (conversation_id,))
         out = []

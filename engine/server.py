@@ -25,7 +25,7 @@ import uuid
 from collections import OrderedDict
 
 from .config import CACHE_KNOBS
-from .errors import BusyError, ConfigError, ContextOverflowError, EngineError
+from .errors import ConfigError, ContextOverflowError
 from .events import Done, TokenText
 
 SESSIONS = 4  # conversations whose caches are kept
@@ -180,9 +180,8 @@ def create_app(model, *, api_key: str | None = None, queue: int = QUEUE, name: s
                                           "prompt_tokens": stats.prefill_tokens if stats else 0,
                                           "completion_tokens": stats.decode_tokens if stats else 0,
                                           "memory": memory(session)}))
-            except (EngineError, BusyError) as exc:
-                put(("error", exc))
-            except Exception as exc:  # noqa: BLE001 - the request ends with the error; the server stays up
+            except Exception as exc:  # noqa: BLE001 - the request ends with the error (an EngineError's message is
+                # the user's), and the server stays up
                 put(("error", exc))
             finally:
                 put(("end", None))

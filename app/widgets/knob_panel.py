@@ -145,6 +145,7 @@ class KnobPanel(QGroupBox):
         gen_form.addRow("Repetition penalty", self.repetition_penalty)
         gen_form.addRow("Seed", self.seed)
         layout.addWidget(gen)
+        self._generation_quiet = False  # True while set_generation puts values in (no generation_changed then)
         self.set_generation(defaults)
         for box in (self.max_tokens, self.temperature, self.top_p, self.top_k, self.repetition_penalty, self.seed):
             box.valueChanged.connect(self._generation_edited)
@@ -209,7 +210,7 @@ class KnobPanel(QGroupBox):
 
     def _generation_edited(self, *_args) -> None:
         self._sampling_enabled()
-        if not getattr(self, "_generation_quiet", False):
+        if not self._generation_quiet:
             self.generation_changed.emit(self.generation())
 
     def _sampling_enabled(self) -> None:
