@@ -296,3 +296,22 @@ def test_recall_mass_is_each_cold_entrys_share_of_one_softmax_over_hot_and_cold(
     probs = torch.softmax(torch.cat([hot_logits, q @ cold.double().transpose(1, 2) * 0.25], dim=-1), dim=-1)
     assert torch.allclose(got.double(), probs[..., s:].sum(dim=1), atol=1e-5)
     assert got.shape == (h, c) and float(got.sum()) <= h * groups * tq + 1e-4
+
+
+def test_a_cache_with_the_cold_tier_is_freed_as_soon_as_it_is_dropped():
+    """No reference cycle: a dropped chat's cache (its hot and cold tensors) goes at once, not at some later run
+    of the cyclic collector (a server dropping chats grew by 900 MiB over 240 of them that way)."""
+    import gc
+    import weakref
+
+    gc.disable()
+    try:
+        cache = _cache(cold_tier="ram", kv_cache_ratio=0.25)
+        _read(cache, 300, seed=0)
+        cache.finish_prefill()
+        assert cache.cold_bytes() > 0  # the cold tier holds something (and has asked where to spill)
+        gone = weakref.ref(cache)
+        del cache
+        assert gone() is None
+    finally:
+        gc.enable()
