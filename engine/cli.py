@@ -8,7 +8,7 @@ import sys
 import threading
 
 from .config import KNOBS, KNOBS_LIST, USER_DEFAULTS, DSV41Config
-from .errors import ConfigError, EngineError
+from .errors import EngineError
 
 
 def _number(text: str) -> int | float:
@@ -245,10 +245,9 @@ def _checkout_tool(module: str, argv: list[str], prog: str) -> int:
 
 
 def cmd_serve(args) -> int:
-    from .server import LOOPBACK, serve
+    from .server import check_bind, serve
 
-    if args.host not in LOOPBACK and not args.api_key:  # said before the model loads
-        raise ConfigError("host", args.host, "127.0.0.1, or another address together with --api-key")
+    check_bind(args.host, args.api_key)  # said before the model loads
     serve(_load(args), host=args.host, port=args.port, api_key=args.api_key)
     return 0
 

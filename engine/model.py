@@ -19,7 +19,6 @@ import threading
 import time
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -33,8 +32,9 @@ from .cache.budget import budget_for
 from .cache.kv_cache import kv_bytes_per_token
 from .config import CACHE_KNOBS, DSV41Config
 from .documents import Document, format_for_prompt
-from .errors import ConfigError, ModelLoadError
+from .errors import ConfigError, ContextOverflowError, ModelLoadError
 from .events import ContextUsage, Done, Event, TokenText
+from .info import LoadInfo, ReconfigureResult
 from .memory import MemoryReport
 from .models import adapter
 from .sampling import GenerationSettings
@@ -43,29 +43,6 @@ from .session import ChatSession
 log = logging.getLogger(__name__)
 
 AUTO_HEADROOM_FRACTION = 0.5  # of free memory a document turn may fill before compacting mid-stream
-
-
-@dataclass(frozen=True)
-class LoadInfo:
-    source_kind: str
-    display_name: str
-    folder: str
-    resolve_seconds: float  # includes a first-time GGUF conversion
-    load_seconds: float
-    device: str
-    dtype: str
-    weight_quant: str
-    attention_backend: str
-    weight_storage: str = ""  # how the weights are held when it differs from dtype: "bf16" or "int8" (kernels)
-    prefill_bf16: bool = False  # prefill multiplies the bf16-held matrices in bf16 (adapter.set_prefill_bf16)
-    attention_kernels: str = ""  # which kernel each attention call runs (attention.attention_kernels)
-
-
-@dataclass(frozen=True)
-class ReconfigureResult:
-    action: str  # "compacted" | "recalled" | "rebuilt" | "deferred" | "unchanged"
-    before: MemoryReport | None
-    after: MemoryReport | None
 
 
 class DSV41Model:
@@ -320,6 +297,19 @@ class DSV41Model:
             if isinstance(event, Done):
                 text = event.text
         return text
+
+    def complete(self, text: str, *, cancel=None, **settings) -> Iterator[Event]:
+        """A raw continuation of `text` (no chat template; its markers are plain text) in a cache of its own:
+        the server's /v1/completions. Raises ContextOverflowError before any work when it cannot fit."""
+        from .generate import TurnPlan, run_turn
+
+        ids = chat_template.encode_text(self.tokenizer, text)
+        if len(ids) + 1 > self.context_limit:
+            raise ContextOverflowError(len(ids) + 1, self.context_limit, {"prompt": len(ids)})
+        generation = self.generation_settings(**settings)
+        plan = TurnPlan(ids, min(len(ids), 64), self.prefill_chunk, None, self.context_limit)
+        return run_turn(self.hf_model, self.tokenizer, self.new_cache(), plan, generation, cancel=cancel,
+                        eos_ids=self.eos_ids)
 
     def warmup(self, sample_inputs=("你好", "请介绍一下你自己"), max_new_tokens: int = 4) -> list[float]:
         """Run short generations so kernels and allocators are initialised; returns each TTFT in seconds."""

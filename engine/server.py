@@ -1,18 +1,23 @@
 """`python -m engine serve`: the loaded model as an OpenAI-compatible HTTP API (Starlette on uvicorn).
 
     POST /v1/chat/completions   messages (system / user / assistant), max_tokens, temperature, top_p, seed, stop,
-                                stream (server-sent events); `usage`; our extensions: the cache knobs as extra
-                                fields (validated like the config) and `dsv41` (the memory report) in the response
-    GET  /v1/models             the one loaded model
+                                stream (server-sent events); `usage`; top_k and repetition_penalty as vLLM takes
+                                them; our extensions: the cache knobs as extra fields (validated like the config)
+                                and `dsv41` (the memory report) in the response
+    POST /v1/completions        a raw text continuation of `prompt` (no chat template; a fresh cache each time)
+    GET  /v1/models             the one loaded model (with max_model_len, as vLLM reports it)
     GET  /v1/dsv41/memory       the memory report of the last conversation
+    GET  /v1/dsv41/model        what the app needs to show and tune a model it reaches through this server
+    POST /v1/dsv41/tokens       token counts as the engine counts them (the app's context bar over the network)
 
 Requests run one at a time (the engine holds one model); a bounded queue waits behind the running one and a full
 queue answers 429 with Retry-After. A chat client resends the whole conversation every time: the request whose
 messages extend a kept conversation's reuses its cache (only the new turn is read, as in the app); another
 conversation gets a session (and cache) of its own, the least recently used of SESSIONS dropped. A request that
-cannot fit the context is refused before any work with the numbers (400, OpenAI's error shape), never truncated.
-A client that disconnects mid-reply cancels it; the session's cache and transcript stay consistent (ChatSession).
-Binds to 127.0.0.1; another address needs an API key (`Authorization: Bearer <key>`).
+cannot fit the context is refused before any work with the numbers (400, OpenAI's error shape, the numbers also
+under `dsv41`), never truncated. A client that disconnects mid-reply cancels it; the session's cache and transcript
+stay consistent (ChatSession). Binds to 127.0.0.1; another address needs an API key (`Authorization: Bearer <key>`).
+The app's own engine thread and the server share one lock (`engine_lock`) when the app serves its loaded model.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 
 from .config import CACHE_KNOBS
 from .errors import ConfigError, ContextOverflowError
@@ -66,6 +72,22 @@ class Conversations:
         return session
 
 
+def _sampling(body: dict) -> dict:
+    """The generation settings a request asks for (OpenAI's names, and vLLM's top_k / repetition_penalty)."""
+    settings = {}
+    if body.get("max_tokens") is not None or body.get("max_completion_tokens") is not None:
+        settings["max_new_tokens"] = body.get("max_completion_tokens") or body.get("max_tokens")
+    for name in ("temperature", "top_p", "seed", "top_k", "repetition_penalty"):
+        if body.get(name) is not None:
+            settings[name] = body[name]
+    if body.get("temperature") == 0:
+        settings["greedy"] = True
+    stop = body.get("stop")
+    if stop is not None:
+        settings["stop"] = (stop,) if isinstance(stop, str) else tuple(stop)
+    return settings
+
+
 def parse_request(body: dict) -> tuple[str | None, list[dict], str, dict, dict]:
     """(system prompt, history, the new user message, generation settings, cache knobs) or ConfigError."""
     messages = body.get("messages")
@@ -84,63 +106,143 @@ def parse_request(body: dict) -> tuple[str | None, list[dict], str, dict, dict]:
             turns.append({"role": role, "content": content})
     if not turns or turns[-1]["role"] != "user":
         raise ConfigError("messages", turns[-1]["role"] if turns else None, "a conversation ending with a user message")
-    settings = {}
-    if body.get("max_tokens") is not None or body.get("max_completion_tokens") is not None:
-        settings["max_new_tokens"] = body.get("max_completion_tokens") or body.get("max_tokens")
-    for ours, theirs in (("temperature", "temperature"), ("top_p", "top_p"), ("seed", "seed")):
-        if body.get(theirs) is not None:
-            settings[ours] = body[theirs]
-    if body.get("temperature") == 0:
-        settings["greedy"] = True
-    stop = body.get("stop")
-    if stop is not None:
-        settings["stop"] = (stop,) if isinstance(stop, str) else tuple(stop)
     knobs = {k: body[k] for k in CACHE_KNOBS if k in body}
-    return system, turns[:-1], turns[-1]["content"], settings, knobs
+    return system, turns[:-1], turns[-1]["content"], _sampling(body), knobs
 
 
-def create_app(model, *, api_key: str | None = None, queue: int = QUEUE, name: str | None = None):
-    """The ASGI app serving `model` (a DSV41Model)."""
+def parse_completion(body: dict) -> tuple[str, dict, dict]:
+    """(prompt, generation settings, cache knobs) of a /v1/completions request, or ConfigError."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt:
+        raise ConfigError("prompt", prompt, "one non-empty string")
+    settings = _sampling(body)
+    settings.setdefault("max_new_tokens", 16)  # OpenAI's default for completions
+    return prompt, settings, {k: body[k] for k in CACHE_KNOBS if k in body}
+
+
+def memory_figures(model, session) -> dict:
+    """The memory report as the server sends it: the headline figures, and the whole report under `report`."""
+    report = model.memory_report(session.cache if session is not None else None)
+    return {"kv_hot_bytes": report.kv_stored, "kv_cold_bytes": report.kv_cold + report.kv_cold_disk,
+            "kv_uncompressed_bytes": report.kv_uncompressed, "compression_ratio": report.compression_ratio,
+            "kv_target_ratio": report.kv_target_ratio, "tokens_seen": report.tokens_seen,
+            "stored_entries": report.kv_stored_tokens, "weights_bytes": report.weights,
+            "device": report.device, "report": report.to_dict()}
+
+
+def model_facts(model, model_id: str) -> dict:
+    """GET /v1/dsv41/model: the figures a remote app shows and the knobs it may change."""
+    info = model.info
+    return {"id": model_id, "display_name": info.display_name, "context_limit": int(model.context_limit),
+            "max_positions": int(model.max_positions), "kv_bytes_per_token": int(model.kv_bytes_per_token()),
+            "device": info.device, "dtype": info.dtype, "weight_quant": info.weight_quant,
+            "weight_storage": info.weight_storage, "attention_backend": info.attention_backend,
+            "attention_kernels": info.attention_kernels,
+            "cache_knobs": {k: v for k, v in model.config.to_dict().items() if k in CACHE_KNOBS}}
+
+
+def count_tokens(model, body: dict) -> dict:
+    """POST /v1/dsv41/tokens: `texts` counted as data, `messages` as the chat template renders them, `system`
+    as a system prompt, and `stored_kv` (token counts) as the KV bytes the cache keeps of them under `knobs`."""
+    from .chat_template import count_system
+
+    out: dict = {}
+    texts = body.get("texts", [])
+    messages = body.get("messages")
+    stored = body.get("stored_kv", [])
+    if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+        raise ConfigError("texts", texts, "a list of strings")
+    if not isinstance(stored, list) or not all(isinstance(n, int) and n >= 0 for n in stored):
+        raise ConfigError("stored_kv", stored, "a list of token counts")
+    out["counts"] = [model.count_tokens(t) for t in texts]
+    if messages is not None:
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and m.get("role") in ROLES
+                                                     and isinstance(m.get("content"), str) for m in messages):
+            raise ConfigError("messages", None, "a list of {role, content} with text content")
+        out["chat"] = model.count_chat(messages)
+    if body.get("system") is not None:
+        if not isinstance(body["system"], str):
+            raise ConfigError("system", body["system"], "a string")
+        out["system"] = count_system(model.tokenizer, body["system"])
+    knobs = body.get("knobs") or {}
+    if not isinstance(knobs, dict) or any(k not in CACHE_KNOBS for k in knobs):
+        raise ConfigError("knobs", knobs, "cache knobs (" + ", ".join(sorted(CACHE_KNOBS)) + ")")
+    out["stored_kv_bytes"] = [model.stored_kv_bytes(n, **knobs) for n in stored]
+    return out
+
+
+def create_app(model, *, api_key: str | None = None, queue: int = QUEUE, name: str | None = None,
+               engine_lock: threading.Lock | None = None):
+    """The ASGI app serving `model` (a DSV41Model). `engine_lock`: held around every engine call (pass the app's
+    own when the app serves the model it also chats with)."""
     from starlette.applications import Starlette
     from starlette.responses import JSONResponse, StreamingResponse
     from starlette.routing import Route
 
     conversations = Conversations(model)
-    engine_lock = threading.Lock()  # one engine call at a time
+    engine_lock = engine_lock or threading.Lock()  # one engine call at a time
+    # Every request's engine work runs on this one long-lived thread (a thread per request made glibc give each
+    # its own malloc arena: measured, the server's RSS grew 778 MiB over 160 short requests)
+    engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-request")
     waiting = {"n": 0}
     model_id = name or model.info.display_name
 
     def authorised(request) -> bool:
         return api_key is None or request.headers.get("authorization", "") == f"Bearer {api_key}"
 
-    def memory(session) -> dict:
-        report = model.memory_report(session.cache if session is not None else None)
-        return {"kv_hot_bytes": report.kv_stored, "kv_cold_bytes": report.kv_cold + report.kv_cold_disk,
-                "kv_uncompressed_bytes": report.kv_uncompressed, "compression_ratio": report.compression_ratio,
-                "kv_target_ratio": report.kv_target_ratio, "tokens_seen": report.tokens_seen,
-                "stored_entries": report.kv_stored_tokens, "weights_bytes": report.weights,
-                "device": report.device}
+    def unauthorised():
+        return error(401, "Missing or wrong API key: send Authorization: Bearer <key>.", "authentication_error")
 
     async def models(request):
         if not authorised(request):
-            return error(401, "Missing or wrong API key: send Authorization: Bearer <key>.", "authentication_error")
+            return unauthorised()
         return JSONResponse({"object": "list", "data": [{"id": model_id, "object": "model", "created": 0,
-                                                         "owned_by": "local"}]})
+                                                         "owned_by": "local",
+                                                         "max_model_len": int(model.context_limit)}]})
 
     async def memory_route(request):
         if not authorised(request):
-            return error(401, "Missing or wrong API key: send Authorization: Bearer <key>.", "authentication_error")
-        return JSONResponse(memory(conversations.last))
+            return unauthorised()
+        return JSONResponse(memory_figures(model, conversations.last))
 
-    async def completions(request):
+    async def model_route(request):
         if not authorised(request):
-            return error(401, "Missing or wrong API key: send Authorization: Bearer <key>.", "authentication_error")
+            return unauthorised()
+        return JSONResponse(model_facts(model, model_id))
+
+    async def tokens_route(request):
+        if not authorised(request):
+            return unauthorised()
         try:
             body = await request.json()
         except (ValueError, json.JSONDecodeError):
             return error(400, "The body is not JSON.")
         try:
-            system, history, prompt, settings, knobs = parse_request(body if isinstance(body, dict) else {})
+            return JSONResponse(count_tokens(model, body if isinstance(body, dict) else {}))
+        except ConfigError as exc:
+            return error(400, str(exc), code="invalid_value")
+
+    def overflow(exc: ContextOverflowError):
+        response = error(400, str(exc), code="context_length_exceeded")
+        payload = json.loads(response.body)
+        payload["dsv41"] = {"needed": exc.needed, "limit": exc.limit, "parts": exc.parts}
+        return JSONResponse(payload, 400)
+
+    async def run_request(request, chat: bool):
+        if not authorised(request):
+            return unauthorised()
+        try:
+            body = await request.json()
+        except (ValueError, json.JSONDecodeError):
+            return error(400, "The body is not JSON.")
+        body = body if isinstance(body, dict) else {}
+        try:
+            if chat:
+                system, history, prompt, settings, knobs = parse_request(body)
+            else:
+                prompt, settings, knobs = parse_completion(body)
             model.generation_settings(**settings)  # validated before queueing
             if knobs:
                 model.config.replace(**knobs)
@@ -165,10 +267,14 @@ def create_app(model, *, api_key: str | None = None, queue: int = QUEUE, name: s
                         return put(("cancelled", None))
                     if knobs:
                         model.reconfigure(None, **knobs)
-                    session = conversations.session_for(system, history)
-                    conversations.last = session
+                    session = None
                     try:
-                        stream = session.send(prompt, cancel=cancel, **settings)
+                        if chat:
+                            session = conversations.session_for(system, history)
+                            conversations.last = session
+                            stream = session.send(prompt, cancel=cancel, **settings)
+                        else:
+                            stream = model.complete(prompt, cancel=cancel, **settings)
                     except ContextOverflowError as exc:
                         return put(("refused", exc))
                     for event in stream:
@@ -179,78 +285,85 @@ def create_app(model, *, api_key: str | None = None, queue: int = QUEUE, name: s
                             put(("done", {"reason": event.reason, "text": event.text,
                                           "prompt_tokens": stats.prefill_tokens if stats else 0,
                                           "completion_tokens": stats.decode_tokens if stats else 0,
-                                          "memory": memory(session)}))
+                                          "memory": memory_figures(model, session)}))
             except Exception as exc:  # noqa: BLE001 - the request ends with the error (an EngineError's message is
                 # the user's), and the server stays up
                 put(("error", exc))
             finally:
                 put(("end", None))
 
-        worker = threading.Thread(target=run, name="engine-request", daemon=True)
-        worker.start()
-        ident = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+        engine_thread.submit(run)
+        ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(started)
+        kind = "chat.completion" if chat else "text_completion"
 
         def finish_reason(reason: str) -> str:
             return {"length": "length", "context_full": "length", "stop": "stop", "eos": "stop"}.get(reason, "stop")
+
+        def usage(done: dict) -> dict:
+            return {"prompt_tokens": done["prompt_tokens"], "completion_tokens": done["completion_tokens"],
+                    "total_tokens": done["prompt_tokens"] + done["completion_tokens"]}
 
         def release() -> None:
             waiting["n"] -= 1
 
         if not body.get("stream"):
-            text, done, problem = [], None, None
+            done, problem = None, None
             try:
                 while True:
-                    kind, value = await events.get()
-                    if kind == "text":
-                        text.append(value)
-                    elif kind == "done":
+                    what, value = await events.get()
+                    if what == "done":
                         done = value
-                    elif kind in ("refused", "error"):
+                    elif what in ("refused", "error"):
                         problem = value
-                    elif kind == "end":
+                    elif what == "end":
                         break
             finally:
                 release()
             if isinstance(problem, ContextOverflowError):
-                return error(400, str(problem), code="context_length_exceeded")
+                return overflow(problem)
             if problem is not None or done is None:
                 return error(500, f"{type(problem).__name__}: {problem}", "server_error")
-            usage = {"prompt_tokens": done["prompt_tokens"], "completion_tokens": done["completion_tokens"],
-                     "total_tokens": done["prompt_tokens"] + done["completion_tokens"]}
-            return JSONResponse({"id": ident, "object": "chat.completion", "created": created, "model": model_id,
-                                 "choices": [{"index": 0, "message": {"role": "assistant", "content": done["text"]},
-                                              "finish_reason": finish_reason(done["reason"])}],
-                                 "usage": usage, "dsv41": done["memory"]})
+            reason = finish_reason(done["reason"])
+            choice = ({"index": 0, "message": {"role": "assistant", "content": done["text"]}, "finish_reason": reason}
+                      if chat else {"index": 0, "text": done["text"], "logprobs": None, "finish_reason": reason})
+            return JSONResponse({"id": ident, "object": kind, "created": created, "model": model_id,
+                                 "choices": [choice], "usage": usage(done), "dsv41": done["memory"]})
 
         # streaming: the refusal must come before the first byte (a 400, not an event)
         first = await events.get()
         if first[0] == "refused":
             await events.get()  # "end"
             release()
-            return error(400, str(first[1]), code="context_length_exceeded")
+            return overflow(first[1])
 
         async def stream():
-            def chunk(delta: dict, reason: str | None = None, extra: dict | None = None) -> str:
-                payload = {"id": ident, "object": "chat.completion.chunk", "created": created, "model": model_id,
-                           "choices": [{"index": 0, "delta": delta, "finish_reason": reason}], **(extra or {})}
+            def chunk(text: str | None, reason: str | None = None, extra: dict | None = None) -> str:
+                if chat:
+                    delta = {} if text is None else {"content": text}
+                    if text == "" and reason is None and extra is None:
+                        delta = {"role": "assistant", "content": ""}
+                    choice = {"index": 0, "delta": delta, "finish_reason": reason}
+                else:
+                    choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+                payload = {"id": ident, "object": kind + (".chunk" if chat else ""), "created": created,
+                           "model": model_id, "choices": [choice], **(extra or {})}
                 return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
             item = first
             try:
-                yield chunk({"role": "assistant", "content": ""})
+                if chat:
+                    yield chunk("")
                 while True:
-                    kind, value = item
-                    if kind == "text":
-                        yield chunk({"content": value})
-                    elif kind == "done":
-                        usage = {"prompt_tokens": value["prompt_tokens"],
-                                 "completion_tokens": value["completion_tokens"],
-                                 "total_tokens": value["prompt_tokens"] + value["completion_tokens"]}
-                        yield chunk({}, finish_reason(value["reason"]), {"usage": usage, "dsv41": value["memory"]})
-                    elif kind == "error":
+                    what, value = item
+                    if what == "text":
+                        yield chunk(value)
+                    elif what == "done":
+                        yield chunk(None, finish_reason(value["reason"]), {"usage": usage(value),
+                                                                           "dsv41": value["memory"]})
+                    elif what == "error":
                         yield f"data: {json.dumps({'error': {'message': str(value), 'type': 'server_error'}})}\n\n"
-                    elif kind == "end":
+                    elif what == "end":
                         yield "data: [DONE]\n\n"
                         return
                     item = await events.get()
@@ -260,8 +373,24 @@ def create_app(model, *, api_key: str | None = None, queue: int = QUEUE, name: s
 
         return StreamingResponse(stream(), media_type="text/event-stream")
 
+    async def chat_completions(request):
+        return await run_request(request, chat=True)
+
+    async def completions(request):
+        return await run_request(request, chat=False)
+
     return Starlette(routes=[Route("/v1/models", models), Route("/v1/dsv41/memory", memory_route),
-                             Route("/v1/chat/completions", completions, methods=["POST"])])
+                             Route("/v1/dsv41/model", model_route),
+                             Route("/v1/dsv41/tokens", tokens_route, methods=["POST"]),
+                             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+                             Route("/v1/completions", completions, methods=["POST"])])
+
+
+def check_bind(host: str, api_key: str | None) -> None:
+    """Off the loopback address an API key is required (anyone who can reach it could use the model otherwise)."""
+    if host not in LOOPBACK and not api_key:
+        raise ConfigError("host", host, "127.0.0.1, or another address together with --api-key (anyone who can "
+                          "reach it could use the model otherwise)")
 
 
 def serve(model, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None) -> None:
@@ -270,11 +399,64 @@ def serve(model, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | No
 
     import uvicorn
 
-    if host not in LOOPBACK and not api_key:
-        raise ConfigError("host", host, "127.0.0.1, or another address together with --api-key (anyone who can "
-                          "reach it could use the model otherwise)")
+    check_bind(host, api_key)
     log = logging.getLogger("engine.server")
     if host not in LOOPBACK:
         log.warning("listening on %s:%d: requests need Authorization: Bearer <the API key>", host, port)
     print(f"DS-V4.1 serving {model.info.display_name} at http://{host}:{port}/v1 (OpenAI-compatible)", flush=True)
     uvicorn.run(create_app(model, api_key=api_key), host=host, port=port, log_level="info")
+
+
+class BackgroundServer:
+    """The server on a thread of its own (the app's Serve switch): start() returns once it listens (or raises),
+    stop() ends it. Shares `engine_lock` with the caller's own engine calls."""
+
+    def __init__(self, model, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+                 engine_lock: threading.Lock | None = None):
+        check_bind(host, api_key)
+        self.host, self.port, self.model = host, port, model
+        self.app = create_app(model, api_key=api_key, engine_lock=engine_lock)
+        self._server = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def address(self) -> str:
+        return f"http://{self.host}:{self.port}/v1"
+
+    def start(self, timeout: float = 15.0) -> str:
+        import uvicorn
+
+        # on stop, requests still streaming get 2 s, then their tasks are cancelled (which stops their replies)
+        config = uvicorn.Config(self.app, host=self.host, port=self.port, log_level="warning",
+                                timeout_graceful_shutdown=2)
+        server = self._server = uvicorn.Server(config)
+        failure: list[BaseException] = []
+
+        def run():
+            try:
+                server.run()
+            except BaseException as exc:  # noqa: BLE001 - reported to start()
+                failure.append(exc)
+
+        self._thread = threading.Thread(target=run, name="engine-server", daemon=True)
+        self._thread.start()
+        end = time.monotonic() + timeout
+        while not server.started and self._thread.is_alive() and time.monotonic() < end:
+            time.sleep(0.02)
+        if not server.started:
+            server.should_exit = True
+            reason = f" ({failure[0]})" if failure else ""
+            raise OSError(f"The server could not listen on {self.host}:{self.port}{reason}: the port may be in use "
+                          "by another program; pick another port.")
+        return self.address
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self._server = self._thread = None
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()

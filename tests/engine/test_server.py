@@ -7,7 +7,6 @@ a full queue answered 429, the API key, and the loopback rule."""
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 import urllib.error
@@ -15,29 +14,15 @@ import urllib.request
 
 import pytest
 
+from tests.serving import free_port, served_in_thread
+
 pytestmark = pytest.mark.model
 
 
 @pytest.fixture(scope="module")
 def server(default_model):
-    import uvicorn
-
-    from engine.server import create_app
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    app = create_app(default_model, api_key="secret", queue=1)
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
-    running = uvicorn.Server(config)
-    thread = threading.Thread(target=running.run, daemon=True)
-    thread.start()
-    end = time.time() + 20
-    while not running.started and time.time() < end:
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", default_model
-    running.should_exit = True
-    thread.join(10)
+    with served_in_thread(default_model, api_key="secret", queue=1) as url:
+        yield url, default_model
 
 
 def call(url, path, body=None, key="secret"):
@@ -163,3 +148,67 @@ def test_a_client_that_goes_away_mid_stream_stops_the_reply(server, monkeypatch)
     status, body = chat(url, [{"role": "user", "content": "Hi"}])
     # had the 3,000-token reply gone on, this request would have waited for it behind the engine
     assert status == 200 and time.time() - started < 10
+    status, body = chat(url, [{"role": "user", "content": "What is the capital of France?"}])
+    assert status == 200 and "Paris" in body["choices"][0]["message"]["content"]  # and the engine answers right
+
+
+def test_raw_completions_continue_the_text_without_the_chat_template(server):
+    url, model = server
+    status, _, text = call(url, "/v1/completions", {"prompt": "The capital of France is", "max_tokens": 4,
+                                                    "temperature": 0})
+    body = json.loads(text)
+    assert status == 200 and body["object"] == "text_completion", body
+    assert "Paris" in body["choices"][0]["text"]
+    ids = model.tokenizer("The capital of France is", add_special_tokens=False)["input_ids"]
+    assert body["usage"]["prompt_tokens"] == len(ids)  # the text alone: no template around it
+    status, _, text = call(url, "/v1/completions", {"prompt": "One, two, three,", "max_tokens": 6, "temperature": 0,
+                                                    "stream": True})
+    events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+    assert status == 200 and events[-1] == "[DONE]"
+    streamed = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
+    status, _, again = call(url, "/v1/completions", {"prompt": "One, two, three,", "max_tokens": 6, "temperature": 0})
+    assert streamed == json.loads(again)["choices"][0]["text"] and streamed.strip()
+    status, _, text = call(url, "/v1/completions", {"prompt": "", "max_tokens": 4})
+    assert status == 400 and "prompt" in json.loads(text)["error"]["message"]
+
+
+def test_what_a_remote_app_asks_of_our_server(server):
+    url, model = server
+    status, _, text = call(url, "/v1/dsv41/model")
+    facts = json.loads(text)
+    assert status == 200 and facts["context_limit"] == model.context_limit
+    assert facts["kv_bytes_per_token"] == model.kv_bytes_per_token() and "kv_cache_ratio" in facts["cache_knobs"]
+    messages = [{"role": "user", "content": "Hello there"}, {"role": "assistant", "content": "Hi!"}]
+    status, _, text = call(url, "/v1/dsv41/tokens", {"texts": ["Hello world", "<|im_start|>"], "messages": messages,
+                                                     "system": "Be brief.", "stored_kv": [0, 5000],
+                                                     "knobs": {"kv_cache_ratio": 0.25}})
+    counts = json.loads(text)
+    assert status == 200
+    assert counts["counts"] == [model.count_tokens("Hello world"), model.count_tokens("<|im_start|>")]
+    assert counts["counts"][1] > 1  # a template marker in user text is data: several tokens, not the control one
+    assert counts["chat"] == model.count_chat(messages) and counts["system"] > 0
+    assert counts["stored_kv_bytes"] == [0, model.stored_kv_bytes(5000, kv_cache_ratio=0.25)]
+    status, _, text = call(url, "/v1/dsv41/tokens", {"knobs": {"kv_cache_ratio": 9}, "stored_kv": [10]})
+    assert status == 400 and "kv_cache_ratio" in json.loads(text)["error"]["message"]
+    # a refusal carries its numbers for a program (the remote app shows them as the local engine's)
+    status, body = chat(url, [{"role": "user", "content": "word " * (model.context_limit + 10)}])
+    assert status == 400 and body["dsv41"]["limit"] == model.context_limit
+    assert body["dsv41"]["needed"] > model.context_limit and body["dsv41"]["parts"]["prompt"] > 0
+
+
+def test_the_background_server_says_when_its_port_is_taken(default_model):
+    from engine.errors import ConfigError
+    from engine.server import BackgroundServer
+
+    with pytest.raises(ConfigError, match="api-key"):
+        BackgroundServer(default_model, host="0.0.0.0")
+    first = BackgroundServer(default_model, port=free_port())
+    address = first.start()
+    try:
+        status, _, text = call(address.removesuffix("/v1"), "/v1/models", key=None)
+        assert status == 200 and json.loads(text)["data"][0]["max_model_len"] == default_model.context_limit
+        with pytest.raises(OSError, match="pick another port"):
+            BackgroundServer(default_model, port=first.port).start(timeout=5)
+    finally:
+        first.stop()
+    assert not first.running
