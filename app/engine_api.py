@@ -19,7 +19,7 @@ from engine.memory import MemoryReport
 
 if TYPE_CHECKING:
     from engine.cache import DSV41Cache
-    from engine.model import LoadInfo, ReconfigureResult
+    from engine.info import LoadInfo, ReconfigureResult
 
 
 @runtime_checkable

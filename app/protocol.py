@@ -142,3 +142,4 @@ class ModelFacts:
     weight_storage: str = ""  # "bf16"/"int8": float32 compute on weights held so (engine.kernels)
     prefill_bf16: bool = False  # prefill multiplies those weights in bf16 (engine.models.adapter.set_prefill_bf16)
     attention_kernels: str = ""  # the kernel each attention call runs ("prefill flash · decode fused C step ...")
+    remote: str = ""  # "" in this process; "dsv41": our server (knobs sent with requests); "openai": another server

@@ -60,6 +60,10 @@ LOAD_HELP = {
     "remote_code": "Only models that run without their own Python code are supported.",
     "oom": "Pick INT8 or INT4 weights, a smaller model, or the CPU.",
     "config": "Fix the value named in the message.",
+    "remote": "Check the address: it should be the server's API root, such as http://127.0.0.1:8000/v1.",
+    "remote_auth": "Set the server's API key (Open ▸ OpenAI-compatible server…) and connect again.",
+    "remote_unreachable": "Start the server (python -m engine serve, vLLM, SGLang, LM Studio…) or fix the "
+                          "address, then connect again.",
 }
 
 
@@ -255,6 +259,9 @@ class MainWindow(QMainWindow):
 
         self.model_panel.load_requested.connect(self.load_model)
         self.model_panel.download_requested.connect(self.open_download)
+        self.model_panel.serve_requested.connect(self.client.start_serving.emit)
+        self.model_panel.serve_stop_requested.connect(self.client.stop_serving.emit)
+        worker.serving.connect(self._on_serving)
         self.conversations.selected.connect(self.show_conversation)
         self.conversations.new_requested.connect(self.new_conversation)
         self.conversations.delete_requested.connect(self.delete_conversation)
@@ -351,6 +358,7 @@ class MainWindow(QMainWindow):
         self.loading = False
         self.facts = facts
         self.model_panel.show_loaded(facts)
+        self.knob_panel.set_remote(facts.remote)
         self.statusBar().showMessage(f"{facts.display_name} ready ({facts.load_seconds:.1f} s)", 5000)
         self._update_actions()
         self._schedule_usage()  # counts the attached documents too
@@ -362,6 +370,7 @@ class MainWindow(QMainWindow):
     def _on_load_failed(self, message: str, reason: str, kept=None) -> None:
         self.loading = False
         self.facts = kept  # the model that was working stays loaded and in use
+        self.knob_panel.set_remote(kept.remote if kept is not None else "")
         self._after_load = None
         if kept is not None:
             self.model_panel.show_loaded(kept)
@@ -372,6 +381,14 @@ class MainWindow(QMainWindow):
         help_text = LOAD_HELP.get(reason, "Try the default model, or check the model's files.")
         still = f"\n\n{kept.display_name} is still loaded; you can go on chatting with it." if kept is not None else ""
         self.inform("Could not load the model", f"{message}\n\nWhat to do: {help_text}{still}")
+
+    def _on_serving(self, address: str, problem: str) -> None:
+        self.model_panel.show_serving(address, problem)
+        if address:
+            self.statusBar().showMessage(f"Serving {self.facts.display_name if self.facts else 'the model'} at "
+                                         f"{address} (OpenAI-compatible; this machine only)", 10000)
+        elif problem:
+            self.inform("Serve did not start", problem)
 
     # ------------------------------------------------------------------ knobs
     def _on_knobs_changed(self, knobs: dict) -> None:
@@ -559,7 +576,7 @@ class MainWindow(QMainWindow):
                              kv_bytes=figures.kv_bytes if figures is not None else None,
                              kv_after=figures.kv_after if figures is not None else None,
                              bytes_per_token=self.facts.kv_bytes_per_token,
-                             free_bytes=self.report.free if self.report else None,
+                             free_bytes=self.report.free if self.report and not self.report.remote else None,
                              prefill_headroom=knobs["prefill_headroom"], kv_dtype=knobs["kv_cache_dtype"])
             chip.show_figures(tokens, figures is not None, fit.kv_bytes,
                               figures.kv_cache_ratio if figures is not None else None, fit.warning)

@@ -20,6 +20,7 @@ import dataclasses
 import gc
 import logging
 import sys
+import threading
 import time
 import traceback
 from collections import OrderedDict
@@ -54,9 +55,20 @@ ModelFactory = Callable[[dict, Callable[[str, float], None]], EngineModel]
 
 
 def load_engine_model(options: dict, progress: Callable[[str, float], None]) -> EngineModel:
-    """The real engine: DSV41Model.from_pretrained(DSV41Config(**options)). Runs on the worker thread."""
+    """The real engine: DSV41Model.from_pretrained(DSV41Config(**options)), or, for a server address
+    (http://… or https://…), the model that server serves (engine.remote; `api_key` from the options).
+    Runs on the worker thread."""
+    from engine.remote import RemoteModel, is_remote
+
+    if is_remote(options.get("model_path")):
+        from engine.config import CACHE_KNOBS
+
+        return RemoteModel.connect(options["model_path"], options.get("api_key") or None,
+                                   max_seq_len=int(options.get("max_seq_len") or 8192), progress=progress,
+                                   knobs={k: v for k, v in options.items() if k in CACHE_KNOBS})
     from engine import DSV41Config, DSV41Model
 
+    options = {k: v for k, v in options.items() if k != "api_key"}
     return DSV41Model.from_pretrained(DSV41Config(**options), progress=progress)
 
 
@@ -74,6 +86,7 @@ class EngineWorker(QObject):
     document_figures = Signal(object)  # tuple of DocumentFigures (sent before the usage they belong to)
     reconfigured = Signal(object, object)  # engine ReconfigureResult, ModelFacts
     reconfigure_failed = Signal(str)
+    serving = Signal(str, str)  # the served address ('' when stopped), and why it stopped or could not start
     error = Signal(str)  # an unexpected failure outside a turn; the worker keeps running
 
     def __init__(self, model_factory: ModelFactory | None = None):
@@ -83,6 +96,10 @@ class EngineWorker(QObject):
         self._options: dict = {}
         self._sessions: OrderedDict[int, EngineSession] = OrderedDict()
         self._doc_tokens: dict[str, int] = {}  # the engine's count per attachment key (documents do not change)
+        # Held around every engine call of this thread and of the server's requests (Serve): one at a time
+        self.engine_lock = threading.Lock()
+        self._server = None  # engine.server.BackgroundServer while serving
+        self._serve_options: dict | None = None  # what Serve was started with (it restarts on a model change)
 
     # ------------------------------------------------------------------ model
     @Slot(object)
@@ -118,6 +135,8 @@ class EngineWorker(QObject):
         facts = self._facts(time.perf_counter() - started)
         self.loaded.emit(facts)
         self._emit_memory(None)
+        if self._serve_options is not None:  # Serve stays on across a model change, for the new model
+            self.start_serving(self._serve_options)
 
     def _load_failed(self, exc: BaseException, *, kept: bool) -> None:
         if isinstance(exc, ModelLoadError):
@@ -139,6 +158,15 @@ class EngineWorker(QObject):
     def _drop_model(self) -> None:
         if self.model is None:
             return
+        if self._server is not None:
+            self._server.stop()  # a request in flight is stopped at its next step (cancelled with its client)
+            self._server = None
+            self.serving.emit("", "")
+        with self.engine_lock:  # ... and has let go of the model
+            pass
+        close = getattr(self.model, "close", None)
+        if close is not None:
+            close()
         self._sessions.clear()
         self._doc_tokens.clear()
         self.model = None
@@ -157,13 +185,21 @@ class EngineWorker(QObject):
             context_limit=int(model.context_limit), max_positions=int(model.max_positions),
             kv_bytes_per_token=int(model.kv_bytes_per_token()), config=config, load_seconds=load_seconds,
             weight_storage=info.weight_storage, prefill_bf16=bool(info.prefill_bf16),
-            attention_kernels=info.attention_kernels)
+            attention_kernels=info.attention_kernels, remote=getattr(info, "remote", ""))
 
     # ------------------------------------------------------------------ turns
     @Slot(object)
     def send(self, request: TurnRequest) -> None:
         try:
-            outcome = self._run_turn(request)
+            # a request the server is answering ends first (the GUI can still stop this turn while it waits)
+            while not self.engine_lock.acquire(timeout=0.05):
+                if request.cancel.is_set():
+                    self.turn_finished.emit(TurnOutcome(request.turn_id, "cancelled", ""))
+                    return
+            try:
+                outcome = self._run_turn(request)
+            finally:
+                self.engine_lock.release()
         except Exception as exc:  # noqa: BLE001 - a bug anywhere in a turn must not kill the worker
             log.exception("turn failed")
             outcome = TurnOutcome(request.turn_id, "error", "", error=_describe(exc),
@@ -288,6 +324,45 @@ class EngineWorker(QObject):
             except OSError as exc:
                 log.warning("the deleted chat's saved caches could not all be removed: %s", exc)
 
+    # ------------------------------------------------------------------ Serve: the loaded model as an API
+    @Slot(object)
+    def start_serving(self, options: dict) -> None:
+        """Serve the loaded model at options' host/port (engine.server), sharing this thread's engine lock;
+        `serving` says the address, or why not."""
+        self._serve_options = dict(options)
+        if self._server is not None:
+            self.stop_serving(keep=True)
+        if self.model is None:
+            self.serving.emit("", "No model is loaded yet: Serve starts once it has loaded.")
+            return
+        if getattr(self.model.info, "remote", ""):
+            self._serve_options = None
+            self.serving.emit("", "This model runs on another server already: Serve shares a model of this "
+                                  "machine (point other programs at that server instead).")
+            return
+        from engine.server import BackgroundServer
+
+        try:
+            server = BackgroundServer(self.model, host=options.get("host", "127.0.0.1"),
+                                      port=int(options.get("port", 8000)), api_key=options.get("api_key") or None,
+                                      engine_lock=self.engine_lock)
+            address = server.start()
+        except (OSError, EngineError) as exc:
+            self._serve_options = None
+            self.serving.emit("", str(exc))
+            return
+        self._server = server
+        self.serving.emit(address, "")
+
+    @Slot()
+    def stop_serving(self, keep: bool = False) -> None:
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
+        if not keep:
+            self._serve_options = None
+            self.serving.emit("", "")
+
     # ------------------------------------------------------------------ knobs and figures
     @Slot(object)
     def reconfigure(self, knobs: dict) -> None:
@@ -295,7 +370,8 @@ class EngineWorker(QObject):
             return
         session = next(reversed(self._sessions.values()), None) if self._sessions else None
         try:
-            result = self.model.reconfigure(session, progress=self._reconfigure_progress, **knobs)
+            with self.engine_lock:
+                result = self.model.reconfigure(session, progress=self._reconfigure_progress, **knobs)
         except Exception as exc:  # noqa: BLE001 - a bad knob value is a message, not a crash
             self.reconfigure_failed.emit(str(exc) if isinstance(exc, EngineError) else _describe(exc))
             return
@@ -327,8 +403,10 @@ class EngineWorker(QObject):
         if self.model is None:
             return
         try:
-            usage = self._usage(request)
-            self.document_figures.emit(self._document_figures(request, usage))
+            with self.engine_lock:  # the tokenizer is not to be used by two threads at once
+                usage = self._usage(request)
+                figures = self._document_figures(request, usage)
+            self.document_figures.emit(figures)
             self.usage.emit(usage)
         except Exception as exc:  # noqa: BLE001
             self.error.emit(_describe(exc))
@@ -372,6 +450,8 @@ class EngineClient(QObject):
     report_memory = Signal(object)
     count_usage = Signal(object)
     forget_conversation = Signal(int)
+    start_serving = Signal(object)  # {"host", "port", "api_key"}
+    stop_serving = Signal()
 
     def __init__(self, model_factory: ModelFactory | None = None, parent: QObject | None = None):
         super().__init__(parent)
@@ -386,6 +466,8 @@ class EngineClient(QObject):
         self.report_memory.connect(self.worker.report_memory)
         self.count_usage.connect(self.worker.count_usage)
         self.forget_conversation.connect(self.worker.forget_conversation)
+        self.start_serving.connect(self.worker.start_serving)
+        self.stop_serving.connect(self.worker.stop_serving)
         self.worker.turn_finished.connect(self._on_turn_finished)
         self._current: TurnRequest | None = None
         # Normal priority on purpose: a lowered worker can be preempted while it holds the GIL, and then the
@@ -412,6 +494,9 @@ class EngineClient(QObject):
 
     def shutdown(self, timeout_ms: int = 10_000) -> None:
         self.stop()
+        server = self.worker._server
+        if server is not None:  # the event loop may not run a queued stop_serving any more
+            server.stop(timeout=5)
         self.thread.quit()
         if not self.thread.wait(timeout_ms):
             log.warning("engine worker did not stop within %d ms", timeout_ms)

@@ -65,6 +65,7 @@ class ContextUsage:
     documents: int
     prompt: int
     limit: int
+    estimated: bool = False  # counted from characters (a remote server that counts nothing for us)
 
     @property
     def total(self) -> int:

@@ -35,6 +35,7 @@ class MemoryReport:
     saved_caches: int = 0  # saved conversation caches on disk (engine.conversation_store), not in memory
     kv_target_ratio: float | None = None  # the ratio the knobs ask for (kv_cache_ratio); None: no cache yet
     kv_ratio_reason: str = ""  # why compression_ratio differs from it ('' when they agree; cache.budget.explain_ratio)
+    remote: str = ""  # the server's address when the model runs there (engine.remote); '' in this process
 
     @property
     def compression_ratio(self) -> float:

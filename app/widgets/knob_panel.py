@@ -218,6 +218,26 @@ class KnobPanel(QGroupBox):
         for box in (self.temperature, self.top_p, self.top_k, self.seed):
             box.setEnabled(sampled)
 
+    def set_remote(self, remote: str) -> None:
+        """The cache controls work on this process's engine and on our server ("dsv41": sent with every request);
+        another server has none of them ("openai"), so they are disabled with the reason. Reply options stay."""
+        tunable = remote != "openai"
+        controls = [*self.preset_buttons.values(), *self.sliders.values(), self.mode, self.kv_dtype, self.cold_tier,
+                    self.headroom]
+        for widget in controls:
+            widget.setEnabled(tunable)
+        reason = ("The server is not DS-V4.1: its cache has none of these knobs (connect to python -m engine serve "
+                  "to tune them over the network)")
+        self.setToolTip("" if tunable else reason)
+        if not tunable:
+            self.status.setText("⚠ " + reason)
+            self.status.setProperty("state", "error")
+            self._restyle()
+        elif self.status.text().startswith("⚠ The server is not DS-V4.1"):
+            self.status.setText("")
+            self.status.setProperty("state", "")
+            self._restyle()
+
     # ------------------------------------------------------------------ feedback
     def show_pending(self, knobs: dict) -> None:
         self.status.setText("… Pending — applies after this reply: " + _describe(knobs))
@@ -232,7 +252,9 @@ class KnobPanel(QGroupBox):
     def show_result(self, action: str, before, after) -> None:
         words = {"compacted": "Compacted the live cache", "rebuilt": "Rebuilt the cache from the transcript",
                  "recalled": "Recalled from the cold tier (nothing re-read)",
-                 "deferred": "Deferred to the end of the reply", "unchanged": "No change"}
+                 "deferred": "Deferred to the end of the reply", "unchanged": "No change",
+                 "sent": "Sent to the server with the next request (it applies them before reading the turn)",
+                 "unsupported": "Not applied: this server has no DS-V4.1 cache"}
         text = words.get(action, action)
         if before is not None and after is not None:
             text += (f": KV {fmt_bytes(before.kv_stored)} → {fmt_bytes(after.kv_stored)}"

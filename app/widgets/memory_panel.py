@@ -178,10 +178,29 @@ class MemoryPanel(QGroupBox):
 
     def show_report(self, report) -> None:
         self.report = report
+        remote = getattr(report, "remote", "")
+        if remote and not report.total:  # a server that reports nothing about its memory: say so, show nothing
+            self.device_label.setText(f"Remote · {report.device_label}")
+            self.device_label.setToolTip(f"The model runs at {remote}. An OpenAI-compatible server tells nothing "
+                                         "about its memory; DS-V4.1's own server (python -m engine serve) does.")
+            self.bar.set_segments([])
+            for value in self.values.values():
+                value.setText("remote: not reported")
+            self.tokens_label.setText("")
+            self.ratio_label.setText("")
+            self.hint_label.setText("")
+            if self.hint_label.property("active"):
+                self.hint_label.setProperty("active", False)
+                self.hint_label.style().unpolish(self.hint_label)
+                self.hint_label.style().polish(self.hint_label)
+            return
         is_cpu = str(report.device).startswith("cpu")
         used = report.used_by_engine
         place = "CPU · system RAM" if is_cpu else f"GPU · {report.device_label}"
+        if remote:
+            place = f"Remote · {report.device_label}"
         self.device_label.setText(f"{place} · {fmt_bytes(report.total)} total")
+        self.device_label.setToolTip(f"Figures reported by the DS-V4.1 server at {remote}" if remote else "")
         self.bar.set_segments([("Weights", report.weights), ("KV cache", report.kv_stored),
                                ("Activations", report.activations), ("Other", report.other),
                                ("Free", report.free)])
@@ -221,6 +240,8 @@ class MemoryPanel(QGroupBox):
         text = " ".join(f'<span style="color:{CONTEXT_COLORS[n]}">■</span> {n.lower()} {v:,}' for n, v in parts)
         over = figures.total >= figures.limit
         total = f"{figures.total:,} / {figures.limit:,} tokens (max_seq_len)"
+        if getattr(figures, "estimated", False):  # a server that counts nothing for us: from the characters
+            total = "≈ " + total + " · estimated from characters"
         if over:
             total = f'<b style="color:{theme.colors()["danger"]}">{total} — does not fit</b>'
         self.context_label.setText(f"{text}<br>{total}")

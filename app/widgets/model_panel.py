@@ -1,4 +1,5 @@
-"""Which model to run: default / a folder / a .gguf file / a hub id; weights; device; context; load progress."""
+"""Which model to run: default / a folder / a .gguf file / a hub id / an OpenAI-compatible server; weights; device;
+context; load progress; and Serve (the loaded model as an OpenAI-compatible API for other programs)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,13 @@ from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QPainter
 from PySide6.QtWidgets import (
     QComboBox,
+    QDialog,
+    QDialogButtonBox,
     QFileDialog,
+    QFormLayout,
     QHBoxLayout,
     QLabel,
+    QLineEdit,
     QMenu,
     QProgressBar,
     QPushButton,
@@ -18,9 +23,13 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from engine.remote import is_remote
+
 WEIGHTS = (("none", "Full precision"), ("int8", "INT8"), ("int4", "INT4"))
 DEVICES = (("auto", "Auto"), ("cpu", "CPU"), ("cuda", "GPU (CUDA)"))
 DEFAULT_SOURCE = "default"
+DEFAULT_SERVER = "http://127.0.0.1:8000/v1"
+DEFAULT_SERVE_PORT = 8000
 
 
 class ElidedLabel(QLabel):
@@ -33,9 +42,45 @@ class ElidedLabel(QLabel):
         painter.drawText(self.contentsRect(), int(Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignVCenter), text)
 
 
+class RemoteDialog(QDialog):
+    """The address of an OpenAI-compatible server (ours, vLLM, SGLang, LM Studio, Ollama…) and its API key."""
+
+    def __init__(self, parent: QWidget | None = None, url: str = "", api_key: str = ""):
+        super().__init__(parent)
+        self.setWindowTitle("OpenAI-compatible server")
+        form = QFormLayout(self)
+        note = QLabel("Chat with a model another program serves: python -m engine serve (all the cache knobs), "
+                      "or vLLM, SGLang, LM Studio, Ollama, llama.cpp's server (the reply only: the knobs are ours "
+                      "and their memory is not reported).")
+        note.setWordWrap(True)
+        form.addRow(note)
+        self.url = QLineEdit(url or DEFAULT_SERVER)
+        self.url.setPlaceholderText(DEFAULT_SERVER)
+        self.key = QLineEdit(api_key)
+        self.key.setEchoMode(QLineEdit.EchoMode.Password)
+        self.key.setPlaceholderText("none")
+        self.key.setToolTip("Sent as Authorization: Bearer <key>; kept in the app's settings file")
+        form.addRow("Address", self.url)
+        form.addRow("API key", self.key)
+        buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Ok | QDialogButtonBox.StandardButton.Cancel)
+        buttons.button(QDialogButtonBox.StandardButton.Ok).setText("Connect")
+        buttons.accepted.connect(self.accept)
+        buttons.rejected.connect(self.reject)
+        form.addRow(buttons)
+        self.resize(460, self.sizeHint().height())
+
+    def values(self) -> tuple[str, str]:
+        url = self.url.text().strip() or DEFAULT_SERVER
+        if not is_remote(url):
+            url = "http://" + url
+        return url, self.key.text().strip()
+
+
 class ModelPanel(QWidget):
     load_requested = Signal(dict)  # DSV41Config fields that need a (re)load
     download_requested = Signal()  # the user wants a model from the hub (the window opens the dialog)
+    serve_requested = Signal(dict)  # {"host", "port"}: serve the loaded model
+    serve_stop_requested = Signal()
 
     def __init__(self, parent: QWidget | None = None):
         super().__init__(parent)
@@ -66,6 +111,9 @@ class ModelPanel(QWidget):
         menu.addAction(".gguf file…", self._pick_gguf)
         menu.addSeparator()
         self.download_action = menu.addAction("Download from the Hugging Face hub…", self.download_requested.emit)
+        menu.addSeparator()
+        self.remote_action = menu.addAction("OpenAI-compatible server…", self.pick_server)
+        self.api_key = ""  # the server's, when the source is a server address
         self.open_button.setMenu(menu)
         row.addWidget(self.open_button)
         row.addWidget(QLabel("Weights"))
@@ -108,12 +156,34 @@ class ModelPanel(QWidget):
         self.status.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
         self.status.setMinimumWidth(120)
         status_row.addWidget(self.status, 1)
+        self.serve_address = QLabel("")
+        self.serve_address.setObjectName("dimLabel")
+        self.serve_address.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        status_row.addWidget(self.serve_address)
+        self.serve_port = QSpinBox()
+        self.serve_port.setRange(1024, 65535)
+        self.serve_port.setValue(DEFAULT_SERVE_PORT)
+        self.serve_port.setPrefix("port ")
+        self.serve_port.setToolTip("The port Serve listens on (127.0.0.1 only: this machine's programs)")
+        status_row.addWidget(self.serve_port)
+        self.serve_button = QPushButton("Serve")
+        self.serve_button.setObjectName("serveButton")
+        self.serve_button.setCheckable(True)
+        self.serve_button.setEnabled(False)
+        self.serve_button.setToolTip("Serve the loaded model as an OpenAI-compatible API (POST /v1/chat/completions) "
+                                     "for editors, notebooks and scripts on this machine")
+        self.serve_button.toggled.connect(self._serve_toggled)
+        status_row.addWidget(self.serve_button)
+        self.source.currentTextChanged.connect(self._source_changed)
 
     # ------------------------------------------------------------------ values
     def options(self) -> dict:
-        return {"model_path": self.source.currentText().strip() or DEFAULT_SOURCE,
-                "weight_quant": self.weights.currentData(), "device_map": self.device.currentData(),
-                "max_seq_len": self.max_seq_len.value()}
+        options = {"model_path": self.source.currentText().strip() or DEFAULT_SOURCE,
+                   "weight_quant": self.weights.currentData(), "device_map": self.device.currentData(),
+                   "max_seq_len": self.max_seq_len.value()}
+        if is_remote(options["model_path"]) and self.api_key:
+            options["api_key"] = self.api_key
+        return options
 
     def set_options(self, options: dict) -> None:
         source = options.get("model_path") or DEFAULT_SOURCE
@@ -124,6 +194,8 @@ class ModelPanel(QWidget):
         self.device.setCurrentIndex(max(self.device.findData(options.get("device_map", "auto")), 0))
         if isinstance(options.get("max_seq_len"), int):
             self.max_seq_len.setValue(options["max_seq_len"])
+        self.api_key = options.get("api_key") if isinstance(options.get("api_key"), str) else ""
+        self._source_changed(source)
 
     def request_load(self) -> None:
         self.load_requested.emit(self.options())
@@ -138,6 +210,22 @@ class ModelPanel(QWidget):
     def show_loaded(self, facts) -> None:
         self.progress.hide()
         self.load_button.setEnabled(True)
+        remote = getattr(facts, "remote", "")
+        self.serve_button.setEnabled(not remote)
+        self.serve_button.setToolTip(
+            "A model of another server is not served again from here: point other programs at that server"
+            if remote else "Serve the loaded model as an OpenAI-compatible API (POST /v1/chat/completions) for "
+            "editors, notebooks and scripts on this machine")
+        if remote:
+            kind = "DS-V4.1 server" if remote == "dsv41" else "OpenAI-compatible server (no cache knobs, memory " \
+                                                             "not reported)"
+            text = f"{facts.display_name} · {kind} · {facts.context_limit:,} tokens"
+            if remote == "dsv41":
+                text = (f"{facts.display_name} · DS-V4.1 server on {facts.device.removeprefix('remote ')} · "
+                        f"{facts.dtype} · {facts.attention_backend} · {facts.context_limit:,} tokens")
+            self.status.setText(text)
+            self.status.setToolTip(f"{text}\nConnected in {facts.load_seconds:.1f} s to {facts.source}")
+            return
         weights = facts.weight_quant if facts.weight_quant != "none" or not facts.weight_storage else \
             f"held as {facts.weight_storage}"
         if getattr(facts, "prefill_bf16", False):
@@ -159,6 +247,51 @@ class ModelPanel(QWidget):
         self.load_button.setEnabled(True)
         self.status.setText("Load failed — " + message.split(". ")[0][:90])
         self.status.setToolTip(message)
+
+    # ------------------------------------------------------------------ a server as the model; Serve
+    def pick_server(self) -> RemoteDialog:
+        """Ask for a server's address and key; Connect loads it as the model."""
+        current = self.source.currentText().strip()
+        dialog = RemoteDialog(self, current if is_remote(current) else "", self.api_key)
+
+        def connect():
+            url, key = dialog.values()
+            self.api_key = key
+            if self.source.findText(url) < 0:
+                self.source.addItem(url)
+            self.source.setCurrentText(url)
+            self.request_load()
+
+        dialog.accepted.connect(connect)
+        self.remote_dialog = dialog
+        dialog.open()
+        return dialog
+
+    def _source_changed(self, text: str) -> None:
+        """Weights and device are the server's business when the source is a server."""
+        remote = is_remote(text)
+        for widget in (self.weights, self.device):
+            widget.setEnabled(not remote)
+            widget.setToolTip("Set on the server" if remote else "")
+        self.max_seq_len.setToolTip("The server's limit is used where it reports one (vLLM and ours do); otherwise "
+                                    "this" if remote else "max_seq_len: the most tokens a conversation may hold "
+                                    "(capped by the model)")
+
+    def _serve_toggled(self, on: bool) -> None:
+        if on:
+            self.serve_requested.emit({"host": "127.0.0.1", "port": self.serve_port.value()})
+        else:
+            self.serve_stop_requested.emit()
+
+    def show_serving(self, address: str, problem: str) -> None:
+        """The worker's answer: serving at `address`, or stopped (with why, when it could not start)."""
+        self.serve_button.blockSignals(True)
+        self.serve_button.setChecked(bool(address))
+        self.serve_button.blockSignals(False)
+        self.serve_port.setEnabled(not address)
+        self.serve_address.setText(f"serving {address}" if address else "")
+        self.serve_address.setToolTip(f"Other programs on this machine: base_url={address} (OpenAI clients)"
+                                      if address else "")
 
     # ------------------------------------------------------------------ pickers
     def _pick_folder(self) -> None:

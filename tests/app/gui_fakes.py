@@ -17,8 +17,8 @@ from engine.config import DSV41Config
 from engine.documents import Document, format_for_prompt, user_content
 from engine.errors import BusyError, ContextOverflowError, ModelLoadError
 from engine.events import ContextUsage, Done, ErrorEvent, PrefillProgress, TokenText, TurnStats
+from engine.info import LoadInfo, ReconfigureResult
 from engine.memory import MemoryReport
-from engine.model import LoadInfo, ReconfigureResult
 
 KV_BYTES_PER_TOKEN = 46080
 WEIGHTS = 538_060_288

@@ -1,4 +1,5 @@
-"""app.engine_api: the real engine classes and the tests' fakes provide every member the worker uses."""
+"""app.engine_api: the real engine classes, the remote backend (engine.remote) and the tests' fakes provide every
+member the worker uses."""
 
 from __future__ import annotations
 
@@ -42,9 +43,16 @@ def engine_classes():
     return DSV41Model, ChatSession
 
 
-@pytest.mark.parametrize("which", ["engine", "fake"])
+def remote_classes():
+    from engine.remote import RemoteModel, RemoteSession
+
+    return RemoteModel, RemoteSession
+
+
+@pytest.mark.parametrize("which", ["engine", "remote", "fake"])
 def test_every_protocol_member_is_provided(which):
-    model_cls, session_cls = engine_classes() if which == "engine" else (FakeModel, FakeSession)
+    model_cls, session_cls = {"engine": engine_classes, "remote": remote_classes,
+                              "fake": lambda: (FakeModel, FakeSession)}[which]()
     for protocol, cls in ((EngineModel, model_cls), (EngineSession, session_cls)):
         present = set(dir(cls)) | instance_attributes(cls)
         missing = [name for name in members(protocol) if name not in present]
@@ -69,7 +77,7 @@ def test_the_fake_is_an_instance_of_the_runtime_checkable_protocols():
 
 
 def test_the_fake_uses_the_engines_reconfigure_result():
-    from engine.model import ReconfigureResult
+    from engine.info import ReconfigureResult
 
     result = FakeModel().reconfigure(None, kv_cache_ratio=0.3)
     assert type(result) is ReconfigureResult

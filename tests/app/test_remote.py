@@ -1,0 +1,215 @@
+"""The app on an OpenAI-compatible server (engine.remote), through the real worker: our own server (in front of the
+default model, on a loopback port) and a stand-in for any other server (vLLM, LM Studio... : the reply, nothing
+else). A turn streams, stop works, regenerate works, the memory panel shows the server's figures or says they are
+not reported, and the cache knobs are disabled with the reason unless the server is ours. Also Serve: the app's
+loaded model served to other programs while the app chats with it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sqlite3
+import urllib.request
+
+import pytest
+
+from tests.serving import free_port, served_in_thread
+
+REPLY = "Hello from a server that is not DS-V4.1, word by word."
+
+
+def stub_app(delay: float = 0.0, words: int | None = None):
+    """An OpenAI-compatible server that reports nothing of its own: /v1/models and a streamed chat completion."""
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.routing import Route
+
+    seen: list[dict] = []
+
+    async def models(request):
+        return JSONResponse({"object": "list", "data": [{"id": "stub-model", "object": "model"}]})
+
+    async def chat(request):
+        body = await request.json()
+        seen.append(body)
+        pieces = REPLY.split(" ") if words is None else [f"w{i}" for i in range(words)]
+
+        async def stream():
+            for i, piece in enumerate(pieces):
+                text = piece if i == 0 else " " + piece
+                yield f"data: {json.dumps({'choices': [{'index': 0, 'delta': {'content': text}}]})}\n\n"
+                await asyncio.sleep(delay)
+            yield f"data: {json.dumps({'choices': [{'index': 0, 'delta': {}, 'finish_reason': 'stop'}]})}\n\n"
+            usage = {"prompt_tokens": 11, "completion_tokens": len(pieces), "total_tokens": 11 + len(pieces)}
+            yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+    app = Starlette(routes=[Route("/v1/models", models), Route("/v1/chat/completions", chat, methods=["POST"])])
+    app.state.seen = seen
+    return app
+
+
+def remote_window(qtbot, make_window, url: str, generation: dict | None = None):
+    from app.settings import Key, Settings
+    from app.worker import load_engine_model
+
+    settings = Settings()
+    settings.set_json(Key.MODEL, {"model_path": url, "weight_quant": "none", "device_map": "cpu",
+                                  "max_seq_len": 4096})
+    settings.set_json(Key.GENERATION, generation or {"max_new_tokens": 16, "temperature": 0.7, "greedy": True})
+    settings.sync()
+    window = make_window(load_engine_model, wait_loaded=False)
+    qtbot.waitUntil(lambda: window.facts is not None or bool(window.shown_messages), timeout=60_000)
+    assert window.facts is not None, window.shown_messages
+    return window
+
+
+def ask(qtbot, window, text: str, timeout: int = 120_000):
+    window.composer.setPlainText(text)
+    window.send()
+    qtbot.waitUntil(lambda: not window.turns.busy, timeout=timeout)
+    return window.chat.bubbles[-1]
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_the_app_on_our_own_server(qtbot, make_window, default_model, data_dir):
+    with served_in_thread(default_model) as base:
+        window = remote_window(qtbot, make_window, base + "/v1")
+        facts = window.facts
+        assert facts.remote == "dsv41" and facts.context_limit == default_model.context_limit
+        assert "DS-V4.1 server" in window.model_panel.status.text()
+        assert all(slider.isEnabled() for slider in window.knob_panel.sliders.values())
+        assert not window.model_panel.weights.isEnabled()  # set on the server
+        reply = ask(qtbot, window, "What is the capital of France?")
+        assert not window.shown_messages, window.shown_messages
+        assert "Paris" in reply.text and "tok/s" in reply.footer.text()
+        # the memory panel shows the server's own figures for this conversation
+        qtbot.waitUntil(lambda: window.memory_panel.report is not None
+                        and window.memory_panel.report.tokens_seen > 0, timeout=10_000)
+        report = window.memory_panel.report
+        assert report.remote.startswith(base) and report.weights == default_model.weights_bytes
+        assert window.memory_panel.device_label.text().startswith("Remote · 127.0.0.1")
+        assert window.memory_panel.values["KV cache"].text().startswith(tuple("0123456789"))
+        # the context bar counts as the server's engine counts (not an estimate)
+        window.composer.setPlainText("And of Italy?")
+        window._request_usage()
+        qtbot.waitUntil(lambda: window.figures is not None and window.figures.prompt > 0, timeout=10_000)
+        assert not window.figures.estimated and window.figures.history > 10
+        assert "estimated" not in window.memory_panel.context_label.text()
+        # a follow-up: the server reads only the new turn (the conversation extends what its cache holds)
+        second = ask(qtbot, window, "And of Italy?")
+        rows = sqlite3.connect(data_dir / "conversations.sqlite3").execute(
+            "SELECT stats_json FROM messages WHERE role='assistant' ORDER BY id").fetchall()
+        first_prompt, second_prompt = (json.loads(r[0])["prefill_tokens"] for r in rows)
+        assert second.text and second_prompt < first_prompt
+        # a knob is validated here and sent with the next request
+        window.knob_panel.set_values({"kv_cache_ratio": 0.3}, notify=True)
+        qtbot.waitUntil(lambda: "Sent to the server" in window.knob_panel.status.text(), timeout=5_000)
+        ask(qtbot, window, "Thanks.")
+        assert default_model.config.kv_cache_ratio == 0.3
+        window.knob_panel.set_values({"kv_cache_ratio": 0.5}, notify=True)
+        qtbot.waitUntil(lambda: window.facts.config["kv_cache_ratio"] == 0.5, timeout=5_000)
+        ask(qtbot, window, "Bye.")
+        assert default_model.config.kv_cache_ratio == 0.5
+        window.close()
+
+
+def test_the_app_on_another_openai_compatible_server(qtbot, make_window, data_dir):
+    app = stub_app()
+    with served_in_thread(app) as base:
+        window = remote_window(qtbot, make_window, base + "/v1")
+        assert window.facts.remote == "openai" and window.facts.context_limit == 4096  # the panel's: none reported
+        # the knobs are ours: disabled, with the reason; the reply options stay
+        assert not any(slider.isEnabled() for slider in window.knob_panel.sliders.values())
+        assert "not DS-V4.1" in window.knob_panel.status.text()
+        assert window.knob_panel.max_tokens.isEnabled()
+        reply = ask(qtbot, window, "Hi there")
+        assert reply.text == REPLY and not window.shown_messages
+        sent = app.state.seen[-1]
+        assert sent["messages"][-1] == {"role": "user", "content": "Hi there"} and sent["temperature"] == 0.0
+        assert sent["max_tokens"] == 16 and sent["stream"] is True
+        assert "kv_cache_ratio" not in sent  # no cache knobs to a server that has none
+        qtbot.waitUntil(lambda: window.memory_panel.report is not None, timeout=5_000)
+        assert window.memory_panel.values["Weights"].text() == "remote: not reported"
+        assert "memory not reported" in window.memory_panel.device_label.text()
+        window.composer.setPlainText("What next?")
+        window._request_usage()
+        qtbot.waitUntil(lambda: window.figures is not None and window.figures.prompt > 0, timeout=5_000)
+        assert window.figures.estimated and "estimated from characters" in window.memory_panel.context_label.text()
+        # the history travels with the next request, as any chat client sends it
+        ask(qtbot, window, "Again")
+        assert [m["content"] for m in app.state.seen[-1]["messages"]] == ["Hi there", REPLY, "Again"]
+        row = sqlite3.connect(data_dir / "conversations.sqlite3").execute(
+            "SELECT content, status FROM messages WHERE role='assistant' ORDER BY id DESC").fetchone()
+        assert row == (REPLY, "done")
+        # regenerate replaces the last reply through the server
+        window.regenerate()
+        qtbot.waitUntil(lambda: not window.turns.busy, timeout=10_000)
+        assert [m["content"] for m in app.state.seen[-1]["messages"]] == ["Hi there", REPLY, "Again"]
+        window.close()
+
+
+def test_stop_closes_the_stream_and_keeps_the_partial_reply(qtbot, make_window, data_dir):
+    app = stub_app(delay=0.05, words=400)  # 20 s of reply unless stopped
+    with served_in_thread(app) as base:
+        window = remote_window(qtbot, make_window, base + "/v1", {"max_new_tokens": 1000, "greedy": True})
+        window.composer.setPlainText("Talk a lot")
+        window.send()
+        qtbot.waitUntil(lambda: bool(window.turns.active and window.turns.active.text), timeout=10_000)
+        window.stop()
+        qtbot.waitUntil(lambda: not window.turns.busy, timeout=3_000)
+        reply = window.chat.bubbles[-1]
+        assert reply.text.startswith("w0") and len(reply.text.split()) < 400 and "stopped" in reply.footer.text()
+        row = sqlite3.connect(data_dir / "conversations.sqlite3").execute(
+            "SELECT content, status FROM messages WHERE role='assistant'").fetchone()
+        assert row == (reply.text, "stopped")
+        window.close()
+
+
+def test_a_server_that_is_not_there_is_a_clear_load_failure(qtbot, make_window):
+    from app.settings import Key, Settings
+    from app.worker import load_engine_model
+
+    settings = Settings()
+    settings.set_json(Key.MODEL, {"model_path": f"http://127.0.0.1:{free_port()}/v1", "max_seq_len": 4096})
+    settings.sync()
+    window = make_window(load_engine_model, wait_loaded=False)
+    qtbot.waitUntil(lambda: bool(window.shown_messages), timeout=30_000)
+    title, text = window.shown_messages[-1]
+    assert title == "Could not load the model" and "cannot be reached" in text and "python -m engine serve" in text
+    assert window.facts is None
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_serve_shares_the_loaded_model_with_other_programs(qtbot, make_window):
+    from app.settings import Key, Settings
+    from app.worker import load_engine_model
+
+    settings = Settings()
+    settings.set_json(Key.MODEL, {"model_path": "default", "device_map": "cpu", "max_seq_len": 4096})
+    settings.set_json(Key.GENERATION, {"max_new_tokens": 12, "greedy": True})
+    settings.sync()
+    window = make_window(load_engine_model, wait_loaded=False)
+    qtbot.waitUntil(lambda: window.facts is not None, timeout=120_000)
+    panel = window.model_panel
+    assert panel.serve_button.isEnabled()
+    panel.serve_port.setValue(free_port())
+    panel.serve_button.setChecked(True)
+    qtbot.waitUntil(lambda: panel.serve_address.text().startswith("serving http://127.0.0.1:"), timeout=15_000)
+    address = panel.serve_address.text().removeprefix("serving ")
+    request = urllib.request.Request(address + "/chat/completions", data=json.dumps({
+        "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 12,
+        "temperature": 0}).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        served = json.loads(response.read())["choices"][0]["message"]["content"]
+    reply = ask(qtbot, window, "What is the capital of France?")  # the app chats with the same model meanwhile
+    assert "Paris" in served and "Paris" in reply.text
+    panel.serve_button.setChecked(False)
+    qtbot.waitUntil(lambda: panel.serve_address.text() == "", timeout=15_000)
+    with pytest.raises(OSError):
+        urllib.request.urlopen(address + "/models", timeout=5)
+    window.close()
