@@ -20,11 +20,11 @@ import dataclasses
 import gc
 import logging
 import sys
-import threading
 import time
 import traceback
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import Future
 
 from PySide6.QtCore import QObject, QThread, Signal, Slot
 
@@ -87,17 +87,17 @@ class EngineWorker(QObject):
     reconfigured = Signal(object, object)  # engine ReconfigureResult, ModelFacts
     reconfigure_failed = Signal(str)
     serving = Signal(str, str)  # the served address ('' when stopped), and why it stopped or could not start
+    _call = Signal(object, object)  # (fn, Future) from the server's thread: run here, between turns
     error = Signal(str)  # an unexpected failure outside a turn; the worker keeps running
 
     def __init__(self, model_factory: ModelFactory | None = None):
         super().__init__()
         self._factory = model_factory or load_engine_model
+        self._call.connect(self._run_call)  # emitted from the server's thread: queued to this one
         self.model: EngineModel | None = None
         self._options: dict = {}
         self._sessions: OrderedDict[int, EngineSession] = OrderedDict()
         self._doc_tokens: dict[str, int] = {}  # the engine's count per attachment key (documents do not change)
-        # Held around every engine call of this thread and of the server's requests (Serve): one at a time
-        self.engine_lock = threading.Lock()
         self._server = None  # engine.server.BackgroundServer while serving
         self._serve_options: dict | None = None  # what Serve was started with (it restarts on a model change)
 
@@ -162,8 +162,6 @@ class EngineWorker(QObject):
             self._server.stop()  # a request in flight is stopped at its next step (cancelled with its client)
             self._server = None
             self.serving.emit("", "")
-        with self.engine_lock:  # ... and has let go of the model
-            pass
         close = getattr(self.model, "close", None)
         if close is not None:
             close()
@@ -191,15 +189,7 @@ class EngineWorker(QObject):
     @Slot(object)
     def send(self, request: TurnRequest) -> None:
         try:
-            # a request the server is answering ends first (the GUI can still stop this turn while it waits)
-            while not self.engine_lock.acquire(timeout=0.05):
-                if request.cancel.is_set():
-                    self.turn_finished.emit(TurnOutcome(request.turn_id, "cancelled", ""))
-                    return
-            try:
-                outcome = self._run_turn(request)
-            finally:
-                self.engine_lock.release()
+            outcome = self._run_turn(request)
         except Exception as exc:  # noqa: BLE001 - a bug anywhere in a turn must not kill the worker
             log.exception("turn failed")
             outcome = TurnOutcome(request.turn_id, "error", "", error=_describe(exc),
@@ -325,9 +315,25 @@ class EngineWorker(QObject):
                 log.warning("the deleted chat's saved caches could not all be removed: %s", exc)
 
     # ------------------------------------------------------------------ Serve: the loaded model as an API
+    def _submit(self, fn) -> Future:
+        """The server's way onto this thread (engine.server's `submit`): its requests run here between the app's
+        own turns, on the thread that loaded the model (engine.threads says why that matters)."""
+        future: Future = Future()
+        self._call.emit(fn, future)
+        return future
+
+    @Slot(object, object)
+    def _run_call(self, fn, future: Future) -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(fn())
+        except BaseException as exc:  # noqa: BLE001 - handed to the server, which answers with it
+            future.set_exception(exc)
+
     @Slot(object)
     def start_serving(self, options: dict) -> None:
-        """Serve the loaded model at options' host/port (engine.server), sharing this thread's engine lock;
+        """Serve the loaded model at options' host/port (engine.server), its requests run on this thread;
         `serving` says the address, or why not."""
         self._serve_options = dict(options)
         if self._server is not None:
@@ -345,7 +351,7 @@ class EngineWorker(QObject):
         try:
             server = BackgroundServer(self.model, host=options.get("host", "127.0.0.1"),
                                       port=int(options.get("port", 8000)), api_key=options.get("api_key") or None,
-                                      engine_lock=self.engine_lock)
+                                      submit=self._submit)
             address = server.start()
         except (OSError, EngineError) as exc:
             self._serve_options = None
@@ -370,8 +376,7 @@ class EngineWorker(QObject):
             return
         session = next(reversed(self._sessions.values()), None) if self._sessions else None
         try:
-            with self.engine_lock:
-                result = self.model.reconfigure(session, progress=self._reconfigure_progress, **knobs)
+            result = self.model.reconfigure(session, progress=self._reconfigure_progress, **knobs)
         except Exception as exc:  # noqa: BLE001 - a bad knob value is a message, not a crash
             self.reconfigure_failed.emit(str(exc) if isinstance(exc, EngineError) else _describe(exc))
             return
@@ -403,9 +408,8 @@ class EngineWorker(QObject):
         if self.model is None:
             return
         try:
-            with self.engine_lock:  # the tokenizer is not to be used by two threads at once
-                usage = self._usage(request)
-                figures = self._document_figures(request, usage)
+            usage = self._usage(request)
+            figures = self._document_figures(request, usage)
             self.document_figures.emit(figures)
             self.usage.emit(usage)
         except Exception as exc:  # noqa: BLE001

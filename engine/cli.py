@@ -9,6 +9,17 @@ import threading
 
 from .config import KNOBS, KNOBS_LIST, USER_DEFAULTS, DSV41Config
 from .errors import EngineError
+from .threads import EngineThread
+
+_ENGINE: EngineThread | None = None
+
+
+def engine_thread() -> EngineThread:
+    """The one thread that loads the model and runs every turn (engine.threads says why it must be one)."""
+    global _ENGINE
+    if _ENGINE is None:
+        _ENGINE = EngineThread("engine")
+    return _ENGINE
 
 
 def _number(text: str) -> int | float:
@@ -80,7 +91,8 @@ def _load(args):
     def progress(message, fraction):
         print(f"[{fraction:4.0%}] {message}", file=sys.stderr)
 
-    model = DSV41Model.from_pretrained(_config(args), progress=progress)
+    # loaded on the engine thread, where every turn then runs (engine.threads: decode at half speed otherwise)
+    model = engine_thread().call(DSV41Model.from_pretrained, _config(args), progress=progress)
     i = model.info
     weights = i.weight_quant if i.weight_quant != "none" or not i.weight_storage else f"held as {i.weight_storage}"
     if i.prefill_bf16:
@@ -106,7 +118,7 @@ def _stream(session, prompt, documents, args, cancel) -> object:
             events.put(exc)
         events.put(None)
 
-    threading.Thread(target=work, daemon=True).start()
+    engine_thread().submit(work)  # the thread that loaded the model
     done = None
     while True:
         try:
@@ -248,7 +260,7 @@ def cmd_serve(args) -> int:
     from .server import check_bind, serve
 
     check_bind(args.host, args.api_key)  # said before the model loads
-    serve(_load(args), host=args.host, port=args.port, api_key=args.api_key)
+    serve(_load(args), host=args.host, port=args.port, api_key=args.api_key, submit=engine_thread().submit)
     return 0
 
 

@@ -17,7 +17,8 @@ conversation gets a session (and cache) of its own, the least recently used of S
 cannot fit the context is refused before any work with the numbers (400, OpenAI's error shape, the numbers also
 under `dsv41`), never truncated. A client that disconnects mid-reply cancels it; the session's cache and transcript
 stay consistent (ChatSession). Binds to 127.0.0.1; another address needs an API key (`Authorization: Bearer <key>`).
-The app's own engine thread and the server share one lock (`engine_lock`) when the app serves its loaded model.
+Every request's engine work runs on the thread the model runs on (engine.threads says why); the app serving its
+loaded model runs them on its own engine worker thread, between its own turns.
 """
 
 from __future__ import annotations
@@ -28,11 +29,13 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future
 
 from .config import CACHE_KNOBS
 from .errors import ConfigError, ContextOverflowError
 from .events import Done, TokenText
+from .threads import EngineThread
 
 SESSIONS = 4  # conversations whose caches are kept
 QUEUE = 8  # requests that may wait behind the running one
@@ -73,11 +76,11 @@ class Conversations:
 
 
 def _sampling(body: dict) -> dict:
-    """The generation settings a request asks for (OpenAI's names, and vLLM's top_k / repetition_penalty)."""
+    """The generation settings a request asks for (OpenAI's names, and vLLM's top_k, repetition_penalty, ignore_eos)."""
     settings = {}
     if body.get("max_tokens") is not None or body.get("max_completion_tokens") is not None:
         settings["max_new_tokens"] = body.get("max_completion_tokens") or body.get("max_tokens")
-    for name in ("temperature", "top_p", "seed", "top_k", "repetition_penalty"):
+    for name in ("temperature", "top_p", "seed", "top_k", "repetition_penalty", "ignore_eos"):
         if body.get(name) is not None:
             settings[name] = body[name]
     if body.get("temperature") == 0:
@@ -174,18 +177,17 @@ def count_tokens(model, body: dict) -> dict:
 
 
 def create_app(model, *, api_key: str | None = None, queue: int = QUEUE, name: str | None = None,
-               engine_lock: threading.Lock | None = None):
-    """The ASGI app serving `model` (a DSV41Model). `engine_lock`: held around every engine call (pass the app's
-    own when the app serves the model it also chats with)."""
+               submit: Callable[[Callable], Future] | None = None):
+    """The ASGI app serving `model` (a DSV41Model). `submit(fn) -> Future` runs the engine's work on the thread
+    the model runs on (engine.threads: the thread that loaded it; the app passes its worker thread's); by default
+    a thread of the server's own."""
     from starlette.applications import Starlette
     from starlette.responses import JSONResponse, StreamingResponse
     from starlette.routing import Route
 
     conversations = Conversations(model)
-    engine_lock = engine_lock or threading.Lock()  # one engine call at a time
-    # Every request's engine work runs on this one long-lived thread (a thread per request made glibc give each
-    # its own malloc arena: measured, the server's RSS grew 778 MiB over 160 short requests)
-    engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-request")
+    engine_lock = threading.Lock()  # one engine call at a time
+    submit = submit or EngineThread("engine-request").submit
     waiting = {"n": 0}
     model_id = name or model.info.display_name
 
@@ -219,8 +221,10 @@ def create_app(model, *, api_key: str | None = None, queue: int = QUEUE, name: s
             body = await request.json()
         except (ValueError, json.JSONDecodeError):
             return error(400, "The body is not JSON.")
-        try:
-            return JSONResponse(count_tokens(model, body if isinstance(body, dict) else {}))
+        try:  # on the engine's thread: the tokenizer is not shared between threads
+            counted = await asyncio.wrap_future(submit(lambda: count_tokens(model, body if isinstance(body, dict)
+                                                                            else {})))
+            return JSONResponse(counted)
         except ConfigError as exc:
             return error(400, str(exc), code="invalid_value")
 
@@ -257,9 +261,12 @@ def create_app(model, *, api_key: str | None = None, queue: int = QUEUE, name: s
         loop = asyncio.get_running_loop()
         started = time.time()
 
-        def run() -> None:  # on a worker thread: the engine, one request at a time
+        def run() -> None:  # on the engine's thread, one request at a time
             def put(item):
-                loop.call_soon_threadsafe(events.put_nowait, item)
+                try:
+                    loop.call_soon_threadsafe(events.put_nowait, item)
+                except RuntimeError:  # the server stopped meanwhile (its loop is closed): nobody is listening
+                    cancel.set()
 
             try:
                 with engine_lock:
@@ -292,7 +299,7 @@ def create_app(model, *, api_key: str | None = None, queue: int = QUEUE, name: s
             finally:
                 put(("end", None))
 
-        engine_thread.submit(run)
+        submit(run)
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(started)
         kind = "chat.completion" if chat else "text_completion"
@@ -393,8 +400,10 @@ def check_bind(host: str, api_key: str | None) -> None:
                           "reach it could use the model otherwise)")
 
 
-def serve(model, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None) -> None:
-    """Run the server until interrupted (uvicorn). Off the loopback address an API key is required."""
+def serve(model, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+          submit: Callable[[Callable], Future] | None = None) -> None:
+    """Run the server until interrupted (uvicorn). Off the loopback address an API key is required. `submit`: as
+    create_app's (the CLI passes the thread that loaded the model)."""
     import logging
 
     import uvicorn
@@ -404,18 +413,19 @@ def serve(model, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | No
     if host not in LOOPBACK:
         log.warning("listening on %s:%d: requests need Authorization: Bearer <the API key>", host, port)
     print(f"DS-V4.1 serving {model.info.display_name} at http://{host}:{port}/v1 (OpenAI-compatible)", flush=True)
-    uvicorn.run(create_app(model, api_key=api_key), host=host, port=port, log_level="info")
+    uvicorn.run(create_app(model, api_key=api_key, submit=submit), host=host, port=port, log_level="info")
 
 
 class BackgroundServer:
     """The server on a thread of its own (the app's Serve switch): start() returns once it listens (or raises),
-    stop() ends it. Shares `engine_lock` with the caller's own engine calls."""
+    stop() ends it. `submit`: as create_app's (the app passes its worker thread's, so served requests and the
+    app's own turns run one after the other on the thread that loaded the model)."""
 
     def __init__(self, model, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-                 engine_lock: threading.Lock | None = None):
+                 submit: Callable[[Callable], Future] | None = None):
         check_bind(host, api_key)
         self.host, self.port, self.model = host, port, model
-        self.app = create_app(model, api_key=api_key, engine_lock=engine_lock)
+        self.app = create_app(model, api_key=api_key, submit=submit)
         self._server = None
         self._thread: threading.Thread | None = None
 

@@ -89,3 +89,53 @@ def test_serve_refuses_another_address_without_an_api_key_before_loading(capsys)
     assert engine_cli.main(["serve", "--host", "0.0.0.0"]) == 2
     err = capsys.readouterr().err
     assert "host" in err and "--api-key" in err and "Loaded" not in err
+
+
+def test_the_cli_loads_the_model_and_runs_every_turn_on_one_thread(monkeypatch, capsys):
+    """engine.threads: OpenMP keeps a thread pool per thread that starts parallel regions; a model loaded on one
+    thread and decoded on another ran at half speed on 2 cores. The CLI does both on its engine thread."""
+    import threading
+
+    from engine import cli
+    from engine.events import Done, TokenText
+    from engine.model import DSV41Model
+
+    threads = {}
+
+    class Session:
+        def send(self, prompt, documents, cancel=None, **settings):
+            threads["turn"] = threading.current_thread().name
+            yield TokenText("hello", 1)
+            yield Done("eos", "hello")
+
+    class Model:
+        info = type("Info", (), {"display_name": "fake", "device": "cpu", "dtype": "float32", "weight_quant": "none",
+                                 "weight_storage": "", "prefill_bf16": False, "attention_backend": "sdpa",
+                                 "attention_kernels": "", "resolve_seconds": 0.0, "load_seconds": 0.0})()
+
+        def chat_session(self, system_prompt=None):
+            return Session()
+
+    def from_pretrained(config, progress=None):
+        threads["load"] = threading.current_thread().name
+        return Model()
+
+    monkeypatch.setattr(DSV41Model, "from_pretrained", staticmethod(from_pretrained))
+    assert cli.main(["generate", "--prompt", "hi"]) == 0
+    assert "hello" in capsys.readouterr().out
+    assert threads["load"] == threads["turn"] == "engine" != threading.current_thread().name
+
+
+def test_the_engine_thread_runs_calls_in_order_and_hands_back_their_errors():
+    import threading
+
+    from engine.threads import EngineThread
+
+    thread = EngineThread("t")
+    seen = []
+    futures = [thread.submit(seen.append, i) for i in range(5)]
+    assert thread.call(threading.current_thread) is not threading.current_thread()
+    assert [f.result() for f in futures] == [None] * 5 and seen == [0, 1, 2, 3, 4]
+    with pytest.raises(ZeroDivisionError):
+        thread.call(lambda: 1 / 0)
+    assert thread.call(lambda: "still running") == "still running"
