@@ -15,7 +15,6 @@ import argparse
 import os
 import platform
 import sys
-import threading
 import time
 import traceback
 
@@ -57,8 +56,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  [{fraction * 100:3.0f}%] {message}", flush=True)
 
         t0 = time.perf_counter()
-        model = DSV41Model.from_pretrained(DSV41Config(model_path=args.model, max_seq_len=args.max_seq_len),
-                                           progress=progress)
+        from engine.threads import EngineThread
+
+        # loaded and run on one thread, as the app's worker does (engine.threads: decode at half speed otherwise)
+        engine = EngineThread("selftest-engine")
+        model = engine.call(DSV41Model.from_pretrained,
+                            DSV41Config(model_path=args.model, max_seq_len=args.max_seq_len), progress=progress)
         load_s = time.perf_counter() - t0
         info = model.info
         print(f"  model:    {info.display_name} on {info.device} ({info.dtype}, weights {info.weight_quant}, "
@@ -72,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         errors: list[str] = []
         crash: list[BaseException] = []
 
-        def turn() -> None:  # on a worker thread, as the app and the CLI run it
+        def turn() -> None:  # on the engine thread, as the app and the CLI run it
             nonlocal done
             try:
                 for event in session.send(args.prompt, max_new_tokens=args.max_new_tokens, greedy=True):
@@ -86,9 +89,7 @@ def main(argv: list[str] | None = None) -> int:
                 crash.append(exc)
 
         t1 = time.perf_counter()
-        worker = threading.Thread(target=turn, name="selftest-turn", daemon=True)
-        worker.start()
-        worker.join()
+        engine.call(turn)
         wall = time.perf_counter() - t1
         if crash:
             raise crash[0]
