@@ -511,7 +511,7 @@ def reply_footer(stats: dict | None, status: str | None = None) -> str:
         parts.append(f"{stats.get('decode_tok_s', 0):.1f} tok/s")
         parts.append(f"{stats.get('decode_tokens', 0)} tokens")
         ratio = stats.get("compression_ratio")
-        if ratio is not None:
+        if ratio is not None and stats.get("kv_uncompressed_bytes", 1):  # 0: a server that reports no KV
             parts.append(f"KV ×{ratio:.2f}")
         if stats.get("recall_s"):
             parts.append(f"recalled in {stats['recall_s'] * 1000:.0f} ms")

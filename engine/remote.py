@@ -13,6 +13,10 @@ What a remote model can and cannot tell:
   knobs (reconfigure() answers "unsupported"), token counts estimated (ContextUsage.estimated) from characters,
   the context limit from /v1/models' `max_model_len` where the server gives it (vLLM does), else the panel's.
 The user's text and documents travel as the text of the user message, as the app lays them out for its own engine.
+
+Why this file is long: RemoteModel stands in for the whole of DSV41Model's surface the app uses (load, turns, counts,
+memory, knobs), each answered from our server or honestly estimated for another; splitting it would split one
+object.
 """
 
 from __future__ import annotations

@@ -3,7 +3,9 @@ model the tests already hold), or as `python -m engine serve` in a subprocess (w
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import json
 import os
 import socket
 import subprocess
@@ -77,3 +79,39 @@ def served_subprocess(*args: str, timeout: float = 180.0):
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+
+
+REPLY = "Hello from a server that is not DS-V4.1, word by word."
+
+
+def stub_app(delay: float = 0.0, words: int | None = None):
+    """An OpenAI-compatible server that reports nothing of its own: /v1/models and a streamed chat completion."""
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.routing import Route
+
+    seen: list[dict] = []
+
+    async def models(request):
+        return JSONResponse({"object": "list", "data": [{"id": "stub-model", "object": "model"}]})
+
+    async def chat(request):
+        body = await request.json()
+        seen.append(body)
+        pieces = REPLY.split(" ") if words is None else [f"w{i}" for i in range(words)]
+
+        async def stream():
+            for i, piece in enumerate(pieces):
+                text = piece if i == 0 else " " + piece
+                yield f"data: {json.dumps({'choices': [{'index': 0, 'delta': {'content': text}}]})}\n\n"
+                await asyncio.sleep(delay)
+            yield f"data: {json.dumps({'choices': [{'index': 0, 'delta': {}, 'finish_reason': 'stop'}]})}\n\n"
+            usage = {"prompt_tokens": 11, "completion_tokens": len(pieces), "total_tokens": 11 + len(pieces)}
+            yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+    app = Starlette(routes=[Route("/v1/models", models), Route("/v1/chat/completions", chat, methods=["POST"])])
+    app.state.seen = seen
+    return app

@@ -129,6 +129,7 @@ class MemoryPanel(QGroupBox):
         layout.setSpacing(4)
         self.device_label = QLabel("No model loaded")
         self.device_label.setObjectName("deviceLabel")
+        self.device_label.setWordWrap(True)  # a remote server's address and device: wrap, never widen the panel
         layout.addWidget(self.device_label)
         self.bar = StackedBar(MEMORY_COLORS)
         layout.addWidget(self.bar)
@@ -219,8 +220,9 @@ class MemoryPanel(QGroupBox):
         saved = report.saved_caches
         self.tokens_label.setText(f"{report.tokens_seen:,} tokens seen · {report.kv_stored_tokens:,} entries stored"
                                   + (f" · saved chat caches {fmt_bytes(saved)} on disk" if saved else ""))
-        self.ratio_label.setText(ratio_line(report))
-        self.ratio_label.setToolTip(ratio_line(report))
+        line = ratio_line(report)
+        self.ratio_label.setText(line.split("; ")[0])  # its first reason fits the two lines kept for it
+        self.ratio_label.setToolTip(line)
         hint, short = report.hint(), report.short_hint()
         self.hint_label.setText(("⚠ " + short) if short else "")
         self.hint_label.setToolTip(hint or "")

@@ -287,6 +287,7 @@ class ModelPanel(QWidget):
         """The worker's answer: serving at `address`, or stopped (with why, when it could not start)."""
         self.serve_button.blockSignals(True)
         self.serve_button.setChecked(bool(address))
+        self.serve_button.setText("Stop serving" if address else "Serve")
         self.serve_button.blockSignals(False)
         self.serve_port.setEnabled(not address)
         self.serve_address.setText(f"serving {address}" if address else "")

@@ -6,49 +6,13 @@ loaded model served to other programs while the app chats with it."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import sqlite3
 import urllib.request
 
 import pytest
 
-from tests.serving import free_port, served_in_thread
-
-REPLY = "Hello from a server that is not DS-V4.1, word by word."
-
-
-def stub_app(delay: float = 0.0, words: int | None = None):
-    """An OpenAI-compatible server that reports nothing of its own: /v1/models and a streamed chat completion."""
-    from starlette.applications import Starlette
-    from starlette.responses import JSONResponse, StreamingResponse
-    from starlette.routing import Route
-
-    seen: list[dict] = []
-
-    async def models(request):
-        return JSONResponse({"object": "list", "data": [{"id": "stub-model", "object": "model"}]})
-
-    async def chat(request):
-        body = await request.json()
-        seen.append(body)
-        pieces = REPLY.split(" ") if words is None else [f"w{i}" for i in range(words)]
-
-        async def stream():
-            for i, piece in enumerate(pieces):
-                text = piece if i == 0 else " " + piece
-                yield f"data: {json.dumps({'choices': [{'index': 0, 'delta': {'content': text}}]})}\n\n"
-                await asyncio.sleep(delay)
-            yield f"data: {json.dumps({'choices': [{'index': 0, 'delta': {}, 'finish_reason': 'stop'}]})}\n\n"
-            usage = {"prompt_tokens": 11, "completion_tokens": len(pieces), "total_tokens": 11 + len(pieces)}
-            yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
-            yield "data: [DONE]\n\n"
-
-        return StreamingResponse(stream(), media_type="text/event-stream")
-
-    app = Starlette(routes=[Route("/v1/models", models), Route("/v1/chat/completions", chat, methods=["POST"])])
-    app.state.seen = seen
-    return app
+from tests.serving import REPLY, free_port, served_in_thread, stub_app
 
 
 def remote_window(qtbot, make_window, url: str, generation: dict | None = None):
@@ -128,6 +92,7 @@ def test_the_app_on_another_openai_compatible_server(qtbot, make_window, data_di
         assert window.knob_panel.max_tokens.isEnabled()
         reply = ask(qtbot, window, "Hi there")
         assert reply.text == REPLY and not window.shown_messages
+        assert "tok/s" in reply.footer.text() and "KV" not in reply.footer.text()  # no KV figure it does not have
         sent = app.state.seen[-1]
         assert sent["messages"][-1] == {"role": "user", "content": "Hi there"} and sent["temperature"] == 0.0
         assert sent["max_tokens"] == 16 and sent["stream"] is True
@@ -201,6 +166,7 @@ def test_serve_shares_the_loaded_model_with_other_programs(qtbot, make_window):
     panel.serve_button.setChecked(True)
     qtbot.waitUntil(lambda: panel.serve_address.text().startswith("serving http://127.0.0.1:"), timeout=15_000)
     address = panel.serve_address.text().removeprefix("serving ")
+    assert panel.serve_button.text() == "Stop serving" and not panel.serve_port.isEnabled()
     request = urllib.request.Request(address + "/chat/completions", data=json.dumps({
         "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 12,
         "temperature": 0}).encode(), headers={"Content-Type": "application/json"})
@@ -210,6 +176,7 @@ def test_serve_shares_the_loaded_model_with_other_programs(qtbot, make_window):
     assert "Paris" in served and "Paris" in reply.text
     panel.serve_button.setChecked(False)
     qtbot.waitUntil(lambda: panel.serve_address.text() == "", timeout=15_000)
+    assert panel.serve_button.text() == "Serve" and panel.serve_port.isEnabled()
     with pytest.raises(OSError):
         urllib.request.urlopen(address + "/models", timeout=5)
     window.close()

@@ -8,8 +8,9 @@ reference text if that is not installed), asks about it, and saves a PNG of each
 loading, ready, document attached, reading the document, streaming, the reply with its figures,
 a knob moved during the reply (pending) and applied after it (before/after memory), the "KV over
 30 % of the weights" hint, a Chinese exchange, a code answer, a regenerated reply with its versions, the dark
-theme at 1280x720 and 1024x700 (and light at 1024x700), a download in progress (from a local hub mirror), and a
-load error.
+theme at 1280x720 and 1024x700 (and light at 1024x700), a download in progress (from a local hub mirror), a
+load error; then the app on servers: our own (`python -m engine serve` in a subprocess), another OpenAI-compatible
+one (a stand-in on 127.0.0.1), and Serve switched on. `--only remote` takes just those.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=str(ROOT / "docs" / "screenshots"))
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--only", choices=["remote"], default=None)
     args = parser.parse_args()
     if not os.environ.get("DISPLAY") and os.environ.get("QT_QPA_PLATFORM", "") != "offscreen":
         if shutil.which("xvfb-run") is None:
@@ -43,7 +45,8 @@ def main() -> int:
     os.environ.setdefault("QT_QPA_PLATFORM", "xcb")
     os.environ["DSV41_DATA_DIR"] = tempfile.mkdtemp(prefix="dsv41-shots-")
     sys.path.insert(0, str(ROOT))
-    return Shooter(Path(args.out), args.max_new_tokens).run()
+    shooter = Shooter(Path(args.out), args.max_new_tokens)
+    return shooter.run_remote() if args.only == "remote" else shooter.run()
 
 
 def speech_path(folder: Path) -> Path:
@@ -128,26 +131,32 @@ class Shooter:
             mirror.close()
             os.environ.pop("HF_ENDPOINT", None)
 
-    # ------------------------------------------------------------------ the tour
-    def run(self) -> int:
-        from app.main import ErrorHook, make_application
+    def open_window(self, width: int, height: int):
+        """A main window on the default model's settings (greedy replies), shown at width × height."""
+        from app.main import ErrorHook
         from app.settings import Key, Settings
+        from app.window import MainWindow
 
-        self.app = make_application([])
         settings = Settings()
         settings.set_json(Key.MODEL, {"model_path": "default", "weight_quant": "none", "device_map": "auto",
                                       "max_seq_len": 8192})
         settings.set_json(Key.GENERATION, {"max_new_tokens": self.max_new_tokens, "temperature": 0.7,
                                            "greedy": True})
         settings.sync()
-        from app.window import MainWindow
-
         window = self.window = MainWindow(autoload=False)
         hook = ErrorHook(window)
         hook.install()
-        window.resize(1440, 900)
+        window.resize(width, height)
         window.show()
         self.pause(0.5)
+        return window, hook
+
+    # ------------------------------------------------------------------ the tour
+    def run(self) -> int:
+        from app.main import make_application
+
+        self.app = make_application([])
+        window, hook = self.open_window(1440, 900)
 
         print("1. loading the default model")
         seen_progress = []
@@ -251,7 +260,56 @@ class Shooter:
 
         window.close()
         hook.uninstall()
+        status = self.run_remote(app_ready=True)
         print(f"{len(self.saved)} screenshots in {self.out}")
+        return status
+
+    def run_remote(self, app_ready: bool = False) -> int:
+        """The app on our server, on another server, and serving its own model."""
+        from app.main import make_application
+        from tests.serving import served_in_thread, served_subprocess, stub_app
+
+        if not app_ready:
+            self.app = make_application([])
+        window, hook = self.open_window(1280, 800)
+
+        def connect(url: str) -> bool:
+            window.model_panel.source.setCurrentText(url)
+            window.model_panel.request_load()
+            return self.wait(lambda: window.facts is not None and window.facts.source == url and not window.loading,
+                             120, "the server")
+
+        def ask(text: str) -> None:
+            window.new_conversation()
+            window.composer.setPlainText(text)
+            window.send()
+            self.wait(lambda: not window.turns.busy, 600, "the reply")
+            self.pause(1.5)
+
+        print("11. the app on our own server (python -m engine serve in a subprocess)")
+        with served_subprocess("--max-seq-len", "8192") as (url, _proc):
+            if not connect(url + "/v1"):
+                return 1
+            ask("What is the capital of France? Answer in one sentence.")
+            self.shot("16-remote-dsv41-server")
+            print("12. the app on another OpenAI-compatible server (a stand-in: the reply only)")
+            with served_in_thread(stub_app(delay=0.02)) as other:
+                if not connect(other + "/v1"):
+                    return 1
+                ask("Hello, who are you?")
+                self.shot("17-remote-other-server")
+        print("13. Serve: the app's own model for other programs")
+        window.model_panel.source.setCurrentText("default")
+        window.model_panel.request_load()
+        self.wait(lambda: window.facts is not None and not window.facts.remote and not window.loading, 600, "load")
+        window.model_panel.serve_button.setChecked(True)
+        self.wait(lambda: window.model_panel.serve_address.text().startswith("serving"), 30, "serving")
+        ask("Name three colours.")
+        self.shot("18-serve-on")
+        window.model_panel.serve_button.setChecked(False)
+        self.pause(1.0)
+        window.close()
+        hook.uninstall()
         return 0
 
 

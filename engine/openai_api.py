@@ -1,0 +1,118 @@
+"""The OpenAI API's shapes as the server reads and writes them (engine/server.py serves them): requests to engine
+settings, the error body, and our extensions (the memory report, the model's facts, token counts)."""
+
+from __future__ import annotations
+
+from .config import CACHE_KNOBS
+from .errors import ConfigError
+
+ROLES = ("system", "user", "assistant")
+
+
+def error(status: int, message: str, kind: str = "invalid_request_error", code: str | None = None, headers=None):
+    from starlette.responses import JSONResponse
+
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}}, status,
+                        headers=headers)
+
+
+
+def _sampling(body: dict) -> dict:
+    """The generation settings a request asks for (OpenAI's names, and vLLM's top_k, repetition_penalty, ignore_eos)."""
+    settings = {}
+    if body.get("max_tokens") is not None or body.get("max_completion_tokens") is not None:
+        settings["max_new_tokens"] = body.get("max_completion_tokens") or body.get("max_tokens")
+    for name in ("temperature", "top_p", "seed", "top_k", "repetition_penalty", "ignore_eos"):
+        if body.get(name) is not None:
+            settings[name] = body[name]
+    if body.get("temperature") == 0:
+        settings["greedy"] = True
+    stop = body.get("stop")
+    if stop is not None:
+        settings["stop"] = (stop,) if isinstance(stop, str) else tuple(stop)
+    return settings
+
+
+def parse_request(body: dict) -> tuple[str | None, list[dict], str, dict, dict]:
+    """(system prompt, history, the new user message, generation settings, cache knobs) or ConfigError."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ConfigError("messages", messages, "a non-empty list of {role, content}")
+    system, turns = None, []
+    for message in messages:
+        role, content = (message or {}).get("role"), (message or {}).get("content")
+        if isinstance(content, list):  # OpenAI's content parts: the text ones
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+        if role not in ROLES or not isinstance(content, str):
+            raise ConfigError("messages", role, "roles system / user / assistant with text content")
+        if role == "system":
+            system = content if system is None else system + "\n\n" + content
+        else:
+            turns.append({"role": role, "content": content})
+    if not turns or turns[-1]["role"] != "user":
+        raise ConfigError("messages", turns[-1]["role"] if turns else None, "a conversation ending with a user message")
+    knobs = {k: body[k] for k in CACHE_KNOBS if k in body}
+    return system, turns[:-1], turns[-1]["content"], _sampling(body), knobs
+
+
+def parse_completion(body: dict) -> tuple[str, dict, dict]:
+    """(prompt, generation settings, cache knobs) of a /v1/completions request, or ConfigError."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt:
+        raise ConfigError("prompt", prompt, "one non-empty string")
+    settings = _sampling(body)
+    settings.setdefault("max_new_tokens", 16)  # OpenAI's default for completions
+    return prompt, settings, {k: body[k] for k in CACHE_KNOBS if k in body}
+
+
+def memory_figures(model, session) -> dict:
+    """The memory report as the server sends it: the headline figures, and the whole report under `report`."""
+    report = model.memory_report(session.cache if session is not None else None)
+    return {"kv_hot_bytes": report.kv_stored, "kv_cold_bytes": report.kv_cold + report.kv_cold_disk,
+            "kv_uncompressed_bytes": report.kv_uncompressed, "compression_ratio": report.compression_ratio,
+            "kv_target_ratio": report.kv_target_ratio, "tokens_seen": report.tokens_seen,
+            "stored_entries": report.kv_stored_tokens, "weights_bytes": report.weights,
+            "device": report.device, "report": report.to_dict()}
+
+
+def model_facts(model, model_id: str) -> dict:
+    """GET /v1/dsv41/model: the figures a remote app shows and the knobs it may change."""
+    info = model.info
+    return {"id": model_id, "display_name": info.display_name, "context_limit": int(model.context_limit),
+            "max_positions": int(model.max_positions), "kv_bytes_per_token": int(model.kv_bytes_per_token()),
+            "device": info.device, "dtype": info.dtype, "weight_quant": info.weight_quant,
+            "weight_storage": info.weight_storage, "attention_backend": info.attention_backend,
+            "attention_kernels": info.attention_kernels,
+            "cache_knobs": {k: v for k, v in model.config.to_dict().items() if k in CACHE_KNOBS}}
+
+
+def count_tokens(model, body: dict) -> dict:
+    """POST /v1/dsv41/tokens: `texts` counted as data, `messages` as the chat template renders them, `system`
+    as a system prompt, and `stored_kv` (token counts) as the KV bytes the cache keeps of them under `knobs`."""
+    from .chat_template import count_system
+
+    out: dict = {}
+    texts = body.get("texts", [])
+    messages = body.get("messages")
+    stored = body.get("stored_kv", [])
+    if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+        raise ConfigError("texts", texts, "a list of strings")
+    if not isinstance(stored, list) or not all(isinstance(n, int) and n >= 0 for n in stored):
+        raise ConfigError("stored_kv", stored, "a list of token counts")
+    out["counts"] = [model.count_tokens(t) for t in texts]
+    if messages is not None:
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and m.get("role") in ROLES
+                                                     and isinstance(m.get("content"), str) for m in messages):
+            raise ConfigError("messages", None, "a list of {role, content} with text content")
+        out["chat"] = model.count_chat(messages)
+    if body.get("system") is not None:
+        if not isinstance(body["system"], str):
+            raise ConfigError("system", body["system"], "a string")
+        out["system"] = count_system(model.tokenizer, body["system"])
+    knobs = body.get("knobs") or {}
+    if not isinstance(knobs, dict) or any(k not in CACHE_KNOBS for k in knobs):
+        raise ConfigError("knobs", knobs, "cache knobs (" + ", ".join(sorted(CACHE_KNOBS)) + ")")
+    out["stored_kv_bytes"] = [model.stored_kv_bytes(n, **knobs) for n in stored]
+    return out
