@@ -8,7 +8,7 @@ import sys
 import threading
 
 from .config import KNOBS, KNOBS_LIST, USER_DEFAULTS, DSV41Config
-from .errors import EngineError
+from .errors import ConfigError, EngineError
 from .threads import EngineThread
 
 _ENGINE: EngineThread | None = None
@@ -260,7 +260,10 @@ def cmd_serve(args) -> int:
     from .server import check_bind, serve
 
     check_bind(args.host, args.api_key)  # said before the model loads
-    serve(_load(args), host=args.host, port=args.port, api_key=args.api_key, submit=engine_thread().submit)
+    if args.queue < 0:
+        raise ConfigError("queue", args.queue, "0 or more requests waiting behind the running one")
+    serve(_load(args), host=args.host, port=args.port, api_key=args.api_key, queue=args.queue,
+          submit=engine_thread().submit)
     return 0
 
 
@@ -294,6 +297,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (another than 127.0.0.1 needs --api-key)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require Authorization: Bearer <key> on every request")
+    p.add_argument("--queue", type=int, default=8, help="requests that may wait behind the running one; more are "
+                   "answered 429 with Retry-After (default 8)")
     p.set_defaults(func=cmd_serve)
     p = sub.add_parser("doctor", help="check the installation and suggest fixes")
     p.set_defaults(func=cmd_doctor)

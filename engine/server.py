@@ -291,7 +291,7 @@ def check_bind(host: str, api_key: str | None) -> None:
                           "reach it could use the model otherwise)")
 
 
-def serve(model, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+def serve(model, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None, queue: int = QUEUE,
           submit: Callable[[Callable], Future] | None = None) -> None:
     """Run the server until interrupted (uvicorn). Off the loopback address an API key is required. `submit`: as
     create_app's (the CLI passes the thread that loaded the model)."""
@@ -304,7 +304,8 @@ def serve(model, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | No
     if host not in LOOPBACK:
         log.warning("listening on %s:%d: requests need Authorization: Bearer <the API key>", host, port)
     print(f"DS-V4.1 serving {model.info.display_name} at http://{host}:{port}/v1 (OpenAI-compatible)", flush=True)
-    uvicorn.run(create_app(model, api_key=api_key, submit=submit), host=host, port=port, log_level="info")
+    uvicorn.run(create_app(model, api_key=api_key, queue=queue, submit=submit), host=host, port=port,
+                log_level="info")
 
 
 class BackgroundServer:

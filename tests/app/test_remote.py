@@ -37,13 +37,26 @@ def ask(qtbot, window, text: str, timeout: int = 120_000):
     return window.chat.bubbles[-1]
 
 
+@pytest.fixture
+def served_model(default_model):
+    """The session's default model behind our server; the knobs the app sends with its requests reconfigure it,
+    so its own settings come back afterwards (other tests rely on them)."""
+    saved = default_model.config
+    try:
+        yield default_model
+    finally:
+        default_model.config = saved
+
+
 @pytest.mark.model
 @pytest.mark.slow
-def test_the_app_on_our_own_server(qtbot, make_window, default_model, data_dir):
+def test_the_app_on_our_own_server(qtbot, make_window, served_model, data_dir):
+    default_model = served_model
     with served_in_thread(default_model) as base:
         window = remote_window(qtbot, make_window, base + "/v1")
         facts = window.facts
         assert facts.remote == "dsv41" and facts.context_limit == default_model.context_limit
+        assert facts.config["cold_tier"] == window.knob_panel.values()["cold_tier"]  # the panel's knobs are sent
         assert "DS-V4.1 server" in window.model_panel.status.text()
         assert all(slider.isEnabled() for slider in window.knob_panel.sliders.values())
         assert not window.model_panel.weights.isEnabled()  # set on the server

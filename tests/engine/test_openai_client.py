@@ -1,8 +1,8 @@
 """`python -m engine serve` in a subprocess, driven by the official `openai` Python client as editors, notebooks and
 scripts drive it: models.list(), a greedy answer streamed and not (the same text and token counts as the engine in
 this process), `seed` reproducible, `stop` honoured, a too-long request refused with the numbers, a client that goes
-away mid-stream, and a bounded load test (200 requests from 8 clients: each answered or 429, never 500, the
-server's memory flat)."""
+away mid-stream, a bad knob named, and a bounded load test (200 requests from 8 clients against a queue of 2: each
+answered or 429 with Retry-After, never 500, the server's memory flat)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def served():
-    with served_subprocess("--max-seq-len", "4096") as (url, proc):
+    with served_subprocess("--max-seq-len", "4096", "--queue", "2") as (url, proc):
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
         yield client, proc
 
@@ -74,6 +74,10 @@ def test_a_request_that_cannot_fit_is_refused_with_the_numbers(served):
                                        messages=[{"role": "user", "content": "word " * 5000}])
     assert refused.value.status_code == 400 and refused.value.code == "context_length_exceeded"
     assert "holds 4096" in refused.value.message and "needs" in refused.value.message
+    with pytest.raises(openai.BadRequestError) as bad:  # our cache knobs ride as extra fields, validated
+        client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=QUESTION, max_tokens=4,
+                                       extra_body={"kv_cache_ratio": 7})
+    assert "kv_cache_ratio" in bad.value.message
 
 
 def test_a_client_that_goes_away_mid_stream_leaves_the_server_answering_right(served):
@@ -109,11 +113,12 @@ def test_load_200_requests_from_8_clients(served):
                 status = 200
             except openai.RateLimitError as exc:
                 status = exc.status_code
+                assert float(exc.response.headers["retry-after"]) > 0
             except openai.APIStatusError as exc:
                 status = exc.status_code
             with lock:
                 statuses.append(status)
-                if len(statuses) in (40, 120, 200):
+                if len(statuses) in (80, 140, 200):
                     rss.append(server.memory_info().rss)
 
     threads = [threading.Thread(target=worker, args=(n,)) for n in range(8)]
@@ -125,8 +130,10 @@ def test_load_200_requests_from_8_clients(served):
     elapsed = time.time() - started
     assert len(statuses) == 200
     assert set(statuses) <= {200, 429}, sorted(set(statuses))
-    assert statuses.count(200) >= 100  # the queue (8) holds most of 8 clients' requests
+    # one running and two waiting: of 8 clients at once, the others are told to come back
+    assert statuses.count(200) >= 40 and statuses.count(429) >= 20, (statuses.count(200), statuses.count(429))
     growth = rss[-1] - rss[0]
     print(f"load: 200 requests in {elapsed:.1f} s, {statuses.count(429)} answered 429, server RSS "
-          + " -> ".join(f"{r / 2**20:.0f}" for r in rss) + " MiB (after 40, 120, 200)")
-    assert growth < 64 * 2**20, f"the server's memory grew by {growth / 2**20:.0f} MiB over 160 requests"
+          + " -> ".join(f"{r / 2**20:.0f}" for r in rss) + " MiB (after 80, 140, 200)")
+    # allocator noise is tens of MiB; a chat cache kept per request (the cycle fixed in engine/cache) was 5 MiB each
+    assert growth < 128 * 2**20, f"the server's memory grew by {growth / 2**20:.0f} MiB over 120 requests"
