@@ -55,10 +55,13 @@ class ColdLayer:
     the OS writes out under pressure), or None for RAM (DSV41Cache decides from `cold_tier` and its RAM cap)."""
 
     def __init__(self, kv_heads: int, head_dim: int, dtype: torch.dtype, device, *, int8: bool,
-                 spill: Callable[[int], Path | None] | None = None):
+                 spill: Callable[[int], Path | None] | None = None, pinned: bool = False):
         self.kv_heads, self.head_dim, self.dtype, self.int8 = kv_heads, head_dim, dtype, int8
         self.device = torch.device(device)
         self.spill = spill
+        # Page-locked RAM when the hot set is on a GPU: what a question's recall reads crosses the bus by DMA,
+        # asynchronously (read_keys_to), instead of through a staging copy
+        self.pinned = pinned and self.device.type == "cpu" and torch.cuda.is_available()
         self.on_disk = False
         self.length = 0
         self._set(self._alloc(0, None))
@@ -76,7 +79,8 @@ class ColdLayer:
             shapes |= {"key_scales": ((h, capacity, 1), torch.float32), "value_scales": ((h, capacity, 1), torch.float32)}
         if folder is not None and dev.type == "cpu" and capacity:
             return {name: _on_disk(folder, shape, dtype) for name, (shape, dtype) in shapes.items()}
-        return {name: torch.empty(shape, dtype=dtype, device=dev) for name, (shape, dtype) in shapes.items()}
+        return {name: torch.empty(shape, dtype=dtype, device=dev, pin_memory=self.pinned and capacity > 0)
+                for name, (shape, dtype) in shapes.items()}
 
     def _set(self, tensors: dict[str, torch.Tensor]) -> None:
         self.key_scales = self.value_scales = None
@@ -128,6 +132,17 @@ class ColdLayer:
         hot set casts what it takes back), else the hot set's dtype."""
         return self._read(self.keys, self.key_scales, index)
 
+    def read_keys_to(self, device: torch.device) -> torch.Tensor:
+        """All cold keys [h, C, d] on `device`, as read_keys gives them. To a GPU the stored bytes (int8 and their
+        scales: a quarter of float32) go as they are, from pinned RAM without blocking, and are widened there."""
+        device = torch.device(device)
+        if device.type != "cuda":
+            return self.read_keys().to(device)
+        keys = self.keys[:, : self.length].to(device, non_blocking=self.pinned)
+        if self.key_scales is None:
+            return keys
+        return keys.float() * self.key_scales[:, : self.length].to(device, non_blocking=self.pinned)
+
     def read_values(self, index: torch.Tensor | None = None) -> torch.Tensor:
         return self._read(self.values, self.value_scales, index)
 
@@ -176,7 +191,7 @@ def recall_layer(layer: LayerKV, cold: ColdLayer, question: torch.Tensor, scalin
         return 0
     dev = layer.device
     log_counts = layer.log_counts[:, : layer.length] if layer.merged_any else None
-    mass = recall_mass(question, layer.read_keys(), cold.read_keys().to(dev), log_counts, scaling).to(cold.device)
+    mass = recall_mass(question, layer.read_keys(), cold.read_keys_to(dev), log_counts, scaling).to(cold.device)
     take = min(cold.length, max(int(budget * RECALL_SHARE), RECALL_MIN))
     rank = span_ranking(mass, cold.positions[:, : cold.length], spans) if spans > 1 else mass
     keys, values, positions, scores = cold.take(rank.topk(take, dim=1).indices)

@@ -111,7 +111,7 @@ class DSV41Cache:
         spill = weakref.WeakMethod(self._spill)
         self.cold = [ColdLayer(self.kv_heads, self.head_dim, self.dtype, "cpu",
                                int8=self.settings.cold_tier_dtype == "int8",
-                               spill=lambda extra, spill=spill: spill()(extra))
+                               spill=lambda extra, spill=spill: spill()(extra), pinned=self.device.type == "cuda")
                      for _ in range(self.num_layers)] if self.settings.cold_tier != "off" else None
         self.recalled = 0  # entries the last question brought back from the cold tier (per head, summed over layers)
         self.recall_seconds = 0.0

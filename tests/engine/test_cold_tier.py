@@ -22,7 +22,8 @@ def _read(cache, tokens, *, seed, window=0):
         q = torch.randn(1, 4, tokens, 8, generator=g)
         k = torch.randn(1, 2, tokens, 8, generator=g)
         v = torch.randn(1, 2, tokens, 8, generator=g)
-        cache.attend(index, q.to(cache.dtype), k.to(cache.dtype), v.to(cache.dtype), 8**-0.5)
+        dev = cache.device
+        cache.attend(index, q.to(dev, cache.dtype), k.to(dev, cache.dtype), v.to(dev, cache.dtype), 8**-0.5)
     cache.end_forward()
 
 
@@ -315,3 +316,20 @@ def test_a_cache_with_the_cold_tier_is_freed_as_soon_as_it_is_dropped():
         assert gone() is None
     finally:
         gc.enable()
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_cold_tier_is_pinned_and_its_keys_reach_the_device_as_stored():
+    settings = CacheSettings(kv_cache_ratio=0.25, csa2_topk=0, ced_sink_tokens=2, ced_recent_tokens=4, min_entries=8,
+                             ced_threshold=0.0, cold_tier="ram")
+    cache = DSV41Cache(2, 2, 8, torch.float32, "cuda", settings)
+    _read(cache, 300, seed=0)
+    cache.finish_prefill()
+    assert cache.cold_bytes() > 0
+    for cold in cache.cold:
+        assert cold.pinned and cold.keys.is_pinned() and cold.key_scales.is_pinned()
+        on_device = cold.read_keys_to(torch.device("cuda"))
+        torch.cuda.synchronize()
+        assert on_device.device.type == "cuda" and torch.equal(on_device.cpu(), cold.read_keys())
+    host = _cache(cold_tier="ram")
+    assert not any(cold.pinned for cold in host.cold)  # a CPU cache keeps ordinary RAM
