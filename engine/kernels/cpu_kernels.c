@@ -498,15 +498,20 @@ static inline float f16_load(const uint8_t *b) {
  * for Q4_0], the dot of each block's integers with x in float32 lanes, scaled by the block's d into the row's
  * accumulator (the values multiplied are d * q exactly; only the order of the float32 sums differs from
  * multiplying the dequantised row). xsum: x's sum over each block of 32. */
-static void rows_small_blocks(int64_t type, const uint8_t *w, const float *x, const float *xsum, float *y,
-                              int64_t r0, int64_t r1, int64_t cols, int acc) {
+static void rows_small_blocks(int64_t type, const uint8_t *w, const float *x, const float *xsum, const float *xperm,
+                              float *y, int64_t r0, int64_t r1, int64_t cols, int acc) {
     const int64_t size = gguf_block_bytes(type), blocks = cols / 32, row_bytes = blocks * size;
     const int q8 = type == 8, with_min = type == 3;
     const int64_t qs_at = with_min ? 4 : 2;
     int64_t r = r0;
 #if defined(__AVX512F__)
-    /* four rows at a time: four independent accumulator chains over the same x and xsum */
-    const __m128i low4 = _mm_set1_epi8(0x0F);
+    /* four rows at a time: four independent accumulator chains over the same x and xsum. The 16 bytes of a
+     * Q4 block's nibbles are broadcast to the four 128-bit lanes and each dword lane shifts out its own byte
+     * (lane j: byte 4 (j % 4) + j / 4, low nibble = weight of that index, high nibble = weight + 16), so no byte
+     * shuffle is needed; xperm holds x in that lane order (see dsv41_mv_gguf). */
+    const __m512i nib = _mm512_set1_epi32(0x0F);
+    const __m512i shift_lo = _mm512_set_epi32(24, 24, 24, 24, 16, 16, 16, 16, 8, 8, 8, 8, 0, 0, 0, 0);
+    const __m512i shift_hi = _mm512_add_epi32(shift_lo, _mm512_set1_epi32(4));
     for (; r + 4 <= r1; r += 4) {
         __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
         float extra[4] = {0.f, 0.f, 0.f, 0.f};
@@ -518,7 +523,7 @@ static void rows_small_blocks(int64_t type, const uint8_t *w, const float *x, co
 #pragma GCC unroll 4
             for (int j = 0; j < 4; j++) {
                 const uint8_t *b = rowp[j] + bi * size;
-                _mm_prefetch((const char *)(b + 8 * size), _MM_HINT_T0);
+                _mm_prefetch((const char *)(b + 16 * row_bytes), _MM_HINT_T0); /* four groups of rows ahead */
                 const float d = f16_load(b);
                 __m512 t;
                 if (q8) {
@@ -526,10 +531,11 @@ static void rows_small_blocks(int64_t type, const uint8_t *w, const float *x, co
                     t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v0)), x0);
                     t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v1)), x1, t);
                 } else {
-                    __m128i v = _mm_loadu_si128((const __m128i *)(b + qs_at));
-                    __m128i lo = _mm_and_si128(v, low4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low4);
-                    t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), x0);
-                    t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), x1, t);
+                    const __m512i v = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(b + qs_at)));
+                    const __m512i lo = _mm512_and_si512(_mm512_srlv_epi32(v, shift_lo), nib);
+                    const __m512i hi = _mm512_and_si512(_mm512_srlv_epi32(v, shift_hi), nib);
+                    t = _mm512_mul_ps(_mm512_cvtepi32_ps(lo), _mm512_loadu_ps(xperm + bi * 32));
+                    t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_loadu_ps(xperm + bi * 32 + 16), t);
                     extra[j] += (with_min ? f16_load(b + 2) : -8.f * d) * xsum[bi];
                 }
                 a[j] = _mm512_fmadd_ps(t, _mm512_set1_ps(d), a[j]);
@@ -538,7 +544,12 @@ static void rows_small_blocks(int64_t type, const uint8_t *w, const float *x, co
         for (int j = 0; j < 4; j++) store(y, r + j, _mm512_reduce_add_ps(a[j]) + extra[j], acc);
     }
 #else
-    const __m128i low4 = _mm_set1_epi8(0x0F);
+    /* as the AVX-512 loop: each dword lane shifts out its own byte of the broadcast nibbles, in xperm's order
+     * (lanes of the first vector: bytes 0 4 8 12 1 5 9 13; of the second: 2 6 10 14 3 7 11 15) */
+    const __m256i nib = _mm256_set1_epi32(0x0F);
+    const __m256i shift_a = _mm256_set_epi32(8, 8, 8, 8, 0, 0, 0, 0), shift_b = _mm256_set_epi32(24, 24, 24, 24, 16, 16, 16, 16);
+    const __m256i shift_a4 = _mm256_add_epi32(shift_a, _mm256_set1_epi32(4)),
+                  shift_b4 = _mm256_add_epi32(shift_b, _mm256_set1_epi32(4));
     for (; r + 4 <= r1; r += 4) {
         __m256 a[4][2];
         float extra[4] = {0.f, 0.f, 0.f, 0.f};
@@ -554,7 +565,7 @@ static void rows_small_blocks(int64_t type, const uint8_t *w, const float *x, co
 #pragma GCC unroll 4
             for (int j = 0; j < 4; j++) {
                 const uint8_t *b = rowp[j] + bi * size;
-                _mm_prefetch((const char *)(b + 8 * size), _MM_HINT_T0);
+                _mm_prefetch((const char *)(b + 16 * row_bytes), _MM_HINT_T0); /* four groups of rows ahead */
                 const float dv = f16_load(b);
                 const __m256 d = _mm256_set1_ps(dv);
                 __m256 t0, t1;
@@ -565,12 +576,16 @@ static void rows_small_blocks(int64_t type, const uint8_t *w, const float *x, co
                     t0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v1)), x2, t0);
                     t1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v1, 8))), x3, t1);
                 } else {
-                    __m128i v = _mm_loadu_si128((const __m128i *)(b + qs_at));
-                    __m128i lo = _mm_and_si128(v, low4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low4);
-                    t0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), x0);
-                    t1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), x1);
-                    t0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), x2, t0);
-                    t1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), x3, t1);
+                    const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(b + qs_at)));
+                    const float *xp = xperm + bi * 32;
+                    t0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(v, shift_a), nib)),
+                                       _mm256_loadu_ps(xp));
+                    t1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(v, shift_b), nib)),
+                                       _mm256_loadu_ps(xp + 8));
+                    t0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(v, shift_a4), nib)),
+                                         _mm256_loadu_ps(xp + 16), t0);
+                    t1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(v, shift_b4), nib)),
+                                         _mm256_loadu_ps(xp + 24), t1);
                     extra[j] += (with_min ? f16_load(b + 2) : -8.f * dv) * xsum[bi];
                 }
                 a[j][0] = _mm256_fmadd_ps(t0, d, a[j][0]);
@@ -701,13 +716,26 @@ int dsv41_mv_gguf(int64_t type, const void *w, const float *x, float *y, int64_t
             for (int i = 0; i < 32; i++) s += x[b * 32 + i];
             xsum[b] = s;
         }
+        /* x in the lane order the AVX-512 Q4 loop reads nibbles in (rows_small_blocks) */
+        float perm_stack[4096];
+        float *xperm = cols <= 4096 ? perm_stack : (float *)malloc(sizeof(float) * (size_t)cols);
+        if (!xperm) {
+            if (xsum != stack) free(xsum);
+            return -2;
+        }
+        for (int64_t b = 0; b < blocks; b++)
+            for (int j = 0; j < 16; j++) {
+                xperm[b * 32 + j] = x[b * 32 + 4 * (j % 4) + j / 4];
+                xperm[b * 32 + 16 + j] = x[b * 32 + 16 + 4 * (j % 4) + j / 4];
+            }
 #pragma omp parallel num_threads(threads)
         {
             int64_t r0, r1;
             thread_rows(rows, &r0, &r1);
-            rows_small_blocks(type, (const uint8_t *)w, x, xsum, y, r0, r1, cols, acc);
+            rows_small_blocks(type, (const uint8_t *)w, x, xsum, xperm, y, r0, r1, cols, acc);
         }
         if (xsum != stack) free(xsum);
+        if (xperm != perm_stack) free(xperm);
         return 0;
     }
 #endif
