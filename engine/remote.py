@@ -38,6 +38,8 @@ from .memory import MemoryReport
 CHARS_PER_TOKEN = 4  # the estimate where the server counts nothing for us (English prose with BPE tokenizers)
 CONNECT_TIMEOUT_S = 5.0
 READ_TIMEOUT_S = 600.0  # a long document's prefill on a busy server
+ASK_TIMEOUT_S = 5.0  # token counts and memory: a server busy with another client's reply is not waited for (the
+# counts are then estimated, the memory report kept from the last turn)
 EXTRA_SAMPLING = ("top_k", "repetition_penalty")  # not OpenAI's; vLLM, SGLang, LM Studio take them
 
 
@@ -263,11 +265,11 @@ class RemoteModel:
         return int(self.facts["kv_bytes_per_token"]) if self.ours else 0
 
     # ------------------------------------------------------------------ requests
-    def _post(self, path: str, body: dict):
+    def _post(self, path: str, body: dict, timeout: float | None = None):
         import httpx
 
         try:
-            return self._client.post(self.url + path, json=body)
+            return self._client.post(self.url + path, json=body, **({"timeout": timeout} if timeout else {}))
         except httpx.HTTPError as exc:
             raise EngineError(_network_message(exc, self.url)) from exc
 
@@ -343,7 +345,7 @@ class RemoteModel:
         if not self.ours:
             return None
         try:
-            response = self._post("/dsv41/tokens", body)
+            response = self._post("/dsv41/tokens", body, timeout=ASK_TIMEOUT_S)
         except EngineError:
             return None
         return response.json() if response.status_code == 200 else None
@@ -388,7 +390,7 @@ class RemoteModel:
         figures = cache.report if cache is not None and cache.report else None
         if figures is None:
             try:
-                response = self._client.get(self.url + "/dsv41/memory")
+                response = self._client.get(self.url + "/dsv41/memory", timeout=ASK_TIMEOUT_S)
                 figures = response.json() if response.status_code == 200 else None
             except Exception:  # noqa: BLE001 - the panel shows the server as not reporting, the chat goes on
                 figures = None
