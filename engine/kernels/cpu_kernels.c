@@ -505,18 +505,20 @@ static void rows_small_blocks(int64_t type, const uint8_t *w, const float *x, co
     const int64_t qs_at = with_min ? 4 : 2;
     int64_t r = r0;
 #if defined(__AVX512F__)
-    /* four rows at a time: four independent accumulator chains over the same x and xsum. The 16 bytes of a
+    /* four rows at a time (the last group may be short): four independent accumulator chains over the same x and xsum. The 16 bytes of a
      * Q4 block's nibbles are broadcast to the four 128-bit lanes and each dword lane shifts out its own byte
      * (lane j: byte 4 (j % 4) + j / 4, low nibble = weight of that index, high nibble = weight + 16), so no byte
      * shuffle is needed; xperm holds x in that lane order (see dsv41_mv_gguf). */
     const __m512i nib = _mm512_set1_epi32(0x0F);
     const __m512i shift_lo = _mm512_set_epi32(24, 24, 24, 24, 16, 16, 16, 16, 8, 8, 8, 8, 0, 0, 0, 0);
     const __m512i shift_hi = _mm512_add_epi32(shift_lo, _mm512_set1_epi32(4));
-    for (; r + 4 <= r1; r += 4) {
+    for (; r < r1; r += 4) {
+        const int64_t n = r1 - r < 4 ? r1 - r : 4; /* the last group may be short: its missing rows repeat the
+                                                     * last one and are not stored */
         __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
         float extra[4] = {0.f, 0.f, 0.f, 0.f};
         const uint8_t *rowp[4];
-        for (int j = 0; j < 4; j++) rowp[j] = w + (r + j) * row_bytes;
+        for (int j = 0; j < 4; j++) rowp[j] = w + (r + (j < n ? j : n - 1)) * row_bytes;
         for (int64_t bi = 0; bi < blocks; bi++) {
             const float *xb = x + bi * 32;
             const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
@@ -541,7 +543,7 @@ static void rows_small_blocks(int64_t type, const uint8_t *w, const float *x, co
                 a[j] = _mm512_fmadd_ps(t, _mm512_set1_ps(d), a[j]);
             }
         }
-        for (int j = 0; j < 4; j++) store(y, r + j, _mm512_reduce_add_ps(a[j]) + extra[j], acc);
+        for (int j = 0; j < n; j++) store(y, r + j, _mm512_reduce_add_ps(a[j]) + extra[j], acc);
     }
 #else
     /* as the AVX-512 loop: each dword lane shifts out its own byte of the broadcast nibbles, in xperm's order
@@ -550,12 +552,13 @@ static void rows_small_blocks(int64_t type, const uint8_t *w, const float *x, co
     const __m256i shift_a = _mm256_set_epi32(8, 8, 8, 8, 0, 0, 0, 0), shift_b = _mm256_set_epi32(24, 24, 24, 24, 16, 16, 16, 16);
     const __m256i shift_a4 = _mm256_add_epi32(shift_a, _mm256_set1_epi32(4)),
                   shift_b4 = _mm256_add_epi32(shift_b, _mm256_set1_epi32(4));
-    for (; r + 4 <= r1; r += 4) {
+    for (; r < r1; r += 4) {
+        const int64_t n = r1 - r < 4 ? r1 - r : 4; /* as above: a short last group */
         __m256 a[4][2];
         float extra[4] = {0.f, 0.f, 0.f, 0.f};
         const uint8_t *rowp[4];
         for (int j = 0; j < 4; j++) {
-            rowp[j] = w + (r + j) * row_bytes;
+            rowp[j] = w + (r + (j < n ? j : n - 1)) * row_bytes;
             a[j][0] = a[j][1] = _mm256_setzero_ps();
         }
         for (int64_t bi = 0; bi < blocks; bi++) {
@@ -592,69 +595,9 @@ static void rows_small_blocks(int64_t type, const uint8_t *w, const float *x, co
                 a[j][1] = _mm256_fmadd_ps(t1, d, a[j][1]);
             }
         }
-        for (int j = 0; j < 4; j++) store(y, r + j, hsum256(_mm256_add_ps(a[j][0], a[j][1])) + extra[j], acc);
+        for (int j = 0; j < n; j++) store(y, r + j, hsum256(_mm256_add_ps(a[j][0], a[j][1])) + extra[j], acc);
     }
 #endif
-    for (; r < r1; r++) {
-        const uint8_t *row = w + r * row_bytes;
-        float extra = 0.f; /* the minimum's (Q4_1) or the offset's (Q4_0) share: a scalar per block */
-#if defined(__AVX512F__)
-        __m512 a = _mm512_setzero_ps();
-        const __m128i low = _mm_set1_epi8(0x0F);
-        for (int64_t bi = 0; bi < blocks; bi++) {
-            const uint8_t *b = row + bi * size;
-            _mm_prefetch((const char *)(b + 8 * size), _MM_HINT_T0);
-            const float d = f16_load(b);
-            const float *xb = x + bi * 32;
-            __m512 t;
-            if (q8) {
-                __m128i v0 = _mm_loadu_si128((const __m128i *)(b + 2)), v1 = _mm_loadu_si128((const __m128i *)(b + 18));
-                t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v0)), _mm512_loadu_ps(xb));
-                t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v1)), _mm512_loadu_ps(xb + 16), t);
-            } else {
-                __m128i v = _mm_loadu_si128((const __m128i *)(b + qs_at));
-                __m128i lo = _mm_and_si128(v, low), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low);
-                t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), _mm512_loadu_ps(xb));
-                t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), _mm512_loadu_ps(xb + 16), t);
-                extra += (with_min ? f16_load(b + 2) : -8.f * d) * xsum[bi];
-            }
-            a = _mm512_fmadd_ps(t, _mm512_set1_ps(d), a);
-        }
-        store(y, r, _mm512_reduce_add_ps(a) + extra, acc);
-#else
-        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-        const __m128i low = _mm_set1_epi8(0x0F);
-        for (int64_t bi = 0; bi < blocks; bi++) {
-            const uint8_t *b = row + bi * size;
-            _mm_prefetch((const char *)(b + 8 * size), _MM_HINT_T0);
-            const __m256 d = _mm256_set1_ps(f16_load(b));
-            const float *xb = x + bi * 32;
-            __m128i p0, p1, p2, p3; /* 8 weights each, as bytes in the low 8 of each */
-            if (q8) {
-                __m128i v0 = _mm_loadu_si128((const __m128i *)(b + 2)), v1 = _mm_loadu_si128((const __m128i *)(b + 18));
-                p0 = v0, p1 = _mm_srli_si128(v0, 8), p2 = v1, p3 = _mm_srli_si128(v1, 8);
-                __m256 t0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(p0)), _mm256_loadu_ps(xb));
-                __m256 t1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(p1)), _mm256_loadu_ps(xb + 8));
-                t0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(p2)), _mm256_loadu_ps(xb + 16), t0);
-                t1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(p3)), _mm256_loadu_ps(xb + 24), t1);
-                a0 = _mm256_fmadd_ps(t0, d, a0);
-                a1 = _mm256_fmadd_ps(t1, d, a1);
-            } else {
-                __m128i v = _mm_loadu_si128((const __m128i *)(b + qs_at));
-                __m128i lo = _mm_and_si128(v, low), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low);
-                p0 = lo, p1 = _mm_srli_si128(lo, 8), p2 = hi, p3 = _mm_srli_si128(hi, 8);
-                __m256 t0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(p0)), _mm256_loadu_ps(xb));
-                __m256 t1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(p1)), _mm256_loadu_ps(xb + 8));
-                t0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(p2)), _mm256_loadu_ps(xb + 16), t0);
-                t1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(p3)), _mm256_loadu_ps(xb + 24), t1);
-                a0 = _mm256_fmadd_ps(t0, d, a0);
-                a1 = _mm256_fmadd_ps(t1, d, a1);
-                extra += (with_min ? f16_load(b + 2) : -8.f * f16_load(b)) * xsum[bi];
-            }
-        }
-        store(y, r, hsum256(_mm256_add_ps(a0, a1)) + extra, acc);
-#endif
-    }
 }
 #endif
 
