@@ -383,7 +383,7 @@ class MainWindow(QMainWindow):
         self.inform("Could not load the model", f"{message}\n\nWhat to do: {help_text}{still}")
 
     def _on_serving(self, address: str, problem: str) -> None:
-        self.model_panel.show_serving(address, problem)
+        self.model_panel.show_serving(address)
         if address:
             self.statusBar().showMessage(f"Serving {self.facts.display_name if self.facts else 'the model'} at "
                                          f"{address} (OpenAI-compatible; this machine only)", 10000)

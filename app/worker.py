@@ -183,7 +183,7 @@ class EngineWorker(QObject):
             context_limit=int(model.context_limit), max_positions=int(model.max_positions),
             kv_bytes_per_token=int(model.kv_bytes_per_token()), config=config, load_seconds=load_seconds,
             weight_storage=info.weight_storage, prefill_bf16=bool(info.prefill_bf16),
-            attention_kernels=info.attention_kernels, remote=getattr(info, "remote", ""))
+            attention_kernels=info.attention_kernels, remote=info.remote)
 
     # ------------------------------------------------------------------ turns
     @Slot(object)
@@ -341,7 +341,7 @@ class EngineWorker(QObject):
         if self.model is None:
             self.serving.emit("", "No model is loaded yet: Serve starts once it has loaded.")
             return
-        if getattr(self.model.info, "remote", ""):
+        if self.model.info.remote:
             self._serve_options = None
             self.serving.emit("", "This model runs on another server already: Serve shares a model of this "
                                   "machine (point other programs at that server instead).")
@@ -409,8 +409,7 @@ class EngineWorker(QObject):
             return
         try:
             usage = self._usage(request)
-            figures = self._document_figures(request, usage)
-            self.document_figures.emit(figures)
+            self.document_figures.emit(self._document_figures(request, usage))
             self.usage.emit(usage)
         except Exception as exc:  # noqa: BLE001
             self.error.emit(_describe(exc))

@@ -9,11 +9,13 @@ from .errors import ConfigError
 ROLES = ("system", "user", "assistant")
 
 
-def error(status: int, message: str, kind: str = "invalid_request_error", code: str | None = None, headers=None):
+def error(status: int, message: str, kind: str = "invalid_request_error", code: str | None = None, headers=None,
+          extra: dict | None = None):
+    """OpenAI's error body; `extra`: our fields beside it (the numbers of a refusal under `dsv41`)."""
     from starlette.responses import JSONResponse
 
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}}, status,
-                        headers=headers)
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}, **(extra or {})},
+                        status, headers=headers)
 
 
 

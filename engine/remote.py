@@ -62,7 +62,6 @@ class RemoteCache:
 
     def __init__(self):
         self.report: dict | None = None
-        self.seen = 0  # tokens the server read for this conversation (its usage)
 
 
 class RemoteSession:
@@ -75,7 +74,6 @@ class RemoteSession:
         self.messages: list[dict] = [{"role": "system", "content": system_prompt}] if system_prompt else []
         self.cache = RemoteCache()
         self._lock = threading.Lock()
-        self.last_stats: TurnStats | None = None
 
     @property
     def busy(self) -> bool:
@@ -160,7 +158,6 @@ class RemoteSession:
         if memory is not None:
             self.cache.report = memory
         report = (memory or {}).get("report") or {}
-        self.cache.seen = int(report.get("tokens_seen") or self.cache.seen + prompt_tokens + completion)
         stats = TurnStats(ttft_s=ttft, prefill_tokens=prompt_tokens, prefill_tok_s=prompt_tokens / max(ttft, 1e-9),
                           decode_tokens=completion, decode_tok_s=max(completion - 1, 0) / decode_s,
                           total_s=ended - started, tokens_seen=int(report.get("tokens_seen") or 0),
@@ -168,23 +165,19 @@ class RemoteSession:
                           kv_stored_bytes=int(report.get("kv_stored") or 0),
                           kv_uncompressed_bytes=int(report.get("kv_uncompressed") or 0),
                           recall_s=float(report.get("recall_s") or 0.0))
-        self.last_stats = stats
         yield Done(reason, text, stats)
 
 
 class RemoteModel:
     """A model served by an OpenAI-compatible server (see the module's docstring)."""
 
-    def __init__(self, url: str, api_key: str | None, model_id: str, *, facts: dict | None, context_limit: int,
+    def __init__(self, url: str, client, model_id: str, *, facts: dict | None, context_limit: int,
                  config: DSV41Config, load_seconds: float):
-        import httpx
-
-        self.url, self.api_key, self.model_id = url, api_key or None, model_id
+        self.url, self.model_id = url, model_id
         self.facts = facts  # our server's GET /v1/dsv41/model, or None
         self._limit = int(context_limit)
         self.config = config
-        self._client = httpx.Client(timeout=httpx.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S),
-                                    headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+        self._client = client  # httpx.Client with the API key (_http_client)
         self._extras = True  # send top_k / repetition_penalty until the server refuses them
         host = urlsplit(url).netloc
         ours = facts is not None
@@ -196,7 +189,6 @@ class RemoteModel:
             attention_backend=facts["attention_backend"] if ours else "server's",
             weight_storage=facts.get("weight_storage", "") if ours else "",
             attention_kernels=facts.get("attention_kernels", "") if ours else "", remote="dsv41" if ours else "openai")
-        self._last: RemoteSession | None = None
 
     # ------------------------------------------------------------------ connecting
     @classmethod
@@ -207,46 +199,46 @@ class RemoteModel:
         Every failure is a ModelLoadError that says what to do."""
         import httpx
 
-        knobs_wanted = {k: v for k, v in (knobs or {}).items() if k in CACHE_KNOBS}
         url = base_url(url)
         started = time.perf_counter()
         if progress is not None:
             progress(f"Connecting to {url}…", 0.2)
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        client = _http_client(api_key)
         try:
-            with httpx.Client(timeout=httpx.Timeout(30.0, connect=CONNECT_TIMEOUT_S), headers=headers) as client:
-                listed = client.get(url + "/models")
-                if listed.status_code in (401, 403):
-                    raise ModelLoadError(f"The server at {url} refused the API key ({listed.status_code}).",
-                                         reason="remote_auth", source=url)
-                if listed.status_code != 200:
-                    raise ModelLoadError(f"The server at {url} answered {listed.status_code} to GET /models: it "
-                                         "does not look like an OpenAI-compatible API.", reason="remote", source=url)
-                data = listed.json().get("data") or []
-                ids = [m.get("id") for m in data if isinstance(m, dict) and m.get("id")]
-                if not ids:
-                    raise ModelLoadError(f"The server at {url} lists no model.", reason="remote", source=url)
-                if model is not None and model not in ids:
-                    raise ModelLoadError(f"The server at {url} has no model {model!r} (it has {', '.join(ids)}).",
-                                         reason="remote", source=url)
-                model_id = model or ids[0]
-                entry = next(m for m in data if m.get("id") == model_id)
-                ours = client.get(url + "/dsv41/model")
-                facts = ours.json() if ours.status_code == 200 else None
+            listed = client.get(url + "/models", timeout=30.0)
+            if listed.status_code in (401, 403):
+                raise ModelLoadError(f"The server at {url} refused the API key ({listed.status_code}).",
+                                     reason="remote_auth", source=url)
+            if listed.status_code != 200:
+                raise ModelLoadError(f"The server at {url} answered {listed.status_code} to GET /models: it "
+                                     "does not look like an OpenAI-compatible API.", reason="remote", source=url)
+            data = [m for m in listed.json().get("data") or [] if isinstance(m, dict) and m.get("id")]
+            ids = [m["id"] for m in data]
+            if not ids:
+                raise ModelLoadError(f"The server at {url} lists no model.", reason="remote", source=url)
+            if model is not None and model not in ids:
+                raise ModelLoadError(f"The server at {url} has no model {model!r} (it has {', '.join(ids)}).",
+                                     reason="remote", source=url)
+            entry = data[ids.index(model)] if model is not None else data[0]
+            ours = client.get(url + "/dsv41/model", timeout=30.0)
+            facts = ours.json() if ours.status_code == 200 else None
         except ModelLoadError:
+            client.close()
             raise
         except (httpx.HTTPError, ValueError) as exc:
+            client.close()
             raise ModelLoadError(_network_message(exc, url), reason="remote_unreachable", source=url) from exc
-        if facts is not None:
+        if facts is not None:  # our server: its knobs, then the ones asked for
             limit = int(facts["context_limit"])
-            knobs = {k: v for k, v in (facts.get("cache_knobs") or {}).items() if k in CACHE_KNOBS}
-            config = DSV41Config(model_path=url, max_seq_len=limit).replace(**{**knobs, **knobs_wanted})
+            served = {k: v for k, v in (facts.get("cache_knobs") or {}).items() if k in CACHE_KNOBS}
+            wanted = {k: v for k, v in (knobs or {}).items() if k in CACHE_KNOBS}
+            config = DSV41Config(model_path=url, max_seq_len=limit).replace(**{**served, **wanted})
         else:
             limit = int(entry.get("max_model_len") or max_seq_len)
             config = DSV41Config(model_path=url, max_seq_len=limit)
         if progress is not None:
             progress(f"Connected to {url}", 1.0)
-        return cls(url, api_key, model_id, facts=facts, context_limit=limit, config=config,
+        return cls(url, client, entry["id"], facts=facts, context_limit=limit, config=config,
                    load_seconds=time.perf_counter() - started)
 
     @property
@@ -336,9 +328,7 @@ class RemoteModel:
 
     # ------------------------------------------------------------------ the engine's surface (app.engine_api)
     def chat_session(self, system_prompt: str | None = None) -> RemoteSession:
-        session = RemoteSession(self, system_prompt)
-        self._last = session
-        return session
+        return RemoteSession(self, system_prompt)
 
     def _count(self, body: dict) -> dict | None:
         """Our server's counts (POST /dsv41/tokens), or None where the server is not ours or cannot be asked."""
@@ -423,6 +413,13 @@ class RemoteModel:
 
 
 # ---------------------------------------------------------------------------------------------- helpers
+def _http_client(api_key: str | None):
+    import httpx
+
+    return httpx.Client(timeout=httpx.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S),
+                        headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+
+
 def _estimate(text: str) -> int:
     return -(-len(text) // CHARS_PER_TOKEN) if text else 0
 

@@ -77,8 +77,7 @@ def create_app(model, *, api_key: str | None = None, queue: int = QUEUE, name: s
     from starlette.routing import Route
 
     conversations = Conversations(model)
-    engine_lock = threading.Lock()  # one engine call at a time
-    submit = submit or EngineThread("engine-request").submit
+    submit = submit or EngineThread("engine-request").submit  # one engine call at a time, in order
     waiting = {"n": 0}
     model_id = name or model.info.display_name
 
@@ -87,6 +86,16 @@ def create_app(model, *, api_key: str | None = None, queue: int = QUEUE, name: s
 
     def unauthorised():
         return error(401, "Missing or wrong API key: send Authorization: Bearer <key>.", "authentication_error")
+
+    async def json_body(request):
+        """(the request's JSON object, None), or (None, the error to answer with)."""
+        if not authorised(request):
+            return None, unauthorised()
+        try:
+            body = await request.json()
+        except (ValueError, json.JSONDecodeError):
+            return None, error(400, "The body is not JSON.")
+        return (body if isinstance(body, dict) else {}), None
 
     async def models(request):
         if not authorised(request):
@@ -106,33 +115,22 @@ def create_app(model, *, api_key: str | None = None, queue: int = QUEUE, name: s
         return JSONResponse(model_facts(model, model_id))
 
     async def tokens_route(request):
-        if not authorised(request):
-            return unauthorised()
-        try:
-            body = await request.json()
-        except (ValueError, json.JSONDecodeError):
-            return error(400, "The body is not JSON.")
+        body, refused = await json_body(request)
+        if refused is not None:
+            return refused
         try:  # on the engine's thread: the tokenizer is not shared between threads
-            counted = await asyncio.wrap_future(submit(lambda: count_tokens(model, body if isinstance(body, dict)
-                                                                            else {})))
-            return JSONResponse(counted)
+            return JSONResponse(await asyncio.wrap_future(submit(lambda: count_tokens(model, body))))
         except ConfigError as exc:
             return error(400, str(exc), code="invalid_value")
 
     def overflow(exc: ContextOverflowError):
-        response = error(400, str(exc), code="context_length_exceeded")
-        payload = json.loads(response.body)
-        payload["dsv41"] = {"needed": exc.needed, "limit": exc.limit, "parts": exc.parts}
-        return JSONResponse(payload, 400)
+        return error(400, str(exc), code="context_length_exceeded",
+                     extra={"dsv41": {"needed": exc.needed, "limit": exc.limit, "parts": exc.parts}})
 
     async def run_request(request, chat: bool):
-        if not authorised(request):
-            return unauthorised()
-        try:
-            body = await request.json()
-        except (ValueError, json.JSONDecodeError):
-            return error(400, "The body is not JSON.")
-        body = body if isinstance(body, dict) else {}
+        body, refused = await json_body(request)
+        if refused is not None:
+            return refused
         try:
             if chat:
                 system, history, prompt, settings, knobs = parse_request(body)
@@ -160,30 +158,29 @@ def create_app(model, *, api_key: str | None = None, queue: int = QUEUE, name: s
                     cancel.set()
 
             try:
-                with engine_lock:
-                    if cancel.is_set():
-                        return put(("cancelled", None))
-                    if knobs:
-                        model.reconfigure(None, **knobs)
-                    session = None
-                    try:
-                        if chat:
-                            session = conversations.session_for(system, history)
-                            conversations.last = session
-                            stream = session.send(prompt, cancel=cancel, **settings)
-                        else:
-                            stream = model.complete(prompt, cancel=cancel, **settings)
-                    except ContextOverflowError as exc:
-                        return put(("refused", exc))
-                    for event in stream:
-                        if isinstance(event, TokenText) and event.text:
-                            put(("text", event.text))
-                        elif isinstance(event, Done):
-                            stats = event.stats
-                            put(("done", {"reason": event.reason, "text": event.text,
-                                          "prompt_tokens": stats.prefill_tokens if stats else 0,
-                                          "completion_tokens": stats.decode_tokens if stats else 0,
-                                          "memory": memory_figures(model, session)}))
+                if cancel.is_set():
+                    return put(("cancelled", None))
+                if knobs:
+                    model.reconfigure(None, **knobs)
+                session = None
+                try:
+                    if chat:
+                        session = conversations.session_for(system, history)
+                        conversations.last = session
+                        stream = session.send(prompt, cancel=cancel, **settings)
+                    else:
+                        stream = model.complete(prompt, cancel=cancel, **settings)
+                except ContextOverflowError as exc:
+                    return put(("refused", exc))
+                for event in stream:
+                    if isinstance(event, TokenText) and event.text:
+                        put(("text", event.text))
+                    elif isinstance(event, Done):
+                        stats = event.stats
+                        put(("done", {"reason": event.reason, "text": event.text,
+                                      "prompt_tokens": stats.prefill_tokens if stats else 0,
+                                      "completion_tokens": stats.decode_tokens if stats else 0,
+                                      "memory": memory_figures(model, session)}))
             except Exception as exc:  # noqa: BLE001 - the request ends with the error (an EngineError's message is
                 # the user's), and the server stays up
                 put(("error", exc))

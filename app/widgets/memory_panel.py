@@ -179,7 +179,7 @@ class MemoryPanel(QGroupBox):
 
     def show_report(self, report) -> None:
         self.report = report
-        remote = getattr(report, "remote", "")
+        remote = report.remote
         if remote and not report.total:  # a server that reports nothing about its memory: say so, show nothing
             self.device_label.setText(f"Remote · {report.device_label}")
             self.device_label.setToolTip(f"The model runs at {remote}. An OpenAI-compatible server tells nothing "
@@ -242,7 +242,7 @@ class MemoryPanel(QGroupBox):
         text = " ".join(f'<span style="color:{CONTEXT_COLORS[n]}">■</span> {n.lower()} {v:,}' for n, v in parts)
         over = figures.total >= figures.limit
         total = f"{figures.total:,} / {figures.limit:,} tokens (max_seq_len)"
-        if getattr(figures, "estimated", False):  # a server that counts nothing for us: from the characters
+        if figures.estimated:  # a server that counts nothing for us: from the characters
             total = "≈ " + total + " · estimated from characters"
         if over:
             total = f'<b style="color:{theme.colors()["danger"]}">{total} — does not fit</b>'

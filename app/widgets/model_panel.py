@@ -210,19 +210,17 @@ class ModelPanel(QWidget):
     def show_loaded(self, facts) -> None:
         self.progress.hide()
         self.load_button.setEnabled(True)
-        remote = getattr(facts, "remote", "")
+        remote = facts.remote
         self.serve_button.setEnabled(not remote)
         self.serve_button.setToolTip(
             "A model of another server is not served again from here: point other programs at that server"
             if remote else "Serve the loaded model as an OpenAI-compatible API (POST /v1/chat/completions) for "
             "editors, notebooks and scripts on this machine")
         if remote:
-            kind = "DS-V4.1 server" if remote == "dsv41" else "OpenAI-compatible server (no cache knobs, memory " \
-                                                             "not reported)"
+            kind = (f"DS-V4.1 server on {facts.device.removeprefix('remote ')} · {facts.dtype} · "
+                    f"{facts.attention_backend}" if remote == "dsv41"
+                    else "OpenAI-compatible server (no cache knobs, memory not reported)")
             text = f"{facts.display_name} · {kind} · {facts.context_limit:,} tokens"
-            if remote == "dsv41":
-                text = (f"{facts.display_name} · DS-V4.1 server on {facts.device.removeprefix('remote ')} · "
-                        f"{facts.dtype} · {facts.attention_backend} · {facts.context_limit:,} tokens")
             self.status.setText(text)
             self.status.setToolTip(f"{text}\nConnected in {facts.load_seconds:.1f} s to {facts.source}")
             return
@@ -283,8 +281,8 @@ class ModelPanel(QWidget):
         else:
             self.serve_stop_requested.emit()
 
-    def show_serving(self, address: str, problem: str) -> None:
-        """The worker's answer: serving at `address`, or stopped (with why, when it could not start)."""
+    def show_serving(self, address: str) -> None:
+        """The worker's answer: serving at `address`, or stopped ('')."""
         self.serve_button.blockSignals(True)
         self.serve_button.setChecked(bool(address))
         self.serve_button.setText("Stop serving" if address else "Serve")
