@@ -38,6 +38,7 @@ class ResolvedSource:
     path: Path  # HF folder to load (for gguf/default: the converted folder)
     display_name: str
     origin: str  # what the user gave us
+    gguf: Path | None = None  # the .gguf file the folder was converted from (kind "default" / "gguf")
 
 
 def default_gguf_path() -> Path:
@@ -59,13 +60,13 @@ def resolve_source(model_path: str, *, progress=None) -> ResolvedSource:
     """Turn the user's `model_path` into a folder of HF files, converting a GGUF if needed."""
     if model_path == "default":
         gguf = default_gguf_path()
-        return ResolvedSource("default", convert_gguf(gguf, progress=progress), DEFAULT_MODEL_NAME, "default")
+        return ResolvedSource("default", convert_gguf(gguf, progress=progress), DEFAULT_MODEL_NAME, "default", gguf)
     path = Path(model_path).expanduser()
     if path.suffix.lower() == ".gguf":
         if not path.is_file():
             raise ModelLoadError(f"GGUF file not found: {path}. Check the path or pick the file again.",
                                  reason="missing", source=model_path)
-        return ResolvedSource("gguf", convert_gguf(path, progress=progress), path.stem, model_path)
+        return ResolvedSource("gguf", convert_gguf(path, progress=progress), path.stem, model_path, path)
     if path.is_dir():
         return ResolvedSource("folder", path, path.name, model_path)
     if path.exists():

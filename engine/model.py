@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 import time
 import weakref
@@ -99,9 +100,13 @@ class DSV41Model:
         # prefill runs in bf16 too (matrix products and attention; norms, the residual and every decode step
         # compute in float32) and the KV cache holds bf16 (kv_dtype): 2.6x faster prefill, half the cache,
         # perplexity within +-0.2 % (adapter.set_prefill_bf16)
+        # A GGUF's matrices are held in their own block formats where our kernels multiply them (the checkpoint's
+        # exact values, its bytes read per token; adapter.hold_gguf), the others as above. DSV41_GGUF_BLOCKS=0
+        # converts every matrix as before (for comparison).
         rounded_source = config.dtype == "auto" and loader.source_is_quantized(source.path)
+        blocks = source.gguf if rounded_source and os.environ.get("DSV41_GGUF_BLOCKS", "1") != "0" else None
         adapter.install(hf_model, pack_rounding=rounded_source, pack_format="int8" if own_int8 else "bf16",
-                        prefill_bf16=rounded_source, graphs=config.decode_graph)
+                        prefill_bf16=rounded_source, graphs=config.decode_graph, gguf=blocks)
         if own_int8 and adapter.packed_format(hf_model) != "int8":  # a layout our decoder does not cover
             del hf_model
             hf_model, tokenizer = loader.load_model(source.path, weight_quant="int8", **load)

@@ -51,7 +51,7 @@ def read_bandwidth(device: torch.device, nbytes: int = 1 << 30, reps: int = 5) -
 def matvec_ceiling(hf_model, reps: int = 5) -> dict:
     """The kernel ceiling: time of one matrix-vector product with every weight matrix of the model
     (what a decode step cannot avoid), with nothing else; as bytes/s and as a fraction of `bw`."""
-    from engine.kernels import PackedMatrix
+    from engine.kernels import KernelMatrix
     from engine.models.decoder import linear
 
     device = next(hf_model.parameters()).device
@@ -59,7 +59,7 @@ def matvec_ceiling(hf_model, reps: int = 5) -> dict:
     decoder = adapter.runtime(hf_model).decoder
     if decoder is not None and decoder.fused is not None:  # the fused C step's products, from C (no Python between)
         seconds = decoder.fused.matrices_seconds(max(reps, 11))
-        nbytes = sum(m.nbytes if isinstance(m, PackedMatrix) else m.numel() * m.element_size() for m in unique)
+        nbytes = sum(m.nbytes if isinstance(m, KernelMatrix) else m.numel() * m.element_size() for m in unique)
         return {"seconds": seconds, "bytes": nbytes, "bytes_per_s": nbytes / seconds, "from": "fused step (C)"}
     if unique is None:
         mats = [p for p in hf_model.parameters() if p.dim() == 2 and p.dtype.is_floating_point]
@@ -81,7 +81,7 @@ def matvec_ceiling(hf_model, reps: int = 5) -> dict:
                 linear(xs[m.shape[1]], m)
             sync(device)
             times.append(time.perf_counter() - start)
-    nbytes = sum(m.nbytes if isinstance(m, PackedMatrix) else m.numel() * m.element_size() for m in unique)
+    nbytes = sum(m.nbytes if isinstance(m, KernelMatrix) else m.numel() * m.element_size() for m in unique)
     return {"seconds": statistics.median(times), "bytes": nbytes, "bytes_per_s": nbytes / statistics.median(times)}
 
 

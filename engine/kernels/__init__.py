@@ -1,11 +1,13 @@
-"""Our CPU kernels: the C source and its build (library), weights held for it (packed), the one int8
+"""Our CPU kernels: the C source and its build (library), weights held for it (packed; GGUF blocks: gguf_blocks), the one int8
 quantizer (quant) and the whole-decoder decode step in one call (fused). Nothing here knows transformers
 or the cache's policies: the fused step takes plain tensors and a decay."""
 
 from .fused import FusedDecodeStep
+from .gguf_blocks import GGUFMatrix, GGUFWeight
 from .library import KernelLibrary, KernelsUnavailable, build, load, unavailable_reason
-from .packed import PackedMatrix, bf16_exact
+from .packed import KernelMatrix, PackedMatrix, bf16_exact
 from .quant import quantize_int8, quantize_rows_int8
 
-__all__ = ["FusedDecodeStep", "KernelLibrary", "KernelsUnavailable", "PackedMatrix", "bf16_exact", "build", "load",
+__all__ = ["FusedDecodeStep", "GGUFMatrix", "GGUFWeight", "KernelLibrary", "KernelMatrix", "KernelsUnavailable",
+           "PackedMatrix", "bf16_exact", "build", "load",
            "quantize_int8", "quantize_rows_int8", "unavailable_reason"]

@@ -477,11 +477,52 @@ static void gguf_block_values(int64_t type, const uint8_t *b, float *out) {
     }
 }
 
-/* Dequantise n_blocks consecutive blocks of `type` into out (float32). Returns 0, or -1 for a type not held. */
-int dsv41_gguf_dequant(int64_t type, const void *blocks, float *out, int64_t n_blocks) {
+#if defined(__AVX2__)
+static inline __m256 barrier256(__m256 v) { /* as rounded(): the product is not fused with the next addition */
+    __asm__("" : "+x"(v));
+    return v;
+}
+
+/* gguf_block_values of a Q4_0 / Q4_1 / Q8_0 block, eight weights a vector (the same float32 operations) */
+static inline void small_block_values(int64_t type, const uint8_t *b, float *out) {
+    const __m256 d = _mm256_set1_ps(f16_to_f32(u16_at(b)));
+    if (type == 8) {
+        for (int i = 0; i < 32; i += 8) {
+            const __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 2 + i)));
+            _mm256_storeu_ps(out + i, _mm256_mul_ps(d, _mm256_cvtepi32_ps(q)));
+        }
+        return;
+    }
+    const __m128i v = _mm_loadu_si128((const __m128i *)(b + (type == 3 ? 4 : 2))), low = _mm_set1_epi8(0x0F);
+    const __m128i nibbles[2] = {_mm_and_si128(v, low), _mm_and_si128(_mm_srli_epi16(v, 4), low)};
+    const __m256 m = _mm256_set1_ps(type == 3 ? f16_to_f32(u16_at(b + 2)) : 0.f), eight = _mm256_set1_ps(8.f);
+    for (int half = 0; half < 2; half++)
+        for (int k = 0; k < 2; k++) {
+            const __m128i bytes = k ? _mm_srli_si128(nibbles[half], 8) : nibbles[half];
+            __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+            float *o = out + 16 * half + 8 * k;
+            if (type == 2) _mm256_storeu_ps(o, _mm256_mul_ps(d, _mm256_sub_ps(q, eight)));
+            else _mm256_storeu_ps(o, _mm256_add_ps(barrier256(_mm256_mul_ps(d, q)), m));
+        }
+}
+#endif
+
+/* Dequantise n_blocks consecutive blocks of `type` into out (float32), on `threads` threads. Returns 0, or -1 for
+ * a type not held. */
+int dsv41_gguf_dequant(int64_t type, const void *blocks, float *out, int64_t n_blocks, int threads) {
     const int64_t per = gguf_block_weights(type), size = gguf_block_bytes(type);
     if (!per) return -1;
-    for (int64_t i = 0; i < n_blocks; i++) gguf_block_values(type, (const uint8_t *)blocks + i * size, out + i * per);
+    const uint8_t *base = (const uint8_t *)blocks;
+#pragma omp parallel for schedule(static) num_threads(threads) if (n_blocks >= 4096)
+    for (int64_t i = 0; i < n_blocks; i++) {
+#if defined(__AVX2__)
+        if (per == 32) {
+            small_block_values(type, base + i * size, out + i * per);
+            continue;
+        }
+#endif
+        gguf_block_values(type, base + i * size, out + i * per);
+    }
     return 0;
 }
 
@@ -707,11 +748,27 @@ int dsv41_mv_gguf(int64_t type, const void *w, const float *x, float *y, int64_t
 
 #include <math.h>
 
+/* A matrix of the step: up to MAT_PARTS groups of rows stacked (q, k and v of a GGUF file may come in different
+ * formats), each in its own format. */
+#define MAT_PARTS 3
+enum { MAT_BF16 = 0, MAT_INT8 = 1, MAT_F32 = 2, MAT_GGUF = 3 };
+typedef struct {
+    const void *data;
+    const float *scale; /* MAT_INT8: a float32 scale per row; else NULL */
+    int64_t format;     /* MAT_* */
+    int64_t gguf_type;  /* MAT_GGUF: ggml's type id (the GGUF blocks above) */
+    int64_t rows;
+} MatPart;
+
+typedef struct {
+    MatPart part[MAT_PARTS];
+    int64_t parts;
+} Mat;
+
 typedef struct {
     const float *input_norm, *post_norm, *q_norm, *k_norm; /* q_norm / k_norm: [head_dim] or NULL */
-    const void *qkv, *o, *gate_up, *down;                  /* StepModel.weight_format; int8 with the scales below */
-    const float *qkv_scale, *o_scale, *gate_up_scale, *down_scale; /* NULL for bf16 */
-    const float *qkv_bias, *o_bias;                                 /* or NULL */
+    Mat qkv, o, gate_up, down;
+    const float *qkv_bias, *o_bias; /* or NULL */
 } StepLayer;
 
 typedef struct {
@@ -730,11 +787,10 @@ typedef int (*AttendCallback)(int64_t layer);
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, inter, vocab, layers;
     int64_t kv_bf16; /* the KV cache holds bf16 (dtype="bfloat16"): read widened, written rounded to nearest even */
-    int64_t weight_format; /* every matrix: 0 bf16, 1 int8 (+ row scales), 2 float32 */
     float eps, scaling;
     const float *final_norm;
-    const void *lm_head;
-    const float *lm_head_scale, *lm_head_bias;
+    Mat lm_head;
+    const float *lm_head_bias;
 } StepModel;
 
 #define ATTN_CHUNK 256 /* entries per attention work item */
@@ -759,11 +815,16 @@ static inline const float *kv_row(const void *base, int64_t j, int64_t d, int bf
     return buf;
 }
 
-static void mv(int64_t weight_format, const void *w, const float *scale, const float *x, float *y, int64_t rows, int64_t cols, int acc,
-               int threads) {
-    if (weight_format == 1) dsv41_mv_int8((const int8_t *)w, scale, x, y, rows, cols, acc, threads);
-    else if (weight_format == 2) dsv41_mv_f32((const float *)w, x, y, rows, cols, acc, threads);
-    else dsv41_mv_bf16((const uint16_t *)w, x, y, rows, cols, acc, threads);
+/* y = M x (+ y when acc), part by part: each part's rows are the next rows of y. */
+static void mv(const Mat *m, const float *x, float *y, int64_t cols, int acc, int threads) {
+    for (int64_t i = 0; i < m->parts; i++) {
+        const MatPart *p = m->part + i;
+        if (p->format == MAT_INT8) dsv41_mv_int8((const int8_t *)p->data, p->scale, x, y, p->rows, cols, acc, threads);
+        else if (p->format == MAT_F32) dsv41_mv_f32((const float *)p->data, x, y, p->rows, cols, acc, threads);
+        else if (p->format == MAT_GGUF) dsv41_mv_gguf(p->gguf_type, p->data, x, y, p->rows, cols, acc, threads);
+        else dsv41_mv_bf16((const uint16_t *)p->data, x, y, p->rows, cols, acc, threads);
+        y += p->rows;
+    }
 }
 
 /* exp for float32, vectorisable (no libm call): 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], Cephes'
@@ -1005,7 +1066,6 @@ int dsv41_decode_step(const StepModel *m, const StepLayer *layers, StepCache *ca
                       int32_t position, const float *cs, const float *sn, int score, float decay, float *logits,
                       float *work, int64_t work_floats, AttendCallback callback, int threads) {
     const int64_t D = m->hidden, H = m->heads, h = m->kv_heads, d = m->head_dim, I = m->inter;
-    const int64_t fmt = m->weight_format;
     int64_t most = 0;
     if (d > MAX_HEAD_DIM || H % h != 0 || H / h > MAX_GROUP) return -2;
     for (int64_t l = 0; l < m->layers; l++) {
@@ -1025,7 +1085,7 @@ int dsv41_decode_step(const StepModel *m, const StepLayer *layers, StepCache *ca
         const StepLayer *L = layers + l;
         StepCache *c = caches + l;
         rms_norm(x, L->input_norm, hbuf, D, m->eps);
-        mv(fmt, L->qkv, L->qkv_scale, hbuf, qkv, (H + 2 * h) * d, D, 0, threads);
+        mv(&L->qkv, hbuf, qkv, D, 0, threads);
         if (L->qkv_bias)
             for (int64_t i = 0; i < (H + 2 * h) * d; i++) qkv[i] += L->qkv_bias[i];
         for (int64_t hd = 0; hd < H + h; hd++) {
@@ -1056,20 +1116,20 @@ int dsv41_decode_step(const StepModel *m, const StepLayer *layers, StepCache *ca
             view.length = n + 1;
             attend(m, &view, qkv, attn, probs, stats, partial, score, decay, threads);
         }
-        mv(fmt, L->o, L->o_scale, attn, x, D, H * d, 1, threads);
+        mv(&L->o, attn, x, H * d, 1, threads);
         if (L->o_bias)
             for (int64_t i = 0; i < D; i++) x[i] += L->o_bias[i];
         rms_norm(x, L->post_norm, hbuf, D, m->eps);
-        mv(fmt, L->gate_up, L->gate_up_scale, hbuf, gu, 2 * I, D, 0, threads);
+        mv(&L->gate_up, hbuf, gu, D, 0, threads);
 #pragma omp simd
         for (int64_t i = 0; i < I; i++) {
             float g = gu[i];
             act[i] = g / (1.0f + exp_approx(-g)) * gu[I + i];
         }
-        mv(fmt, L->down, L->down_scale, act, x, D, I, 1, threads);
+        mv(&L->down, act, x, I, 1, threads);
     }
     rms_norm(x, m->final_norm, hbuf, D, m->eps);
-    mv(fmt, m->lm_head, m->lm_head_scale, hbuf, logits, m->vocab, D, 0, threads);
+    mv(&m->lm_head, hbuf, logits, D, 0, threads);
     if (m->lm_head_bias)
         for (int64_t i = 0; i < m->vocab; i++) logits[i] += m->lm_head_bias[i];
     return 0;
@@ -1081,15 +1141,14 @@ int dsv41_decode_step(const StepModel *m, const StepLayer *layers, StepCache *ca
  * logits: vocab floats. */
 void dsv41_step_matrices(const StepModel *m, const StepLayer *layers, float *logits, float *work, int threads) {
     const int64_t D = m->hidden, H = m->heads, h = m->kv_heads, d = m->head_dim, I = m->inter;
-    const int64_t fmt = m->weight_format;
     float *x = work, *hbuf = x + D, *qkv = hbuf + D, *attn = qkv + (H + 2 * h) * d, *gu = attn + H * d,
           *act = gu + 2 * I;
     for (int64_t l = 0; l < m->layers; l++) {
         const StepLayer *L = layers + l;
-        mv(fmt, L->qkv, L->qkv_scale, hbuf, qkv, (H + 2 * h) * d, D, 0, threads);
-        mv(fmt, L->o, L->o_scale, attn, x, D, H * d, 1, threads);
-        mv(fmt, L->gate_up, L->gate_up_scale, hbuf, gu, 2 * I, D, 0, threads);
-        mv(fmt, L->down, L->down_scale, act, x, D, I, 1, threads);
+        mv(&L->qkv, hbuf, qkv, D, 0, threads);
+        mv(&L->o, attn, x, H * d, 1, threads);
+        mv(&L->gate_up, hbuf, gu, D, 0, threads);
+        mv(&L->down, act, x, I, 1, threads);
     }
-    mv(fmt, m->lm_head, m->lm_head_scale, hbuf, logits, m->vocab, D, 0, threads);
+    mv(&m->lm_head, hbuf, logits, D, 0, threads);
 }

@@ -7,14 +7,27 @@ import os
 
 import torch
 
+from .gguf_blocks import GGUFWeight
 from .library import ATTEND_CALLBACK, KernelLibrary, load
 from .packed import PackedMatrix
 
+MAT_PARTS = 3  # cpu_kernels.c's Mat: up to three stacked groups of rows, each in its own format
+MAT_BF16, MAT_INT8, MAT_F32, MAT_GGUF = 0, 1, 2, 3
+
+
+class _MatPart(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("format", ctypes.c_int64),
+                ("gguf_type", ctypes.c_int64), ("rows", ctypes.c_int64)]
+
+
+class _Mat(ctypes.Structure):
+    _fields_ = [("part", _MatPart * MAT_PARTS), ("parts", ctypes.c_int64)]
+
 
 class _StepLayer(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_void_p) for name in (
-        "input_norm", "post_norm", "q_norm", "k_norm", "qkv", "o", "gate_up", "down",
-        "qkv_scale", "o_scale", "gate_up_scale", "down_scale", "qkv_bias", "o_bias")]
+    _fields_ = [(name, ctypes.c_void_p) for name in ("input_norm", "post_norm", "q_norm", "k_norm")] + [
+        (name, _Mat) for name in ("qkv", "o", "gate_up", "down")] + [
+        ("qkv_bias", ctypes.c_void_p), ("o_bias", ctypes.c_void_p)]
 
 
 class _StepCache(ctypes.Structure):
@@ -25,9 +38,9 @@ class _StepCache(ctypes.Structure):
 
 class _StepModel(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int64) for name in ("hidden", "heads", "kv_heads", "head_dim", "inter", "vocab",
-                                                     "layers", "kv_bf16", "weight_format")] + [
-        ("eps", ctypes.c_float), ("scaling", ctypes.c_float), ("final_norm", ctypes.c_void_p),
-        ("lm_head", ctypes.c_void_p), ("lm_head_scale", ctypes.c_void_p), ("lm_head_bias", ctypes.c_void_p)]
+                                                     "layers", "kv_bf16")] + [
+        ("eps", ctypes.c_float), ("scaling", ctypes.c_float), ("final_norm", ctypes.c_void_p), ("lm_head", _Mat),
+        ("lm_head_bias", ctypes.c_void_p)]
 
 
 def _float_vector(t: torch.Tensor | None, n: int) -> torch.Tensor | None:
@@ -43,23 +56,26 @@ class _NotFusable(Exception):
     pass
 
 
-def _weight_format(m) -> int:
-    """cpu_kernels.c's StepModel.weight_format of a decoder matrix: 0 bf16, 1 int8, 2 float32."""
+def _parts(m) -> list[tuple[int, int, int, object, object]]:
+    """cpu_kernels.c's MatParts of a decoder matrix: (format, gguf type, rows, data tensor, scale tensor or None)."""
+    if isinstance(m, GGUFWeight):
+        return [(MAT_GGUF, p.type_id, p.rows, p.data, None) for p in m.parts]
     if isinstance(m, PackedMatrix):
-        return 1 if m.scale is not None else 0
+        return [(MAT_INT8 if m.scale is not None else MAT_BF16, 0, m.shape[0], m.data, m.scale)]
     if isinstance(m, torch.Tensor) and m.dim() == 2 and m.is_contiguous() and m.device.type == "cpu":
         if m.dtype == torch.float32:
-            return 2
+            return [(MAT_F32, 0, m.shape[0], m, None)]
         if m.dtype == torch.bfloat16:
-            return 0
-    raise _NotFusable("a matrix the kernels cannot read (not packed, float32 or bf16 on the CPU)")
+            return [(MAT_BF16, 0, m.shape[0], m, None)]
+    raise _NotFusable("a matrix the kernels cannot read (not packed, GGUF blocks, float32 or bf16 on the CPU)")
 
 
 class FusedDecodeStep:
     """One decode step of the whole decoder in one call to cpu_kernels.c (dsv41_decode_step).
 
-    Built from engine.models.decoder's weights when they fit: every matrix in one format (packed bf16 or int8,
-    or plain float32 / bf16 tensors: dtype="float32" gets the fused step too), SiLU gating.
+    Built from engine.models.decoder's weights when they fit: each matrix packed bf16 or int8, GGUF blocks (one
+    format per stacked part: a GGUF file's q, k and v may differ), or a plain float32 / bf16 tensor
+    (dtype="float32" gets the fused step too); SiLU gating.
     The step computes in float32; a bf16 model (dtype="bfloat16") keeps its KV cache in bf16 (read widened,
     written rounded) and gets float32 logits. The cache side (which layers, when) is DSV41Cache.fused_plan's. `build`
     returns None when the weights do not fit or DSV41_FUSED_STEP=0, and the per-op Python step runs.
@@ -76,16 +92,18 @@ class FusedDecodeStep:
         if d > 256 or heads % kv_heads or heads // kv_heads > 64:
             raise _NotFusable("head geometry outside the kernel's limits (head_dim <= 256, groups <= 64)")
         inter = first.down.shape[1]
-        fmt = _weight_format(w.lm_head)
         self._keep = []  # everything a pointer below refers to
 
-        def matrix(m, rows, cols):
-            if _weight_format(m) != fmt or tuple(m.shape) != (rows, cols):
-                raise _NotFusable("a matrix is not held like the others")
-            self._keep.append(m)
-            if isinstance(m, PackedMatrix):
-                return m.data.data_ptr(), (m.scale.data_ptr() if m.scale is not None else None)
-            return m.data_ptr(), None
+        def matrix(m, rows, cols) -> _Mat:
+            parts = _parts(m)
+            if tuple(m.shape) != (rows, cols) or len(parts) > MAT_PARTS:
+                raise _NotFusable("a matrix is not of the shape the step multiplies")
+            spec = _Mat(parts=len(parts))
+            for i, (fmt, gguf_type, n, data, scale) in enumerate(parts):
+                self._keep.extend((data, scale))
+                spec.part[i] = _MatPart(data.data_ptr(), scale.data_ptr() if scale is not None else None, fmt,
+                                        gguf_type, n)
+            return spec
 
         def vec(t, n):
             t = _float_vector(t, n)
@@ -100,17 +118,17 @@ class FusedDecodeStep:
             spec.q_norm, spec.k_norm = vec(layer.q_norm, d), vec(layer.k_norm, d)
             if spec.input_norm is None or spec.post_norm is None:
                 raise _NotFusable("missing norm")
-            spec.qkv, spec.qkv_scale = matrix(layer.qkv, (heads + 2 * kv_heads) * d, hidden)
-            spec.o, spec.o_scale = matrix(layer.o, hidden, heads * d)
-            spec.gate_up, spec.gate_up_scale = matrix(layer.gate_up, 2 * inter, hidden)
-            spec.down, spec.down_scale = matrix(layer.down, hidden, inter)
+            spec.qkv = matrix(layer.qkv, (heads + 2 * kv_heads) * d, hidden)
+            spec.o = matrix(layer.o, hidden, heads * d)
+            spec.gate_up = matrix(layer.gate_up, 2 * inter, hidden)
+            spec.down = matrix(layer.down, hidden, inter)
             spec.qkv_bias = vec(layer.qkv_bias, (heads + 2 * kv_heads) * d)
             spec.o_bias = vec(layer.o_bias, hidden)
         vocab = w.lm_head.shape[0]
         model = _StepModel(hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=d, inter=inter, vocab=vocab,
-                           layers=len(layers), weight_format=fmt, eps=float(w.eps), scaling=float(w.scaling))
+                           layers=len(layers), eps=float(w.eps), scaling=float(w.scaling))
         model.final_norm = vec(w.final_norm, hidden)
-        model.lm_head, model.lm_head_scale = matrix(w.lm_head, vocab, hidden)
+        model.lm_head = matrix(w.lm_head, vocab, hidden)
         model.lm_head_bias = vec(w.lm_head_bias, vocab)
         self._model = model
         self._caches = (_StepCache * len(layers))()

@@ -9,6 +9,11 @@ float32 accumulation.
     blocks = GGUFMatrix.from_reader_tensor(reader_tensor)   # or GGUFMatrix(type, raw uint8 [rows, row_bytes], cols)
     y = blocks.matvec(x)                                      # float32 [rows]
     w = blocks.dequantize()                                   # float32 [rows, cols], the file's own values
+
+GGUFWeight is a decoder matrix made of such matrices stacked by rows (a layer's q, k and v, which a file may hold in
+different formats), multiplied as one by the decoder and the fused decode step (engine.kernels.fused): one token
+through the block kernels, a prefill chunk through one GEMM on the weights dequantised for that call (a layer at a
+time: nothing but the blocks stays in memory).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import numpy as np
 import torch
 
 from .library import load
+from .packed import KernelMatrix
 
 # ggml's type ids, the block's weights and bytes
 FORMATS = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q8_0": (8, 32, 34), "Q4_K": (12, 256, 144),
@@ -77,15 +83,22 @@ class GGUFMatrix:
             raise RuntimeError(f"the CPU kernels are not available: {unavailable_reason()}")
         return lib.lib
 
-    def dequantize(self, library=None) -> torch.Tensor:
-        """float32 [rows, cols]: every weight's value as the GGUF definition gives it."""
-        out = torch.empty(self.rows, self.cols, dtype=torch.float32)
+    def dequantize(self, library=None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 [rows, cols]: every weight's value as the GGUF definition gives it (into `out` when given)."""
+        if out is None:
+            out = torch.empty(self.rows, self.cols, dtype=torch.float32)
+        elif out.dtype != torch.float32 or out.shape != (self.rows, self.cols) or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous float32 [{self.rows}, {self.cols}]")
         _, per, _ = BY_TYPE[self.type_id]
         status = self._lib(library).dsv41_gguf_dequant(self.type_id, self.data.data_ptr(), out.data_ptr(),
-                                                self.rows * self.cols // per)
+                                                       self.rows * self.cols // per, torch.get_num_threads())
         if status != 0:
             raise RuntimeError(f"dequantising {self.format} failed ({status})")
         return out
+
+    def select_rows(self, index: torch.Tensor) -> GGUFMatrix:
+        """The rows `index` (in that order) as a matrix of their own: a row's blocks hold that row alone."""
+        return GGUFMatrix(self.type_id, self.data[index], self.cols)
 
     def matvec(self, x: torch.Tensor, out: torch.Tensor | None = None, accumulate: bool = False,
                library=None) -> torch.Tensor:
@@ -99,3 +112,47 @@ class GGUFMatrix:
         if status != 0:
             raise RuntimeError(f"the {self.format} product failed ({status})")
         return out
+
+
+class GGUFWeight(KernelMatrix):
+    """A decoder matrix [out, in] held as GGUF blocks: `parts` stacked by rows, each in its own block format."""
+
+    def __init__(self, parts: list[GGUFMatrix]):
+        if not parts or len({p.cols for p in parts}) != 1:
+            raise ValueError("a GGUFWeight stacks GGUF matrices of the same width")
+        self.parts = list(parts)
+        self.shape = (sum(p.rows for p in parts), parts[0].cols)
+        self.bf16_rows = False
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    @property
+    def formats(self) -> list[str]:
+        return [p.format for p in self.parts]
+
+    def matvec(self, x: torch.Tensor, out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
+        out = torch.empty(self.shape[0], dtype=torch.float32) if out is None else out
+        row = 0
+        for part in self.parts:
+            part.matvec(x, out[row:row + part.rows], accumulate)
+            row += part.rows
+        return out
+
+    def dense(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        out = torch.empty(self.shape, dtype=torch.float32)
+        row = 0
+        for part in self.parts:
+            part.dequantize(out=out[row:row + part.rows])
+            row += part.rows
+        return out if dtype == torch.float32 else out.to(dtype)
+
+    def bf16_weight(self) -> torch.Tensor:
+        return self.dense(torch.bfloat16)
+
+    def rows(self, index: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Selected rows' values (an embedding lookup)."""
+        if len(self.parts) != 1:
+            raise ValueError("rows() of a stacked GGUFWeight")
+        return self.parts[0].select_rows(index).dequantize().to(dtype)

@@ -7,15 +7,63 @@ import torch
 from .library import KernelLibrary, load, unavailable_reason
 
 
-class PackedMatrix:
-    """A weight matrix [out, in] held as bf16 (or int8 + a float32 scale per row) for the CPU kernels.
+class KernelMatrix:
+    """A weight matrix [out, in] our CPU kernels multiply as stored (PackedMatrix; gguf_blocks.GGUFWeight).
 
-    `linear(x)` for one row of float32 activations runs the kernel (float32 accumulation); more rows (a
-    prefill chunk) widen the weights to float32 for one GEMM, or with `bf16_rows` multiply the rows rounded
-    to bf16 by the bf16 weights (accumulated in float32, the result rounded to bf16: 1.8x faster prefill on a
-    CPU with AMX, +0.1 % perplexity on the default model; adapter.set_prefill_bf16 decides). All give float32 results whatever the
-    stored format; other activation dtypes are converted in and out.
+    `linear(x)` for one row of float32 activations runs the kernel (`matvec`, float32 accumulation); more rows (a
+    prefill chunk) widen the weights to float32 for one GEMM (`dense`), or with `bf16_rows` multiply the rows
+    rounded to bf16 by the weights as bf16 (`bf16_weight`; accumulated in float32, the result rounded to bf16:
+    1.8x faster prefill on a CPU with AMX, +0.1 % perplexity on the default model; adapter.set_prefill_bf16
+    decides). All give float32 results whatever the stored format; other activation dtypes are converted in and
+    out. A subclass gives shape, nbytes, matvec, dense, rows and bf16_weight.
     """
+
+    shape: tuple[int, int]
+    bf16_rows: bool = False
+
+    def matvec(self, x: torch.Tensor, out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dense(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        raise NotImplementedError
+
+    def bf16_weight(self) -> torch.Tensor | None:
+        """The matrix as bf16 for bf16 prefill products when that is what it holds (or widens to exactly)."""
+        return None
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None,
+               residual: torch.Tensor | None = None) -> torch.Tensor:
+        """(residual +) x [T, in] @ W^T (+ bias) -> [T, out] in x's dtype."""
+        dtype = x.dtype
+        if x.shape[0] == 1:
+            native = dtype == torch.float32
+            vector = x.view(-1) if native and x.is_contiguous() else x[0].to(torch.float32).contiguous()
+            if residual is not None:
+                out = residual.reshape(-1).clone() if native else residual[0].to(torch.float32, copy=True)
+                self.matvec(vector, out, accumulate=True)
+            else:
+                out = self.matvec(vector)
+            if bias is not None:
+                out += bias if native else bias.float()
+            return out.view(1, -1) if native else out.to(dtype)[None]
+        weight = self.bf16_weight() if self.bf16_rows and dtype == torch.float32 else None
+        if weight is not None:
+            # bf16 x bf16 products with float32 accumulation (AMX / AVX-512 BF16 in oneDNN); torch returns the
+            # result rounded to bf16. The activations and the products' results are what is rounded; bias,
+            # residual and everything after stay float32
+            out = torch.nn.functional.linear(x.to(torch.bfloat16), weight).float()
+            if bias is not None:
+                out += bias
+            return out if residual is None else residual + out
+        weight = self.dense(dtype)
+        if residual is not None and bias is None:
+            return torch.addmm(residual, x, weight.t())
+        out = torch.nn.functional.linear(x, weight, bias)
+        return out if residual is None else residual + out
+
+
+class PackedMatrix(KernelMatrix):
+    """A weight matrix [out, in] held as bf16 (or int8 + a float32 scale per row) for the CPU kernels."""
 
     def __init__(self, data: torch.Tensor, scale: torch.Tensor | None = None, library: KernelLibrary | None = None):
         if data.dim() != 2 or not data.is_contiguous() or data.device.type != "cpu":
@@ -63,34 +111,8 @@ class PackedMatrix:
                                     cols, int(accumulate), threads)
         return out
 
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None,
-               residual: torch.Tensor | None = None) -> torch.Tensor:
-        """(residual +) x [T, in] @ W^T (+ bias) -> [T, out] in x's dtype."""
-        dtype = x.dtype
-        if x.shape[0] == 1:
-            native = dtype == torch.float32
-            vector = x.view(-1) if native and x.is_contiguous() else x[0].to(torch.float32).contiguous()
-            if residual is not None:
-                out = residual.reshape(-1).clone() if native else residual[0].to(torch.float32, copy=True)
-                self.matvec(vector, out, accumulate=True)
-            else:
-                out = self.matvec(vector)
-            if bias is not None:
-                out += bias if native else bias.float()
-            return out.view(1, -1) if native else out.to(dtype)[None]
-        if self.bf16_rows and self.scale is None and dtype == torch.float32:
-            # bf16 x bf16 products with float32 accumulation (AMX / AVX-512 BF16 in oneDNN); torch returns the
-            # result rounded to bf16. The weights are bf16 already: the activations and the products' results
-            # are what is rounded; bias, residual and everything after stay float32
-            out = torch.nn.functional.linear(x.to(torch.bfloat16), self.data).float()
-            if bias is not None:
-                out += bias
-            return out if residual is None else residual + out
-        weight = self.dense(dtype)
-        if residual is not None and bias is None:
-            return torch.addmm(residual, x, weight.t())
-        out = torch.nn.functional.linear(x, weight, bias)
-        return out if residual is None else residual + out
+    def bf16_weight(self) -> torch.Tensor | None:
+        return self.data if self.scale is None else None
 
 
 def bf16_exact(tensor: torch.Tensor) -> bool:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels import PackedMatrix, bf16_exact, load, quantize_rows_int8
+from ..kernels import GGUFMatrix, GGUFWeight, KernelMatrix, PackedMatrix, bf16_exact, load, quantize_rows_int8
 from . import static_step
 from .decoder import Decoder, DecoderWeights, LayerWeights
 
@@ -94,19 +94,25 @@ def register() -> None:
 
 
 def install(model, *, fast: bool = True, pack: bool = True, pack_rounding: bool = False,
-            pack_format: str = "bf16", prefill_bf16: bool = False, graphs: bool = True) -> None:
+            pack_format: str = "bf16", prefill_bf16: bool = False, graphs: bool = True, gguf=None) -> None:
     """Switch a loaded HF causal LM to the DS-V4.1 attention path (and our fused decoder where it applies).
     `pack`: on CPU, hold the decoder's matrices as bf16 for our kernels when that is exact, or with
     `pack_rounding` also when it rounds; `pack_format="int8"` quantizes them to int8 (pack_weights).
     `prefill_bf16`: where the matrices are held as bf16, prefill runs in bf16 (set_prefill_bf16).
-    `graphs`: on a GPU, capture the decode step as one CUDA graph (engine.models.static_step)."""
+    `graphs`: on a GPU, capture the decode step as one CUDA graph (engine.models.static_step).
+    `gguf`: the .gguf file the model was converted from: on CPU its matrices are held in their own block formats
+    where the kernels read them (hold_gguf), the rest packed as above."""
     check_architecture(getattr(model.config, "model_type", None))
     register()
     model.set_attn_implementation(ATTENTION_NAME)
     compute = runtime(model).compute_dtype  # the dtype before any packing (an install again keeps it)
     weights = decoder_weights(model) if fast else None
+    held = hold_gguf(model, weights, gguf) if weights is not None and pack and gguf is not None and \
+        pack_format == "bf16" else None
     packed = pack_weights(model, weights, rounding=pack_rounding, fmt=pack_format) \
         if weights is not None and pack else None
+    if held:
+        packed = held + (f" (others {packed})" if packed else "")
     decoder = Decoder(weights) if weights is not None else None
     if decoder is not None and weights.final_norm.device.type == "cuda" and static_step.supports(weights):
         decoder.static = static_step.StaticDecodeStep(weights, graphs=graphs)
@@ -136,18 +142,23 @@ def set_prefill_bf16(model, on: bool) -> bool:
     about +0.05 %) against float32. Returns whether it is on (False where no matrix is held as bf16)."""
     step = step_matrices(model) or []
     decoder = runtime(model).decoder
-    packed = [m for m in step if isinstance(m, PackedMatrix) and m.scale is None]  # bf16, not int8
+    packed = [m for m in step if _bf16_capable(m)]  # bf16 or GGUF blocks, not int8
     for matrix in packed:
         matrix.bf16_rows = on
-    if decoder is not None and isinstance(decoder.w.embed, PackedMatrix) and decoder.w.embed.scale is None:
+    if decoder is not None and _bf16_capable(decoder.w.embed):
         decoder.w.embed.bf16_rows = on
     return bool(on and packed)
+
+
+def _bf16_capable(m) -> bool:
+    """A held matrix whose prefill products may run in bf16: bf16 itself, or GGUF blocks (dequantised per call)."""
+    return isinstance(m, GGUFWeight) or (isinstance(m, PackedMatrix) and m.scale is None)
 
 
 def prefill_bf16(model) -> bool:
     """Whether prefill chunks multiply the bf16-held matrices in bf16 (set_prefill_bf16)."""
     step = step_matrices(model) or []
-    return any(isinstance(m, PackedMatrix) and m.scale is None and m.bf16_rows for m in step)
+    return any(_bf16_capable(m) and m.bf16_rows for m in step)
 
 
 def compute_dtype(model) -> torch.dtype:
@@ -182,10 +193,15 @@ def pack_weights(model, weights: DecoderWeights, *, rounding: bool = False, fmt:
     matrices.append(weights.lm_head)
     if not tied:
         matrices.append(weights.embed)
+    matrices = [m for m in matrices if not isinstance(m, KernelMatrix)]  # held already (hold_gguf)
+    if not matrices:
+        return None
     if fmt == "bf16" and dtype == torch.float32 and not rounding and not all(bf16_exact(m) for m in matrices):
         return None
 
-    def packed(tensor: torch.Tensor, modules) -> PackedMatrix:
+    def packed(tensor, modules):
+        if isinstance(tensor, KernelMatrix):
+            return tensor
         if fmt == "int8":
             matrix = PackedMatrix(*quantize_rows_int8(tensor))
         else:
@@ -212,6 +228,92 @@ def pack_weights(model, weights: DecoderWeights, *, rounding: bool = False, fmt:
     else:
         weights.embed = packed(weights.embed, [base.embed_tokens])
     return fmt
+
+
+def _gguf_rows(blocks: GGUFMatrix, hf_weight: torch.Tensor, heads: int | None) -> GGUFMatrix | None:
+    """A GGUF tensor as blocks in the row order of the model's own weight, or None when its values are not exactly
+    that weight's (then it is not held). llama.cpp's converter stores a Llama q / k projection with each head's rows
+    interleaved (the two halves of the rotary dimensions alternate); transformers undoes that when it loads, so the
+    rows are taken in the same order here: as stored, or de-interleaved per head, whichever gives the weight."""
+    if tuple(hf_weight.shape) != (blocks.rows, blocks.cols):
+        return None
+    expected = hf_weight.detach().float()
+    values = blocks.dequantize()
+    orders = [None]
+    if heads and blocks.rows % (2 * heads) == 0:
+        half = blocks.rows // heads // 2
+        # model row (h, j, i) is stored at row (h, i, j) of [heads, half, 2]
+        orders.append(torch.arange(blocks.rows).view(heads, half, 2).transpose(1, 2).reshape(-1))
+    for order in orders:
+        if torch.equal(values if order is None else values[order], expected):
+            return blocks if order is None else blocks.select_rows(order)
+    return None
+
+
+@torch.inference_mode()
+def hold_gguf(model, weights: DecoderWeights, path) -> str | None:
+    """Hold the decoder's matrices as the GGUF file at `path` stores them (engine.kernels.gguf_blocks), on CPU:
+    exactly the checkpoint's values (the model was converted from this file), its bytes read per token. A matrix
+    is held when every part of it (q, k, v; gate, up) is in a block format the kernels multiply and its values
+    are the loaded weight's; the rest stay for pack_weights. The model's Linear modules are re-pointed at their
+    rows of the blocks (uint8), so the float32 copies are freed and the model's parameters count the bytes held
+    (transformers' own forward cannot run on them; ours does). Returns what is held ("GGUF Q4_1 + Q8_0"), or
+    None where nothing is (GPU, no kernels, formats not held, a layout that does not match)."""
+    import numpy as np
+
+    from ..gguf import tensor_index
+    from ..kernels.gguf_blocks import BY_TYPE
+
+    if weights.final_norm.device.type != "cpu" or weights.final_norm.dtype not in (torch.float32, torch.bfloat16) \
+            or load() is None:
+        return None
+    tensors = tensor_index(path)
+    file = np.memmap(path, dtype=np.uint8, mode="r")
+    base, lm_head = model.model, model.lm_head
+    tied = base.embed_tokens.weight is lm_head.weight
+    formats: set[str] = set()
+
+    def hold(names: list[str], modules, heads: list[int | None]) -> GGUFWeight | None:
+        parts = []
+        for name, module, h in zip(names, modules, heads, strict=True):
+            entry = tensors.get(name)
+            if entry is None or entry.type_id not in BY_TYPE or len(entry.shape) != 2:
+                return None
+            cols, rows = entry.shape  # innermost first
+            raw = torch.from_numpy(np.array(file[entry.offset:entry.offset + entry.nbytes]))  # a copy in RAM
+            part = _gguf_rows(GGUFMatrix(entry.type_id, raw.view(rows, -1), cols), module.weight, h)
+            if part is None:
+                return None
+            parts.append(part)
+        for module, part in zip(modules, parts, strict=True):
+            module.weight = torch.nn.Parameter(part.data, requires_grad=False)
+        formats.update(p.format for p in parts)
+        return GGUFWeight(parts)
+
+    cfg = text_config(model)
+    heads, kv_heads = weights.heads, weights.kv_heads
+    llama = getattr(cfg, "model_type", "") in ("llama", "mistral")
+    for i, (layer, weight) in enumerate(zip(base.layers, weights.layers, strict=True)):
+        a, m = layer.self_attn, layer.mlp
+        blk = f"blk.{i}."
+        qkv = hold([blk + "attn_q.weight", blk + "attn_k.weight", blk + "attn_v.weight"],
+                   [a.q_proj, a.k_proj, a.v_proj], [heads if llama else None, kv_heads if llama else None, None])
+        weight.qkv = qkv or weight.qkv
+        weight.o = hold([blk + "attn_output.weight"], [a.o_proj], [None]) or weight.o
+        weight.gate_up = hold([blk + "ffn_gate.weight", blk + "ffn_up.weight"], [m.gate_proj, m.up_proj],
+                              [None, None]) or weight.gate_up
+        weight.down = hold([blk + "ffn_down.weight"], [m.down_proj], [None]) or weight.down
+    if tied or "output.weight" not in tensors:
+        embed = hold(["token_embd.weight"], [base.embed_tokens], [None]) if tied else None
+        if embed is not None:
+            lm_head.weight = base.embed_tokens.weight
+            weights.embed = weights.lm_head = embed
+    else:
+        weights.lm_head = hold(["output.weight"], [lm_head], [None]) or weights.lm_head
+        weights.embed = hold(["token_embd.weight"], [base.embed_tokens], [None]) or weights.embed
+    if not formats:
+        return None
+    return "GGUF " + " + ".join(sorted(formats))
 
 
 def uses_fast_decoder(model) -> bool:

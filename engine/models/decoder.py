@@ -23,29 +23,29 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..kernels import FusedDecodeStep, PackedMatrix
+from ..kernels import FusedDecodeStep, KernelMatrix
 
 
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor  # [D]
-    qkv: torch.Tensor | PackedMatrix  # [(H + 2h) * d, D]
+    qkv: torch.Tensor | KernelMatrix  # [(H + 2h) * d, D]
     qkv_bias: torch.Tensor | None
-    o: torch.Tensor | PackedMatrix  # [D, H * d]
+    o: torch.Tensor | KernelMatrix  # [D, H * d]
     o_bias: torch.Tensor | None
     post_norm: torch.Tensor  # [D]
-    gate_up: torch.Tensor | PackedMatrix  # [2 * I, D]
-    down: torch.Tensor | PackedMatrix  # [D, I]
+    gate_up: torch.Tensor | KernelMatrix  # [2 * I, D]
+    down: torch.Tensor | KernelMatrix  # [D, I]
     q_norm: torch.Tensor | None = None  # Qwen3: RMSNorm over each head's d
     k_norm: torch.Tensor | None = None
 
 
 @dataclass
 class DecoderWeights:
-    embed: torch.Tensor | PackedMatrix  # [V, D]
+    embed: torch.Tensor | KernelMatrix  # [V, D]
     layers: list[LayerWeights]
     final_norm: torch.Tensor  # its dtype is the compute dtype
-    lm_head: torch.Tensor | PackedMatrix  # [V, D]
+    lm_head: torch.Tensor | KernelMatrix  # [V, D]
     lm_head_bias: torch.Tensor | None
     heads: int
     kv_heads: int
@@ -94,11 +94,11 @@ def rope_matrix(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return r
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | PackedMatrix, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, in] @ weight[out, in]^T. A PackedMatrix (bf16/int8 weights on CPU) runs our kernels. One token in
+def linear(x: torch.Tensor, weight: torch.Tensor | KernelMatrix, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, in] @ weight[out, in]^T. A KernelMatrix (bf16/int8/GGUF weights on CPU) runs our kernels. One token in
     half precision goes through mv: on CPU the bf16/fp16 matrix-vector kernel reads the weights faster than
     the GEMM path F.linear takes (measured: 17 vs 25 ms for the default model's matrices)."""
-    if isinstance(weight, PackedMatrix):
+    if isinstance(weight, KernelMatrix):
         return weight.linear(x, bias)
     if x.shape[0] == 1 and x.dtype != torch.float32 and x.device.type == "cpu":
         out = torch.mv(weight, x[0])[None]
@@ -106,10 +106,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor | PackedMatrix, bias: torch.Ten
     return F.linear(x, weight, bias)
 
 
-def residual_linear(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | PackedMatrix,
+def residual_linear(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | KernelMatrix,
                     bias: torch.Tensor | None = None) -> torch.Tensor:
     """residual + linear(x, weight, bias), the add fused into the matrix product where no bias."""
-    if isinstance(weight, PackedMatrix):
+    if isinstance(weight, KernelMatrix):
         return weight.linear(x, bias, residual=residual)
     if bias is not None:
         return residual + linear(x, weight, bias)
@@ -119,7 +119,7 @@ def residual_linear(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tenso
 
 
 def _device_of(weight) -> torch.device:
-    return weight.device if isinstance(weight, torch.Tensor) else torch.device("cpu")  # PackedMatrix: CPU only
+    return weight.device if isinstance(weight, torch.Tensor) else torch.device("cpu")  # KernelMatrix: CPU only
 
 
 class Decoder:
@@ -146,7 +146,7 @@ class Decoder:
             plan = cache.static_plan()
             if plan is not None:
                 return self.static.step(input_ids, cache, plan).view(1, 1, -1)
-        if isinstance(w.embed, PackedMatrix):
+        if isinstance(w.embed, KernelMatrix):
             x = w.embed.rows(input_ids[0], w.final_norm.dtype)  # [T, D]
         else:
             x = F.embedding(input_ids[0], w.embed)

@@ -155,11 +155,19 @@ def test_memory_report_and_seed_print(default_model, capsys):
     assert out[1].startswith("KV Cache: ") and "(compressed from " in out[1]
     assert out[2].startswith("Activation: ") and out[3].startswith("Total: ")
     assert report.device == "cpu" and report.device_label.startswith("CPU")
-    # weights: 135M parameters, tied embeddings counted once; the matrices held as bf16 where the CPU
-    # kernels run (engine.cpu_kernels), norms in float32
+    # weights: 135M parameters, tied embeddings counted once. The default load holds the matrices as the GGUF
+    # file stores them (engine.kernels.gguf_blocks): the weights line is the file's tensor bytes (the norms are
+    # float32 there too; the rotary module's few inverse frequencies besides); as bf16 (DSV41_GGUF_BLOCKS=0)
+    # 2 bytes a weight, else float32
+    from engine.gguf import tensor_index
+    from engine.loader import default_gguf_path
     from engine.models import adapter
 
-    if adapter.packed_format(default_model.hf_model) == "bf16":
+    held = adapter.packed_format(default_model.hf_model)
+    if held == "GGUF Q4_1 + Q8_0":
+        file_bytes = sum(entry.nbytes for entry in tensor_index(default_gguf_path()).values())
+        assert file_bytes <= report.weights < file_bytes + 4096
+    elif held == "bf16":
         assert 0.25e9 < report.weights < 0.3e9
     else:
         assert 0.45e9 < report.weights < 0.6e9
@@ -181,8 +189,9 @@ def test_warmup_returns_ttfts(default_model):
 @pytest.mark.parametrize("held", ["as loaded", "float32"])
 def test_plain_cache_reproduces_transformers_logits_on_the_default_model(default_model, held):
     """kv_cache_ratio 1 and dense attention give transformers' logits on the same weights: the default load
-    holds the matrices as bf16 (cpu_kernels; the checkpoint is Q4_1), so its reference gets the same bf16
-    values in float32; dtype="float32" keeps the converted float32 values and matches them as they are."""
+    holds the matrices as the GGUF's own blocks, whose values are the converted float32 weights transformers loads
+    (held as bf16 instead, DSV41_GGUF_BLOCKS=0, its reference gets the same bf16 values in float32);
+    dtype="float32" keeps the converted float32 values and matches them as they are."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -192,6 +201,8 @@ def test_plain_cache_reproduces_transformers_logits_on_the_default_model(default
     model = default_model if held == "as loaded" else DSV41Model.from_pretrained(DSV41Config(dtype="float32"))
     if held == "float32":
         assert adapter.packed_format(model.hf_model) is None
+    else:
+        assert adapter.packed_format(model.hf_model) in ("GGUF Q4_1 + Q8_0", "bf16")
     reference_model = AutoModelForCausalLM.from_pretrained(model.info.folder, dtype=torch.float32,
                                                            attn_implementation="sdpa").eval()
     if adapter.packed_format(model.hf_model) == "bf16":

@@ -1,0 +1,184 @@
+"""A GGUF file's matrices held in their own block formats by the decoder (adapter.hold_gguf) and multiplied by the
+fused decode step and the prefill (engine.kernels.gguf_blocks.GGUFWeight): the values are exactly the converted
+weights transformers loads (llama.cpp's interleaved q / k rows put back in order), a layer's q, k and v in three
+different formats make one matrix, a format not held falls back to bf16 and says so, and a tensor whose values are
+not the model's is not held. The header reader (engine.gguf.tensor_index) against the gguf package's."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from engine import kernels as cpu_kernels
+from engine.cache import CacheSettings, DSV41Cache
+from engine.kernels import GGUFWeight, PackedMatrix
+from engine.models import adapter
+
+from .test_gguf_blocks import blocks_of, default_gguf
+
+gguf = pytest.importorskip("gguf")
+pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason=f"CPU kernels: {cpu_kernels.unavailable_reason()}")
+
+HEADS, KV_HEADS, HIDDEN, INTER = 4, 2, 256, 512
+# each matrix its own format: three in one layer's qkv, k-quants and the 32-weight blocks side by side
+LAYER_FORMATS = {"attn_q": "Q4_K", "attn_k": "Q8_0", "attn_v": "Q6_K", "attn_output": "Q4_0", "ffn_gate": "Q5_K",
+                 "ffn_up": "Q4_1", "ffn_down": "Q6_K"}
+
+
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=2,
+                         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=512,
+                         tie_word_embeddings=False)
+    return LlamaForCausalLM(config).eval()
+
+
+def _interleave(rows: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter's order for a Llama q / k projection: each head's two rotary halves interleaved."""
+    return rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def _gguf_model(tmp_path, *, unheld: str | None = "blk.1.ffn_down", tamper: str | None = None):
+    """A random tiny Llama and a GGUF file of it: each matrix written as blocks of its format (random blocks; the
+    model's weights set to their values, in transformers' row order), `unheld` as F16 (no block format)."""
+    model = _llama()
+    writer = gguf.GGUFWriter(str(tmp_path / "tiny.gguf"), "llama")
+    writer.add_block_count(2)
+    modules = {}
+    for i, layer in enumerate(model.model.layers):
+        a, m = layer.self_attn, layer.mlp
+        modules.update({f"blk.{i}.attn_q": (a.q_proj, HEADS), f"blk.{i}.attn_k": (a.k_proj, KV_HEADS),
+                        f"blk.{i}.attn_v": (a.v_proj, None), f"blk.{i}.attn_output": (a.o_proj, None),
+                        f"blk.{i}.ffn_gate": (m.gate_proj, None), f"blk.{i}.ffn_up": (m.up_proj, None),
+                        f"blk.{i}.ffn_down": (m.down_proj, None)})
+    modules["token_embd"] = (model.model.embed_tokens, None)
+    modules["output"] = (model.lm_head, None)
+    with torch.no_grad():
+        for seed, (name, (module, heads)) in enumerate(modules.items()):
+            rows, cols = module.weight.shape
+            if name == unheld:
+                stored = module.weight.detach().numpy().astype(np.float16)
+                writer.add_tensor(name + ".weight", stored)
+                module.weight.copy_(torch.from_numpy(stored.astype(np.float32)))
+                continue
+            fmt = LAYER_FORMATS.get(name.split(".")[-1], "Q8_0" if name == "output" else "Q4_1")
+            data = blocks_of(fmt, rows, cols, seed=seed)
+            qtype = gguf.GGMLQuantizationType[fmt]
+            values = gguf.quants.dequantize(data, qtype).reshape(rows, cols).astype(np.float32)
+            if heads:  # the file holds the rows interleaved; the model (as transformers loads it) in order
+                data = _interleave(data, heads)
+            writer.add_tensor(name + ".weight", data, raw_shape=data.shape, raw_dtype=qtype)
+            module.weight.copy_(torch.from_numpy(values))
+        for i, layer in enumerate(model.model.layers):
+            writer.add_tensor(f"blk.{i}.attn_norm.weight", layer.input_layernorm.weight.detach().numpy())
+        if tamper:
+            weight = dict((n, m) for n, (m, _) in modules.items())[tamper].weight
+            weight[0, 0] += 1e-3  # the model's values are no longer the file's
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return model, tmp_path / "tiny.gguf"
+
+
+def _run(model, ids, prefill):
+    layers, kv_heads, head_dim = adapter.kv_geometry(model)
+    cache = DSV41Cache(layers, kv_heads, head_dim, torch.float32, "cpu", CacheSettings(kv_cache_ratio=1.0, csa2_topk=0))
+    outs = [adapter.forward(model, ids[:, :prefill], cache, logits_to_keep=prefill)]
+    for i in range(prefill, ids.shape[1]):
+        outs.append(adapter.forward(model, ids[:, i:i + 1], cache, prefill=False))
+    return torch.cat(outs, dim=1)
+
+
+def test_the_header_index_is_the_gguf_packages(tmp_path):
+    from engine.gguf import tensor_index
+
+    path = default_gguf()
+    index = tensor_index(path)
+    reader = gguf.GGUFReader(str(path))
+    assert len(index) == len(reader.tensors)
+    for tensor in reader.tensors:
+        entry = index[tensor.name]
+        assert (entry.type_id, entry.shape, entry.offset, entry.nbytes) == (
+            int(tensor.tensor_type), tuple(int(n) for n in tensor.shape), int(tensor.data_offset), int(tensor.n_bytes))
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(path.read_bytes()[:4096])  # the metadata cut off
+    from engine.errors import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="header does not parse"):
+        tensor_index(broken)
+
+
+def test_a_gguf_is_held_as_its_blocks_and_answers_as_transformers(tmp_path):
+    model, path = _gguf_model(tmp_path)
+    reference = copy.deepcopy(model)
+    adapter.install(model, pack_rounding=True, gguf=path)
+    assert adapter.packed_format(model) == "GGUF Q4_0 + Q4_1 + Q4_K + Q5_K + Q6_K + Q8_0 (others bf16)"
+    w = adapter.runtime(model).decoder.w
+    first, second = w.layers
+    assert isinstance(first.qkv, GGUFWeight) and first.qkv.formats == ["Q4_K", "Q8_0", "Q6_K"]
+    assert [type(m) for m in (first.o, first.gate_up, first.down)] == [GGUFWeight] * 3
+    assert isinstance(second.down, PackedMatrix)  # F16 in the file: no block format, held as bf16
+    assert isinstance(w.embed, GGUFWeight) and isinstance(w.lm_head, GGUFWeight) and w.embed is not w.lm_head
+    # exactly the values transformers loaded (q / k rows back in order), and the model counts the blocks' bytes
+    ref_layer = reference.model.layers[0].self_attn
+    expected = torch.cat([ref_layer.q_proj.weight, ref_layer.k_proj.weight, ref_layer.v_proj.weight]).detach()
+    assert torch.equal(first.qkv.dense(), expected)
+    assert model.model.layers[0].self_attn.q_proj.weight.dtype == torch.uint8
+    assert adapter.runtime(model).decoder.fused is not None
+
+    with torch.no_grad():  # the unheld matrix as the model holds it: rounded to bf16
+        down = reference.model.layers[1].mlp.down_proj.weight
+        down.copy_(down.bfloat16().float())
+    ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(1))
+    got = _run(model, ids, 16)
+    with torch.no_grad():
+        want = reference(ids).logits
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (got - want).abs().max()
+    decoder = adapter.runtime(model).decoder
+    fused, decoder.fused = decoder.fused, None  # the per-op step multiplies the same blocks
+    try:
+        per_op = _run(model, ids, 16)
+    finally:
+        decoder.fused = fused
+    assert torch.allclose(got, per_op, atol=1e-5, rtol=1e-5)
+
+
+def test_a_tensor_that_is_not_the_models_is_not_held(tmp_path):
+    model, path = _gguf_model(tmp_path, unheld=None, tamper="blk.0.attn_k")
+    adapter.install(model, pack_rounding=True, gguf=path)
+    first = adapter.runtime(model).decoder.w.layers[0]
+    assert isinstance(first.qkv, PackedMatrix)  # k differs from the file: the whole qkv stays as loaded (bf16)
+    assert isinstance(first.o, GGUFWeight)
+    assert adapter.packed_format(model).endswith("(others bf16)")
+
+
+def test_the_default_model_holds_its_gguf_exactly(default_model):
+    """The shipped Q4_1 model: every decoder matrix and the tied embedding held as the file's blocks, their values
+    the converted safetensors' (the reference transformers loads), the weights line the file's tensor bytes."""
+    from safetensors.torch import load_file
+
+    from engine.gguf import tensor_index
+
+    hf = default_model.hf_model
+    if adapter.packed_format(hf) != "GGUF Q4_1 + Q8_0":
+        pytest.skip("the default model is loaded another way here (DSV41_GGUF_BLOCKS=0)")
+    assert default_model.info.weight_storage == "GGUF Q4_1 + Q8_0"
+    w = adapter.runtime(hf).decoder.w
+    assert all(isinstance(m, GGUFWeight) for layer in w.layers for m in (layer.qkv, layer.o, layer.gate_up,
+                                                                          layer.down))
+    assert w.embed is w.lm_head and w.lm_head.formats == ["Q8_0"]
+    converted = load_file(str(default_model.info.folder) + "/model.safetensors")
+    for i in (0, 17, 29):
+        qkv = torch.cat([converted[f"model.layers.{i}.self_attn.{p}_proj.weight"] for p in "qkv"])
+        assert torch.equal(w.layers[i].qkv.dense(), qkv)
+        assert torch.equal(w.layers[i].down.dense(), converted[f"model.layers.{i}.mlp.down_proj.weight"])
+    embed = converted.get("model.embed_tokens.weight", converted.get("lm_head.weight"))  # tied: saved once
+    assert torch.equal(w.embed.rows(torch.tensor([0, 5, 49151])), embed[[0, 5, 49151]])
+    file_bytes = sum(e.nbytes for e in tensor_index(default_gguf()).values())
+    assert file_bytes <= default_model.weights_bytes < file_bytes + 4096
