@@ -36,8 +36,8 @@ def test_real_model_reply_streams_into_the_view_and_is_saved(qtbot, real_window,
     from engine import kernels as cpu_kernels
 
     if cpu_kernels.load() is not None:  # the model panel says how the weights are held
-        assert window.facts.weight_storage == "bf16"
-        assert "weights held as bf16" in window.model_panel.status.text()
+        assert window.facts.weight_storage == "GGUF Q4_1 + Q8_0"
+        assert "weights held as GGUF Q4_1 + Q8_0" in window.model_panel.status.text()
     window.composer.setPlainText("What is the capital of France?")
     window.send()
     qtbot.waitUntil(lambda: not window.turns.busy, timeout=120_000)
