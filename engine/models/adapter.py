@@ -9,6 +9,10 @@ only this file changes.
 
 What `install` adds to a model (our decoder, how its weights are held, the compute dtype) is a `Runtime`,
 kept beside the model in `_RUNTIMES` and read through `runtime(model)`; nothing is stored on the model itself.
+
+Why this file is long: the rule that only this module knows transformers' module names (q_proj, mlp.down_proj,
+embed_tokens, ...) puts everything that reads or re-points them here: the decoder's fused weights, holding them
+as bf16 / int8 (pack_weights) or as a GGUF file's blocks (hold_gguf; reading the file is engine.models.gguf_hold's).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels import GGUFMatrix, GGUFWeight, KernelMatrix, PackedMatrix, bf16_exact, load, quantize_rows_int8
+from ..kernels import GGUFWeight, KernelMatrix, PackedMatrix, bf16_exact, load, quantize_rows_int8
 from . import static_step
 from .decoder import Decoder, DecoderWeights, LayerWeights
 
@@ -112,7 +116,7 @@ def install(model, *, fast: bool = True, pack: bool = True, pack_rounding: bool 
     packed = pack_weights(model, weights, rounding=pack_rounding, fmt=pack_format) \
         if weights is not None and pack else None
     if held:
-        packed = held + (f" (others {packed})" if packed else "")
+        packed = held + (f", others as {packed}" if packed else "")
     decoder = Decoder(weights) if weights is not None else None
     if decoder is not None and weights.final_norm.device.type == "cuda" and static_step.supports(weights):
         decoder.static = static_step.StaticDecodeStep(weights, graphs=graphs)
@@ -230,26 +234,6 @@ def pack_weights(model, weights: DecoderWeights, *, rounding: bool = False, fmt:
     return fmt
 
 
-def _gguf_rows(blocks: GGUFMatrix, hf_weight: torch.Tensor, heads: int | None) -> GGUFMatrix | None:
-    """A GGUF tensor as blocks in the row order of the model's own weight, or None when its values are not exactly
-    that weight's (then it is not held). llama.cpp's converter stores a Llama q / k projection with each head's rows
-    interleaved (the two halves of the rotary dimensions alternate); transformers undoes that when it loads, so the
-    rows are taken in the same order here: as stored, or de-interleaved per head, whichever gives the weight."""
-    if tuple(hf_weight.shape) != (blocks.rows, blocks.cols):
-        return None
-    expected = hf_weight.detach().float()
-    values = blocks.dequantize()
-    orders = [None]
-    if heads and blocks.rows % (2 * heads) == 0:
-        half = blocks.rows // heads // 2
-        # model row (h, j, i) is stored at row (h, i, j) of [heads, half, 2]
-        orders.append(torch.arange(blocks.rows).view(heads, half, 2).transpose(1, 2).reshape(-1))
-    for order in orders:
-        if torch.equal(values if order is None else values[order], expected):
-            return blocks if order is None else blocks.select_rows(order)
-    return None
-
-
 @torch.inference_mode()
 def hold_gguf(model, weights: DecoderWeights, path) -> str | None:
     """Hold the decoder's matrices as the GGUF file at `path` stores them (engine.kernels.gguf_blocks), on CPU:
@@ -259,36 +243,21 @@ def hold_gguf(model, weights: DecoderWeights, path) -> str | None:
     rows of the blocks (uint8), so the float32 copies are freed and the model's parameters count the bytes held
     (transformers' own forward cannot run on them; ours does). Returns what is held ("GGUF Q4_1 + Q8_0"), or
     None where nothing is (GPU, no kernels, formats not held, a layout that does not match)."""
-    import numpy as np
-
-    from ..gguf import tensor_index
-    from ..kernels.gguf_blocks import BY_TYPE
+    from .gguf_hold import GGUFHolder
 
     if weights.final_norm.device.type != "cpu" or weights.final_norm.dtype not in (torch.float32, torch.bfloat16) \
             or load() is None:
         return None
-    tensors = tensor_index(path)
-    file = np.memmap(path, dtype=np.uint8, mode="r")
+    holder = GGUFHolder(path)
     base, lm_head = model.model, model.lm_head
     tied = base.embed_tokens.weight is lm_head.weight
-    formats: set[str] = set()
 
     def hold(names: list[str], modules, heads: list[int | None]) -> GGUFWeight | None:
-        parts = []
-        for name, module, h in zip(names, modules, heads, strict=True):
-            entry = tensors.get(name)
-            if entry is None or entry.type_id not in BY_TYPE or len(entry.shape) != 2:
-                return None
-            cols, rows = entry.shape  # innermost first
-            raw = torch.from_numpy(np.array(file[entry.offset:entry.offset + entry.nbytes]))  # a copy in RAM
-            part = _gguf_rows(GGUFMatrix(entry.type_id, raw.view(rows, -1), cols), module.weight, h)
-            if part is None:
-                return None
-            parts.append(part)
-        for module, part in zip(modules, parts, strict=True):
-            module.weight = torch.nn.Parameter(part.data, requires_grad=False)
-        formats.update(p.format for p in parts)
-        return GGUFWeight(parts)
+        held = holder.hold(names, [module.weight for module in modules], heads)
+        if held is not None:
+            for module, part in zip(modules, held.parts, strict=True):
+                module.weight = torch.nn.Parameter(part.data, requires_grad=False)
+        return held
 
     cfg = text_config(model)
     heads, kv_heads = weights.heads, weights.kv_heads
@@ -303,7 +272,7 @@ def hold_gguf(model, weights: DecoderWeights, path) -> str | None:
         weight.gate_up = hold([blk + "ffn_gate.weight", blk + "ffn_up.weight"], [m.gate_proj, m.up_proj],
                               [None, None]) or weight.gate_up
         weight.down = hold([blk + "ffn_down.weight"], [m.down_proj], [None]) or weight.down
-    if tied or "output.weight" not in tensors:
+    if tied or not holder.has("output.weight"):
         embed = hold(["token_embd.weight"], [base.embed_tokens], [None]) if tied else None
         if embed is not None:
             lm_head.weight = base.embed_tokens.weight
@@ -311,9 +280,7 @@ def hold_gguf(model, weights: DecoderWeights, path) -> str | None:
     else:
         weights.lm_head = hold(["output.weight"], [lm_head], [None]) or weights.lm_head
         weights.embed = hold(["token_embd.weight"], [base.embed_tokens], [None]) or weights.embed
-    if not formats:
-        return None
-    return "GGUF " + " + ".join(sorted(formats))
+    return holder.summary()
 
 
 def uses_fast_decoder(model) -> bool:

@@ -159,7 +159,7 @@ def test_memory_report_and_seed_print(default_model, capsys):
     # file stores them (engine.kernels.gguf_blocks): the weights line is the file's tensor bytes (the norms are
     # float32 there too; the rotary module's few inverse frequencies besides); as bf16 (DSV41_GGUF_BLOCKS=0)
     # 2 bytes a weight, else float32
-    from engine.gguf import tensor_index
+    from engine.gguf_index import tensor_index
     from engine.loader import default_gguf_path
     from engine.models import adapter
 

@@ -96,7 +96,7 @@ def _run(model, ids, prefill):
 
 
 def test_the_header_index_is_the_gguf_packages(tmp_path):
-    from engine.gguf import tensor_index
+    from engine.gguf_index import tensor_index
 
     path = default_gguf()
     index = tensor_index(path)
@@ -118,7 +118,7 @@ def test_a_gguf_is_held_as_its_blocks_and_answers_as_transformers(tmp_path):
     model, path = _gguf_model(tmp_path)
     reference = copy.deepcopy(model)
     adapter.install(model, pack_rounding=True, gguf=path)
-    assert adapter.packed_format(model) == "GGUF Q4_0 + Q4_1 + Q4_K + Q5_K + Q6_K + Q8_0 (others bf16)"
+    assert adapter.packed_format(model) == "GGUF Q4_0 + Q4_1 + Q4_K + Q5_K + Q6_K + Q8_0; F16 converted, others as bf16"
     w = adapter.runtime(model).decoder.w
     first, second = w.layers
     assert isinstance(first.qkv, GGUFWeight) and first.qkv.formats == ["Q4_K", "Q8_0", "Q6_K"]
@@ -155,7 +155,7 @@ def test_a_tensor_that_is_not_the_models_is_not_held(tmp_path):
     first = adapter.runtime(model).decoder.w.layers[0]
     assert isinstance(first.qkv, PackedMatrix)  # k differs from the file: the whole qkv stays as loaded (bf16)
     assert isinstance(first.o, GGUFWeight)
-    assert adapter.packed_format(model).endswith("(others bf16)")
+    assert adapter.packed_format(model).endswith(", others as bf16")
 
 
 def test_the_default_model_holds_its_gguf_exactly(default_model):
@@ -163,7 +163,7 @@ def test_the_default_model_holds_its_gguf_exactly(default_model):
     the converted safetensors' (the reference transformers loads), the weights line the file's tensor bytes."""
     from safetensors.torch import load_file
 
-    from engine.gguf import tensor_index
+    from engine.gguf_index import tensor_index
 
     hf = default_model.hf_model
     if adapter.packed_format(hf) != "GGUF Q4_1 + Q8_0":
