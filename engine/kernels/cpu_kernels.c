@@ -68,6 +68,15 @@ static inline float bf16_to_f32(uint16_t h) {
     return f;
 }
 
+/* float32 -> bf16, round to nearest even (what torch's .to(torch.bfloat16) does), NaN kept a quiet NaN. */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
 static inline float x_at(const float *xe, const float *xo, int64_t k) { return (k & 1) ? xo[k / 2] : xe[k / 2]; }
 
 static inline void store(float *y, int64_t r, float s, int acc) { y[r] = acc ? y[r] + s : s; }
@@ -526,6 +535,38 @@ int dsv41_gguf_dequant(int64_t type, const void *blocks, float *out, int64_t n_b
     return 0;
 }
 
+/* The same values rounded to bf16 (round to nearest even, as torch's .to(torch.bfloat16)) into out: what a prefill
+ * chunk multiplies, in one pass instead of float32 then a conversion (half the bytes written, none read back). */
+int dsv41_gguf_dequant_bf16(int64_t type, const void *blocks, uint16_t *out, int64_t n_blocks, int threads) {
+    const int64_t per = gguf_block_weights(type), size = gguf_block_bytes(type);
+    if (!per) return -1;
+    const uint8_t *base = (const uint8_t *)blocks;
+#pragma omp parallel for schedule(static) num_threads(threads) if (n_blocks >= 4096)
+    for (int64_t i = 0; i < n_blocks; i++) {
+        float vals[256];
+#if defined(__AVX2__)
+        if (per == 32) small_block_values(type, base + i * size, vals);
+        else
+#endif
+            gguf_block_values(type, base + i * size, vals);
+        uint16_t *o = out + i * per;
+        int64_t k = 0;
+#if defined(__AVX512F__)
+        const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7FFF), abs = _mm512_set1_epi32(0x7FFFFFFF),
+                      inf = _mm512_set1_epi32(0x7F800000), quiet = _mm512_set1_epi32(0x40);
+        for (; k < per; k += 16) {
+            const __m512i u = _mm512_castps_si512(_mm512_loadu_ps(vals + k));
+            const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(half, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
+            const __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(u, abs), inf);
+            const __m512i h = _mm512_mask_or_epi32(_mm512_srli_epi32(r, 16), nan, _mm512_srli_epi32(u, 16), quiet);
+            _mm256_storeu_si256((__m256i *)(o + k), _mm512_cvtepi32_epi16(h));
+        }
+#endif
+        for (; k < per; k++) o[k] = f32_to_bf16(vals[k]);
+    }
+    return 0;
+}
+
 static inline float f16_load(const uint8_t *b) {
 #if defined(__F16C__)
     return _cvtsh_ss(u16_at(b));
@@ -546,49 +587,68 @@ static void rows_small_blocks(int64_t type, const uint8_t *w, const float *x, co
     const int64_t qs_at = with_min ? 4 : 2;
     int64_t r = r0;
 #if defined(__AVX512F__)
-    /* four rows at a time (the last group may be short): four independent accumulator chains over the same x and xsum. The 16 bytes of a
-     * Q4 block's nibbles are broadcast to the four 128-bit lanes and each dword lane shifts out its own byte
-     * (lane j: byte 4 (j % 4) + j / 4, low nibble = weight of that index, high nibble = weight + 16), so no byte
-     * shuffle is needed; xperm holds x in that lane order (see dsv41_mv_gguf). */
-    const __m512i nib = _mm512_set1_epi32(0x0F);
-    const __m512i shift_lo = _mm512_set_epi32(24, 24, 24, 24, 16, 16, 16, 16, 8, 8, 8, 8, 0, 0, 0, 0);
-    const __m512i shift_hi = _mm512_add_epi32(shift_lo, _mm512_set1_epi32(4));
+    /* four rows at a time (the last group may be short): four independent accumulator chains over the same x and xsum.
+     * A Q4 block's 16 bytes are widened to one byte per dword lane (lane j: byte j, whose low nibble is weight j and
+     * high nibble weight j + 16), and each nibble becomes its float by a table look-up: vpermps reads only the low
+     * four bits of each index lane, so the table 0..15 turns the widened bytes (and the bytes shifted right by 4)
+     * into the floats of their nibbles without a mask or an int-to-float conversion. The scales of 16 blocks of a
+     * row come in one gather (the first dword of each block: d, and m for Q4_1), converted from f16 together, so
+     * a block's d reaches its FMA as a broadcast from memory, and the min / -8 d term is a vector FMA with xsum:
+     * converting each block's f16 scales one by one cost more than the product itself. */
+    const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i gather_at = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                                 _mm512_set1_epi32((int)size));
+    (void)xperm;
     for (; r < r1; r += 4) {
         const int64_t n = r1 - r < 4 ? r1 - r : 4; /* the last group may be short: its missing rows repeat the
                                                      * last one and are not stored */
         __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-        float extra[4] = {0.f, 0.f, 0.f, 0.f};
+        __m512 extra[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
         const uint8_t *rowp[4];
         for (int j = 0; j < 4; j++) rowp[j] = w + (r + (j < n ? j : n - 1)) * row_bytes;
-        for (int64_t bi = 0; bi < blocks; bi++) {
-            const float *xb = x + bi * 32;
-            const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
-#pragma GCC unroll 4
+        for (int64_t c = 0; c < blocks; c += 16) {
+            const int64_t nb = blocks - c < 16 ? blocks - c : 16;
+            const __mmask16 live = (__mmask16)((1u << nb) - 1u);
+            float scale[4][16];
             for (int j = 0; j < 4; j++) {
-                const uint8_t *b = rowp[j] + bi * size;
-                _mm_prefetch((const char *)(b + 16 * row_bytes), _MM_HINT_T0); /* four groups of rows ahead */
-                const float d = f16_load(b);
-                __m512 t;
-                if (q8) {
-                    __m128i v0 = _mm_loadu_si128((const __m128i *)(b + 2)), v1 = _mm_loadu_si128((const __m128i *)(b + 18));
-                    t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v0)), x0);
-                    t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v1)), x1, t);
-                } else {
-                    const __m512i v = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(b + qs_at)));
-                    const __m512i lo = _mm512_and_si512(_mm512_srlv_epi32(v, shift_lo), nib);
-                    const __m512i hi = _mm512_and_si512(_mm512_srlv_epi32(v, shift_hi), nib);
-                    t = _mm512_mul_ps(_mm512_cvtepi32_ps(lo), _mm512_loadu_ps(xperm + bi * 32));
-                    t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_loadu_ps(xperm + bi * 32 + 16), t);
-                    extra[j] += (with_min ? f16_load(b + 2) : -8.f * d) * xsum[bi];
+                const __m512i g = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, gather_at,
+                                                              (const void *)(rowp[j] + c * size), 1);
+                const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
+                _mm512_storeu_ps(scale[j], d);
+                if (!q8) {
+                    const __m512 m = with_min ? _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16)))
+                                              : _mm512_mul_ps(d, _mm512_set1_ps(-8.f));
+                    extra[j] = _mm512_fmadd_ps(m, _mm512_maskz_loadu_ps(live, xsum + c), extra[j]);
                 }
-                a[j] = _mm512_fmadd_ps(t, _mm512_set1_ps(d), a[j]);
+            }
+            for (int64_t k = 0; k < nb; k++) {
+                const int64_t bi = c + k;
+                const float *xb = x + bi * 32;
+                const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+#pragma GCC unroll 4
+                for (int j = 0; j < 4; j++) {
+                    const uint8_t *b = rowp[j] + bi * size;
+                    _mm_prefetch((const char *)(b + 16 * row_bytes), _MM_HINT_T0); /* four groups of rows ahead */
+                    __m512 t;
+                    if (q8) {
+                        __m128i v0 = _mm_loadu_si128((const __m128i *)(b + 2)), v1 = _mm_loadu_si128((const __m128i *)(b + 18));
+                        t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v0)), x0);
+                        t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v1)), x1, t);
+                    } else {
+                        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + qs_at)));
+                        t = _mm512_mul_ps(_mm512_permutexvar_ps(v, iota), x0);
+                        t = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), iota), x1, t);
+                    }
+                    a[j] = _mm512_fmadd_ps(t, _mm512_set1_ps(scale[j][k]), a[j]);
+                }
             }
         }
-        for (int j = 0; j < n; j++) store(y, r + j, _mm512_reduce_add_ps(a[j]) + extra[j], acc);
+        for (int j = 0; j < n; j++) store(y, r + j, _mm512_reduce_add_ps(_mm512_add_ps(a[j], extra[j])), acc);
     }
 #else
-    /* as the AVX-512 loop: each dword lane shifts out its own byte of the broadcast nibbles, in xperm's order
-     * (lanes of the first vector: bytes 0 4 8 12 1 5 9 13; of the second: 2 6 10 14 3 7 11 15) */
+    /* vpermps of 8 lanes cannot look up 16 nibbles: each dword lane shifts out its own byte of the broadcast
+     * nibbles instead, in xperm's order (lanes of the first vector: bytes 0 4 8 12 1 5 9 13; of the second: 2 6 10
+     * 14 3 7 11 15), so no byte shuffle is needed */
     const __m256i nib = _mm256_set1_epi32(0x0F);
     const __m256i shift_a = _mm256_set_epi32(8, 8, 8, 8, 0, 0, 0, 0), shift_b = _mm256_set_epi32(24, 24, 24, 24, 16, 16, 16, 16);
     const __m256i shift_a4 = _mm256_add_epi32(shift_a, _mm256_set1_epi32(4)),
@@ -642,6 +702,90 @@ static void rows_small_blocks(int64_t type, const uint8_t *w, const float *x, co
 }
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define DSV41_Q4_VNNI 1
+/* The Q4 product with integer dot products (what llama.cpp does): x rounded to int8 per block of 32 (its scale
+ * dx_b = max |x| / 127), each block's 32 nibbles times those int8 in one vpdpbusd, so a block costs half the
+ * float path's instructions. sum_b d_b dx_b (q_b . xq_b) [+ m_b dx_b sum(xq_b) | - 8 d_b dx_b sum(xq_b)]. The weights are still the file's exactly; x carries the int8 rounding (about
+ * 0.4 % of a block's largest value at most). Two blocks a zmm: [lo nibbles of b0 | of b1 | hi of b0 | hi of b1],
+ * so xq is stored per pair of blocks in that order (q8_pairs). */
+static void q8_pairs(const float *x, int64_t blocks, int8_t *xq, float *dx, float *xsum) {
+    const __m512 sign = _mm512_set1_ps(-0.f);
+    for (int64_t b = 0; b < blocks; b++) {
+        const __m512 a = _mm512_loadu_ps(x + b * 32), c = _mm512_loadu_ps(x + b * 32 + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, a), _mm512_andnot_ps(sign, c)));
+        const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+        dx[b] = d;
+        const __m512i ia = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv)));
+        const __m512i ic = _mm512_cvtps_epi32(_mm512_mul_ps(c, _mm512_set1_ps(inv)));
+        /* the sum of the rounded x, so that the min / offset term sees the same x as the dot: the error is then
+         * (w . (rounded x - x)), relative to the weights' values, not to the nibbles' offset */
+        xsum[b] = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(ia, ic));
+        const __m128i qa = _mm512_cvtsepi32_epi8(ia), qc = _mm512_cvtsepi32_epi8(ic);
+        int8_t *pair = xq + (b / 2) * 64 + (b % 2) * 16;
+        _mm_storeu_si128((__m128i *)pair, qa);        /* weights 0..15: the low nibbles */
+        _mm_storeu_si128((__m128i *)(pair + 32), qc); /* weights 16..31: the high nibbles */
+    }
+    if (blocks % 2) { /* the last pair's missing block multiplies zeros */
+        int8_t *pair = xq + (blocks / 2) * 64 + 16;
+        memset(pair, 0, 16);
+        memset(pair + 32, 0, 16);
+    }
+}
+
+static void rows_q4_vnni(int64_t type, const uint8_t *w, const int8_t *xq, const float *dx, const float *xsum,
+                         float *y, int64_t r0, int64_t r1, int64_t cols, int acc) {
+    const int64_t size = gguf_block_bytes(type), blocks = cols / 32, row_bytes = blocks * size;
+    const int with_min = type == 3;
+    const int64_t qs_at = with_min ? 4 : 2;
+    const __m512i gather_at = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                                 _mm512_set1_epi32((int)size));
+    const __m256i nib = _mm256_set1_epi8(0x0F);
+    for (int64_t r = r0; r < r1; r += 4) {
+        const int64_t n = r1 - r < 4 ? r1 - r : 4; /* a short last group repeats its last row, not stored */
+        __m512 a[4], extra[4];
+        const uint8_t *rowp[4];
+        for (int j = 0; j < 4; j++) {
+            rowp[j] = w + (r + (j < n ? j : n - 1)) * row_bytes;
+            a[j] = extra[j] = _mm512_setzero_ps();
+        }
+        for (int64_t c = 0; c < blocks; c += 16) {
+            const int64_t nb = blocks - c < 16 ? blocks - c : 16;
+            const __mmask16 live = (__mmask16)((1u << nb) - 1u);
+            const __m512 dxv = _mm512_maskz_loadu_ps(live, dx + c), xs = _mm512_maskz_loadu_ps(live, xsum + c);
+            __m512 scale[4];
+            for (int j = 0; j < 4; j++) {
+                const __m512i g = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, gather_at,
+                                                              (const void *)(rowp[j] + c * size), 1);
+                const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
+                scale[j] = _mm512_mul_ps(d, dxv);
+                const __m512 m = with_min ? _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16)))
+                                          : _mm512_mul_ps(d, _mm512_set1_ps(-8.f));
+                extra[j] = _mm512_fmadd_ps(m, xs, extra[j]);
+            }
+            for (int64_t k = 0; k < nb; k += 2) {
+                const int64_t bi = c + k, second = k + 1 < nb ? 1 : 0; /* an odd tail loads its block twice */
+                const __m512i xv = _mm512_loadu_si512((const void *)(xq + (bi / 2) * 64));
+                /* lanes 0-3 and 8-11: block k, 4-7 and 12-15: block k + 1 */
+                const __m512i pick = _mm512_set_epi32(k + 1, k + 1, k + 1, k + 1, k, k, k, k, k + 1, k + 1, k + 1,
+                                                      k + 1, k, k, k, k);
+#pragma GCC unroll 4
+                for (int j = 0; j < 4; j++) {
+                    const uint8_t *b0 = rowp[j] + bi * size + qs_at;
+                    _mm_prefetch((const char *)(b0 + 16 * row_bytes), _MM_HINT_T0); /* four groups of rows ahead */
+                    const __m256i v = _mm256_loadu2_m128i((const __m128i *)(b0 + second * size), (const __m128i *)b0);
+                    const __m256i lo = _mm256_and_si256(v, nib), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+                    const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+                    const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, xv);
+                    a[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(pick, scale[j]), a[j]);
+                }
+            }
+        }
+        for (int j = 0; j < n; j++) store(y, r + j, _mm512_reduce_add_ps(_mm512_add_ps(a[j], extra[j])), acc);
+    }
+}
+#endif
+
 static void rows_gguf(int64_t type, const uint8_t *w, const float *x, float *y, int64_t r0, int64_t r1,
                       int64_t cols, int acc) {
     const int64_t per = gguf_block_weights(type), size = gguf_block_bytes(type), blocks = cols / per;
@@ -685,10 +829,57 @@ static void rows_gguf(int64_t type, const uint8_t *w, const float *x, float *y, 
 
 /* y[rows] = W[rows, cols] x (+ y when acc); W as GGUF blocks of `type` (each row cols / block weights blocks).
  * Returns 0, or -1 for a type not held or cols not a whole number of blocks. */
+static int gguf_int8_x = 1;
+
+/* Whether Q4_0 / Q4_1 products round x to int8 per block (rows_q4_vnni, on CPUs with AVX-512 VNNI) or keep it
+ * float32 (rows_small_blocks); returns the previous setting, or -1 where this build has no int8 path. */
+int dsv41_gguf_int8_x(int on) {
+#if defined(DSV41_Q4_VNNI)
+    const int before = gguf_int8_x;
+    if (on >= 0) gguf_int8_x = on != 0;
+    return before;
+#else
+    (void)on;
+    return -1;
+#endif
+}
+
 int dsv41_mv_gguf(int64_t type, const void *w, const float *x, float *y, int64_t rows, int64_t cols, int acc,
                   int threads) {
     const int64_t per = gguf_block_weights(type);
     if (!per || cols % per) return -1;
+#if defined(DSV41_Q4_VNNI)
+    if ((type == 2 || type == 3) && gguf_int8_x) {
+        const int64_t blocks = cols / 32, pairs = (blocks + 1) / 2;
+        int8_t xq_stack[256 * 64];
+        float dx_stack[512], xsum_stack[512];
+        const int small = blocks <= 512;
+        int8_t *xq = small ? xq_stack : (int8_t *)malloc((size_t)pairs * 64);
+        float *dx = small ? dx_stack : (float *)malloc(sizeof(float) * (size_t)blocks);
+        float *xsum = small ? xsum_stack : (float *)malloc(sizeof(float) * (size_t)blocks);
+        if (!xq || !dx || !xsum) {
+            if (!small) {
+                free(xq);
+                free(dx);
+                free(xsum);
+            }
+            return -2;
+        }
+        q8_pairs(x, blocks, xq, dx, xsum);
+#pragma omp parallel num_threads(threads)
+        {
+            int64_t r0, r1;
+            thread_rows(rows, &r0, &r1);
+            rows_q4_vnni(type, (const uint8_t *)w, xq, dx, xsum, y, r0, r1, cols, acc);
+        }
+        if (!small) {
+            free(xq);
+            free(dx);
+            free(xsum);
+        }
+        return 0;
+    }
+#endif
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
     if (per == 32) {
         float stack[512];
@@ -700,18 +891,20 @@ int dsv41_mv_gguf(int64_t type, const void *w, const float *x, float *y, int64_t
             for (int i = 0; i < 32; i++) s += x[b * 32 + i];
             xsum[b] = s;
         }
-        /* x in the lane order the AVX-512 Q4 loop reads nibbles in (rows_small_blocks) */
+        /* x in the lane order the AVX2 Q4 loop reads nibbles in (rows_small_blocks) */
         float perm_stack[4096];
         float *xperm = cols <= 4096 ? perm_stack : (float *)malloc(sizeof(float) * (size_t)cols);
         if (!xperm) {
             if (xsum != stack) free(xsum);
             return -2;
         }
+#if !defined(__AVX512F__)
         for (int64_t b = 0; b < blocks; b++)
             for (int j = 0; j < 16; j++) {
                 xperm[b * 32 + j] = x[b * 32 + 4 * (j % 4) + j / 4];
                 xperm[b * 32 + 16 + j] = x[b * 32 + 16 + 4 * (j % 4) + j / 4];
             }
+#endif
 #pragma omp parallel num_threads(threads)
         {
             int64_t r0, r1;
@@ -796,15 +989,6 @@ typedef struct {
 #define ATTN_CHUNK 256 /* entries per attention work item */
 #define MAX_GROUP 64   /* query heads per KV head the fused step handles */
 #define MAX_HEAD_DIM 256
-
-/* float32 -> bf16, round to nearest even (what torch's .to(torch.bfloat16) does), NaN kept a quiet NaN. */
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7FFFu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 /* Entry j's row of a KV head (base: that head's [capacity, d] block) as float32: in place when float32,
  * widened into `buf` when bf16. */

@@ -4,7 +4,9 @@ A GGUF file stores most matrices in blocks of 32 or 256 weights with their own s
 Q5_K, Q6_K here). Held as the file stores them, a decode step reads those bytes (the default model: 85 MB per token
 against 269 MB as bf16) and computes the weights' exact values: `dequantize` writes them as the gguf package's
 dequantiser does (bit for bit; tests/engine/test_gguf_blocks.py), `matvec` multiplies them by a float32 vector with
-float32 accumulation.
+float32 accumulation. On a CPU with AVX-512 VNNI the Q4_0 / Q4_1 products round x to int8 per block of 32 first, as
+llama.cpp does (`int8_activations`): half the instructions per block, so the product keeps up with memory; the
+weights stay the file's exact values (DSV41_GGUF_FLOAT_X=1 keeps x float32).
 
     blocks = GGUFMatrix.from_reader_tensor(reader_tensor)   # or GGUFMatrix(type, raw uint8 [rows, row_bytes], cols)
     y = blocks.matvec(x)                                      # float32 [rows]
@@ -18,6 +20,7 @@ time: nothing but the blocks stays in memory).
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,6 +33,27 @@ from .packed import KernelMatrix
 FORMATS = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q8_0": (8, 32, 34), "Q4_K": (12, 256, 144),
            "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210)}
 BY_TYPE = {type_id: (name, weights, size) for name, (type_id, weights, size) in FORMATS.items()}
+
+
+def int8_activations(on: bool | None = None, library=None) -> bool:
+    """Whether Q4_0 / Q4_1 products round x to int8 per block of 32 (x_i ~ dx_b * round(x_i / dx_b), dx_b = max |x_b|
+    / 127) and multiply with integer dot products: the default on CPUs with AVX-512 VNNI, False where the build has
+    no such path. `on` changes it for the whole process (the fused decode step included); returns the setting in
+    force before the call."""
+    lib = library if library is not None else load()
+    if lib is None:
+        return False
+    return lib.lib.dsv41_gguf_int8_x(-1 if on is None else int(on)) == 1
+
+
+@contextmanager
+def float_activations():
+    """Within the block, Q4 products keep x float32 (exact to the weights; what tests compare against references)."""
+    before = int8_activations(False)
+    try:
+        yield
+    finally:
+        int8_activations(before)
 
 
 @dataclass
@@ -84,14 +108,18 @@ class GGUFMatrix:
         return lib.lib
 
     def dequantize(self, library=None, out: torch.Tensor | None = None) -> torch.Tensor:
-        """float32 [rows, cols]: every weight's value as the GGUF definition gives it (into `out` when given)."""
+        """float32 [rows, cols]: every weight's value as the GGUF definition gives it (into `out` when given; a
+        bfloat16 `out` gets those values rounded to nearest even, as .to(torch.bfloat16) would, in one pass)."""
         if out is None:
             out = torch.empty(self.rows, self.cols, dtype=torch.float32)
-        elif out.dtype != torch.float32 or out.shape != (self.rows, self.cols) or not out.is_contiguous():
-            raise ValueError(f"out must be a contiguous float32 [{self.rows}, {self.cols}]")
+        elif out.dtype not in (torch.float32, torch.bfloat16) or out.shape != (self.rows, self.cols) \
+                or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous float32 or bfloat16 [{self.rows}, {self.cols}]")
         _, per, _ = BY_TYPE[self.type_id]
-        status = self._lib(library).dsv41_gguf_dequant(self.type_id, self.data.data_ptr(), out.data_ptr(),
-                                                       self.rows * self.cols // per, torch.get_num_threads())
+        lib = self._lib(library)
+        write = lib.dsv41_gguf_dequant if out.dtype == torch.float32 else lib.dsv41_gguf_dequant_bf16
+        status = write(self.type_id, self.data.data_ptr(), out.data_ptr(), self.rows * self.cols // per,
+                       torch.get_num_threads())
         if status != 0:
             raise RuntimeError(f"dequantising {self.format} failed ({status})")
         return out
@@ -141,12 +169,13 @@ class GGUFWeight(KernelMatrix):
         return out
 
     def dense(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        out = torch.empty(self.shape, dtype=torch.float32)
+        direct = dtype in (torch.float32, torch.bfloat16)  # written by the kernels, no float32 copy in between
+        out = torch.empty(self.shape, dtype=dtype if direct else torch.float32)
         row = 0
         for part in self.parts:
             part.dequantize(out=out[row:row + part.rows])
             row += part.rows
-        return out if dtype == torch.float32 else out.to(dtype)
+        return out if direct else out.to(dtype)
 
     def bf16_weight(self) -> torch.Tensor:
         return self.dense(torch.bfloat16)

@@ -131,8 +131,14 @@ def build(extra_flags: tuple[str, ...] = ()) -> KernelLibrary:
     lib.dsv41_mv_int8.restype = None
     lib.dsv41_gguf_dequant.argtypes = [i64, ptr, ptr, i64, cint]
     lib.dsv41_gguf_dequant.restype = cint
+    lib.dsv41_gguf_dequant_bf16.argtypes = [i64, ptr, ptr, i64, cint]
+    lib.dsv41_gguf_dequant_bf16.restype = cint
     lib.dsv41_mv_gguf.argtypes = [i64, ptr, ptr, ptr, i64, i64, cint, cint]
     lib.dsv41_mv_gguf.restype = cint
+    lib.dsv41_gguf_int8_x.argtypes = [cint]
+    lib.dsv41_gguf_int8_x.restype = cint
+    if os.environ.get("DSV41_GGUF_FLOAT_X") == "1":  # Q4 products on float32 x (see gguf_blocks.int8_activations)
+        lib.dsv41_gguf_int8_x(0)
     _bind_step(lib)
     isa = lib.dsv41_kernels_isa()
     if isa == 0:

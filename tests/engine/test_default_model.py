@@ -6,6 +6,7 @@ import time
 import pytest
 
 from engine import ContextOverflowError, Done, PrefillProgress, TokenText, TurnStats
+from engine.kernels.gguf_blocks import float_activations
 from engine.model import collect_text
 
 pytestmark = pytest.mark.model
@@ -214,7 +215,8 @@ def test_plain_cache_reproduces_transformers_logits_on_the_default_model(default
     prefill_bf16 = adapter.prefill_bf16(model.hf_model)
     adapter.set_prefill_bf16(model.hf_model, False)  # exactness: float32 products (the bf16 prefill: next test)
     try:
-        got, reference = _against_reference(default_model, reference_model)
+        with float_activations():  # and the one-token steps' Q4 products on float32 x (their int8 x: test_gguf_blocks)
+            got, reference = _against_reference(default_model, reference_model)
     finally:
         adapter.set_prefill_bf16(model.hf_model, prefill_bf16)
     assert torch.allclose(got, reference, atol=2e-4, rtol=1e-4), (got - reference).abs().max()

@@ -10,6 +10,7 @@ import torch
 
 from engine import kernels as cpu_kernels
 from engine.cache import FusedPlan
+from engine.kernels.gguf_blocks import float_activations, int8_activations
 from engine.models import adapter
 
 from .test_cache import make_cache
@@ -222,6 +223,33 @@ def test_fused_step_is_built_for_packed_and_float32_weights_unless_turned_off(ti
     assert adapter.runtime(half).decoder is None or adapter.runtime(half).decoder.fused is None
     monkeypatch.setenv("DSV41_FUSED_STEP", "0")
     assert adapter.runtime(_packed(tiny_model, "llama")).decoder.fused is None
+
+
+@pytest.fixture(autouse=True)
+def _float_x():
+    """Q4 products on float32 x: with int8-rounded x (the default on AVX-512 VNNI) the last-bit differences between
+    two steps' activations flip roundings, so step is compared against step on float x (int8 x: the test below)."""
+    with float_activations():
+        yield
+
+
+@needs_kernels
+def test_the_default_models_steps_on_int8_x_stay_close_to_float_x(default_model):
+    """The Q4 products' int8-rounded x (the default on AVX-512 VNNI) moves the logits a little, not the model."""
+    hf = default_model.hf_model
+    if not int8_activations(True) and not int8_activations():
+        pytest.skip("this CPU has no AVX-512 VNNI: the Q4 products keep x float32")
+    ids = torch.tensor([default_model.tokenizer.encode(
+        "The State of the Union is strong, and our economy keeps growing because we invest in")])
+    prefill = ids.shape[1] - 8
+    cache = make_cache(hf, kv_cache_ratio=1.0, csa2_topk=0)
+    rounded = _decode(hf, cache, ids, prefill, (), None)
+    with float_activations():
+        cache = make_cache(hf, kv_cache_ratio=1.0, csa2_topk=0)
+        exact = _decode(hf, cache, ids, prefill, (), None)
+    error, scale = (rounded - exact).abs(), exact.abs().max()
+    assert 0 < error.max() < 0.1 * scale and error.mean() < 0.01 * scale
+    assert torch.equal(rounded.argmax(-1), exact.argmax(-1))
 
 
 @needs_kernels

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from engine import kernels as cpu_kernels
+from engine.kernels import gguf_blocks
 from engine.kernels.gguf_blocks import FORMATS, GGUFMatrix
 
 gguf = pytest.importorskip("gguf")
@@ -49,23 +50,65 @@ def test_every_format_dequantises_bit_for_bit_as_the_gguf_package(name):
     expected = reference(data, FORMATS[name][0], rows, cols)
     assert np.isfinite(expected).all()
     assert np.array_equal(ours.view(np.uint32), expected.view(np.uint32)), np.abs(ours - expected).max()
+    # what a prefill chunk multiplies: the same values rounded to bf16 in one pass, as torch rounds them
+    rounded = matrix.dequantize(out=torch.empty(rows, cols, dtype=torch.bfloat16))
+    assert torch.equal(rounded.view(torch.int16), torch.from_numpy(expected).bfloat16().view(torch.int16))
 
 
 @pytest.mark.parametrize("isa", ["native", "avx2"])
 @pytest.mark.parametrize("name", sorted(FORMATS))
 def test_the_product_is_w_x_with_float32_accumulation(name, isa):
     library = cpu_kernels.build(("-mno-avx512f",)) if isa == "avx2" else None
-    rows, cols = 37, 1024  # rows not a multiple of the threads' groups
+    # rows not a multiple of the threads' groups of four; for the 32-weight formats 800 columns = 25 blocks, so
+    # the AVX-512 loop's scales come in a full gather of 16 blocks and a partial one of 9
+    rows, cols = 37, 1024 if FORMATS[name][1] == 256 else 800
     data = blocks_of(name, rows, cols, seed=1)
     matrix = GGUFMatrix(FORMATS[name][0], torch.from_numpy(data), cols)
     x = torch.randn(cols, generator=torch.Generator().manual_seed(2))
     w = torch.from_numpy(reference(data, FORMATS[name][0], rows, cols)).double()
-    expected = w @ x.double()
+    rounded = name in ("Q4_0", "Q4_1") and gguf_blocks.int8_activations(library=library)
+    expected = w @ (int8_rounded(x) if rounded else x.double())  # the int8 path: exactly W times its rounded x
     got = matrix.matvec(x, library=library)
     scale = (w.abs() @ x.double().abs()).max()
     assert (got.double() - expected).abs().max() <= 1e-5 * scale
     again = matrix.matvec(x, out=got.clone(), accumulate=True, library=library)
     assert torch.allclose(again.double(), 2 * expected, rtol=0, atol=2e-5 * float(scale))
+
+
+def int8_rounded(x: torch.Tensor) -> torch.Tensor:
+    """x as the int8 Q4 path rounds it: per block of 32, dx = max |x| / 127 and x ~ dx * rint(x * (127 / max |x|)),
+    in float32 as the kernel computes it."""
+    blocks = x.numpy().reshape(-1, 32)
+    amax = np.abs(blocks).max(axis=1, keepdims=True)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), np.float32(0)).astype(np.float32)
+    q = np.rint(blocks * inv)
+    return torch.from_numpy((q.astype(np.float64) * (amax / np.float32(127)).astype(np.float64)).reshape(-1))
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1"])
+def test_q4_products_on_int8_x_stay_within_its_rounding_and_float_x_can_be_kept(name):
+    if cpu_kernels.load().lib.dsv41_gguf_int8_x(-1) < 0:
+        pytest.skip("this CPU has no AVX-512 VNNI: the Q4 products always keep x float32")
+    rows, cols = 64, 576
+    data = blocks_of(name, rows, cols, seed=3)
+    matrix = GGUFMatrix(FORMATS[name][0], torch.from_numpy(data), cols)
+    x = torch.randn(cols, generator=torch.Generator().manual_seed(4))
+    w = torch.from_numpy(reference(data, FORMATS[name][0], rows, cols)).double()
+    exact = w @ x.double()
+    scale = float((w.abs() @ x.double().abs()).max())
+    before = gguf_blocks.int8_activations(True)
+    try:
+        on_int8 = matrix.matvec(x).double()
+        assert gguf_blocks.int8_activations(False) is True
+        on_float = matrix.matvec(x).double()
+    finally:
+        gguf_blocks.int8_activations(before)
+    assert (on_float - exact).abs().max() <= 1e-5 * scale
+    # the int8 rounding moves each x by at most half a step (max |x_b| / 254): a real but small error, not zero
+    bound = float((w.abs() @ (x.double() - int8_rounded(x)).abs()).max())
+    error = float((on_int8 - exact).abs().max())
+    assert 0 < error <= bound + 1e-5 * scale
+    assert error < 0.02 * scale
 
 
 def default_gguf() -> Path:
@@ -92,7 +135,9 @@ def test_the_default_models_own_tensors_dequantise_exactly_and_multiply_right():
         assert np.array_equal(ours.view(np.uint32), expected.view(np.uint32)), tensor.name
         if matrix.cols == 576:
             w = torch.from_numpy(expected).double()
-            assert (matrix.matvec(x).double() - w @ x.double()).abs().max() <= 1e-5 * (w.abs() @ x.abs().double()).max()
+            rounded = matrix.format != "Q8_0" and gguf_blocks.int8_activations()
+            reference_x = int8_rounded(x) if rounded else x.double()
+            assert (matrix.matvec(x).double() - w @ reference_x).abs().max() <= 1e-5 * (w.abs() @ x.abs().double()).max()
 
 
 def test_shapes_and_types_that_are_not_held_are_refused():

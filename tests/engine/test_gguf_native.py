@@ -15,6 +15,7 @@ import torch
 from engine import kernels as cpu_kernels
 from engine.cache import CacheSettings, DSV41Cache
 from engine.kernels import GGUFWeight, PackedMatrix
+from engine.kernels.gguf_blocks import float_activations
 from engine.models import adapter
 
 from .test_gguf_blocks import blocks_of, default_gguf
@@ -136,17 +137,24 @@ def test_a_gguf_is_held_as_its_blocks_and_answers_as_transformers(tmp_path):
         down = reference.model.layers[1].mlp.down_proj.weight
         down.copy_(down.bfloat16().float())
     ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(1))
-    got = _run(model, ids, 16)
+    with float_activations():  # exact: the Q4 products on float32 x
+        got = _run(model, ids, 16)
     with torch.no_grad():
         want = reference(ids).logits
     assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (got - want).abs().max()
     decoder = adapter.runtime(model).decoder
     fused, decoder.fused = decoder.fused, None  # the per-op step multiplies the same blocks
     try:
-        per_op = _run(model, ids, 16)
+        with float_activations():
+            per_op = _run(model, ids, 16)
+        per_op_int8 = _run(model, ids, 16)
     finally:
         decoder.fused = fused
     assert torch.allclose(got, per_op, atol=1e-5, rtol=1e-5)
+    # the default on AVX-512 VNNI: Q4 products on int8-rounded x, the fused and the per-op step alike, close to exact
+    got_int8 = _run(model, ids, 16)
+    assert torch.allclose(got_int8, per_op_int8, atol=1e-5, rtol=1e-5)
+    assert (got_int8 - want).abs().max() <= 0.05 * want.abs().max()
 
 
 def test_a_tensor_that_is_not_the_models_is_not_held(tmp_path):
