@@ -294,6 +294,7 @@ def engine_turn(model, ids: list[int], question_tokens: int, new_tokens: int, *,
     s = done.stats
     return {
         "ttft_s": s.ttft_s, "decode_tok_s": s.decode_tok_s or None, "tokens": s.decode_tokens,
+        "generated": list(result.generated),
         "total_s": s.total_s, "peak_extra_bytes": peak.peak_extra, "kv_bytes": s.kv_stored_bytes,
         "kv_uncompressed_bytes": s.kv_uncompressed_bytes, "kv_read_per_token": kv_read_per_step(cache),
         "compaction_s": s.compaction_s, "csa2_recall": s.csa2_recall,
