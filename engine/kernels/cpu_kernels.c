@@ -537,6 +537,49 @@ int dsv41_gguf_dequant(int64_t type, const void *blocks, float *out, int64_t n_b
 
 /* The same values rounded to bf16 (round to nearest even, as torch's .to(torch.bfloat16)) into out: what a prefill
  * chunk multiplies, in one pass instead of float32 then a conversion (half the bytes written, none read back). */
+#if defined(__AVX512F__)
+static inline __m512 barrier512(__m512 v) { /* as barrier256 */
+    __asm__("" : "+v"(v));
+    return v;
+}
+
+/* bf16 of 16 floats, round to nearest even, NaN kept a quiet NaN (f32_to_bf16, sixteen at a time) */
+static inline __m256i bf16_of16(__m512 f) {
+    const __m512i u = _mm512_castps_si512(f);
+    const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
+                                                           _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+    const __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)),
+                                                  _mm512_set1_epi32(0x7F800000));
+    return _mm512_cvtepi32_epi16(_mm512_mask_or_epi32(_mm512_srli_epi32(r, 16), nan, _mm512_srli_epi32(u, 16),
+                                                      _mm512_set1_epi32(0x40)));
+}
+
+/* A Q4_0 / Q4_1 / Q8_0 block's 32 values (as gguf_block_values: d * q, then + m, two roundings) as bf16 */
+static inline void small_block_bf16(int64_t type, const uint8_t *b, uint16_t *o) {
+    const __m512 d = _mm512_set1_ps(f16_to_f32(u16_at(b)));
+    __m512 lo, hi;
+    if (type == 8) {
+        lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 2)))));
+        hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 18)))));
+    } else {
+        const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + (type == 3 ? 4 : 2))));
+        const __m512 ql = _mm512_permutexvar_ps(v, iota), qh = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), iota);
+        if (type == 2) {
+            const __m512 eight = _mm512_set1_ps(8.f);
+            lo = _mm512_mul_ps(d, _mm512_sub_ps(ql, eight));
+            hi = _mm512_mul_ps(d, _mm512_sub_ps(qh, eight));
+        } else {
+            const __m512 m = _mm512_set1_ps(f16_to_f32(u16_at(b + 2)));
+            lo = _mm512_add_ps(barrier512(_mm512_mul_ps(d, ql)), m);
+            hi = _mm512_add_ps(barrier512(_mm512_mul_ps(d, qh)), m);
+        }
+    }
+    _mm256_storeu_si256((__m256i *)o, bf16_of16(lo));
+    _mm256_storeu_si256((__m256i *)(o + 16), bf16_of16(hi));
+}
+#endif
+
 int dsv41_gguf_dequant_bf16(int64_t type, const void *blocks, uint16_t *out, int64_t n_blocks, int threads) {
     const int64_t per = gguf_block_weights(type), size = gguf_block_bytes(type);
     if (!per) return -1;
@@ -544,6 +587,12 @@ int dsv41_gguf_dequant_bf16(int64_t type, const void *blocks, uint16_t *out, int
 #pragma omp parallel for schedule(static) num_threads(threads) if (n_blocks >= 4096)
     for (int64_t i = 0; i < n_blocks; i++) {
         float vals[256];
+#if defined(__AVX512F__)
+        if (per == 32) {
+            small_block_bf16(type, base + i * size, out + i * per);
+            continue;
+        }
+#endif
 #if defined(__AVX2__)
         if (per == 32) small_block_values(type, base + i * size, vals);
         else
@@ -552,15 +601,7 @@ int dsv41_gguf_dequant_bf16(int64_t type, const void *blocks, uint16_t *out, int
         uint16_t *o = out + i * per;
         int64_t k = 0;
 #if defined(__AVX512F__)
-        const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7FFF), abs = _mm512_set1_epi32(0x7FFFFFFF),
-                      inf = _mm512_set1_epi32(0x7F800000), quiet = _mm512_set1_epi32(0x40);
-        for (; k < per; k += 16) {
-            const __m512i u = _mm512_castps_si512(_mm512_loadu_ps(vals + k));
-            const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(half, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
-            const __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(u, abs), inf);
-            const __m512i h = _mm512_mask_or_epi32(_mm512_srli_epi32(r, 16), nan, _mm512_srli_epi32(u, 16), quiet);
-            _mm256_storeu_si256((__m256i *)(o + k), _mm512_cvtepi32_epi16(h));
-        }
+        for (; k < per; k += 16) _mm256_storeu_si256((__m256i *)(o + k), bf16_of16(_mm512_loadu_ps(vals + k)));
 #endif
         for (; k < per; k++) o[k] = f32_to_bf16(vals[k]);
     }
