@@ -103,6 +103,18 @@ class MemoryReport:
         return data
 
 
+def return_free_heap() -> bool:
+    """Hand the C heap's free pages back to the system (glibc malloc_trim). Loading a model allocates and frees
+    hundreds of MB (a float32 copy of every matrix before it is re-held as GGUF blocks or bf16); glibc keeps
+    that freed heap resident (the default model: 777 -> 461 MB RSS after loading). False where there is no glibc."""
+    try:
+        import ctypes
+
+        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
+
+
 def module_bytes(model) -> int:
     """Parameters + buffers as stored (quantized tensors count as quantized)."""
     seen = set()

@@ -118,6 +118,8 @@ class DSV41Model:
                         str(dtype).replace("torch.", ""), config.weight_quant, backend,
                         adapter.packed_format(hf_model) or "", adapter.prefill_bf16(hf_model),
                         adapter.attention_kernels_line(hf_model, backend, first_device))
+        if first_device.type == "cpu":
+            memory_mod.return_free_heap()
         if progress:
             progress("Model ready", 1.0)
         return cls(config, hf_model, tokenizer, info, baseline_rss)
