@@ -1,6 +1,6 @@
 """Every matrix of one decode step of the default model, multiplied straight from its GGUF blocks (Q4_1, and the Q8_0
 embedding as the tied LM head) against our bf16 kernel on the same values (what DSV41_GGUF_BLOCKS=0 holds), in one
-run, and on a CPU with AVX-512 VNNI the Q4 products on float32 x beside their default int8-rounded x: ms per step,
+run, and on a CPU with AVX-512 VNNI the Q4 products on int8-rounded x (DSV41_GGUF_INT8_X=1) beside the default: ms per step,
 bytes read per step, GB/s, and the share of this machine's read bandwidth (the best of a reduction and a
 matrix-vector product over 1 GiB, as `python -m engine bench` measures it). Medians of 21, interleaved. Also
 the kernels alone: every 576-column Q4_1 matrix of the step joined into one, one call each way (a call per small
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from engine import kernels as cpu_kernels
-from engine.kernels.gguf_blocks import FORMATS, GGUFMatrix, float_activations, int8_activations
+from engine.kernels.gguf_blocks import FORMATS, GGUFMatrix, int8_activations
 
 from .common import machine, write_results
 from .speed.core import read_bandwidth
@@ -66,17 +66,20 @@ def main(argv=None) -> int:
         lambda: joined.matvec(xs[joined.cols], out_joined), joined.nbytes)
     variants["one bf16 call of the same values, ours"] = (
         lambda: joined_bf16.matvec(xs[joined.cols], out_joined), joined.rows * joined.cols * 2)
-    if int8_activations():  # the Q4 products on float32 x as well (DSV41_GGUF_FLOAT_X=1; no AVX-512 VNNI)
-        def float_x(fn):
+    if cpu_kernels.load().lib.dsv41_gguf_int8_x(-1) >= 0:  # the Q4 products on int8 x (DSV41_GGUF_INT8_X=1)
+        def int8_x(fn):
             def run():
-                with float_activations():
+                before = int8_activations(True)
+                try:
                     return fn()
+                finally:
+                    int8_activations(before)
             return run
 
-        variants["GGUF blocks, Q4 on float32 x"] = (float_x(variants["GGUF blocks (Q4_1 + Q8_0 head), ours"][0]),
-                                                    sum(m.nbytes for m in blocks))
-        variants["one Q4_1 call, float32 x"] = (float_x(lambda: joined.matvec(xs[joined.cols], out_joined)),
-                                                joined.nbytes)
+        variants["GGUF blocks, Q4 on int8 x"] = (int8_x(variants["GGUF blocks (Q4_1 + Q8_0 head), ours"][0]),
+                                                 sum(m.nbytes for m in blocks))
+        variants["one Q4_1 call, int8 x"] = (int8_x(lambda: joined.matvec(xs[joined.cols], out_joined)),
+                                             joined.nbytes)
     if cpu_kernels.load().isa == 512:  # the AVX2 path too (the machines without AVX-512)
         avx2 = cpu_kernels.build(("-mno-avx512f",))
         variants["GGUF blocks, the AVX2 build"] = (

@@ -870,7 +870,7 @@ static void rows_gguf(int64_t type, const uint8_t *w, const float *x, float *y, 
 
 /* y[rows] = W[rows, cols] x (+ y when acc); W as GGUF blocks of `type` (each row cols / block weights blocks).
  * Returns 0, or -1 for a type not held or cols not a whole number of blocks. */
-static int gguf_int8_x = 1;
+static int gguf_int8_x = 0; /* DSV41_GGUF_INT8_X=1 turns it on (engine/kernels/library.py) */
 
 /* Whether Q4_0 / Q4_1 products round x to int8 per block (rows_q4_vnni, on CPUs with AVX-512 VNNI) or keep it
  * float32 (rows_small_blocks); returns the previous setting, or -1 where this build has no int8 path. */

@@ -4,9 +4,10 @@ A GGUF file stores most matrices in blocks of 32 or 256 weights with their own s
 Q5_K, Q6_K here). Held as the file stores them, a decode step reads those bytes (the default model: 85 MB per token
 against 269 MB as bf16) and computes the weights' exact values: `dequantize` writes them as the gguf package's
 dequantiser does (bit for bit; tests/engine/test_gguf_blocks.py), `matvec` multiplies them by a float32 vector with
-float32 accumulation. On a CPU with AVX-512 VNNI the Q4_0 / Q4_1 products round x to int8 per block of 32 first, as
-llama.cpp does (`int8_activations`): half the instructions per block, so the product keeps up with memory; the
-weights stay the file's exact values (DSV41_GGUF_FLOAT_X=1 keeps x float32).
+float32 accumulation. On a CPU with AVX-512 VNNI the Q4_0 / Q4_1 products can round x to int8 per block of 32 first,
+as llama.cpp does (`int8_activations`, DSV41_GGUF_INT8_X=1): half the instructions per block. It is off by default:
+the kernel alone gains 1.2-2x, whole decode steps within this machine's noise, and it changes greedy answers (the
+weights stay the file's exact values, the products do not).
 
     blocks = GGUFMatrix.from_reader_tensor(reader_tensor)   # or GGUFMatrix(type, raw uint8 [rows, row_bytes], cols)
     y = blocks.matvec(x)                                      # float32 [rows]
@@ -37,8 +38,8 @@ BY_TYPE = {type_id: (name, weights, size) for name, (type_id, weights, size) in 
 
 def int8_activations(on: bool | None = None, library=None) -> bool:
     """Whether Q4_0 / Q4_1 products round x to int8 per block of 32 (x_i ~ dx_b * round(x_i / dx_b), dx_b = max |x_b|
-    / 127) and multiply with integer dot products: the default on CPUs with AVX-512 VNNI, False where the build has
-    no such path. `on` changes it for the whole process (the fused decode step included); returns the setting in
+    / 127) and multiply with integer dot products: off unless DSV41_GGUF_INT8_X=1 or `on`; always False where the
+    build has no such path (no AVX-512 VNNI). `on` changes it for the whole process (the fused decode step included); returns the setting in
     force before the call."""
     lib = library if library is not None else load()
     if lib is None:

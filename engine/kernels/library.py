@@ -137,8 +137,8 @@ def build(extra_flags: tuple[str, ...] = ()) -> KernelLibrary:
     lib.dsv41_mv_gguf.restype = cint
     lib.dsv41_gguf_int8_x.argtypes = [cint]
     lib.dsv41_gguf_int8_x.restype = cint
-    if os.environ.get("DSV41_GGUF_FLOAT_X") == "1":  # Q4 products on float32 x (see gguf_blocks.int8_activations)
-        lib.dsv41_gguf_int8_x(0)
+    if os.environ.get("DSV41_GGUF_INT8_X") == "1":  # Q4 products on int8-rounded x (gguf_blocks.int8_activations)
+        lib.dsv41_gguf_int8_x(1)
     _bind_step(lib)
     isa = lib.dsv41_kernels_isa()
     if isa == 0:

@@ -227,7 +227,7 @@ def test_fused_step_is_built_for_packed_and_float32_weights_unless_turned_off(ti
 
 @pytest.fixture(autouse=True)
 def _float_x():
-    """Q4 products on float32 x: with int8-rounded x (the default on AVX-512 VNNI) the last-bit differences between
+    """Q4 products on float32 x (the default): with int8-rounded x (DSV41_GGUF_INT8_X=1) the last-bit differences between
     two steps' activations flip roundings, so step is compared against step on float x (int8 x: the test below)."""
     with float_activations():
         yield
@@ -235,7 +235,7 @@ def _float_x():
 
 @needs_kernels
 def test_the_default_models_steps_on_int8_x_stay_close_to_float_x(default_model):
-    """The Q4 products' int8-rounded x (the default on AVX-512 VNNI) moves the logits a little, not the model."""
+    """The Q4 products' int8-rounded x (DSV41_GGUF_INT8_X=1 on AVX-512 VNNI) moves the logits a little."""
     hf = default_model.hf_model
     if not int8_activations(True) and not int8_activations():
         pytest.skip("this CPU has no AVX-512 VNNI: the Q4 products keep x float32")
