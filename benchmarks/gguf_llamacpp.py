@@ -25,6 +25,7 @@ peer's own virtual environment and imports neither torch nor the engine.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import resource
@@ -66,7 +67,8 @@ def cmake_args() -> str:
     """llama.cpp's build flags for this CPU: native, except that on a CPU with AMX the instruction sets are named
     one by one with AMX off (ggml's AMX matrix product crashed with a segmentation fault in
     ggml_backend_amx_mul_mat on the first prompt of more than one token, on a 2-core Xeon VM, in 0.3.36)."""
-    flags = open("/proc/cpuinfo", encoding="utf-8").read().split("flags", 2)[1].split("\n", 1)[0].split()
+    cpuinfo = Path("/proc/cpuinfo").read_text(encoding="utf-8") if Path("/proc/cpuinfo").exists() else ""
+    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
     if "amx_int8" not in flags:
         return "-DGGML_NATIVE=ON -DGGML_OPENMP=ON"
     named = {"avx": "AVX", "avx2": "AVX2", "fma": "FMA", "f16c": "F16C", "bmi2": "BMI2", "avx512f": "AVX512",
@@ -227,21 +229,25 @@ def run_worker(row: str, spec: dict) -> dict:
 def prompts(tokens: int) -> tuple[list[int], int]:
     """Chat-template ids of a document turn (a real speech then a question) of exactly `tokens` tokens."""
     from benchmarks.speed import document_prompt
+
+    model = reference_model()
+    probe, _ = document_prompt(model, 256)
+    overhead = len(probe) - 256
+    return document_prompt(model, tokens - overhead)
+
+
+@functools.cache
+def reference_model():
+    """The default model in the benchmark's own process: its tokenizer and config lay out the prompts."""
     from engine import DSV41Config, DSV41Model
 
-    global _model
-    if "_model" not in globals():
-        _model = DSV41Model.from_pretrained(DSV41Config(model_path="default", max_seq_len=8192))
-    probe, _ = document_prompt(_model, 256)
-    overhead = len(probe) - 256
-    ids, question = document_prompt(_model, tokens - overhead)
-    return ids, question
+    return DSV41Model.from_pretrained(DSV41Config(model_path="default", max_seq_len=8192))
 
 
 def ppl_windows() -> list[list[int]]:
     from benchmarks.corpus import speech, speech_names
 
-    tok = _model.tokenizer
+    tok = reference_model().tokenizer
     ids = []
     for name in speech_names()[:40]:  # the oldest speeches: not the text the decode prompts use
         ids += tok(speech(name), add_special_tokens=False)["input_ids"]
@@ -252,7 +258,7 @@ def ppl_windows() -> list[list[int]]:
 
 def llamacpp_kv_bytes(context: float) -> float:
     """Bytes of K and V (f16, llama.cpp's default cache type) one decode step at `context` reads."""
-    cfg = _model.hf_model.config
+    cfg = reference_model().hf_model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     return cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * 2 * context
 

@@ -516,6 +516,18 @@ static inline void small_block_values(int64_t type, const uint8_t *b, float *out
 }
 #endif
 
+/* One block's weights as float32: the vector path for the 32-weight formats where there is one */
+static inline void block_floats(int64_t type, int64_t per, const uint8_t *b, float *out) {
+#if defined(__AVX2__)
+    if (per == 32) {
+        small_block_values(type, b, out);
+        return;
+    }
+#endif
+    (void)per;
+    gguf_block_values(type, b, out);
+}
+
 /* Dequantise n_blocks consecutive blocks of `type` into out (float32), on `threads` threads. Returns 0, or -1 for
  * a type not held. */
 int dsv41_gguf_dequant(int64_t type, const void *blocks, float *out, int64_t n_blocks, int threads) {
@@ -523,15 +535,7 @@ int dsv41_gguf_dequant(int64_t type, const void *blocks, float *out, int64_t n_b
     if (!per) return -1;
     const uint8_t *base = (const uint8_t *)blocks;
 #pragma omp parallel for schedule(static) num_threads(threads) if (n_blocks >= 4096)
-    for (int64_t i = 0; i < n_blocks; i++) {
-#if defined(__AVX2__)
-        if (per == 32) {
-            small_block_values(type, base + i * size, out + i * per);
-            continue;
-        }
-#endif
-        gguf_block_values(type, base + i * size, out + i * per);
-    }
+    for (int64_t i = 0; i < n_blocks; i++) block_floats(type, per, base + i * size, out + i * per);
     return 0;
 }
 
@@ -593,11 +597,7 @@ int dsv41_gguf_dequant_bf16(int64_t type, const void *blocks, uint16_t *out, int
             continue;
         }
 #endif
-#if defined(__AVX2__)
-        if (per == 32) small_block_values(type, base + i * size, vals);
-        else
-#endif
-            gguf_block_values(type, base + i * size, vals);
+        block_floats(type, per, base + i * size, vals);
         uint16_t *o = out + i * per;
         int64_t k = 0;
 #if defined(__AVX512F__)
@@ -868,9 +868,9 @@ static void rows_gguf(int64_t type, const uint8_t *w, const float *x, float *y, 
     }
 }
 
-/* y[rows] = W[rows, cols] x (+ y when acc); W as GGUF blocks of `type` (each row cols / block weights blocks).
- * Returns 0, or -1 for a type not held or cols not a whole number of blocks. */
+#if defined(DSV41_Q4_VNNI)
 static int gguf_int8_x = 0; /* DSV41_GGUF_INT8_X=1 turns it on (engine/kernels/library.py) */
+#endif
 
 /* Whether Q4_0 / Q4_1 products round x to int8 per block (rows_q4_vnni, on CPUs with AVX-512 VNNI) or keep it
  * float32 (rows_small_blocks); returns the previous setting, or -1 where this build has no int8 path. */
@@ -885,6 +885,8 @@ int dsv41_gguf_int8_x(int on) {
 #endif
 }
 
+/* y[rows] = W[rows, cols] x (+ y when acc); W as GGUF blocks of `type` (each row cols / block weights blocks).
+ * Returns 0, or -1 for a type not held or cols not a whole number of blocks. */
 int dsv41_mv_gguf(int64_t type, const void *w, const float *x, float *y, int64_t rows, int64_t cols, int acc,
                   int threads) {
     const int64_t per = gguf_block_weights(type);
@@ -932,14 +934,14 @@ int dsv41_mv_gguf(int64_t type, const void *w, const float *x, float *y, int64_t
             for (int i = 0; i < 32; i++) s += x[b * 32 + i];
             xsum[b] = s;
         }
-        /* x in the lane order the AVX2 Q4 loop reads nibbles in (rows_small_blocks) */
+        float *xperm = NULL; /* x in the lane order the AVX2 Q4 loop reads nibbles in (rows_small_blocks) */
+#if !defined(__AVX512F__)
         float perm_stack[4096];
-        float *xperm = cols <= 4096 ? perm_stack : (float *)malloc(sizeof(float) * (size_t)cols);
+        xperm = cols <= 4096 ? perm_stack : (float *)malloc(sizeof(float) * (size_t)cols);
         if (!xperm) {
             if (xsum != stack) free(xsum);
             return -2;
         }
-#if !defined(__AVX512F__)
         for (int64_t b = 0; b < blocks; b++)
             for (int j = 0; j < 16; j++) {
                 xperm[b * 32 + j] = x[b * 32 + 4 * (j % 4) + j / 4];
@@ -953,7 +955,9 @@ int dsv41_mv_gguf(int64_t type, const void *w, const float *x, float *y, int64_t
             rows_small_blocks(type, (const uint8_t *)w, x, xsum, xperm, y, r0, r1, cols, acc);
         }
         if (xsum != stack) free(xsum);
+#if !defined(__AVX512F__)
         if (xperm != perm_stack) free(xperm);
+#endif
         return 0;
     }
 #endif
