@@ -21,7 +21,7 @@ import torch
 
 from ..kernels.quant import quantize_int8
 from .policies.ced import span_ranking
-from .storage import BLOCK_TOKENS, LayerKV, _gather_rows, _round_up
+from .storage import BLOCK_TOKENS, LayerKV, Rows, _gather_rows, _round_up
 
 # How much a question recalls, as a share of the budget (at least RECALL_MIN entries): what comes back only
 # has to hold the few spans the question is about; each entry recalled is also one more for the compaction
@@ -156,17 +156,36 @@ class ColdLayer:
     @torch.inference_mode()
     def take(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Remove the entries at `index` [h, M] (distinct per head) and return their (keys, values, positions,
-        scores) in the hot set's dtype; the others stay, in their order."""
-        taken = (self.read_keys(index), self.read_values(index), torch.gather(self.positions[:, : self.length], 1, index),
-                 torch.gather(self.scores[:, : self.length], 1, index))
-        rest = torch.ones(self.kv_heads, self.length, dtype=torch.bool, device=self.device)
-        rest.scatter_(1, index, False)
-        keep = rest.nonzero()[:, 1].view(self.kv_heads, -1)
-        kept = {name: _gather_rows(getattr(self, name)[:, : self.length], keep) for name in self._names()}
-        for name, rows in kept.items():
-            getattr(self, name)[:, : rows.shape[1]] = rows
-        self.length = keep.shape[1]
+        scores) in the hot set's dtype. The entries past the new length that stay fill the holes the taken ones
+        leave below it, so a recall moves M entries per head, not the whole tier (the tier has no order: a
+        recall ranks by score and position)."""
+        n, m = self.length, index.shape[1]
+        picked = Rows(index, self.capacity)
+        taken = (self._read_rows(self.keys, self.key_scales, picked), self._read_rows(self.values, self.value_scales, picked),
+                 picked.gather(self.positions), picked.gather(self.scores))
+        if m == n:
+            self.length = 0
+            return taken
+        rest = n - m
+        gone = torch.zeros(self.kv_heads, n, dtype=torch.bool, device=self.device)
+        gone.scatter_(1, index, True)
+        # per head, as many holes below `rest` as staying entries at or past it; sorting puts them first (stable),
+        # and the pairs past that count are tail entries written onto themselves (harmless: past the new length)
+        k = min(m, rest)  # holes per head: at most both
+        holes = torch.argsort(gone[:, :rest].to(torch.int8), dim=1, descending=True, stable=True)[:, :k]
+        movers = torch.argsort((~gone[:, rest:]).to(torch.int8), dim=1, descending=True, stable=True)[:, :k] + rest
+        holes = torch.where(torch.gather(gone[:, :rest], 1, holes), holes, movers)
+        source, target = Rows(movers, self.capacity), Rows(holes, self.capacity)
+        for name in self._names():
+            tensor = getattr(self, name)
+            target.put(tensor, source.gather(tensor))
+        self.length = rest
         return taken
+
+    @staticmethod
+    def _read_rows(data: torch.Tensor, scales: torch.Tensor | None, rows: Rows) -> torch.Tensor:
+        out = rows.gather(data)
+        return out.float() * rows.gather(scales) if scales is not None else out
 
     def reserved_bytes(self) -> int:
         """Bytes allocated (with spare capacity): what the RAM cap counts."""
@@ -216,7 +235,8 @@ def recall_mass(query: torch.Tensor, hot_keys: torch.Tensor, cold_keys: torch.Te
     cold = torch.matmul(q, cold_keys.float().transpose(1, 2))
     # one softmax over both, per query row, with one exp per logit: cold entry j's share is
     # exp(cold_j - top) / (sum exp(hot - top) + sum exp(cold - top))
+    # (in place: a fresh [h, G * Tq, C] tensor per operation costs more than the operation on this CPU)
     top = torch.maximum(hot.amax(dim=-1, keepdim=True), cold.amax(dim=-1, keepdim=True))
-    cold = torch.exp_(cold - top)
-    total = torch.exp_(hot - top).sum(dim=-1, keepdim=True) + cold.sum(dim=-1, keepdim=True)
-    return (cold / total).sum(dim=1)
+    cold = cold.sub_(top).exp_()
+    total = hot.sub_(top).exp_().sum(dim=-1, keepdim=True) + cold.sum(dim=-1, keepdim=True)
+    return cold.div_(total).sum(dim=1)

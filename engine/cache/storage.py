@@ -185,25 +185,54 @@ class LayerKV:
         if m == 0:
             return
         n = self.length
-        order = torch.cat([self.positions[:, :n].long(), positions.long()], dim=1).argsort(dim=1, stable=True)
+        order = torch.cat([self.positions[:, :n], positions.to(torch.int32)], dim=1).argsort(dim=1, stable=True)
         self.ensure_capacity(n + m)
-        merged = {}
-        for name in self._tensors():
-            old = getattr(self, name)[:, :n]
-            if name in ("keys", "values", "key_scales", "value_scales") and self.int8:
-                continue
-            new = {"keys": keys, "values": values, "positions": positions, "scores": scores}.get(name)
-            if new is None:  # log_counts (count 1), CSA2's projected keys (refitted after a recall)
-                new = old.new_zeros((old.shape[0], m, *old.shape[2:]))
-            merged[name] = _gather_rows(torch.cat([old, new.to(old.dtype)], dim=1), order)
+        # the new entries go past the stored ones first, then every tensor is put in position order in one gather
+        new = {"positions": positions, "scores": scores}
         if self.int8:
-            kq, ks = quantize_int8(keys)
-            vq, vs = quantize_int8(values)
-            for name, new in (("keys", kq), ("key_scales", ks), ("values", vq), ("value_scales", vs)):
-                merged[name] = _gather_rows(torch.cat([getattr(self, name)[:, :n], new], dim=1), order)
+            new["keys"], new["key_scales"] = quantize_int8(keys)
+            new["values"], new["value_scales"] = quantize_int8(values)
+        else:
+            new["keys"], new["values"] = keys, values
+        order = Rows(order, self.capacity)
+        merged = {}
+        try:
+            for name in self._tensors():
+                tensor = getattr(self, name)
+                rows = new.get(name)
+                if rows is None:  # log_counts (count 1), CSA2's projected keys (refitted after a recall)
+                    tensor[:, n:n + m] = 0
+                else:
+                    tensor[:, n:n + m] = rows
+                merged[name] = order.gather(tensor)
+        except BaseException:  # out of memory part-way: the layer as it was (nothing past `length` scored)
+            self.scores[:, n:n + m] = 0.0
+            raise
         for name, rows in merged.items():
             getattr(self, name)[:, : n + m] = rows
         self.length = n + m
+
+
+class Rows:
+    """Row indices [h, k] into tensors laid out [h, capacity, ...] (contiguous, one capacity for all: a layer's
+    or a cold layer's tensors), flattened once and then read from or written to each such tensor with one
+    index_select / index_copy_ (a recall moves rows of six or seven tensors per layer: per-tensor index
+    arithmetic was most of its time)."""
+
+    def __init__(self, index: torch.Tensor, capacity: int):
+        h, k = index.shape
+        self.shape, self.capacity = (h, k), capacity
+        self.flat = (index + torch.arange(h, device=index.device)[:, None] * capacity).reshape(-1)
+
+    def _flat(self, t: torch.Tensor) -> torch.Tensor:
+        assert t.is_contiguous() and t.shape[1] == self.capacity, "Rows indexes whole [h, capacity, ...] tensors"
+        return t.view(t.shape[0] * t.shape[1], -1)
+
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        return self._flat(t).index_select(0, self.flat).view(*self.shape, *t.shape[2:])
+
+    def put(self, t: torch.Tensor, rows: torch.Tensor) -> None:
+        self._flat(t).index_copy_(0, self.flat, rows.reshape(self.flat.numel(), -1).to(t.dtype))
 
 
 def _gather_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

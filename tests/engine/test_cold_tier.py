@@ -129,7 +129,32 @@ def test_cold_layer_take_removes_exactly_what_it_returns():
     cold.add(hot, torch.tensor([[1, 3, 5, 7]]))
     keys, _, positions, _ = cold.take(torch.tensor([[2, 0]]))
     assert positions.tolist() == [[5, 1]] and torch.equal(keys[0, 0], hot.read_keys()[0, 5])
-    assert cold.length == 2 and cold.positions[0, :2].tolist() == [3, 7]
+    assert cold.length == 2 and sorted(cold.positions[0, :2].tolist()) == [3, 7]
+
+
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("taken", [1, 7, 20, 39, 40])
+def test_cold_layer_take_keeps_every_other_entry_whole(int8, taken):
+    """Whatever a take removes (per head its own entries, anywhere in the tier, up to all of it), every entry that
+    stays keeps its key, value, position, score and scales together, and none is lost or doubled."""
+    g = torch.Generator().manual_seed(taken)
+    hot = LayerKV(3, 8, torch.float32, "cpu")
+    hot.append(torch.randn(3, 40, 8, generator=g), torch.randn(3, 40, 8, generator=g), torch.arange(40) * 3)
+    hot.scores[:, :40] = torch.rand(3, 40, generator=g)
+    cold = ColdLayer(3, 8, torch.float32, "cpu", int8=int8)
+    cold.add(hot, torch.arange(40).expand(3, -1))
+    before = [{int(p): (cold.read_keys()[h, i].clone(), cold.read_values()[h, i].clone(), float(cold.scores[h, i]))
+               for i, p in enumerate(cold.positions[h, :40])} for h in range(3)]
+    index = torch.stack([torch.randperm(40, generator=g)[:taken] for _ in range(3)])
+    _, _, positions, _ = cold.take(index)
+    assert cold.length == 40 - taken
+    for h in range(3):
+        stays = {int(p): i for i, p in enumerate(cold.positions[h, : cold.length])}
+        assert len(stays) == cold.length and set(stays) == set(before[h]) - set(positions[h].tolist())
+        for p, i in stays.items():
+            key, value, score = before[h][p]
+            assert torch.equal(cold.read_keys()[h, i], key) and torch.equal(cold.read_values()[h, i], value)
+            assert float(cold.scores[h, i]) == score
 
 
 def test_loosening_the_ratio_recalls_from_the_cold_tier_instead_of_re_reading():
