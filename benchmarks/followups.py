@@ -8,6 +8,7 @@ follow-up TTFT; each question asked alone in a fresh, uncompressed chat is the r
 knows. Follow-ups are the turns after the first.
 
 Usage: python -m benchmarks.followups [--words 640] [--ratios 0.5,0.3,0.2,0.1] [--out results/followups]
+       [--no-reference]
 """
 
 from __future__ import annotations
@@ -61,9 +62,10 @@ def run_config(model: DSV41Model, knobs: dict, cases) -> dict:
 
 
 def table(payload: dict) -> str:
+    alone = (f"alone in a fresh uncompressed chat the model answers {payload['alone_right']}/{payload['alone_total']}"
+             if payload["alone_total"] else "no reference rows (--no-reference)")
     lines = [f"Follow-up questions about one {payload['words']}-word document ({payload['tokens']} tokens), "
-             f"{len(FACT_SETS)} fact sets x 2 orders; alone in a fresh uncompressed chat the model answers "
-             f"{payload['alone_right']}/{payload['alone_total']}", "",
+             f"{len(FACT_SETS)} fact sets x 2 orders; {alone}", "",
              "| configuration | first question | follow-ups | follow-up TTFT (ms) | hot KV | cold KV | uncompressed KV |",
              "|---|---|---|---|---|---|---|"]
     for row in payload["rows"]:
@@ -85,16 +87,17 @@ def plot(payload: dict, out: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = payload["rows"]
-    base = rows[0]
+    base = rows[0] if rows[0]["knobs"]["kv_cache_ratio"] >= 1 else None
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
     for tier, style in (("off", "o--"), ("ram", "s-")):
-        points = sorted((r["knobs"]["kv_cache_ratio"], r["followups_right"]) for r in rows[1:]
-                        if r["knobs"]["cold_tier"] == tier)
+        points = sorted((r["knobs"]["kv_cache_ratio"], r["followups_right"]) for r in rows
+                        if r is not base and r["knobs"]["cold_tier"] == tier)
         if points:
             ax.plot(*zip(*points, strict=True), style, label="CED + cold tier" if tier == "ram" else "CED (discards)")
-    ax.axhline(base["followups_right"], color="gray", linestyle=":", label="uncompressed")
+    if base is not None:
+        ax.axhline(base["followups_right"], color="gray", linestyle=":", label="uncompressed")
     ax.set_xlabel("hot ratio (kv_cache_ratio)")
-    ax.set_ylabel(f"follow-ups right (of {base['followups_total']})")
+    ax.set_ylabel(f"follow-ups right (of {rows[0]['followups_total']})")
     ax.set_title(f"Follow-up questions, {payload['tokens']}-token documents")
     ax.legend()
     fig.tight_layout()
@@ -109,6 +112,8 @@ def main(argv=None) -> int:
     parser.add_argument("--policies", default="ced")
     parser.add_argument("--tiers", default="off,ram")
     parser.add_argument("--out", default=str(RESULTS / "followups"))
+    parser.add_argument("--no-reference", action="store_true",
+                        help="skip the questions asked alone and the uncompressed row (rows to compare with a run that has them)")
     parser.add_argument("--repetition-penalty", type=float, default=REPETITION_PENALTY,
                         help="1.0: plain greedy, as the kvpress peer decodes (the chat's default is 1.1)")
     args = parser.parse_args(argv)
@@ -119,12 +124,13 @@ def main(argv=None) -> int:
     model = DSV41Model.from_pretrained(DSV41Config(max_seq_len=8192, kv_cache_ratio=1.0, conversation_cache_mb=0))
     docs = [(document(name, facts, args.words), facts) for name, facts in FACT_SETS]
     cases = [(path, facts, order) for path, facts in docs for order in orders(facts)]
-    alone = []
-    for path, facts in docs:
-        for fact in range(len(facts)):
-            done = ask(model.chat_session(), facts[fact][1], [load_document(str(path))])
-            alone.append(facts[fact][2] in done.text.lower())
-    rows = [run_config(model, dict(kv_cache_ratio=1.0, cold_tier="off", ced_policy="ced"), cases)]
+    alone, rows = [], []
+    if not args.no_reference:
+        for path, facts in docs:
+            for fact in range(len(facts)):
+                done = ask(model.chat_session(), facts[fact][1], [load_document(str(path))])
+                alone.append(facts[fact][2] in done.text.lower())
+        rows.append(run_config(model, dict(kv_cache_ratio=1.0, cold_tier="off", ced_policy="ced"), cases))
     for policy in args.policies.split(","):
         for ratio in (float(r) for r in args.ratios.split(",")):
             for tier in args.tiers.split(","):
