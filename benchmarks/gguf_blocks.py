@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from engine import kernels as cpu_kernels
-from engine.kernels.gguf_blocks import FORMATS, GGUFMatrix, int8_activations
+from engine.kernels.gguf_blocks import FORMATS, GGUFMatrix, activations, has_int8_activations
 
 from .common import machine, write_results
 from .speed.core import read_bandwidth
@@ -66,14 +66,11 @@ def main(argv=None) -> int:
         lambda: joined.matvec(xs[joined.cols], out_joined), joined.nbytes)
     variants["one bf16 call of the same values, ours"] = (
         lambda: joined_bf16.matvec(xs[joined.cols], out_joined), joined.rows * joined.cols * 2)
-    if cpu_kernels.load().lib.dsv41_gguf_int8_x(-1) >= 0:  # the Q4 products on int8 x (DSV41_GGUF_INT8_X=1)
+    if has_int8_activations():  # the Q4 products on int8 x (DSV41_GGUF_INT8_X=1)
         def int8_x(fn):
             def run():
-                before = int8_activations(True)
-                try:
+                with activations(int8=True):
                     return fn()
-                finally:
-                    int8_activations(before)
             return run
 
         variants["GGUF blocks, Q4 on int8 x"] = (int8_x(variants["GGUF blocks (Q4_1 + Q8_0 head), ours"][0]),

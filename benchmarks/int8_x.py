@@ -26,13 +26,12 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     from engine import DSV41Config, DSV41Model
-    from engine.kernels.gguf_blocks import int8_activations
+    from engine.kernels.gguf_blocks import activations, has_int8_activations
 
     from .speed.core import engine_turn
 
     torch.set_num_threads(THREADS)
-    before = int8_activations(True)
-    if not int8_activations(before):
+    if not has_int8_activations():
         print("This CPU (or build) has no int8-x path (AVX-512 VNNI): nothing to compare.")
         return 1
     model = DSV41Model.from_pretrained(DSV41Config(model_path="default", max_seq_len=8192, kv_cache_ratio=1.0))
@@ -43,9 +42,9 @@ def main(argv=None) -> int:
         runs = {"int8 x": [], "float32 x": []}
         for pair in range(args.pairs):
             for on in ((True, False) if pair % 2 == 0 else (False, True)):
-                int8_activations(on)
-                runs["int8 x" if on else "float32 x"].append(engine_turn(model, ids, question, args.new_tokens)["decode_tok_s"])
-        int8_activations(before)
+                with activations(int8=on):
+                    runs["int8 x" if on else "float32 x"].append(
+                        engine_turn(model, ids, question, args.new_tokens)["decode_tok_s"])
         ratios = [a / b for a, b in zip(runs["int8 x"], runs["float32 x"], strict=True)]
         rows.append({"prompt_tokens": len(ids), "runs": runs, "int8_median": statistics.median(runs["int8 x"]),
                      "float_median": statistics.median(runs["float32 x"]), "ratio_median": statistics.median(ratios),

@@ -21,7 +21,7 @@ import torch
 
 from ..kernels.quant import quantize_int8
 from .policies.ced import span_ranking
-from .storage import BLOCK_TOKENS, LayerKV, Rows, _gather_rows, _round_up
+from .storage import BLOCK_TOKENS, LayerKV, Rows, _round_up
 
 # How much a question recalls, as a share of the budget (at least RECALL_MIN entries): what comes back only
 # has to hold the few spans the question is about; each entry recalled is also one more for the compaction
@@ -130,7 +130,7 @@ class ColdLayer:
     def read_keys(self, index: torch.Tensor | None = None) -> torch.Tensor:
         """All cold keys [h, C, d], or those at `index` [h, k]: float32 when stored as int8 (for scoring; the
         hot set casts what it takes back), else the hot set's dtype."""
-        return self._read(self.keys, self.key_scales, index)
+        return self._read(self.keys, self.key_scales, None if index is None else Rows(index, self.capacity))
 
     def read_keys_to(self, device: torch.device) -> torch.Tensor:
         """All cold keys [h, C, d] on `device`, as read_keys gives them. To a GPU the stored bytes (int8 and their
@@ -144,14 +144,14 @@ class ColdLayer:
         return keys.float() * self.key_scales[:, : self.length].to(device, non_blocking=self.pinned)
 
     def read_values(self, index: torch.Tensor | None = None) -> torch.Tensor:
-        return self._read(self.values, self.value_scales, index)
+        return self._read(self.values, self.value_scales, None if index is None else Rows(index, self.capacity))
 
-    def _read(self, data, scales, index):
-        if index is None:
+    def _read(self, data, scales, rows: Rows | None):
+        if rows is None:
             out = data[:, : self.length]
             return out.float() * scales[:, : self.length] if scales is not None else out
-        out = _gather_rows(data, index)
-        return out.float() * _gather_rows(scales, index) if scales is not None else out
+        out = rows.gather(data)
+        return out.float() * rows.gather(scales) if scales is not None else out
 
     @torch.inference_mode()
     def take(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -161,7 +161,7 @@ class ColdLayer:
         recall ranks by score and position)."""
         n, m = self.length, index.shape[1]
         picked = Rows(index, self.capacity)
-        taken = (self._read_rows(self.keys, self.key_scales, picked), self._read_rows(self.values, self.value_scales, picked),
+        taken = (self._read(self.keys, self.key_scales, picked), self._read(self.values, self.value_scales, picked),
                  picked.gather(self.positions), picked.gather(self.scores))
         if m == n:
             self.length = 0
@@ -181,11 +181,6 @@ class ColdLayer:
             target.put(tensor, source.gather(tensor))
         self.length = rest
         return taken
-
-    @staticmethod
-    def _read_rows(data: torch.Tensor, scales: torch.Tensor | None, rows: Rows) -> torch.Tensor:
-        out = rows.gather(data)
-        return out.float() * rows.gather(scales) if scales is not None else out
 
     def reserved_bytes(self) -> int:
         """Bytes allocated (with spare capacity): what the RAM cap counts."""

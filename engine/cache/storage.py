@@ -225,8 +225,11 @@ class Rows:
         self.flat = (index + torch.arange(h, device=index.device)[:, None] * capacity).reshape(-1)
 
     def _flat(self, t: torch.Tensor) -> torch.Tensor:
-        assert t.is_contiguous() and t.shape[1] == self.capacity, "Rows indexes whole [h, capacity, ...] tensors"
-        return t.view(t.shape[0] * t.shape[1], -1)
+        """t [h, N, d] or [h, N] (N: the capacity, or a leading slice of it) as [h * capacity, d] rows."""
+        step = t.stride(1)
+        assert t.stride(0) == self.capacity * step and (t.dim() == 2 and step == 1 or t.dim() == 3 and t.stride(2) == 1), \
+            "Rows indexes [h, capacity, ...] tensors (or leading slices of them)"
+        return t.as_strided((t.shape[0] * self.capacity, 1 if t.dim() == 2 else t.shape[2]), (step, 1))
 
     def gather(self, t: torch.Tensor) -> torch.Tensor:
         return self._flat(t).index_select(0, self.flat).view(*self.shape, *t.shape[2:])
@@ -241,11 +244,7 @@ def _gather_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         return torch.gather(t, 1, index)
     if t.dim() == 3 and t.stride(2) == 1 and t.stride(0) % t.stride(1) == 0:
         # Whole rows: one index_select over [h * N, d] copies rows instead of gathering element-wise.
-        h, k = index.shape
-        rows_per_head = t.stride(0) // t.stride(1)
-        flat = (index + torch.arange(h, device=index.device)[:, None] * rows_per_head).reshape(-1)
-        base = t.as_strided((h * rows_per_head, t.shape[2]), (t.stride(1), 1))
-        return base.index_select(0, flat).view(h, k, t.shape[2])
+        return Rows(index, t.stride(0) // t.stride(1)).gather(t)
     expand = index.view(*index.shape, *([1] * (t.dim() - 2))).expand(-1, -1, *t.shape[2:])
     return torch.gather(t, 1, expand)
 

@@ -6,8 +6,8 @@ against 269 MB as bf16) and computes the weights' exact values: `dequantize` wri
 dequantiser does (bit for bit; tests/engine/test_gguf_blocks.py), `matvec` multiplies them by a float32 vector with
 float32 accumulation. On a CPU with AVX-512 VNNI the Q4_0 / Q4_1 products can round x to int8 per block of 32 first,
 as llama.cpp does (`int8_activations`, DSV41_GGUF_INT8_X=1): half the instructions per block. It is off by default:
-the kernel alone gains 1.2-2x, whole decode steps within this machine's noise, and it changes greedy answers (the
-weights stay the file's exact values, the products do not).
+the kernel alone gains 1.2-2x, whole decode steps 1.10-1.13x (benchmarks/int8_x.py), and it changes greedy answers
+(the weights stay the file's exact values, the products do not).
 
     blocks = GGUFMatrix.from_reader_tensor(reader_tensor)   # or GGUFMatrix(type, raw uint8 [rows, row_bytes], cols)
     y = blocks.matvec(x)                                      # float32 [rows]
@@ -47,14 +47,26 @@ def int8_activations(on: bool | None = None, library=None) -> bool:
     return lib.lib.dsv41_gguf_int8_x(-1 if on is None else int(on)) == 1
 
 
+def has_int8_activations(library=None) -> bool:
+    """Whether this build has the int8-x route for Q4 products (AVX-512 VNNI)."""
+    lib = library if library is not None else load()
+    return lib is not None and lib.lib.dsv41_gguf_int8_x(-1) >= 0
+
+
 @contextmanager
-def float_activations():
-    """Within the block, Q4 products keep x float32 (exact to the weights; what tests compare against references)."""
-    before = int8_activations(False)
+def activations(*, int8: bool):
+    """Within the block, Q4 products round x to int8 (`int8`, where has_int8_activations) or keep it float32; the
+    setting before is back after it."""
+    before = int8_activations(int8)
     try:
         yield
     finally:
         int8_activations(before)
+
+
+def float_activations():
+    """Within the block, Q4 products keep x float32 (exact to the weights; what tests compare against references)."""
+    return activations(int8=False)
 
 
 @dataclass

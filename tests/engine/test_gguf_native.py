@@ -15,7 +15,7 @@ import torch
 from engine import kernels as cpu_kernels
 from engine.cache import CacheSettings, DSV41Cache
 from engine.kernels import GGUFWeight, PackedMatrix
-from engine.kernels.gguf_blocks import float_activations, int8_activations
+from engine.kernels.gguf_blocks import activations, float_activations
 from engine.models import adapter
 
 from .test_gguf_blocks import blocks_of, default_gguf
@@ -147,20 +147,14 @@ def test_a_gguf_is_held_as_its_blocks_and_answers_as_transformers(tmp_path):
     try:
         with float_activations():
             per_op = _run(model, ids, 16)
-        before = int8_activations(True)
-        try:
+        with activations(int8=True):
             per_op_int8 = _run(model, ids, 16)
-        finally:
-            int8_activations(before)
     finally:
         decoder.fused = fused
     assert torch.allclose(got, per_op, atol=1e-5, rtol=1e-5)
     # DSV41_GGUF_INT8_X=1 on AVX-512 VNNI: Q4 products on int8-rounded x, the fused and the per-op step alike, close
-    before = int8_activations(True)
-    try:
+    with activations(int8=True):
         got_int8 = _run(model, ids, 16)
-    finally:
-        int8_activations(before)
     assert torch.allclose(got_int8, per_op_int8, atol=1e-5, rtol=1e-5)
     assert (got_int8 - want).abs().max() <= 0.05 * want.abs().max()
 
