@@ -4,8 +4,9 @@ ratio + working memory, against the free memory of the device (VRAM) or of the m
 Torch-free (the GUI asks it on its own thread). The parts:
 - weights: the checkpoint's bytes as the engine will hold them. A bf16 / fp16 safetensors checkpoint is held as it
   is (on a CPU too: our kernels read bf16), a float32 one as bf16 on a GPU or where the CPU path holds it so;
-  INT8 halves a 16-bit checkpoint, INT4 (NF4) a quarter plus its scales; a GGUF is converted to bf16 at its
-  parameter count (estimated from the file's size and its quantization type, named in the file name).
+  INT8 halves a 16-bit checkpoint, INT4 (NF4) a quarter plus its scales; a GGUF whose type the CPU kernels hold
+  (HELD_GGUF) is held on a CPU as the file's blocks (its size), any other GGUF converted to bf16 at its parameter
+  count (estimated from the file's size and its quantization type, named in the file name).
 - KV: the model's own geometry (layers x 2 x KV heads x head dim x bytes) x the tokens the cache keeps at that
   context: the ratio's budget (engine.cache.budget.budget_for), the floor included.
 - working memory: what the engine's process needs beyond weights and KV on a CPU (the Python, torch and
@@ -29,7 +30,7 @@ GB = 1024**3
 GGUF_BITS = {"F32": 32.0, "F16": 16.0, "BF16": 16.0, "Q8_0": 8.5, "Q6_K": 6.56, "Q5_K": 5.5, "Q5_0": 5.5,
              "Q5_1": 6.0, "Q4_K": 4.5, "Q4_0": 4.5, "Q4_1": 5.0, "Q3_K": 3.44, "Q2_K": 2.63, "IQ4_XS": 4.25}
 # working memory (measured: benchmarks/fit_estimate.py)
-CPU_RUNTIME_BYTES = int(0.70 * GB)  # Python + torch + transformers + tokenizer, beyond weights and KV
+CPU_RUNTIME_BYTES = int(0.19 * GB)  # what a load adds beyond weights and KV (the tokenizer, modules, heap)
 GPU_RUNTIME_BYTES = int(0.45 * GB)  # the CUDA context and cuBLAS workspaces (not measured yet: no GPU lent)
 ACTIVATION_FLOATS_PER_TOKEN_HIDDEN = 12  # a prefill chunk's activations: ~12 floats per token per hidden unit
 ATTENTION_BYTES_PER_WEIGHT = 8  # a chunk's attention weights over the context (float32, and the scoring's copy)
@@ -65,13 +66,24 @@ def _gb(n: int) -> str:
     return f"{n / GB:.2f} GB" if n >= GB else f"{n / 2**20:.0f} MB"
 
 
-def gguf_bits(file_name: str) -> float:
-    """Bits per weight from a GGUF file name's quantization type ('...Q4_K_M.gguf' -> 4.5); 16 when unnamed."""
+# the GGUF types the CPU kernels multiply as the file stores them (engine.kernels.gguf_blocks.FORMATS; a k-quant
+# mix such as Q4_K_M stores its matrices as Q4_K and Q6_K): on a CPU such a file is held at its own bytes
+HELD_GGUF = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+
+
+def gguf_type(file_name: str) -> str | None:
+    """The quantization type a GGUF file name says ('...Q4_K_M.gguf' -> 'Q4_K'), or None."""
     name = file_name.upper()
     for kind in sorted(GGUF_BITS, key=len, reverse=True):
         if re.search(rf"(^|[^A-Z0-9]){re.escape(kind)}", name):
-            return GGUF_BITS[kind]
-    return 16.0
+            return kind
+    return None
+
+
+def gguf_bits(file_name: str) -> float:
+    """Bits per weight from a GGUF file name's quantization type ('...Q4_K_M.gguf' -> 4.5); 16 when unnamed."""
+    kind = gguf_type(file_name)
+    return GGUF_BITS[kind] if kind else 16.0
 
 
 def gguf_parameters(path) -> int | None:
@@ -87,10 +99,14 @@ def gguf_parameters(path) -> int | None:
 
 
 def weight_bytes(checkpoint_bytes: int, *, kind: str, weight_quant: str = "none", dtype_bytes: int = 2,
-                 file_name: str = "", params: int | None = None) -> int:
+                 file_name: str = "", params: int | None = None, device: str = "cpu") -> int:
     """The bytes the engine holds for a checkpoint of `checkpoint_bytes` (kind "safetensors" with weights of
-    `dtype_bytes` each, or "gguf"), held as bf16 or quantized to `weight_quant`. `params`: the parameter count
-    when known (a local GGUF's tensor table), else derived from the bytes."""
+    `dtype_bytes` each, or "gguf"), held as bf16 or quantized to `weight_quant` -- or, a GGUF in a type the CPU
+    kernels hold, on a CPU, as the file's own blocks (its bytes). `params`: the parameter count when known (a local
+    GGUF's tensor table), else derived from the bytes."""
+    if kind == "gguf" and weight_quant == "none" and not device.startswith("cuda") and \
+            gguf_type(file_name) in HELD_GGUF:
+        return int(checkpoint_bytes)
     if params is None:
         params = checkpoint_bytes * 8 / gguf_bits(file_name) if kind == "gguf" else checkpoint_bytes / dtype_bytes
     held = {"none": 2.0, "int8": 1.0 + 4 / 64, "int4": 0.5 + 4 / 64}[weight_quant]
@@ -132,7 +148,7 @@ def estimate(config: dict, checkpoint_bytes: int, *, kind: str, context: int, fr
     """The estimate for a model (its config.json) of `checkpoint_bytes` at `context` tokens against `free` bytes."""
     dtype_bytes = checkpoint_dtype_bytes(config) if dtype_bytes is None else dtype_bytes
     weights = weight_bytes(checkpoint_bytes, kind=kind, weight_quant=weight_quant, dtype_bytes=dtype_bytes,
-                           file_name=file_name, params=params)
+                           file_name=file_name, params=params, device=device)
     kv = kv_bytes(config, context, ratio=ratio, int8=kv_int8, cold_tier=cold_tier)
     working = working_bytes(config, device=device, context=context, chunk=chunk)
     return FitEstimate(weights, kv, working, int(free), "VRAM" if device.startswith("cuda") else "RAM")

@@ -1,10 +1,11 @@
-"""GGUF files: check one before use, convert it once to a safetensors folder in the user cache dir, and
-answer questions about a conversion (was its source quantized? may it be discarded?).
+"""GGUF files: check one before use, convert it once to a folder in the user cache dir, and answer questions
+about a conversion (was its source quantized? may it be discarded?).
 
 The loader turns a ``.gguf`` path (and the default model, which ships as one) into a folder through
-``convert_gguf``; the conversion is keyed by the file's path, size and time (``_gguf_key``), so later
-loads find it at once. ``from gguf import GGUFReader`` below is the gguf package (an absolute import),
-not this module.
+``convert_gguf``: its config and tokenizer always (on the CPU that is all: the weights are read from the GGUF
+itself, engine.models.gguf_load), float32 safetensors of its weights only where transformers must load them (a
+GPU, bitsandbytes). The conversion is keyed by the file's path, size and time (``_gguf_key``), so later loads
+find it at once. ``from gguf import ...`` below is the gguf package (an absolute import), not this module.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import time
 from pathlib import Path
 
 from .errors import ModelLoadError
-from .gguf_index import GGUF_MAGIC
+from .gguf_index import GGUF_MAGIC, read_header
 from .hf_load import _quiet_transformers, check_finite
 from .models.adapter import SUPPORTED_ARCHITECTURES
 from .paths import user_cache_dir
@@ -38,17 +39,11 @@ def check_gguf_file(path: Path) -> None:
     if version not in (2, 3):
         raise ModelLoadError(f"{path.name}: GGUF version {version} is not supported (2 or 3).", reason="corrupt",
                              source=str(path))
-    try:
-        from gguf import GGUFReader
-
-        reader = GGUFReader(str(path))
-        end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
-    except Exception as exc:  # noqa: BLE001 - gguf raises ValueError/IndexError/struct.error on damage
-        raise ModelLoadError(f"{path.name} is damaged or truncated ({type(exc).__name__}: {exc}). Re-download it.",
-                             reason="corrupt", source=str(path)) from exc
-    if end > size:
-        raise ModelLoadError(f"{path.name} is truncated: tensor data needs {end} bytes, the file has {size}. "
-                             "Re-download it.", reason="corrupt", source=str(path))
+    header = read_header(path)  # ModelLoadError when it does not parse
+    if header.past_end:
+        raise ModelLoadError(f"{path.name} is truncated: the data of {len(header.past_end)} tensor(s) "
+                             f"({header.past_end[0]}, ...) lies past its end ({size} bytes). Re-download it.",
+                             reason="corrupt", source=str(path))
 
 
 def _gguf_key(path: Path) -> str:
@@ -84,49 +79,61 @@ def _ticking(progress, message: str, start: float, end: float, expected_s: float
         thread.join()
 
 
-def convert_gguf(path: Path, *, progress=None) -> Path:
-    """Convert a GGUF once to a safetensors folder in the user cache dir; later calls return it at once.
-    `progress(message, fraction)` hears the steps, and every half second while the weights are converted."""
+def convert_gguf(path: Path, *, progress=None, weights: bool = True) -> Path:
+    """Convert a GGUF once to a folder in the user cache dir; later calls return it at once. The folder holds the
+    config, generation config and tokenizer (transformers reads them from the file's metadata), and with `weights`
+    the weights dequantized to float32 safetensors as well (for a GPU, or bitsandbytes; on the CPU the weights are
+    read from the GGUF itself: engine.models.gguf_load). `progress(message, fraction)` hears the steps, and every
+    half second while a step runs."""
     target = user_cache_dir() / "models" / _gguf_key(path)
-    if (target / ".complete").is_file():
+    if (target / ".complete").is_file() and (not weights or (target / "model.safetensors").is_file()):
         return target
     check_gguf_file(path)
     _check_gguf_architecture(path)
+    step = "Converting model (first start only)" if weights else "Reading the model's settings (first start only)"
     if progress:
-        progress("Converting model (first start only)…", 0.0)
+        progress(f"{step}…", 0.0)
     started = time.perf_counter()
     tmp = target.with_name(target.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
         expected = max(2.0, path.stat().st_size / CONVERT_BYTES_PER_S)
+        model = None
         with _quiet_transformers():
             if progress:
-                progress("Converting model (first start only): reading the tokenizer…", 0.02)
-            tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-            with _ticking(progress, "Converting model (first start only): dequantizing the weights", 0.05, 0.8,
-                          expected):
-                model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                             dtype=torch.float32)
+                progress(f"{step}: reading the tokenizer…", 0.02)
+            with _ticking(progress, f"{step}: reading the tokenizer", 0.02, 0.05 if weights else 0.9, 10.0):
+                tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+            if weights:
+                with _ticking(progress, f"{step}: dequantizing the weights", 0.05, 0.8, expected):
+                    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                                 dtype=torch.float32)
+                config, generation = model.config, model.generation_config
+            else:
+                config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+                generation = GenerationConfig.from_model_config(config)
         if progress:
-            progress("Converting model (first start only): saving…", 0.85)
-        from safetensors.torch import save_model
-
-        # The weights are dequantized floats now; save them as a plain safetensors model -- unless some are
-        # not finite numbers (damaged bytes in the file decode to NaN/inf scales), which nothing can answer with.
-        check_finite(model, path.name, what="Re-download the .gguf file.")
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
+            progress(f"{step}: saving…", 0.85 if weights else 0.95)
         tmp.mkdir(parents=True)
-        save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        model.config.save_pretrained(str(tmp))
-        if model.generation_config is not None:
-            model.generation_config.save_pretrained(str(tmp))
+        if model is not None:
+            from safetensors.torch import save_model
+
+            # The weights are dequantized floats now; save them as a plain safetensors model -- unless some are
+            # not finite numbers (damaged bytes decode to NaN/inf scales), which nothing can answer with.
+            check_finite(model, path.name, what="Re-download the .gguf file.")
+            save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.save_pretrained(str(tmp))
+        if generation is not None:
+            generation.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
         (tmp / "dsv41_source.json").write_text(json.dumps({"gguf": str(path), "seconds": time.perf_counter() - started,
-                                                           "quantized": gguf_is_quantized(path)}))
+                                                           "quantized": gguf_is_quantized(path),
+                                                           "weights": weights}))
         (tmp / ".complete").write_text("ok")
         shutil.rmtree(target, ignore_errors=True)
         tmp.rename(target)
@@ -141,7 +148,7 @@ def convert_gguf(path: Path, *, progress=None) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     if progress:
-        progress("Model converted", 1.0)
+        progress("Model converted" if weights else "Model settings read", 1.0)
     return target
 
 
@@ -150,9 +157,10 @@ FLOAT_GGUF_TYPES = {"F32", "F16", "BF16", "F64"}
 
 def gguf_is_quantized(path: Path) -> bool:
     """True when some weight of the GGUF file is stored in a quantized type (Q4_1, Q8_0, ...)."""
-    from gguf import GGUFReader
+    from gguf import GGMLQuantizationType
 
-    return any(t.tensor_type.name not in FLOAT_GGUF_TYPES for t in GGUFReader(str(path)).tensors)
+    return any(GGMLQuantizationType(t.type_id).name not in FLOAT_GGUF_TYPES
+               for t in read_header(path).tensors.values())
 
 
 def source_is_quantized(folder: Path) -> bool:
@@ -180,11 +188,7 @@ def source_is_quantized(folder: Path) -> bool:
 
 
 def _check_gguf_architecture(path: Path) -> None:
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(path))
-    field = reader.fields.get("general.architecture")
-    arch = bytes(field.parts[field.data[0]]).decode() if field else None
+    arch = read_header(path).architecture
     # GGUF names llama-family models "llama" (Mistral included) and Qwen "qwen2"/"qwen3".
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(f"{path.name}: architecture {arch!r} is not supported. Supported: "

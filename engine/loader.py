@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import ModelLoadError
-from .gguf import convert_gguf
+from .gguf import check_gguf_file, convert_gguf
 from .gguf import discard_conversion as discard_conversion  # re-exported: engine.model calls loader.X
 from .gguf import source_is_quantized as source_is_quantized  # re-exported, as above
 from .hf_load import _quiet_transformers, check_finite
@@ -56,17 +56,20 @@ def default_gguf_path() -> Path:
     return path
 
 
-def resolve_source(model_path: str, *, progress=None) -> ResolvedSource:
-    """Turn the user's `model_path` into a folder of HF files, converting a GGUF if needed."""
+def resolve_source(model_path: str, *, progress=None, weights: bool = True) -> ResolvedSource:
+    """Turn the user's `model_path` into a folder of HF files, converting a GGUF if needed (without `weights`, a
+    GGUF's folder holds its config and tokenizer only: load_gguf reads the weights from the file)."""
     if model_path == "default":
         gguf = default_gguf_path()
-        return ResolvedSource("default", convert_gguf(gguf, progress=progress), DEFAULT_MODEL_NAME, "default", gguf)
+        return ResolvedSource("default", convert_gguf(gguf, progress=progress, weights=weights), DEFAULT_MODEL_NAME,
+                              "default", gguf)
     path = Path(model_path).expanduser()
     if path.suffix.lower() == ".gguf":
         if not path.is_file():
             raise ModelLoadError(f"GGUF file not found: {path}. Check the path or pick the file again.",
                                  reason="missing", source=model_path)
-        return ResolvedSource("gguf", convert_gguf(path, progress=progress), path.stem, model_path, path)
+        return ResolvedSource("gguf", convert_gguf(path, progress=progress, weights=weights), path.stem, model_path,
+                              path)
     if path.is_dir():
         return ResolvedSource("folder", path, path.name, model_path)
     if path.exists():
@@ -266,6 +269,40 @@ def load_model(folder: Path, *, dtype, device: str, device_map: str, weight_quan
     if tokenizer.chat_template is None:
         tokenizer.chat_template = _fallback_chat_template()
     return model, tokenizer
+
+
+def load_gguf(folder: Path, gguf: Path, *, dtype, hold: bool):
+    """Load a GGUF straight from the file on the CPU (engine.models.gguf_load), the config and tokenizer from its
+    converted `folder`. Returns (model, tokenizer, GGUFBlocks) -- the blocks for adapter.install(gguf=...)."""
+    import torch
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    from .models.gguf_load import load_gguf_model
+
+    try:
+        with _quiet_transformers():
+            config = AutoConfig.from_pretrained(str(folder))
+            tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    except Exception as exc:  # noqa: BLE001 - a damaged cache entry: engine.model removes it (reason "corrupt")
+        raise ModelLoadError(f"The settings of {gguf.name} converted into the cache are damaged ({type(exc).__name__}: "
+                             f"{exc}); they are removed: load the model again to convert them anew.",
+                             reason="corrupt", source=str(gguf)) from exc
+    try:
+        check_gguf_file(gguf)
+        model, blocks = load_gguf_model(gguf, config, dtype=dtype, hold=hold)
+        if (Path(folder) / "generation_config.json").is_file():
+            model.generation_config = GenerationConfig.from_pretrained(str(folder))
+    except ModelLoadError:
+        raise
+    except (MemoryError, torch.OutOfMemoryError) as exc:
+        raise ModelLoadError(f"{gguf.name} does not fit in memory. Choose a smaller model or close other programs.",
+                             reason="oom", source=str(gguf)) from exc
+    except Exception as exc:  # noqa: BLE001
+        raise ModelLoadError(f"Could not load {gguf.name}: {type(exc).__name__}: {exc}", reason="load_failed",
+                             source=str(gguf)) from exc
+    if tokenizer.chat_template is None:
+        tokenizer.chat_template = _fallback_chat_template()
+    return model, tokenizer, blocks
 
 
 SMALL_TENSOR = 1 << 20  # elements

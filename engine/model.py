@@ -77,24 +77,20 @@ class DSV41Model:
         started = time.perf_counter()
         # a first start's conversion is the first 60 % of the bar, the load the rest (it never runs backwards)
         convert = (lambda message, fraction: progress(message, 0.6 * fraction)) if progress else None
-        source = loader.resolve_source(config.model_path, progress=convert)
-        resolved = time.perf_counter()
         device = loader.pick_device(config.device_map)
         dtype = loader.pick_dtype(config.dtype, device)
-        if progress:
-            progress(f"Loading {source.display_name}…", 0.65)
         # INT8 weights on the CPU: our per-row int8 and kernels (engine.kernels), ~3x faster than
         # bitsandbytes' CPU path; bitsandbytes elsewhere, or where our kernels cannot be built
         own_int8 = config.weight_quant == "int8" and device == "cpu" and kernels.load() is not None
+        # on the CPU a GGUF's weights are read from the file itself (engine.models.gguf_load): its conversion
+        # holds the config and tokenizer only
+        straight = device == "cpu" and (config.weight_quant == "none" or own_int8)
+        source = loader.resolve_source(config.model_path, progress=convert, weights=not straight)
+        resolved = time.perf_counter()
+        if progress:
+            progress(f"Loading {source.display_name}…", 0.65)
         load = dict(dtype=dtype, device=device, device_map=config.device_map,
                     trust_remote_code=config.trust_remote_code, allow_pickled_weights=config.allow_pickled_weights)
-        try:
-            hf_model, tokenizer = loader.load_model(source.path, weight_quant="none" if own_int8 else
-                                                    config.weight_quant, **load)
-        except ModelLoadError as exc:
-            if exc.reason == "corrupt" and source.kind in ("default", "gguf"):
-                loader.discard_conversion(source.path)  # converted before damage was checked: convert again
-            raise
         # float32 compute; weights held as bf16 where that is exact, or (dtype "auto") where the checkpoint was
         # quantized coarser than bf16 anyway (adapter.pack_weights). In that second case (the default model)
         # prefill runs in bf16 too (matrix products and attention; norms, the residual and every decode step
@@ -104,11 +100,30 @@ class DSV41Model:
         # exact values, its bytes read per token; adapter.hold_gguf), the others as above. DSV41_GGUF_BLOCKS=0
         # converts every matrix as before (for comparison).
         rounded_source = config.dtype == "auto" and loader.source_is_quantized(source.path)
-        blocks = source.gguf if rounded_source and os.environ.get("DSV41_GGUF_BLOCKS", "1") != "0" else None
-        adapter.install(hf_model, pack_rounding=rounded_source, pack_format="int8" if own_int8 else "bf16",
-                        prefill_bf16=rounded_source, graphs=config.decode_graph, gguf=blocks)
+        blocks = rounded_source and not own_int8 and os.environ.get("DSV41_GGUF_BLOCKS", "1") != "0"
+        install = dict(pack_rounding=rounded_source, pack_format="int8" if own_int8 else "bf16",
+                       prefill_bf16=rounded_source, graphs=config.decode_graph)
+        hf_model = None
+        try:
+            if straight and source.gguf is not None:
+                hf_model, tokenizer, held = loader.load_gguf(source.path, source.gguf, dtype=dtype, hold=blocks)
+                try:
+                    adapter.install(hf_model, **install, gguf=held if blocks else None)
+                except ValueError as exc:  # a layout our decoder does not hold: load the float conversion
+                    log.warning("%s: loading its float32 conversion instead (%s)", source.gguf.name, exc)
+                    hf_model = None
+                    source = loader.resolve_source(config.model_path, progress=convert)
+            if hf_model is None:
+                hf_model, tokenizer = loader.load_model(source.path, weight_quant="none" if own_int8 else
+                                                        config.weight_quant, **load)
+                adapter.install(hf_model, **install, gguf=source.gguf if blocks else None)
+        except ModelLoadError as exc:
+            if exc.reason == "corrupt" and source.kind in ("default", "gguf"):
+                loader.discard_conversion(source.path)  # converted before damage was checked: convert again
+            raise
         if own_int8 and adapter.packed_format(hf_model) != "int8":  # a layout our decoder does not cover
             del hf_model
+            source = loader.resolve_source(config.model_path, progress=convert)  # bitsandbytes reads the floats
             hf_model, tokenizer = loader.load_model(source.path, weight_quant="int8", **load)
             adapter.install(hf_model, graphs=config.decode_graph)
         first_device = next(hf_model.parameters()).device
@@ -269,8 +284,13 @@ class DSV41Model:
 
             info = self.info
             folder = Path(info.folder) if info.folder else None
-            files = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in folder.iterdir()
-                           if p.is_file()) if folder is not None and folder.is_dir() else []
+            # a GGUF's folder is named after the file's path, size and time (engine.gguf) and everything in it is
+            # made from the file: the float copy of its weights a later load may add (rewriting the folder)
+            # changes nothing this model computes
+            made = info.source_kind in ("default", "gguf")
+            files = sorted((p.name, p.stat().st_size, 0 if made else p.stat().st_mtime_ns) for p in folder.iterdir()
+                           if p.is_file() and not (made and p.name in ("model.safetensors", "dsv41_source.json"))) \
+                if folder is not None and folder.is_dir() else []
             key = self._state_key = key_of({
                 "folder": str(folder), "files": files, "name": info.display_name, "dtype": str(self.dtype),
                 "kv_dtype": str(self.kv_dtype), "weights": [info.weight_quant, info.weight_storage, info.prefill_bf16],

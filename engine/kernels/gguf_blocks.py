@@ -34,6 +34,9 @@ from .packed import KernelMatrix
 FORMATS = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q8_0": (8, 32, 34), "Q4_K": (12, 256, 144),
            "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210)}
 BY_TYPE = {type_id: (name, weights, size) for name, (type_id, weights, size) in FORMATS.items()}
+# where each block keeps its float16 scales (ggml's block structs): every other field is a small integer, so a
+# block's weights are finite numbers exactly when these are
+_HALF_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 
 
 def int8_activations(on: bool | None = None, library=None) -> bool:
@@ -136,6 +139,14 @@ class GGUFMatrix:
         if status != 0:
             raise RuntimeError(f"dequantising {self.format} failed ({status})")
         return out
+
+    def finite(self) -> bool:
+        """Whether every weight is a finite number (damaged bytes decode to NaN / infinite scales), read from the
+        blocks' float16 scales alone: no dequantised copy."""
+        _, _, size = BY_TYPE[self.type_id]
+        blocks = self.data.view(-1, size)
+        return all(bool(torch.isfinite(blocks[:, at:at + 2].contiguous().view(torch.float16)).all())
+                   for at in _HALF_FIELDS[self.format])
 
     def select_rows(self, index: torch.Tensor) -> GGUFMatrix:
         """The rows `index` (in that order) as a matrix of their own: a row's blocks hold that row alone."""

@@ -105,7 +105,8 @@ def install(model, *, fast: bool = True, pack: bool = True, pack_rounding: bool 
     `prefill_bf16`: where the matrices are held as bf16, prefill runs in bf16 (set_prefill_bf16).
     `graphs`: on a GPU, capture the decode step as one CUDA graph (engine.models.static_step).
     `gguf`: the .gguf file the model was converted from: on CPU its matrices are held in their own block formats
-    where the kernels read them (hold_gguf), the rest packed as above."""
+    where the kernels read them (hold_gguf), the rest packed as above; or the GGUFBlocks of a model loaded straight
+    from the file (engine.models.gguf_load), which must all be held (ValueError otherwise)."""
     check_architecture(getattr(model.config, "model_type", None))
     register()
     model.set_attn_implementation(ATTENTION_NAME)
@@ -113,6 +114,11 @@ def install(model, *, fast: bool = True, pack: bool = True, pack_rounding: bool 
     weights = decoder_weights(model) if fast else None
     held = hold_gguf(model, weights, gguf) if weights is not None and pack and gguf is not None and \
         pack_format == "bf16" else None
+    if getattr(gguf, "untaken", None) is not None and (held is None or gguf.untaken()):
+        # a model loaded straight from its GGUF (engine.models.gguf_load) whose kept blocks are not all held:
+        # parameters would stay empty (a layout our decoder does not cover); the caller loads another way
+        raise ValueError("the GGUF's blocks are not all held by the decoder: "
+                         + (", ".join(gguf.untaken()[:3]) if held else "no decoder for this layout"))
     packed = pack_weights(model, weights, rounding=pack_rounding, fmt=pack_format) \
         if weights is not None and pack else None
     if held:
@@ -237,18 +243,19 @@ def pack_weights(model, weights: DecoderWeights, *, rounding: bool = False, fmt:
 @torch.inference_mode()
 def hold_gguf(model, weights: DecoderWeights, path) -> str | None:
     """Hold the decoder's matrices as the GGUF file at `path` stores them (engine.kernels.gguf_blocks), on CPU:
-    exactly the checkpoint's values (the model was converted from this file), its bytes read per token. A matrix
-    is held when every part of it (q, k, v; gate, up) is in a block format the kernels multiply and its values
-    are the loaded weight's; the rest stay for pack_weights. The model's Linear modules are re-pointed at their
-    rows of the blocks (uint8), so the float32 copies are freed and the model's parameters count the bytes held
+    exactly the checkpoint's values, its bytes read per token. `path` is the file a loaded model was converted
+    from (a matrix is held when every part of it -- q, k, v; gate, up -- is in a block format the kernels multiply
+    and its values are the loaded weight's; the rest stay for pack_weights), or the GGUFBlocks a load straight from
+    the file kept (engine.models.gguf_load: taken as they are). The model's Linear modules are re-pointed at their
+    rows of the blocks (uint8), so no float copies stay and the model's parameters count the bytes held
     (transformers' own forward cannot run on them; ours does). Returns what is held ("GGUF Q4_1 + Q8_0"), or
     None where nothing is (GPU, no kernels, formats not held, a layout that does not match)."""
-    from .gguf_hold import GGUFHolder
+    from .gguf_hold import GGUFBlocks, GGUFHolder
 
     if weights.final_norm.device.type != "cpu" or weights.final_norm.dtype not in (torch.float32, torch.bfloat16) \
             or load() is None:
         return None
-    holder = GGUFHolder(path)
+    holder = path if isinstance(path, GGUFBlocks) else GGUFHolder(path)
     base, lm_head = model.model, model.lm_head
     tied = base.embed_tokens.weight is lm_head.weight
 

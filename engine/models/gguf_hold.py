@@ -1,6 +1,8 @@
 """A GGUF file's matrices as the decoder's GGUFWeights (adapter.hold_gguf walks the model; this reads the file).
 
-A matrix is held when every part of it (a layer's q, k and v; gate and up) is in a block format the kernels multiply
+Two holders: GGUFBlocks, what engine.models.gguf_load kept while loading the file straight into a model (every
+GGUF load on a CPU), and GGUFHolder, for a model loaded from a float conversion of the file (the comparison and
+fallback path), which checks each matrix against the loaded weight. There a matrix is held when every part of it (a layer's q, k and v; gate and up) is in a block format the kernels multiply
 (engine.kernels.gguf_blocks) and the blocks' values are exactly the weights transformers loaded from the conversion.
 llama.cpp's converter stores a Llama q / k projection with each head's rows interleaved (the two halves of the
 rotary dimensions alternate); transformers undoes that when it loads, so the rows are taken in the same order here:
@@ -25,16 +27,63 @@ def _gguf_rows(blocks: GGUFMatrix, hf_weight: torch.Tensor, heads: int | None) -
     values = blocks.dequantize()
     orders = [None]
     if heads and blocks.rows % (2 * heads) == 0:
-        half = blocks.rows // heads // 2
-        # model row (h, j, i) is stored at row (h, i, j) of [heads, half, 2]
-        orders.append(torch.arange(blocks.rows).view(heads, half, 2).transpose(1, 2).reshape(-1))
+        orders.append(deinterleaved(blocks.rows, heads))
     for order in orders:
         if torch.equal(values if order is None else values[order], expected):
             return blocks if order is None else blocks.select_rows(order)
     return None
 
 
-class GGUFHolder:
+def deinterleaved(rows: int, heads: int) -> torch.Tensor:
+    """The stored row of each model row of a q / k projection llama.cpp's converter interleaved: model row (h, j, i)
+    is stored at row (h, i, j) of [heads, rows / heads / 2, 2]."""
+    return torch.arange(rows).view(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)
+
+
+class _Held:
+    formats: set[str]  # held
+    converted: set[str]  # in the file, in formats not held (they stay as the model loaded them)
+
+    def summary(self) -> str | None:
+        """What is held, for the weights line: "GGUF Q4_1 + Q8_0" (+ "; F16 converted" for formats in the file that
+        are not held); None when nothing is."""
+        if not self.formats:
+            return None
+        held = "GGUF " + " + ".join(sorted(self.formats))
+        return held + (f"; {', '.join(sorted(self.converted))} converted" if self.converted else "")
+
+
+class GGUFBlocks(_Held):
+    """The matrices engine.models.gguf_load kept as the file's blocks (their rows in the model's order), by GGUF
+    tensor name: the model's own parameters for them are empty until hold_gguf takes them all."""
+
+    def __init__(self, matrices: dict[str, GGUFMatrix], names: set[str], converted: set[str]):
+        self.matrices = matrices
+        self.names = names  # every tensor in the file
+        self.formats: set[str] = set()
+        self.converted = converted
+        self.taken: set[str] = set()
+
+    def has(self, name: str) -> bool:
+        return name in self.names
+
+    def hold(self, names: list[str], weights: list[torch.Tensor], heads: list[int | None]) -> GGUFWeight | None:
+        """The kept matrices `names` stacked as one GGUFWeight, or None where they were loaded as values."""
+        parts = [self.matrices.get(name) for name in names]
+        if any(part is None for part in parts):
+            if any(part is not None for part in parts):
+                raise ValueError(f"{names}: kept in part (engine.models.gguf_load groups these together)")
+            return None
+        self.taken.update(names)
+        self.formats.update(p.format for p in parts)
+        return GGUFWeight(parts)
+
+    def untaken(self) -> list[str]:
+        """Kept matrices no module was pointed at (their parameters are still empty)."""
+        return sorted(set(self.matrices) - self.taken)
+
+
+class GGUFHolder(_Held):
     """The tensors of one GGUF file, read into RAM as blocks on request (the file may go away after loading)."""
 
     def __init__(self, path):
@@ -55,7 +104,7 @@ class GGUFHolder:
             if entry is None or len(entry.shape) != 2:
                 return None
             if entry.type_id not in BY_TYPE:
-                self.converted.add(_type_name(entry.type_id))
+                self.converted.add(type_name(entry.type_id))
                 return None
             cols, rows = entry.shape  # innermost first
             raw = torch.from_numpy(np.array(self._file[entry.offset:entry.offset + entry.nbytes]))  # a copy in RAM
@@ -66,16 +115,9 @@ class GGUFHolder:
         self.formats.update(p.format for p in parts)
         return GGUFWeight(parts)
 
-    def summary(self) -> str | None:
-        """What is held, for the weights line: "GGUF Q4_1 + Q8_0" (+ "; F16 converted" for formats in the file that
-        are not held); None when nothing is."""
-        if not self.formats:
-            return None
-        held = "GGUF " + " + ".join(sorted(self.formats))
-        return held + (f"; {', '.join(sorted(self.converted))} converted" if self.converted else "")
 
 
-def _type_name(type_id: int) -> str:
+def type_name(type_id: int) -> str:
     from gguf import GGMLQuantizationType
 
     try:

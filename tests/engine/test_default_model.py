@@ -204,7 +204,9 @@ def test_plain_cache_reproduces_transformers_logits_on_the_default_model(default
         assert adapter.packed_format(model.hf_model) is None
     else:
         assert adapter.packed_format(model.hf_model) in ("GGUF Q4_1 + Q8_0", "bf16")
-    reference_model = AutoModelForCausalLM.from_pretrained(model.info.folder, dtype=torch.float32,
+    from engine.loader import resolve_source
+
+    reference_model = AutoModelForCausalLM.from_pretrained(resolve_source("default").path, dtype=torch.float32,
                                                            attn_implementation="sdpa").eval()
     if adapter.packed_format(model.hf_model) == "bf16":
         with torch.no_grad():

@@ -21,7 +21,12 @@ def test_weights_as_held_bf16_int8_int4():
     assert fit.weight_bytes(eight_gb, kind="safetensors") == eight_gb
     assert fit.weight_bytes(eight_gb, kind="safetensors", weight_quant="int8") == pytest.approx(eight_gb / 2 * 1.0625)
     assert fit.weight_bytes(eight_gb, kind="safetensors", weight_quant="int4") < eight_gb / 3
-    assert fit.weight_bytes(4_500_000_000, kind="gguf", file_name="x.Q4_K_M.gguf") == 16 * 10**9  # 8B params, bf16
+    # a GGUF in a type the CPU kernels hold: its own bytes on a CPU; bf16 on a GPU (8B params), or in a type not held
+    assert fit.weight_bytes(4_500_000_000, kind="gguf", file_name="x.Q4_K_M.gguf") == 4_500_000_000
+    assert fit.weight_bytes(4_500_000_000, kind="gguf", file_name="x.Q4_K_M.gguf", device="cuda") == 16 * 10**9
+    assert fit.weight_bytes(5_500_000_000, kind="gguf", file_name="x.Q5_0.gguf") == 16 * 10**9
+    assert fit.weight_bytes(4_500_000_000, kind="gguf", file_name="x.Q4_K_M.gguf", weight_quant="int8") == \
+        pytest.approx(8 * 10**9 * 1.0625)
     assert fit.weight_bytes(1, kind="gguf", params=1000) == 2000
 
 

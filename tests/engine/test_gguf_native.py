@@ -1,8 +1,11 @@
 """A GGUF file's matrices held in their own block formats by the decoder (adapter.hold_gguf) and multiplied by the
-fused decode step and the prefill (engine.kernels.gguf_blocks.GGUFWeight): the values are exactly the converted
-weights transformers loads (llama.cpp's interleaved q / k rows put back in order), a layer's q, k and v in three
-different formats make one matrix, a format not held falls back to bf16 and says so, and a tensor whose values are
-not the model's is not held. The header reader (engine.gguf.tensor_index) against the gguf package's."""
+fused decode step and the prefill (engine.kernels.gguf_blocks.GGUFWeight). Loaded straight from the file
+(engine.models.gguf_load, every CPU load): the blocks kept and the tensors dequantised are exactly the weights of
+transformers' model (llama.cpp's interleaved q / k rows put back in order for a Llama, a Qwen2's as stored), a
+damaged or incomplete file is refused, the default model loads without a float copy of its weights. Loaded from a
+float conversion (adapter.hold_gguf with the file): the values are exactly the converted weights, a layer's q, k
+and v in three different formats make one matrix, a format not held falls back to bf16 and says so, and a tensor
+whose values are not the model's is not held. The header reader (engine.gguf_index) against the gguf package's."""
 
 from __future__ import annotations
 
@@ -29,14 +32,15 @@ LAYER_FORMATS = {"attn_q": "Q4_K", "attn_k": "Q8_0", "attn_v": "Q6_K", "attn_out
                  "ffn_up": "Q4_1", "ffn_down": "Q6_K"}
 
 
-def _llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _llama(arch: str = "llama"):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=256, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=2,
-                         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=512,
-                         tie_word_embeddings=False)
-    return LlamaForCausalLM(config).eval()
+    config, model = (LlamaConfig, LlamaForCausalLM) if arch == "llama" else (Qwen2Config, Qwen2ForCausalLM)
+    config = config(vocab_size=256, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=2,
+                    num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=512,
+                    tie_word_embeddings=False)
+    return model(config).eval()
 
 
 def _interleave(rows: np.ndarray, heads: int) -> np.ndarray:
@@ -44,11 +48,13 @@ def _interleave(rows: np.ndarray, heads: int) -> np.ndarray:
     return rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
-def _gguf_model(tmp_path, *, unheld: str | None = "blk.1.ffn_down", tamper: str | None = None):
-    """A random tiny Llama and a GGUF file of it: each matrix written as blocks of its format (random blocks; the
-    model's weights set to their values, in transformers' row order), `unheld` as F16 (no block format)."""
-    model = _llama()
-    writer = gguf.GGUFWriter(str(tmp_path / "tiny.gguf"), "llama")
+def _gguf_model(tmp_path, *, unheld: str | None = "blk.1.ffn_down", tamper: str | None = None, arch: str = "llama",
+                skip: str | None = None):
+    """A random tiny Llama (or Qwen2: q / k / v biases, rows not interleaved) and a GGUF file of it: each matrix
+    written as blocks of its format (random blocks; the model's weights set to their values, in transformers' row
+    order), `unheld` as F16 (no block format), the norms and biases as F32; `skip` left out of the file."""
+    model = _llama(arch)
+    writer = gguf.GGUFWriter(str(tmp_path / "tiny.gguf"), arch)
     writer.add_block_count(2)
     modules = {}
     for i, layer in enumerate(model.model.layers):
@@ -71,12 +77,21 @@ def _gguf_model(tmp_path, *, unheld: str | None = "blk.1.ffn_down", tamper: str 
             data = blocks_of(fmt, rows, cols, seed=seed)
             qtype = gguf.GGMLQuantizationType[fmt]
             values = gguf.quants.dequantize(data, qtype).reshape(rows, cols).astype(np.float32)
-            if heads:  # the file holds the rows interleaved; the model (as transformers loads it) in order
+            if heads and arch == "llama":  # the file holds the rows interleaved; the model (as loaded) in order
                 data = _interleave(data, heads)
             writer.add_tensor(name + ".weight", data, raw_shape=data.shape, raw_dtype=qtype)
             module.weight.copy_(torch.from_numpy(values))
+            if getattr(module, "bias", None) is not None:
+                module.bias.normal_()
+                writer.add_tensor(name + ".bias", module.bias.detach().numpy())
+        norms = {"output_norm.weight": model.model.norm}
         for i, layer in enumerate(model.model.layers):
-            writer.add_tensor(f"blk.{i}.attn_norm.weight", layer.input_layernorm.weight.detach().numpy())
+            norms[f"blk.{i}.attn_norm.weight"] = layer.input_layernorm
+            norms[f"blk.{i}.ffn_norm.weight"] = layer.post_attention_layernorm
+        for name, norm in norms.items():
+            norm.weight.uniform_(0.5, 1.5)
+            if name != skip:
+                writer.add_tensor(name, norm.weight.detach().numpy())
         if tamper:
             weight = dict((n, m) for n, (m, _) in modules.items())[tamper].weight
             weight[0, 0] += 1e-3  # the model's values are no longer the file's
@@ -159,6 +174,83 @@ def test_a_gguf_is_held_as_its_blocks_and_answers_as_transformers(tmp_path):
     assert (got_int8 - want).abs().max() <= 0.05 * want.abs().max()
 
 
+def _straight(path, reference, hold: bool = True):
+    from engine.models.gguf_load import load_gguf_model
+
+    return load_gguf_model(path, copy.deepcopy(reference.config), hold=hold)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_gguf_loads_straight_from_the_file_exactly(tmp_path, arch):
+    """Read straight from the file (engine.models.gguf_load: no float copy of a held matrix is ever made): the
+    blocks kept and everything dequantised are exactly the values of transformers' model, q / k rows in its order
+    (llama.cpp interleaves a Llama's, a Qwen2's are as stored), and the model answers as the reference does."""
+    reference, path = _gguf_model(tmp_path, arch=arch)
+    exact = copy.deepcopy(reference)
+    model, blocks = _straight(path, reference)
+    kept = {f"blk.{i}.{n}.weight" for i in (0, 1) for n in LAYER_FORMATS} - {"blk.1.ffn_down.weight"}
+    assert set(blocks.matrices) == kept | {"token_embd.weight", "output.weight"}
+    meta = {n for n, p in model.named_parameters() if p.is_meta}
+    assert len(meta) == len(kept) + 2  # the kept matrices' parameters are empty, nothing else
+    adapter.install(model, pack_rounding=True, gguf=blocks)
+    assert adapter.packed_format(model) == "GGUF Q4_0 + Q4_1 + Q4_K + Q5_K + Q6_K + Q8_0; F16 converted, others as bf16"
+    assert not any(p.is_meta for p in model.parameters())
+    w = adapter.runtime(model).decoder.w
+    ref = reference.model.layers[0].self_attn
+    assert torch.equal(w.layers[0].qkv.dense(), torch.cat([ref.q_proj.weight, ref.k_proj.weight,
+                                                           ref.v_proj.weight]).detach())
+    if arch == "qwen2":
+        assert torch.equal(w.layers[0].qkv_bias, torch.cat([ref.q_proj.bias, ref.k_proj.bias, ref.v_proj.bias]))
+    with torch.no_grad():  # the F16 matrix as the model holds it: rounded to bf16
+        down = reference.model.layers[1].mlp.down_proj.weight
+        down.copy_(down.bfloat16().float())
+    ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(1))
+    with float_activations():
+        got = _run(model, ids, 16)
+    with torch.no_grad():
+        want = reference(ids).logits
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (got - want).abs().max()
+
+    plain, none_kept = _straight(path, exact, hold=False)
+    assert not none_kept.matrices
+    values = plain.state_dict()
+    for name, tensor in exact.state_dict().items():
+        assert torch.equal(values[name], tensor), name  # every weight dequantised exactly (F16 included)
+
+
+def test_a_damaged_or_incomplete_gguf_is_refused_when_loaded_straight(tmp_path):
+    from engine.errors import ModelLoadError
+    from engine.gguf_index import tensor_index
+
+    reference, path = _gguf_model(tmp_path)
+    data = bytearray(path.read_bytes())
+    index = tensor_index(path)
+    bad = tmp_path / "nan.gguf"
+    for name, nan in (("blk.0.attn_output.weight", np.float16), ("blk.1.ffn_norm.weight", np.float32)):
+        broken = bytearray(data)  # the first scale of a Q4_0 matrix; the first value of an F32 norm
+        at = index[name].offset
+        broken[at:at + np.dtype(nan).itemsize] = np.array([np.nan], dtype=nan).tobytes()
+        bad.write_bytes(bytes(broken))
+        with pytest.raises(ModelLoadError, match=r"not numbers .*" + name.replace(".", r"\.")) as err:
+            _straight(bad, reference)
+        assert err.value.reason == "corrupt"
+    (tmp_path / "cut").mkdir()
+    reference, path = _gguf_model(tmp_path / "cut", skip="output_norm.weight")
+    with pytest.raises(ModelLoadError, match="no tensor for the model's model.norm.weight") as err:
+        _straight(path, reference)
+    assert err.value.reason == "corrupt"
+
+
+def test_blocks_loaded_straight_must_all_be_held(tmp_path):
+    """A model loaded straight from its GGUF has empty parameters where blocks were kept: an install that does not
+    hold them (here: packing off) fails loudly instead of leaving them empty (engine.model then loads the float
+    conversion)."""
+    reference, path = _gguf_model(tmp_path)
+    model, blocks = _straight(path, reference)
+    with pytest.raises(ValueError, match="not all held"):
+        adapter.install(model, pack=False, gguf=blocks)
+
+
 def test_a_tensor_that_is_not_the_models_is_not_held(tmp_path):
     model, path = _gguf_model(tmp_path, unheld=None, tamper="blk.0.attn_k")
     adapter.install(model, pack_rounding=True, gguf=path)
@@ -183,7 +275,9 @@ def test_the_default_model_holds_its_gguf_exactly(default_model):
     assert all(isinstance(m, GGUFWeight) for layer in w.layers for m in (layer.qkv, layer.o, layer.gate_up,
                                                                           layer.down))
     assert w.embed is w.lm_head and w.lm_head.formats == ["Q8_0"]
-    converted = load_file(str(default_model.info.folder) + "/model.safetensors")
+    from engine.loader import resolve_source
+
+    converted = load_file(str(resolve_source("default").path / "model.safetensors"))  # transformers' conversion
     for i in (0, 17, 29):
         qkv = torch.cat([converted[f"model.layers.{i}.self_attn.{p}_proj.weight"] for p in "qkv"])
         assert torch.equal(w.layers[i].qkv.dense(), qkv)
@@ -192,3 +286,43 @@ def test_the_default_model_holds_its_gguf_exactly(default_model):
     assert torch.equal(w.embed.rows(torch.tensor([0, 5, 49151])), embed[[0, 5, 49151]])
     file_bytes = sum(e.nbytes for e in tensor_index(default_gguf()).values())
     assert file_bytes <= default_model.weights_bytes < file_bytes + 4096
+
+
+_LOAD_PEAK = """
+def peak():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM"):
+            return int(line.split()[1]) * 1024
+import torch, transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from engine import DSV41Config, DSV41Model
+before = peak()
+model = DSV41Model.from_pretrained(DSV41Config())
+print(before, peak(), model.info.weight_storage)
+"""
+
+
+@pytest.mark.model
+def test_the_default_model_loads_without_a_float_copy_of_its_weights(default_model):
+    """Straight from the GGUF, the load adds less to the process's peak memory than one float32 copy of the weights
+    would (measured: +265 MB, the tokenizer and the 97 MB of blocks; loading the float32 conversion added 1.3 GB)."""
+    import math
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from engine.gguf_index import tensor_index
+
+    if not Path("/proc/self/status").exists():
+        pytest.skip("no /proc on this system")
+    if adapter.packed_format(default_model.hf_model) != "GGUF Q4_1 + Q8_0":
+        pytest.skip("the default model is loaded another way here (DSV41_GGUF_BLOCKS=0)")
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-c", _LOAD_PEAK], capture_output=True, text=True, env=env, timeout=300,
+                         check=True).stdout.split()
+    before, after = int(out[0]), int(out[1])
+    float32_bytes = 4 * sum(math.prod(e.shape) for e in tensor_index(default_gguf()).values())
+    assert out[2:] == ["GGUF", "Q4_1", "+", "Q8_0"]
+    assert after - before < 0.75 * float32_bytes, (after - before) / 2**20

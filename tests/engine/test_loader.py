@@ -19,12 +19,30 @@ def test_default_model_is_converted_once_and_reloads_fast(default_model):
     (The fixture's own load may have been the first conversion on a fresh machine, so it is not timed.)"""
     import time
 
-    first = resolve_source("default")
-    assert (first.path / "model.safetensors").is_file() and (first.path / ".complete").is_file()
+    first = resolve_source("default", weights=False)
+    assert Path(default_model.info.folder) == first.path
+    assert (first.path / "config.json").is_file() and (first.path / ".complete").is_file()
     started = time.perf_counter()
-    assert resolve_source("default").path == first.path
+    assert resolve_source("default", weights=False).path == first.path
     assert time.perf_counter() - started < 1.0  # already converted: no second conversion
     assert default_model.info.source_kind == "default"
+
+
+def test_on_the_cpu_a_gguf_is_converted_without_its_weights(tmp_path, monkeypatch):
+    """A first start on the CPU writes the default model's config and tokenizer only (its weights are read from the
+    GGUF: engine.models.gguf_load); a float32 copy of the weights is written when a load needs one (bitsandbytes,
+    a GPU), into the same folder."""
+    monkeypatch.setenv("DSV41_CACHE_DIR", str(tmp_path / "cache"))
+    folder = resolve_source("default", weights=False).path
+    names = {p.name for p in folder.iterdir()}
+    assert {"config.json", "tokenizer.json", "generation_config.json", ".complete"} <= names
+    assert not any(name.endswith(".safetensors") for name in names)
+    assert json.loads((folder / "dsv41_source.json").read_text())["weights"] is False
+    from engine.loader import load_gguf
+
+    model, tokenizer, blocks = load_gguf(folder, default_gguf_path(), dtype=__import__("torch").float32, hold=True)
+    assert tokenizer.chat_template and model.config.num_hidden_layers == 30
+    assert len(blocks.matrices) == 30 * 7 + 1  # every decoder matrix and the tied embedding kept as blocks
 
 
 def test_the_default_conversion_knows_its_gguf_was_quantized(default_model, tmp_path):
@@ -166,7 +184,11 @@ def test_cuda_device_without_gpu_is_a_clear_error():
 def test_quantized_default_model_is_smaller_and_answers(default_model, quant, max_fraction):
     model = DSV41Model.from_pretrained(DSV41Config(weight_quant=quant, max_seq_len=2048))
     assert model.info.weight_quant == quant
-    float32_bytes = (Path(default_model.info.folder) / "model.safetensors").stat().st_size  # the conversion
+    import math
+
+    from engine.gguf_index import tensor_index
+
+    float32_bytes = 4 * sum(math.prod(e.shape) for e in tensor_index(default_gguf_path()).values())
     assert model.weights_bytes < max_fraction * float32_bytes
     reply = model.generate("What is the capital of France?", greedy=True, max_new_tokens=24)
     assert "Paris" in reply, reply
@@ -196,10 +218,10 @@ def test_first_load_progress_runs_forward_from_the_conversion_into_the_load(monk
 
     real = loader.resolve_source
 
-    def converting(model_path, *, progress=None):  # as a first start's conversion reports
+    def converting(model_path, *, progress=None, weights=True):  # as a first start's conversion reports
         for fraction in (0.0, 0.3, 0.85, 1.0):
             progress("Converting model (first start only)…", fraction)
-        return real(model_path)
+        return real(model_path, weights=weights)
 
     monkeypatch.setattr(loader, "resolve_source", converting)
     seen = []

@@ -58,15 +58,19 @@ def test_a_folder_with_nan_weights_is_refused(tiny_folder, tmp_path):
     assert err.value.reason == "corrupt"
 
 
-def test_a_damaged_conversion_cached_earlier_is_removed(tiny_folder, tmp_path, cache_dir):
-    """A conversion made before damage was checked is refused at load and removed, so the next start
-    converts the file again."""
+def test_a_damaged_conversion_cached_earlier_is_removed(tmp_path, cache_dir):
+    """A conversion in the cache that is damaged (its config, which a load straight from the GGUF reads beside the
+    file's weights) is refused at load and removed, so the next start converts the file again."""
+    import shutil
+
     gguf = tmp_path / "model.gguf"
-    gguf.write_bytes(b"GGUF stand-in: the conversion below is what gets loaded")
+    shutil.copy(loader.default_gguf_path(), gguf)
     target = cache_dir / "models" / _gguf_key(gguf)
-    nan_folder(tiny_folder, target)
-    (target / "dsv41_source.json").write_text(json.dumps({"gguf": str(gguf), "quantized": False}))
+    target.mkdir(parents=True)
+    (target / "config.json").write_text("{ this is not json")
+    (target / "dsv41_source.json").write_text(json.dumps({"gguf": str(gguf), "quantized": True, "weights": False}))
     (target / ".complete").write_text("ok")
-    with pytest.raises(ModelLoadError, match="damaged"):
+    with pytest.raises(ModelLoadError, match="damaged.*load the model again") as err:
         DSV41Model.from_pretrained(DSV41Config(model_path=str(gguf)))
+    assert err.value.reason == "corrupt"
     assert not target.exists()
