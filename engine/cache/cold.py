@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from ..kernels import cache_ops
 from ..kernels.quant import quantize_int8
 from .policies.ced import span_ranking
 from .storage import BLOCK_TOKENS, LayerKV, Rows, _round_up
@@ -160,6 +161,15 @@ class ColdLayer:
         leave below it, so a recall moves M entries per head, not the whole tier (the tier has no order: a
         recall ranks by score and position)."""
         n, m = self.length, index.shape[1]
+        names = self._names()
+        moved = cache_ops.take_rows([getattr(self, name) for name in names], index, n)
+        if moved is not None:  # one C call for every tensor (engine.kernels.rows); the same layout as below
+            got = dict(zip(names, moved, strict=True))
+            self.length = n - m
+            keys, values = got["keys"], got["values"]
+            if self.int8:
+                keys, values = keys.float() * got["key_scales"], values.float() * got["value_scales"]
+            return keys, values, got["positions"], got["scores"]
         picked = Rows(index, self.capacity)
         taken = (self._read(self.keys, self.key_scales, picked), self._read(self.values, self.value_scales, picked),
                  picked.gather(self.positions), picked.gather(self.scores))
@@ -223,11 +233,15 @@ def recall_mass(query: torch.Tensor, hot_keys: torch.Tensor, cold_keys: torch.Te
     # [h, G * Tq, d], query i of each head at row g * Tq + i; the scaling folded into the queries once
     q = query.float().reshape(h, -1, query.shape[-1]) * scaling
     hot = torch.matmul(q, hot_keys.float().transpose(1, 2))
+    cold = torch.matmul(q, cold_keys.float().transpose(1, 2))
+    lc = hot_log_counts.float().contiguous() if hot_log_counts is not None else None
+    mass = cache_ops.recall_softmax(hot, cold, lc, tq)  # the rest in one C pass per row (engine.kernels.cache_ops)
+    if mass is not None:
+        return mass
     if hot_log_counts is not None:
         hot += hot_log_counts[:, None, :]
     future = torch.ones(tq, tq, dtype=torch.bool, device=hot.device).triu(1)
     hot[:, :, s - tq:].masked_fill_(future.repeat(q.shape[1] // tq, 1)[None], float("-inf"))
-    cold = torch.matmul(q, cold_keys.float().transpose(1, 2))
     # one softmax over both, per query row, with one exp per logit: cold entry j's share is
     # exp(cold_j - top) / (sum exp(hot - top) + sum exp(cold - top))
     # (in place: a fresh [h, G * Tq, C] tensor per operation costs more than the operation on this CPU)

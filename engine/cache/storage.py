@@ -21,6 +21,7 @@ import math
 
 import torch
 
+from ..kernels import cache_ops
 from ..kernels.quant import quantize_int8
 
 BLOCK_TOKENS = 256
@@ -185,15 +186,22 @@ class LayerKV:
         if m == 0:
             return
         n = self.length
-        order = torch.cat([self.positions[:, :n], positions.to(torch.int32)], dim=1).argsort(dim=1, stable=True)
         self.ensure_capacity(n + m)
-        # the new entries go past the stored ones first, then every tensor is put in position order in one gather
         new = {"positions": positions, "scores": scores}
         if self.int8:
             new["keys"], new["key_scales"] = quantize_int8(keys)
             new["values"], new["value_scales"] = quantize_int8(values)
         else:
             new["keys"], new["values"] = keys, values
+        names = self._tensors()
+        # one C call merges the new rows of every tensor into position order (engine.kernels.rows; it checks
+        # everything before it writes); else through torch: the new entries go past the stored ones first, then
+        # every tensor is put in position order in one gather
+        if cache_ops.insert_rows([getattr(self, name) for name in names], self.positions, positions,
+                                   [new.get(name) for name in names], n):
+            self.length = n + m
+            return
+        order = torch.cat([self.positions[:, :n], positions.to(torch.int32)], dim=1).argsort(dim=1, stable=True)
         order = Rows(order, self.capacity)
         merged = {}
         try:

@@ -1381,3 +1381,220 @@ void dsv41_step_matrices(const StepModel *m, const StepLayer *layers, float *log
     }
     mv(&m->lm_head, hbuf, logits, D, 0, threads);
 }
+
+/* ---------------------------------------------------------------------------------------------------------
+ * Rows of a cache layer moved in place (engine/kernels/rows.py). A layer (hot or cold) keeps several tensors
+ * laid out [heads, capacity, row] with one capacity for all (keys, values, their int8 scales, positions,
+ * scores, ...); a recall moves a few rows of every one of them per head. Through torch each move is one
+ * operation per tensor and per step, ~30 us apiece on this kind of machine, which made the moves most of a
+ * recall; here one call moves every tensor's rows. Plain memcpy of whole rows: bit-exact, any dtype.
+ */
+
+/* Take rows `index` [heads, m] (distinct per head, each < n) out of the first n rows of every tensor: copy them
+ * to outs[t] [heads, m, row] in index order, then fill the holes they leave below n - m with the rows at or past
+ * n - m that stay, both in ascending order (the layout the torch path in engine/cache/cold.py makes). Returns 0,
+ * or -1 for an index out of range or repeated (nothing written). */
+int dsv41_rows_take(int64_t heads, int64_t capacity, int64_t n, int64_t m, const int64_t *index, int count,
+                    char *const *bases, const int64_t *row_bytes, char *const *outs) {
+    if (m < 0 || m > n || n > capacity) return -1;
+    unsigned char *gone = calloc((size_t)(heads * (n > 0 ? n : 1)), 1);
+    if (!gone) return -2;
+    for (int64_t h = 0; h < heads; h++)
+        for (int64_t j = 0; j < m; j++) {
+            int64_t i = index[h * m + j];
+            if (i < 0 || i >= n || gone[h * n + i]) { free(gone); return -1; }
+            gone[h * n + i] = 1;
+        }
+    int64_t rest = n - m;
+    for (int64_t h = 0; h < heads; h++) {
+        for (int t = 0; t < count; t++) {
+            int64_t rb = row_bytes[t];
+            const char *base = bases[t] + h * capacity * rb;
+            for (int64_t j = 0; j < m; j++) memcpy(outs[t] + (h * m + j) * rb, base + index[h * m + j] * rb, rb);
+        }
+        const unsigned char *g = gone + h * n;
+        int64_t hole = 0, mover = rest;
+        for (;;) {
+            while (hole < rest && !g[hole]) hole++;
+            if (hole >= rest) break;
+            while (mover < n && g[mover]) mover++;  /* as many staying rows at or past rest as holes below it */
+            for (int t = 0; t < count; t++) {
+                int64_t rb = row_bytes[t];
+                char *base = bases[t] + h * capacity * rb;
+                memcpy(base + hole * rb, base + mover * rb, rb);
+            }
+            hole++;
+            mover++;
+        }
+    }
+    free(gone);
+    return 0;
+}
+
+/* Insert m new rows per head among the first n rows of every tensor so that each head stays in position order:
+ * positions [heads, capacity] int32 is the layer's (one of the tensors too), new_positions [heads, m] the new
+ * rows'; news[t] [heads, m, row] holds tensor t's new rows (NULL: zeros). Ties keep the stored rows first, the
+ * new ones in their given order (as a stable sort of stored then new would). Needs n + m <= capacity. Returns 0,
+ * or -1 / -2 (bad sizes, no memory for the sort) before anything is written. */
+int dsv41_rows_insert(int64_t heads, int64_t capacity, int64_t n, int64_t m, const int32_t *positions,
+                      const int32_t *new_positions, int count, char *const *bases, const int64_t *row_bytes,
+                      const char *const *news) {
+    if (m < 0 || n < 0 || n + m > capacity) return -1;
+    if (m == 0) return 0;
+    int64_t *order = malloc((size_t)m * sizeof(int64_t));
+    if (!order) return -2;
+    for (int64_t h = 0; h < heads; h++) {
+        const int32_t *np = new_positions + h * m;
+        for (int64_t j = 0; j < m; j++) {  /* a stable insertion sort of the new rows by position (m is small) */
+            int64_t k = j;
+            while (k > 0 && np[order[k - 1]] > np[j]) { order[k] = order[k - 1]; k--; }
+            order[k] = j;
+        }
+        /* merge from the end: slot s is written only after the stored row that was there has been read */
+        int64_t i = n - 1, j = m - 1;
+        for (int64_t s = n + m - 1; j >= 0; s--) {
+            int take_new = i < 0 || np[order[j]] >= positions[h * capacity + i];
+            for (int t = 0; t < count; t++) {
+                int64_t rb = row_bytes[t];
+                char *base = bases[t] + h * capacity * rb;
+                if (!take_new) memmove(base + s * rb, base + i * rb, rb);
+                else if (news[t]) memcpy(base + s * rb, news[t] + (h * m + order[j]) * rb, rb);
+                else memset(base + s * rb, 0, rb);
+            }
+            if (take_new) j--; else i--;
+        }
+    }
+    free(order);
+    return 0;
+}
+
+/* The attention each cold entry would get from a question's queries, given their logits (engine/cache/cold.py:
+ * recall_mass computes the two products with torch, this the rest in one pass per query row, in L1, instead of a
+ * torch operation over the whole [heads, rows, entries] block per step). For kv head h and query row r (query
+ * i = r % tq of its group): one softmax over the hot logits [h, r, :S] (+ hot_lc [h, :S] when given; only the
+ * entries up to S - tq + i: the question's own later tokens are masked) and the cold logits [h, r, :C]; the cold
+ * shares are summed over the rows into mass [h, C]. Returns 0. */
+/* exp_approx on 16 / 8 lanes (the same clamp, reduction and polynomial). */
+#if defined(__AVX512F__)
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
+    __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                    _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+#define LANES 16
+#define VF __m512
+#define VLOAD _mm512_loadu_ps
+#define VSTORE _mm512_storeu_ps
+#define VSET _mm512_set1_ps
+#define VADD _mm512_add_ps
+#define VSUB _mm512_sub_ps
+#define VMUL _mm512_mul_ps
+#define VMAX _mm512_max_ps
+#define VEXP exp16
+#define VHMAX _mm512_reduce_max_ps
+#define VHSUM _mm512_reduce_add_ps
+#elif defined(__AVX2__) && defined(__FMA__)
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.7f));
+    __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x));
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+    __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+static inline float hmax8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+    return _mm_cvtss_f32(m);
+}
+#define LANES 8
+#define VF __m256
+#define VLOAD _mm256_loadu_ps
+#define VSTORE _mm256_storeu_ps
+#define VSET _mm256_set1_ps
+#define VADD _mm256_add_ps
+#define VSUB _mm256_sub_ps
+#define VMUL _mm256_mul_ps
+#define VMAX _mm256_max_ps
+#define VEXP exp8
+#define VHMAX hmax8
+#define VHSUM hsum256
+#endif
+
+/* One query row of the recall's softmax: hot logits hr [seen] (+ lc), cold logits cr [c] (overwritten by their
+ * exp), the cold shares added to acc [c]. */
+static void recall_row(float *hr, const float *lc, int64_t seen, float *cr, int64_t c, float *acc) {
+    float top = -INFINITY, total = 0.f;
+    int64_t j = 0;
+    if (lc)
+        for (j = 0; j < seen; j++) hr[j] += lc[j];
+#ifdef LANES
+    VF best = VSET(-INFINITY), sum = VSET(0.f);
+    for (j = 0; j + LANES <= seen; j += LANES) best = VMAX(best, VLOAD(hr + j));
+    for (; j < seen; j++) top = fmaxf(top, hr[j]);
+    for (j = 0; j + LANES <= c; j += LANES) best = VMAX(best, VLOAD(cr + j));
+    for (; j < c; j++) top = fmaxf(top, cr[j]);
+    top = fmaxf(top, VHMAX(best));
+    VF t = VSET(top);
+    for (j = 0; j + LANES <= seen; j += LANES) sum = VADD(sum, VEXP(VSUB(VLOAD(hr + j), t)));
+    for (; j < seen; j++) total += exp_approx(hr[j] - top);
+    for (j = 0; j + LANES <= c; j += LANES) {
+        VF e = VEXP(VSUB(VLOAD(cr + j), t));
+        VSTORE(cr + j, e);
+        sum = VADD(sum, e);
+    }
+    for (; j < c; j++) {
+        cr[j] = exp_approx(cr[j] - top);
+        total += cr[j];
+    }
+    total += VHSUM(sum);
+    VF inv = VSET(1.f / total);
+    for (j = 0; j + LANES <= c; j += LANES) VSTORE(acc + j, VADD(VLOAD(acc + j), VMUL(VLOAD(cr + j), inv)));
+    for (; j < c; j++) acc[j] += cr[j] / total;
+#else
+    for (j = 0; j < seen; j++) top = fmaxf(top, hr[j]);
+    for (j = 0; j < c; j++) top = fmaxf(top, cr[j]);
+    for (j = 0; j < seen; j++) total += exp_approx(hr[j] - top);
+    for (j = 0; j < c; j++) {
+        cr[j] = exp_approx(cr[j] - top);
+        total += cr[j];
+    }
+    for (j = 0; j < c; j++) acc[j] += cr[j] / total;
+#endif
+}
+
+int dsv41_recall_softmax(int64_t heads, int64_t rows, int64_t tq, int64_t s, int64_t c, float *hot,
+                         const float *hot_lc, float *cold, float *mass, int threads) {
+    int nt = threads > 0 ? threads : 1;
+    float *partial = calloc((size_t)(nt * c > 0 ? nt * c : 1), sizeof(float));
+    if (!partial) return -2;
+    for (int64_t h = 0; h < heads; h++) {
+        memset(partial, 0, (size_t)(nt * c) * sizeof(float));
+#pragma omp parallel for num_threads(nt) schedule(static)
+        for (int64_t r = 0; r < rows; r++)
+            recall_row(hot + (h * rows + r) * s, hot_lc ? hot_lc + h * s : NULL, s - tq + r % tq + 1,
+                       cold + (h * rows + r) * c, c, partial + (int64_t)omp_get_thread_num() * c);
+        float *out = mass + h * c;
+        memset(out, 0, (size_t)c * sizeof(float));
+        for (int t = 0; t < nt; t++)
+            for (int64_t j = 0; j < c; j++) out[j] += partial[t * c + j];
+    }
+    free(partial);
+    return 0;
+}

@@ -137,6 +137,12 @@ def build(extra_flags: tuple[str, ...] = ()) -> KernelLibrary:
     lib.dsv41_mv_gguf.restype = cint
     lib.dsv41_gguf_int8_x.argtypes = [cint]
     lib.dsv41_gguf_int8_x.restype = cint
+    lib.dsv41_rows_take.argtypes = [i64, i64, i64, i64, ptr, cint, ptr, ptr, ptr]
+    lib.dsv41_rows_take.restype = cint
+    lib.dsv41_rows_insert.argtypes = [i64, i64, i64, i64, ptr, ptr, cint, ptr, ptr, ptr]
+    lib.dsv41_rows_insert.restype = cint
+    lib.dsv41_recall_softmax.argtypes = [i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, cint]
+    lib.dsv41_recall_softmax.restype = cint
     if os.environ.get("DSV41_GGUF_INT8_X") == "1":  # Q4 products on int8-rounded x (gguf_blocks.int8_activations)
         lib.dsv41_gguf_int8_x(1)
     _bind_step(lib)

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from engine import kernels
 from engine.cache import CacheSettings, DSV41Cache
 from engine.cache.cold import ColdLayer
 from engine.cache.storage import LayerKV
@@ -157,6 +158,70 @@ def test_cold_layer_take_keeps_every_other_entry_whole(int8, taken):
             assert float(cold.scores[h, i]) == score
 
 
+def _no_row_kernels(monkeypatch):
+    from engine.kernels import cache_ops as rows
+
+    monkeypatch.setattr(rows, "take_rows", lambda *a, **k: None)
+    monkeypatch.setattr(rows, "insert_rows", lambda *a, **k: False)
+
+
+def _layer_state(layer, names, length):
+    return {name: getattr(layer, name)[:, :length].clone() for name in names}
+
+
+@pytest.mark.skipif(kernels.load() is None, reason=f"CPU kernels: {kernels.unavailable_reason()}")
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("taken", [1, 13, 40])
+def test_the_row_kernels_move_a_recall_exactly_as_torch_does(monkeypatch, int8, taken):
+    """A take out of the cold tier and the insert into the hot set through one C call each (engine.kernels.rows)
+    leave every tensor of both layers bit-equal to the torch path's (rows, order, scales, CSA2 side cache,
+    zeroed merge counts), with ties between stored and recalled positions kept stored-first."""
+    @torch.inference_mode()
+    def run():
+        g = torch.Generator().manual_seed(taken + 100 * int8)
+        hot = LayerKV(3, 8, torch.bfloat16, "cpu", int8=int8)
+        hot.append(torch.randn(3, 50, 8, generator=g), torch.randn(3, 50, 8, generator=g), torch.arange(50) * 2)
+        hot.scores[:, :50] = torch.rand(3, 50, generator=g)
+        hot.log_counts[:, :50] = torch.rand(3, 50, generator=g)
+        hot.projected_keys = torch.randn(3, hot.capacity, 4, generator=g)
+        cold = ColdLayer(3, 8, torch.float32, "cpu", int8=int8)
+        cold.add(hot, torch.stack([torch.randperm(50, generator=g)[:40].sort().values for _ in range(3)]))
+        cold.positions[:, :5] += 1  # odd positions (between the hot set's) beside equal ones (ties)
+        index = torch.stack([torch.randperm(40, generator=g)[:taken] for _ in range(3)])
+        keys, values, positions, scores = cold.take(index)
+        hot.insert(keys, values, positions, scores)
+        return (cold.length, _layer_state(cold, cold._names(), cold.length), hot.length,
+                _layer_state(hot, hot._tensors(), hot.length), keys, values, positions, scores)
+
+    from engine.kernels import cache_ops as rows
+
+    used = []
+
+    def spy(real):
+        def call(*args, **kwargs):
+            result = real(*args, **kwargs)
+            used.append(result is not None and result is not False)
+            return result
+        return call
+
+    for name in ("take_rows", "insert_rows"):
+        monkeypatch.setattr(rows, name, spy(getattr(rows, name)))
+    fast = run()
+    assert used == [True, True]  # both moves went through the kernels
+    with monkeypatch.context() as m:
+        _no_row_kernels(m)
+        slow = run()
+    assert fast[0] == slow[0] and fast[2] == slow[2] == 50 + taken
+    for got, want in ((fast[1], slow[1]), (fast[3], slow[3])):
+        assert got.keys() == want.keys()
+        for name in got:
+            assert torch.equal(got[name], want[name]), name
+    for got, want in zip(fast[4:], slow[4:], strict=True):
+        assert torch.equal(got, want)
+    positions = fast[3]["positions"]
+    assert bool((positions[:, 1:] >= positions[:, :-1]).all())  # every head in position order
+
+
 def test_loosening_the_ratio_recalls_from_the_cold_tier_instead_of_re_reading():
     tiered = _cache(cold_tier="ram", cold_tier_dtype="auto")
     _read(tiered, 64, seed=5, window=64)
@@ -303,11 +368,20 @@ def test_a_tiered_reply_attends_to_what_its_question_read_and_the_turn_ends_at_t
         assert other.stored == other.budget() and other.answer_limit is None
 
 
+@pytest.mark.parametrize("path", ["C", "torch"])
 @pytest.mark.parametrize("merged", [False, True])
-def test_recall_mass_is_each_cold_entrys_share_of_one_softmax_over_hot_and_cold(merged):
+def test_recall_mass_is_each_cold_entrys_share_of_one_softmax_over_hot_and_cold(monkeypatch, merged, path):
     """The recall ranks cold entries by the attention they would get if hot: one softmax over the hot entries
-    (causal over the question's own, merge counts as log-biases) and every cold one, summed over the queries."""
+    (causal over the question's own, merge counts as log-biases) and every cold one, summed over the queries --
+    through the C pass per row (engine.kernels.cache_ops.recall_softmax) and through torch alike."""
     from engine.cache.cold import recall_mass
+    from engine.kernels import cache_ops
+
+    if path == "C" and kernels.load() is None:
+        pytest.skip(f"CPU kernels: {kernels.unavailable_reason()}")
+    real, calls = cache_ops.recall_softmax, []
+    monkeypatch.setattr(cache_ops, "recall_softmax",
+                        (lambda *a: calls.append(1) or real(*a)) if path == "C" else (lambda *a: None))
 
     g = torch.Generator().manual_seed(4)
     h, groups, d, s, c, tq = 2, 3, 16, 40, 70, 6
@@ -322,6 +396,7 @@ def test_recall_mass_is_each_cold_entrys_share_of_one_softmax_over_hot_and_cold(
     probs = torch.softmax(torch.cat([hot_logits, q @ cold.double().transpose(1, 2) * 0.25], dim=-1), dim=-1)
     assert torch.allclose(got.double(), probs[..., s:].sum(dim=1), atol=1e-5)
     assert got.shape == (h, c) and float(got.sum()) <= h * groups * tq + 1e-4
+    assert calls == ([1] if path == "C" else [])
 
 
 def test_a_cache_with_the_cold_tier_is_freed_as_soon_as_it_is_dropped():

@@ -1,0 +1,101 @@
+"""The cache's per-layer operations in C (cpu_kernels.c): rows moved (dsv41_rows_take, dsv41_rows_insert) and the
+recall's softmax (dsv41_recall_softmax).
+
+A layer (the hot set's LayerKV, the cold tier's ColdLayer) keeps several tensors laid out [heads, capacity, ...]
+with one capacity for all. A question's recall takes a few rows per head out of the cold tier and inserts them in
+position order into the hot set: through torch that is a few operations per tensor (~30 us each on a 2-core
+machine), which made the moves half of a recall (1.4 + 0.9 ms a layer at 4k tokens); one call here moves every
+tensor's rows by memcpy (bit-exact, any dtype). The recall's ranking, one softmax per query row over hot and cold
+logits summed over the rows, runs in one pass per row (in L1) instead of torch operations over the whole block.
+Each returns None / False where it does not apply (no kernels, a GPU tensor, another layout), and the caller
+runs the torch path as before; tests compare the two.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from .library import load
+
+
+def _layout(tensors: list[torch.Tensor], capacity: int) -> list[int] | None:
+    """Bytes per row of each tensor, or None unless all are contiguous CPU tensors [heads, capacity, ...]."""
+    heads = tensors[0].shape[0]
+    out = []
+    for t in tensors:
+        if t.device.type != "cpu" or not t.is_contiguous() or t.dim() < 2 or t.shape[:2] != (heads, capacity):
+            return None
+        out.append(t[0, 0].numel() * t.element_size())
+    return out
+
+
+def _pointers(tensors) -> ctypes.Array:
+    return (ctypes.c_void_p * len(tensors))(*[None if t is None else t.data_ptr() for t in tensors])
+
+
+def take_rows(tensors: list[torch.Tensor], index: torch.Tensor, n: int) -> list[torch.Tensor] | None:
+    """Take rows `index` [heads, m] (distinct per head, < n) out of the first n rows of every tensor: returned as
+    [heads, m, ...] each, in index order; the holes they leave below n - m are filled with the rows at or past
+    n - m that stay, in ascending order. None where the kernels do not apply."""
+    lib = load()
+    capacity = tensors[0].shape[1]
+    sizes = _layout(tensors, capacity) if lib is not None else None
+    if sizes is None or index.device.type != "cpu":
+        return None
+    heads, m = index.shape
+    index = index.to(torch.int64).contiguous()
+    outs = [torch.empty((heads, m, *t.shape[2:]), dtype=t.dtype) for t in tensors]
+    status = lib.lib.dsv41_rows_take(heads, capacity, n, m, index.data_ptr(), len(tensors), _pointers(tensors),
+                                     (ctypes.c_int64 * len(sizes))(*sizes), _pointers(outs))
+    if status != 0:
+        raise ValueError(f"taking rows failed ({status}): an index out of range or repeated")
+    return outs
+
+
+def insert_rows(tensors: list[torch.Tensor], positions: torch.Tensor, new_positions: torch.Tensor,
+                news: list[torch.Tensor | None], n: int) -> bool:
+    """Insert m rows per head among the first n rows of every tensor so each head stays in position order
+    (`positions` [heads, capacity] int32, one of `tensors`; ties: stored rows first). news[i] [heads, m, ...] holds
+    tensors[i]'s new rows, None for zeros. Needs n + m <= capacity. False where the kernels do not apply."""
+    lib = load()
+    capacity = tensors[0].shape[1]
+    sizes = _layout(tensors, capacity) if lib is not None else None
+    if sizes is None or positions.dtype != torch.int32 or not any(positions is t for t in tensors):
+        return False
+    heads, m = new_positions.shape
+    new_positions = new_positions.to(device="cpu", dtype=torch.int32).contiguous()
+    rows = []
+    for tensor, new in zip(tensors, news, strict=True):
+        if new is not None:
+            new = new.to(device="cpu", dtype=tensor.dtype).contiguous().view(heads, m, *tensor.shape[2:])
+        rows.append(new)
+    status = lib.lib.dsv41_rows_insert(heads, capacity, n, m, positions.data_ptr(), new_positions.data_ptr(),
+                                       len(tensors), _pointers(tensors), (ctypes.c_int64 * len(sizes))(*sizes),
+                                       _pointers(rows))
+    if status != 0:
+        raise ValueError(f"inserting rows failed ({status}): {n} + {m} rows do not fit {capacity}")
+    return True
+
+
+def recall_softmax(hot: torch.Tensor, cold: torch.Tensor, hot_log_counts: torch.Tensor | None,
+                   tq: int) -> torch.Tensor | None:
+    """mass [h, C]: per kv head, the cold entries' shares of one softmax per query row over the hot logits
+    hot [h, R, S] (+ hot_log_counts [h, S]; row r sees the hot entries up to S - tq + r % tq: the question's own
+    later tokens masked) and the cold logits cold [h, R, C] (overwritten), summed over the R rows. None where the
+    kernels do not apply."""
+    lib = load()
+    tensors = [hot, cold] + ([hot_log_counts] if hot_log_counts is not None else [])
+    if lib is None or any(t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous()
+                          for t in tensors):
+        return None
+    heads, rows, s = hot.shape
+    c = cold.shape[2]
+    mass = torch.empty(heads, c, dtype=torch.float32)
+    status = lib.lib.dsv41_recall_softmax(heads, rows, tq, s, c, hot.data_ptr(),
+                                          None if hot_log_counts is None else hot_log_counts.data_ptr(),
+                                          cold.data_ptr(), mass.data_ptr(), torch.get_num_threads())
+    if status != 0:
+        raise MemoryError("the recall's softmax could not allocate its buffers")
+    return mass
