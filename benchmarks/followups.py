@@ -5,7 +5,8 @@ then asks about the other three facts, one turn each (greedy). Every fact set is
 fact is asked once first and once as a follow-up. Per configuration (policy, hot ratio, cold tier) it records
 the answer of every turn, whether it holds the expected word, hot and cold KV bytes, the recall time and the
 follow-up TTFT; each question asked alone in a fresh, uncompressed chat is the reference of what the model
-knows. Follow-ups are the turns after the first.
+knows. Follow-ups are the turns after the first. The configurations of one hot ratio take turns case by case, so a
+machine whose speed drifts during the run slows them alike (their TTFT ratios are paired).
 
 Usage: python -m benchmarks.followups [--words 640] [--ratios 0.5,0.3,0.2,0.1] [--out results/followups]
        [--no-reference]
@@ -37,21 +38,26 @@ def ask(session, question: str, documents=(), max_new_tokens: int = 24) -> Done:
     return done
 
 
-def run_config(model: DSV41Model, knobs: dict, cases) -> dict:
+def run_case(model: DSV41Model, knobs: dict, case) -> list[dict]:
+    """One case (a document, its facts, the order they are asked in) in a fresh chat at `knobs`."""
     model.config = model.config.replace(**knobs)
+    path, facts, order = case
+    session = model.chat_session()
     turns = []
-    for path, facts, order in cases:
-        session = model.chat_session()
-        for index, fact in enumerate(order):
-            _, question, key = facts[fact]
-            done = ask(session, question, [load_document(str(path))] if index == 0 else [])
-            cache = session.cache
-            turns.append({
-                "document": path.name, "turn": index, "fact": fact, "question": question, "answer": done.text,
-                "right": key in done.text.lower(), "ttft_s": done.stats.ttft_s, "decode_tok_s": done.stats.decode_tok_s,
-                "seen": cache.seen, "hot_bytes": cache.stored_kv_bytes(), "cold_bytes": cache.cold_bytes(),
-                "uncompressed_bytes": cache.uncompressed_bytes(), "recalled": cache.recalled,
-                "recall_s": cache.recall_seconds})
+    for index, fact in enumerate(order):
+        _, question, key = facts[fact]
+        done = ask(session, question, [load_document(str(path))] if index == 0 else [])
+        cache = session.cache
+        turns.append({
+            "document": path.name, "turn": index, "fact": fact, "question": question, "answer": done.text,
+            "right": key in done.text.lower(), "ttft_s": done.stats.ttft_s, "decode_tok_s": done.stats.decode_tok_s,
+            "seen": cache.seen, "hot_bytes": cache.stored_kv_bytes(), "cold_bytes": cache.cold_bytes(),
+            "uncompressed_bytes": cache.uncompressed_bytes(), "recalled": cache.recalled,
+            "recall_s": cache.recall_seconds})
+    return turns
+
+
+def summarise(knobs: dict, turns: list[dict]) -> dict:
     first = [t for t in turns if t["turn"] == 0]
     follow = [t for t in turns if t["turn"] > 0]
     return {"knobs": knobs, "turns": turns, "first_right": sum(t["right"] for t in first), "first_total": len(first),
@@ -59,6 +65,16 @@ def run_config(model: DSV41Model, knobs: dict, cases) -> dict:
             "followup_ttft_s": sorted(t["ttft_s"] for t in follow)[len(follow) // 2] if follow else None,
             "last_hot_bytes": turns[-1]["hot_bytes"], "last_cold_bytes": turns[-1]["cold_bytes"],
             "last_uncompressed_bytes": turns[-1]["uncompressed_bytes"]}
+
+
+def run_configs(model: DSV41Model, configs: list[dict], cases) -> list[dict]:
+    """Every configuration on every case, the configurations taking turns case by case (interleaved: a machine
+    whose speed drifts over the run slows them alike, so their TTFT ratios hold)."""
+    turns: list[list[dict]] = [[] for _ in configs]
+    for case in cases:
+        for i, knobs in enumerate(configs):
+            turns[i] += run_case(model, knobs, case)
+    return [summarise(knobs, t) for knobs, t in zip(configs, turns, strict=True)]
 
 
 def table(payload: dict) -> str:
@@ -130,13 +146,14 @@ def main(argv=None) -> int:
             for fact in range(len(facts)):
                 done = ask(model.chat_session(), facts[fact][1], [load_document(str(path))])
                 alone.append(facts[fact][2] in done.text.lower())
-        rows.append(run_config(model, dict(kv_cache_ratio=1.0, cold_tier="off", ced_policy="ced"), cases))
-    for policy in args.policies.split(","):
-        for ratio in (float(r) for r in args.ratios.split(",")):
-            for tier in args.tiers.split(","):
-                rows.append(run_config(model, dict(kv_cache_ratio=ratio, cold_tier=tier, ced_policy=policy), cases))
-                print(table({"words": args.words, "tokens": rows[0]["turns"][0]["seen"], "alone_right": sum(alone),
-                             "alone_total": len(alone), "rows": rows[-1:]}).splitlines()[-1], flush=True)
+    configs = [] if args.no_reference else [dict(kv_cache_ratio=1.0, cold_tier="off", ced_policy="ced")]
+    configs += [dict(kv_cache_ratio=ratio, cold_tier=tier, ced_policy=policy) for policy in args.policies.split(",")
+                for ratio in (float(r) for r in args.ratios.split(",")) for tier in args.tiers.split(",")]
+    # the configurations of one ratio take turns case by case (run_configs); the ratios run one after another
+    for ratio in dict.fromkeys(c["kv_cache_ratio"] for c in configs):
+        rows += run_configs(model, [c for c in configs if c["kv_cache_ratio"] == ratio], cases)
+        print(table({"words": args.words, "tokens": rows[0]["turns"][0]["seen"], "alone_right": sum(alone),
+                     "alone_total": len(alone), "rows": rows[-1:]}).splitlines()[-1], flush=True)
     payload = {"machine": machine(), "words": args.words, "repetition_penalty": args.repetition_penalty, "tokens": rows[0]["turns"][0]["seen"],
                "alone_right": sum(alone), "alone_total": len(alone), "rows": rows, "elapsed_s": time.time() - started}
     out = Path(args.out)
