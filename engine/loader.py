@@ -271,9 +271,9 @@ def load_model(folder: Path, *, dtype, device: str, device_map: str, weight_quan
     return model, tokenizer
 
 
-def load_gguf(folder: Path, gguf: Path, *, dtype, hold: bool):
-    """Load a GGUF straight from the file on the CPU (engine.models.gguf_load), the config and tokenizer from its
-    converted `folder`. Returns (model, tokenizer, GGUFBlocks) -- the blocks for adapter.install(gguf=...)."""
+def load_gguf(folder: Path, gguf: Path, *, dtype, hold: bool, device: str = "cpu"):
+    """Load a GGUF straight from the file onto `device` (engine.models.gguf_load), the config and tokenizer from
+    its converted `folder`. Returns (model, tokenizer, GGUFBlocks) -- the blocks for adapter.install(gguf=...)."""
     import torch
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
@@ -289,13 +289,14 @@ def load_gguf(folder: Path, gguf: Path, *, dtype, hold: bool):
                              reason="corrupt", source=str(gguf)) from exc
     try:
         check_gguf_file(gguf)
-        model, blocks = load_gguf_model(gguf, config, dtype=dtype, hold=hold)
+        model, blocks = load_gguf_model(gguf, config, dtype=dtype, hold=hold, device=device)
         if (Path(folder) / "generation_config.json").is_file():
             model.generation_config = GenerationConfig.from_pretrained(str(folder))
     except ModelLoadError:
         raise
     except (MemoryError, torch.OutOfMemoryError) as exc:
-        raise ModelLoadError(f"{gguf.name} does not fit in memory. Choose a smaller model or close other programs.",
+        where = "GPU memory. Choose INT8 or INT4 weights, or" if device.startswith("cuda") else "memory."
+        raise ModelLoadError(f"{gguf.name} does not fit in {where} Choose a smaller model or close other programs.",
                              reason="oom", source=str(gguf)) from exc
     except Exception as exc:  # noqa: BLE001
         raise ModelLoadError(f"Could not load {gguf.name}: {type(exc).__name__}: {exc}", reason="load_failed",

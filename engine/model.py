@@ -82,9 +82,12 @@ class DSV41Model:
         # INT8 weights on the CPU: our per-row int8 and kernels (engine.kernels), ~3x faster than
         # bitsandbytes' CPU path; bitsandbytes elsewhere, or where our kernels cannot be built
         own_int8 = config.weight_quant == "int8" and device == "cpu" and kernels.load() is not None
-        # on the CPU a GGUF's weights are read from the file itself (engine.models.gguf_load): its conversion
-        # holds the config and tokenizer only
-        straight = device == "cpu" and (config.weight_quant == "none" or own_int8)
+        # a GGUF's weights are read from the file itself (engine.models.gguf_load), its conversion holds the
+        # config and tokenizer only: on the CPU, and on one GPU with full-precision weights (bitsandbytes and
+        # accelerate's spreading over several GPUs load through transformers, from a float32 conversion)
+        spread = config.device_map == "auto" and device.startswith("cuda") and torch.cuda.device_count() > 1
+        straight = (device == "cpu" and (config.weight_quant == "none" or own_int8)) or \
+            (device.startswith("cuda") and config.weight_quant == "none" and not spread)
         source = loader.resolve_source(config.model_path, progress=convert, weights=not straight)
         resolved = time.perf_counter()
         if progress:
@@ -106,7 +109,8 @@ class DSV41Model:
         hf_model = None
         try:
             if straight and source.gguf is not None:
-                hf_model, tokenizer, held = loader.load_gguf(source.path, source.gguf, dtype=dtype, hold=blocks)
+                hf_model, tokenizer, held = loader.load_gguf(source.path, source.gguf, dtype=dtype, hold=blocks,
+                                                             device=device)
                 try:
                     adapter.install(hf_model, **install, gguf=held if blocks else None)
                 except ValueError as exc:  # a layout our decoder does not hold: load the float conversion

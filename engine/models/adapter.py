@@ -114,11 +114,10 @@ def install(model, *, fast: bool = True, pack: bool = True, pack_rounding: bool 
     weights = decoder_weights(model) if fast else None
     held = hold_gguf(model, weights, gguf) if weights is not None and pack and gguf is not None and \
         pack_format == "bf16" else None
-    if getattr(gguf, "untaken", None) is not None and (held is None or gguf.untaken()):
+    if getattr(gguf, "untaken", None) is not None and gguf.untaken():
         # a model loaded straight from its GGUF (engine.models.gguf_load) whose kept blocks are not all held:
         # parameters would stay empty (a layout our decoder does not cover); the caller loads another way
-        raise ValueError("the GGUF's blocks are not all held by the decoder: "
-                         + (", ".join(gguf.untaken()[:3]) if held else "no decoder for this layout"))
+        raise ValueError("the GGUF's blocks are not all held by the decoder: " + ", ".join(gguf.untaken()[:3]))
     packed = pack_weights(model, weights, rounding=pack_rounding, fmt=pack_format) \
         if weights is not None and pack else None
     if held:

@@ -42,11 +42,14 @@ def _group(name: str) -> str:
     return found.group(1) + ("qkv" if found.group(2).startswith("attn") else "gate_up")
 
 
-def load_gguf_model(path: Path, config, *, dtype: torch.dtype = torch.float32, hold: bool = True):
-    """The causal LM of `config` with the GGUF file's weights, on the CPU; returns (model, GGUFBlocks). With
-    `hold` (and the kernels built) the matrices in block formats stay blocks for adapter.install(gguf=...), whose
-    hold_gguf must then take every one of them; without, every weight is dequantised into `dtype`. Raises
-    ModelLoadError for a file whose tensors do not make the model (missing, wrong shape, not finite numbers)."""
+def load_gguf_model(path: Path, config, *, dtype: torch.dtype = torch.float32, hold: bool = True,
+                    device: str = "cpu"):
+    """The causal LM of `config` with the GGUF file's weights; returns (model, GGUFBlocks). With `hold` (on the
+    CPU, the kernels built) the matrices in block formats stay blocks for adapter.install(gguf=...), whose
+    hold_gguf must then take every one of them; without, every weight is dequantised into `dtype` and put on
+    `device` one tensor at a time (a GPU load needs host memory for the largest tensor only, not for a float copy
+    of the model). Raises ModelLoadError for a file whose tensors do not make the model (missing, wrong shape,
+    not finite numbers)."""
     import gguf
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
@@ -81,6 +84,7 @@ def load_gguf_model(path: Path, config, *, dtype: torch.dtype = torch.float32, h
     for tensor in targets.values():
         groups.setdefault(_group(tensor), []).append(tensor)
     lib = load_kernels()
+    hold = hold and torch.device(device).type == "cpu"
 
     def kept(tensor: str) -> bool:
         return hold and lib is not None and all(
@@ -116,10 +120,13 @@ def load_gguf_model(path: Path, config, *, dtype: torch.dtype = torch.float32, h
             low, high = torch.aminmax(value.reshape(-1))
             if not (bool(torch.isfinite(low)) and bool(torch.isfinite(high))):
                 bad.append(tensor)
-            parameter = torch.nn.Parameter(value.to(dtype), requires_grad=False)
+            parameter = torch.nn.Parameter(value.to(device=device, dtype=dtype), requires_grad=False)
+            del value
             for alias in aliases[id(params[name])]:
                 owner, _, leaf = alias.rpartition(".")
                 model.get_submodule(owner)._parameters[leaf] = parameter
+    if torch.device(device).type != "cpu":
+        model.to(device)  # the buffers (rotary frequencies) the model computed on the CPU
     if bad:
         shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
         raise ModelLoadError(f"{path.name} is damaged: {len(bad)} tensor(s) hold values that are not numbers (NaN "

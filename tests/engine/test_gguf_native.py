@@ -326,3 +326,23 @@ def test_the_default_model_loads_without_a_float_copy_of_its_weights(default_mod
     float32_bytes = 4 * sum(math.prod(e.shape) for e in tensor_index(default_gguf()).values())
     assert out[2:] == ["GGUF", "Q4_1", "+", "Q8_0"]
     assert after - before < 0.75 * float32_bytes, (after - before) / 2**20
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_gguf_loads_straight_onto_a_device_in_its_dtype(tmp_path, device):
+    """Without holding (a GPU; INT8 on the CPU), every weight is dequantised, cast to the load's dtype and put on
+    the device one tensor at a time: the values are the reference model's, cast alike, buffers included."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    reference, path = _gguf_model(tmp_path, arch="qwen2")
+    from engine.models.gguf_load import load_gguf_model
+
+    # holding asked for on the GPU: blocks are held on the CPU only, so it dequantises all the same
+    model, blocks = load_gguf_model(path, copy.deepcopy(reference.config), dtype=torch.bfloat16,
+                                    hold=device != "cpu", device=device)
+    assert not blocks.matrices
+    values = model.state_dict()
+    for name, tensor in reference.state_dict().items():
+        assert values[name].device.type == device and values[name].dtype == torch.bfloat16, name
+        assert torch.equal(values[name].cpu(), tensor.to(torch.bfloat16)), name
+    assert all(b.device.type == device for b in model.buffers())
