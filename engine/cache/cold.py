@@ -148,11 +148,12 @@ class ColdLayer:
         return self._read(self.values, self.value_scales, None if index is None else Rows(index, self.capacity))
 
     def _read(self, data, scales, rows: Rows | None):
+        # widened then scaled in place: one float32 copy, not two (bit-equal)
         if rows is None:
             out = data[:, : self.length]
-            return out.float() * scales[:, : self.length] if scales is not None else out
+            return out.float().mul_(scales[:, : self.length]) if scales is not None else out
         out = rows.gather(data)
-        return out.float() * rows.gather(scales) if scales is not None else out
+        return out.float().mul_(rows.gather(scales)) if scales is not None else out
 
     @torch.inference_mode()
     def take(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -168,7 +169,7 @@ class ColdLayer:
             self.length = n - m
             keys, values = got["keys"], got["values"]
             if self.int8:
-                keys, values = keys.float() * got["key_scales"], values.float() * got["value_scales"]
+                keys, values = keys.float().mul_(got["key_scales"]), values.float().mul_(got["value_scales"])
             return keys, values, got["positions"], got["scores"]
         picked = Rows(index, self.capacity)
         taken = (self._read(self.keys, self.key_scales, picked), self._read(self.values, self.value_scales, picked),
