@@ -1,4 +1,4 @@
-"""A GGUF file loaded straight into a transformers model on the CPU, with no float32 copy of its weights.
+"""A GGUF file loaded straight into a transformers model (on the CPU, or one GPU), with no float32 copy of its weights.
 
 The model is built from its config with empty (meta) parameters (accelerate's init_empty_weights; buffers such as
 the rotary frequencies are computed as usual), then every parameter is read from the file under its GGUF name (the
@@ -76,6 +76,10 @@ def load_gguf_model(path: Path, config, *, dtype: torch.dtype = torch.float32, h
     for name, _ in model.named_parameters():
         stem, _, suffix = name.rpartition(".")
         found = names.get_name(stem)
+        if found is not None and f"{found}.{suffix}" in header.unknown:
+            raise ModelLoadError(f"{path.name}: {found}.{suffix} is stored in a type this gguf package does not "
+                                 "know. Update it (pip install -U gguf) or pick a file in another quantization.",
+                                 reason="unsupported", source=str(path))
         if found is None or f"{found}.{suffix}" not in tensors:
             raise ModelLoadError(f"{path.name} has no tensor for the model's {name}: the file is incomplete or "
                                  "not this architecture's. Re-download it.", reason="corrupt", source=str(path))

@@ -234,6 +234,14 @@ def test_a_damaged_or_incomplete_gguf_is_refused_when_loaded_straight(tmp_path):
         with pytest.raises(ModelLoadError, match=r"not numbers .*" + name.replace(".", r"\.")) as err:
             _straight(bad, reference)
         assert err.value.reason == "corrupt"
+    unknown = bytearray(data)  # output_norm's type id in the header: a type the gguf package does not know
+    name = b"output_norm.weight"
+    at = data.index(name) + len(name) + 4 + 8  # n_dims u32, one dim u64, then the type u32
+    unknown[at:at + 4] = (250).to_bytes(4, "little")
+    bad.write_bytes(bytes(unknown))
+    with pytest.raises(ModelLoadError, match="type this gguf package does not know") as err:
+        _straight(bad, reference)
+    assert err.value.reason == "unsupported"
     (tmp_path / "cut").mkdir()
     reference, path = _gguf_model(tmp_path / "cut", skip="output_norm.weight")
     with pytest.raises(ModelLoadError, match="no tensor for the model's model.norm.weight") as err:
