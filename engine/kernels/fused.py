@@ -59,7 +59,7 @@ class _NotFusable(Exception):
 def _parts(m) -> list[tuple[int, int, int, object, object]]:
     """cpu_kernels.c's MatParts of a decoder matrix: (format, gguf type, rows, data tensor, scale tensor or None)."""
     if isinstance(m, GGUFWeight):
-        return [(MAT_GGUF, p.type_id, p.rows, p.data, None) for p in m.parts]
+        return [(MAT_GGUF, p.kernel_type, p.rows, p.data, None) for p in m.runs]
     if isinstance(m, PackedMatrix):
         return [(MAT_INT8 if m.scale is not None else MAT_BF16, 0, m.shape[0], m.data, m.scale)]
     if isinstance(m, torch.Tensor) and m.dim() == 2 and m.is_contiguous() and m.device.type == "cpu":

@@ -72,13 +72,22 @@ def float_activations():
     return activations(int8=False)
 
 
+# The 32-weight formats also have a "split" row layout (cpu_kernels.c, GGUF_SPLIT): a row's blocks rearranged as
+# [every block's d] [every block's m (Q4_1)] [every block's integers], the same bytes, so the kernels read a row's
+# scales as one vector instead of gathering them from 18-, 20- or 34-byte strides (x1.25-1.45 on the Q4_1 product).
+SPLITTABLE = {2, 3, 8}
+_SPLIT_FLAG = 256
+
+
 @dataclass
 class GGUFMatrix:
-    """A [rows, cols] matrix as GGUF blocks: `data` uint8 [rows, cols / block weights * block bytes]."""
+    """A [rows, cols] matrix as GGUF blocks: `data` uint8 [rows, cols / block weights * block bytes], each row's
+    blocks in the file's order, or in the split layout when `split` (as_split; file_blocks gives the file's)."""
 
     type_id: int
     data: torch.Tensor
     cols: int
+    split: bool = False
 
     def __post_init__(self):
         if self.type_id not in BY_TYPE:
@@ -87,7 +96,32 @@ class GGUFMatrix:
         if self.cols % per or self.data.dtype != torch.uint8 or self.data.dim() != 2 or \
                 self.data.shape[1] != self.cols // per * size:
             raise ValueError(f"{self.format}: {tuple(self.data.shape)} bytes do not hold rows of {self.cols} weights")
+        if self.split and self.type_id not in SPLITTABLE:
+            raise ValueError(f"{self.format} has no split layout")
         self.data = self.data.contiguous()
+
+    @property
+    def kernel_type(self) -> int:
+        """The type as the C kernels take it (the split layout flagged)."""
+        return self.type_id | (_SPLIT_FLAG if self.split else 0)
+
+    def _rearranged(self, to_split: bool, library=None) -> torch.Tensor:
+        data = self.data.clone()
+        status = self._lib(library).dsv41_gguf_split(self.type_id, data.data_ptr(), self.rows, self.cols,
+                                                     int(to_split))
+        if status != 0:
+            raise RuntimeError(f"rearranging {self.format} rows failed ({status})")
+        return data
+
+    def as_split(self, library=None) -> GGUFMatrix:
+        """This matrix in the split row layout (a copy; itself when already so or when its format has none)."""
+        if self.split or self.type_id not in SPLITTABLE:
+            return self
+        return GGUFMatrix(self.type_id, self._rearranged(True, library), self.cols, split=True)
+
+    def file_blocks(self, library=None) -> torch.Tensor:
+        """The bytes in the file's own block order (a copy when held split)."""
+        return self._rearranged(False, library) if self.split else self.data
 
     @property
     def format(self) -> str:
@@ -134,8 +168,8 @@ class GGUFMatrix:
         _, per, _ = BY_TYPE[self.type_id]
         lib = self._lib(library)
         write = lib.dsv41_gguf_dequant if out.dtype == torch.float32 else lib.dsv41_gguf_dequant_bf16
-        status = write(self.type_id, self.data.data_ptr(), out.data_ptr(), self.rows * self.cols // per,
-                       torch.get_num_threads())
+        status = write(self.kernel_type, self.data.data_ptr(), out.data_ptr(), self.rows * self.cols // per,
+                       self.cols // per, torch.get_num_threads())
         if status != 0:
             raise RuntimeError(f"dequantising {self.format} failed ({status})")
         return out
@@ -143,14 +177,17 @@ class GGUFMatrix:
     def finite(self) -> bool:
         """Whether every weight is a finite number (damaged bytes decode to NaN / infinite scales), read from the
         blocks' float16 scales alone: no dequantised copy."""
-        _, _, size = BY_TYPE[self.type_id]
+        _, per, size = BY_TYPE[self.type_id]
+        if self.split:  # a row's scales come first, side by side
+            scales = self.data[:, :self.cols // per * (4 if self.type_id == 3 else 2)]
+            return bool(torch.isfinite(scales.contiguous().view(torch.float16)).all())
         blocks = self.data.view(-1, size)
         return all(bool(torch.isfinite(blocks[:, at:at + 2].contiguous().view(torch.float16)).all())
                    for at in _HALF_FIELDS[self.format])
 
     def select_rows(self, index: torch.Tensor) -> GGUFMatrix:
         """The rows `index` (in that order) as a matrix of their own: a row's blocks hold that row alone."""
-        return GGUFMatrix(self.type_id, self.data[index], self.cols)
+        return GGUFMatrix(self.type_id, self.data[index], self.cols, self.split)
 
     def matvec(self, x: torch.Tensor, out: torch.Tensor | None = None, accumulate: bool = False,
                library=None) -> torch.Tensor:
@@ -159,7 +196,7 @@ class GGUFMatrix:
             raise ValueError(f"x must be float32 [{self.cols}]")
         x = x.contiguous()
         out = torch.empty(self.rows, dtype=torch.float32) if out is None else out
-        status = self._lib(library).dsv41_mv_gguf(self.type_id, self.data.data_ptr(), x.data_ptr(), out.data_ptr(),
+        status = self._lib(library).dsv41_mv_gguf(self.kernel_type, self.data.data_ptr(), x.data_ptr(), out.data_ptr(),
                                            self.rows, self.cols, int(accumulate), torch.get_num_threads())
         if status != 0:
             raise RuntimeError(f"the {self.format} product failed ({status})")
@@ -167,14 +204,38 @@ class GGUFMatrix:
 
 
 class GGUFWeight(KernelMatrix):
-    """A decoder matrix [out, in] held as GGUF blocks: `parts` stacked by rows, each in its own block format."""
+    """A decoder matrix [out, in] held as GGUF blocks: `parts` stacked by rows, each in its own block format.
+
+    Held as `runs`: neighbouring parts of one format joined into one matrix (one product where a layer's q, k and v
+    share a format, instead of three), in the split row layout where the format has one; `parts` are views of
+    their rows (what the model's modules point at). The parts given are copied: they may be the file's
+    read-only pages, and nothing keeps them."""
 
     def __init__(self, parts: list[GGUFMatrix]):
         if not parts or len({p.cols for p in parts}) != 1:
             raise ValueError("a GGUFWeight stacks GGUF matrices of the same width")
-        self.parts = list(parts)
         self.shape = (sum(p.rows for p in parts), parts[0].cols)
         self.bf16_rows = False
+        groups: list[list[GGUFMatrix]] = []
+        for p in parts:
+            if groups and groups[-1][0].type_id == p.type_id and groups[-1][0].split == p.split:
+                groups[-1].append(p)
+            else:
+                groups.append([p])
+        self.runs, self.parts = [], []
+        for group in groups:
+            data = torch.cat([p.data for p in group]) if len(group) > 1 else group[0].data.clone()
+            run = GGUFMatrix(group[0].type_id, data, self.shape[1], group[0].split)
+            if run.type_id in SPLITTABLE and not run.split:
+                status = run._lib().dsv41_gguf_split(run.type_id, data.data_ptr(), run.rows, run.cols, 1)
+                if status != 0:
+                    raise RuntimeError(f"rearranging {run.format} rows failed ({status})")
+                run.split = True
+            self.runs.append(run)
+            row = 0
+            for p in group:
+                self.parts.append(GGUFMatrix(run.type_id, run.data[row:row + p.rows], run.cols, run.split))
+                row += p.rows
 
     @property
     def nbytes(self) -> int:
@@ -187,18 +248,18 @@ class GGUFWeight(KernelMatrix):
     def matvec(self, x: torch.Tensor, out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
         out = torch.empty(self.shape[0], dtype=torch.float32) if out is None else out
         row = 0
-        for part in self.parts:
-            part.matvec(x, out[row:row + part.rows], accumulate)
-            row += part.rows
+        for run in self.runs:
+            run.matvec(x, out[row:row + run.rows], accumulate)
+            row += run.rows
         return out
 
     def dense(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         direct = dtype in (torch.float32, torch.bfloat16)  # written by the kernels, no float32 copy in between
         out = torch.empty(self.shape, dtype=dtype if direct else torch.float32)
         row = 0
-        for part in self.parts:
-            part.dequantize(out=out[row:row + part.rows])
-            row += part.rows
+        for run in self.runs:
+            run.dequantize(out=out[row:row + run.rows])
+            row += run.rows
         return out if direct else out.to(dtype)
 
     def bf16_weight(self) -> torch.Tensor:

@@ -76,7 +76,10 @@ class GGUFBlocks(_Held):
             return None
         self.taken.update(names)
         self.formats.update(p.format for p in parts)
-        return GGUFWeight(parts)
+        held = GGUFWeight(parts)  # its own copy of the blocks (rearranged for the kernels): these are let go
+        for name in names:
+            self.matrices[name] = None
+        return held
 
     def untaken(self) -> list[str]:
         """Kept matrices no module was pointed at (their parameters are still empty)."""

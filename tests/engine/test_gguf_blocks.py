@@ -148,3 +148,72 @@ def test_shapes_and_types_that_are_not_held_are_refused():
     matrix = GGUFMatrix(3, torch.from_numpy(blocks_of("Q4_1", 2, 64)), 64)
     with pytest.raises(ValueError, match="float32"):
         matrix.matvec(torch.zeros(32))
+
+
+@pytest.mark.parametrize("isa", ["native", "avx2"])
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0"])
+def test_the_split_row_layout_is_the_same_matrix(name, isa):
+    """The 32-weight formats held split (a row's scales side by side, then its integers): the same bytes
+    rearranged, back to the file's exactly, the same values bit for bit, the same products (the kernels do the same
+    float32 operations in the same order, whether x is float32 or int8-rounded)."""
+    library = cpu_kernels.build(("-mno-avx512f",)) if isa == "avx2" else None
+    rows, cols = 37, 800  # 25 blocks a row: a full vector of 16 scales and a partial one of 9
+    data = torch.from_numpy(blocks_of(name, rows, cols, seed=5))
+    file = GGUFMatrix(FORMATS[name][0], data, cols)
+    split = file.as_split(library)
+    assert split.split and split.nbytes == file.nbytes and not torch.equal(split.data, data)
+    assert torch.equal(split.file_blocks(library), data) and split.file_blocks(library).data_ptr() != data.data_ptr()
+    # the layout itself: row 0's first block d first, its integers after all the scales
+    scales = 4 if name == "Q4_1" else 2
+    assert torch.equal(split.data[0, :2], data[0, :2])
+    assert torch.equal(split.data[0, 25 * scales:25 * scales + FORMATS[name][2] - scales], data[0, scales:FORMATS[name][2]])
+    assert torch.equal(split.dequantize(library).view(torch.int32), file.dequantize(library).view(torch.int32))
+    bf16 = torch.empty(rows, cols, dtype=torch.bfloat16)
+    assert torch.equal(split.dequantize(library, out=bf16).clone(), file.dequantize(library, out=bf16.clone()))
+    x = torch.randn(cols, generator=torch.Generator().manual_seed(6))
+    settings = [False, True] if gguf_blocks.has_int8_activations(library) else [False]
+    for int8 in settings:
+        before = gguf_blocks.int8_activations(int8, library)
+        try:
+            assert torch.equal(split.matvec(x, library=library), file.matvec(x, library=library))
+            y = torch.randn(rows)
+            assert torch.equal(split.matvec(x, y.clone(), True, library), file.matvec(x, y.clone(), True, library))
+        finally:
+            gguf_blocks.int8_activations(before, library)
+    picked = torch.tensor([5, 0, 36])
+    assert torch.equal(split.select_rows(picked).dequantize(library), file.dequantize(library)[picked])
+
+
+def test_a_split_matrix_with_a_damaged_scale_is_not_finite_and_k_quants_have_no_split_layout():
+    data = torch.from_numpy(blocks_of("Q4_1", 8, 576, seed=7))
+    split = GGUFMatrix(3, data, 576).as_split()
+    assert split.finite()
+    split.data[3, 2 * 18 + 4:2 * 18 + 6] = torch.tensor([0x00, 0x7E], dtype=torch.uint8)  # an m scale: f16 NaN
+    assert not split.finite()
+    q4k = GGUFMatrix(12, torch.from_numpy(blocks_of("Q4_K", 2, 256)), 256)
+    assert q4k.as_split() is q4k
+    with pytest.raises(ValueError, match="no split layout"):
+        GGUFMatrix(12, q4k.data, 256, split=True)
+    lib = cpu_kernels.load().lib  # the flag on a k-quant type is refused by the kernels too
+    assert lib.dsv41_mv_gguf(12 | 256, q4k.data.data_ptr(), torch.zeros(256).data_ptr(), torch.zeros(2).data_ptr(),
+                             2, 256, 0, 1) == -1
+
+
+def test_a_stacked_weight_joins_neighbours_of_one_format_into_one_run():
+    """A layer's q, k, v in one format become one product; parts of other formats stay runs of their own. The
+    parts are views of the runs (the modules point at them, so the bytes are held once) and the values are the
+    file's."""
+    parts = [GGUFMatrix(3, torch.from_numpy(blocks_of("Q4_1", n, 576, seed=n)), 576) for n in (16, 8, 8)]
+    weight = gguf_blocks.GGUFWeight(parts)
+    assert len(weight.runs) == 1 and weight.runs[0].split and weight.runs[0].rows == 32
+    assert [p.rows for p in weight.parts] == [16, 8, 8] and weight.nbytes == sum(p.nbytes for p in parts)
+    base = weight.runs[0].data
+    assert all(p.data.untyped_storage().data_ptr() == base.untyped_storage().data_ptr() for p in weight.parts)
+    expected = torch.cat([p.dequantize() for p in parts])
+    assert torch.equal(weight.dense(), expected)
+    x = torch.randn(576, generator=torch.Generator().manual_seed(8))
+    assert torch.equal(weight.matvec(x), torch.cat([p.matvec(x) for p in parts]))
+    mixed = gguf_blocks.GGUFWeight([parts[0], GGUFMatrix(8, torch.from_numpy(blocks_of("Q8_0", 4, 576)), 576),
+                                    parts[1], parts[2]])
+    assert [r.format for r in mixed.runs] == ["Q4_1", "Q8_0", "Q4_1"] and [r.rows for r in mixed.runs] == [16, 4, 16]
+    assert mixed.formats == ["Q4_1", "Q8_0", "Q4_1", "Q4_1"]
