@@ -24,11 +24,13 @@ from ..kernels.quant import quantize_int8
 from .policies.ced import span_ranking
 from .storage import BLOCK_TOKENS, LayerKV, Rows, _round_up
 
-# How much a question recalls, as a share of the budget (at least RECALL_MIN entries): what comes back only
-# has to hold the few spans the question is about; each entry recalled is also one more for the compaction
-# after it to rank. Measured by benchmarks/followups.py (see docs/design.md).
+# How much a question recalls, as a share of the budget (at least RECALL_MIN entries, 16 spans of 16): what
+# comes back has to hold the spans the question is about, and a fact's span is not always the cold entry its
+# queries rank first; each entry recalled is also one more for the compaction after it to rank. Measured by
+# benchmarks/followups.py (see docs/design.md: 64 -> 256 took the follow-ups at 1k tokens from 24 to 29 of 36
+# at ratio 0.2, and at 2k from 17 to 22 at 0.1).
 RECALL_SHARE = 0.125
-RECALL_MIN = 64
+RECALL_MIN = 256
 
 
 def _on_disk(folder: Path, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
