@@ -159,7 +159,11 @@ class DSV41Model:
     def prefill_chunk(self) -> int:
         if self.config.prefill_chunk:
             return self.config.prefill_chunk
-        return 2048 if self.device.type == "cuda" else 512
+        # a CPU reads 1024 tokens a forward: the first token of a 4k prompt 22 % sooner than with 512 for the
+        # default model's GGUF blocks (one dequantisation per chunk), 4 % for bf16-held weights; an 8k turn's
+        # peak +20-50 MiB (2048: +70-140 MiB for 9 % more); a stop waits for the chunk being read
+        # (benchmarks/prefill_chunk.py, docs/design.md)
+        return 2048 if self.device.type == "cuda" else 1024
 
     def cache_settings(self) -> CacheSettings:
         return CacheSettings.from_config(self.config)
