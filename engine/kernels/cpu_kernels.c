@@ -1125,7 +1125,7 @@ typedef struct {
     const float *lm_head_bias;
 } StepModel;
 
-#define ATTN_CHUNK 256 /* entries per attention work item */
+#define ATTN_CHUNK_MAX 256 /* entries per attention work item (attn_chunk) */
 #define MAX_GROUP 64   /* query heads per KV head the fused step handles */
 #define MAX_HEAD_DIM 256
 
@@ -1169,6 +1169,40 @@ static inline float exp_approx(float x) {
     return p * scale;
 }
 
+/* exp_approx on 16 / 8 lanes (the same clamp, reduction and polynomial): `omp simd` does not vectorise
+ * exp_approx itself (floorf and the bit cast stay scalar). */
+#if defined(__AVX512F__)
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
+    __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                    _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.7f));
+    __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x));
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+    __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+#endif
+
 static void rms_norm(const float *x, const float *w, float *out, int64_t n, float eps) {
     float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
@@ -1211,169 +1245,242 @@ static inline __m512 sum16(__m512 *v) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(y01, y23, 0x88), _mm512_shuffle_f32x4(y01, y23, 0xDD));
 }
 
-static inline __m512 load16(const void *row, int64_t u, int bf16) {
-    if (!bf16) return _mm512_loadu_ps((const float *)row + 16 * u);
-    __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)row + 16 * u));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-/* logits of one query over entries [j0, j1) in blocks of 16 -> row[j]; returns where it stopped. */
-static int64_t logits16(const float *q, const void *K, int bf16, const float *lc, int64_t d, float scaling,
-                        int64_t j0, int64_t j1, float *row, float *mx) {
+/* The 16 rows [j, j + 16) of a KV head as float32: in place when float32, widened into buf [16 d] when bf16; the
+ * rows PREFETCH_ROWS ahead are asked for meanwhile (a work item streams one head's rows, and without it the
+ * loads waited on memory: half of the attention's time at 2k entries). */
+#define PREFETCH_ROWS 64
+static inline __attribute__((always_inline)) const float *rows16(const void *base, int64_t j, int64_t d, int bf16,
+                                                                 float *buf) {
     const int64_t esize = bf16 ? 2 : 4;
-    __m512 qv[16];
-    const int64_t dv = d / 16;
-    for (int64_t u = 0; u < dv; u++) qv[u] = _mm512_mul_ps(_mm512_loadu_ps(q + 16 * u), _mm512_set1_ps(scaling));
-    __m512 best = _mm512_set1_ps(-INFINITY);
-    int64_t j = j0;
-    for (; j + 16 <= j1; j += 16) {
-        __m512 acc[16];
-        for (int e = 0; e < 16; e++) {
-            const char *kr = (const char *)K + (j + e) * d * esize;
-            __m512 a = _mm512_mul_ps(qv[0], load16(kr, 0, bf16));
-            for (int64_t u = 1; u < dv; u++) a = _mm512_fmadd_ps(qv[u], load16(kr, u, bf16), a);
-            acc[e] = a;
-        }
-        __m512 l = sum16(acc);
-        if (lc) l = _mm512_add_ps(l, _mm512_loadu_ps(lc + j));
-        _mm512_storeu_ps(row + j, l);
-        best = _mm512_max_ps(best, l);
-    }
-    float m = _mm512_reduce_max_ps(best);
-    *mx = m > *mx ? m : *mx;
-    return j;
-}
-
-/* acc[d] = sum over [j0, j1) of p[j] V[j]. */
-static void weighted16(const float *p, const void *V, int bf16, int64_t d, int64_t j0, int64_t j1, float *out) {
-    const int64_t esize = bf16 ? 2 : 4;
-    __m512 acc[16];
-    const int64_t dv = d / 16;
-    for (int64_t u = 0; u < dv; u++) acc[u] = _mm512_setzero_ps();
-    for (int64_t j = j0; j < j1; j++) {
-        const __m512 pj = _mm512_set1_ps(p[j]);
-        const char *v = (const char *)V + j * d * esize;
-        for (int64_t u = 0; u < dv; u++) acc[u] = _mm512_fmadd_ps(pj, load16(v, u, bf16), acc[u]);
-    }
-    for (int64_t u = 0; u < dv; u++) _mm512_storeu_ps(out + 16 * u, acc[u]);
+    const char *ahead = (const char *)base + (j + PREFETCH_ROWS) * d * esize;
+    for (int64_t i = 0; i < 16 * d * esize; i += 64) _mm_prefetch(ahead + i, _MM_HINT_T0);
+    if (!bf16) return (const float *)base + j * d;
+    const uint16_t *r = (const uint16_t *)base + j * d;
+    for (int64_t i = 0; i < 16 * d; i += 16)
+        _mm512_storeu_ps(buf + i, _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(r + i))), 16)));
+    return buf;
 }
 #endif
 
-/* Attention of the H query heads q [H, d] over the layer's S = length entries -> out [H, d].
- * scratch: probs [H, S], stats [2, H, chunks], partial [H, chunks, d]. */
+/* Entries per attention work item: 256, or a quarter of a short cache (at least 16), so that a layer of a few
+ * hundred entries still has work for every thread (three KV heads over two threads in one item each left one
+ * thread idle a third of the time). */
+static inline int64_t attn_chunk(int64_t S) {
+    if (S > 4 * ATTN_CHUNK_MAX) return ATTN_CHUNK_MAX;
+    int64_t c = (S + 3) / 4;
+    c = (c + 15) / 16 * 16;
+    return c < 16 ? 16 : c;
+}
+
+/* The most work items one head's S entries make (the work buffer's stats and partial regions are sized by it). */
+static inline int64_t attn_chunks_max(int64_t S) {
+    const int64_t c = (S + ATTN_CHUNK_MAX - 1) / ATTN_CHUNK_MAX;
+    return c > 4 ? c : 4;
+}
+
+/* One work item: KV head g's entries [j0, j1) against the G query heads of its group, in one pass over its keys
+ * and one over its values (each row read once for the whole group, widened once when bf16): the logits, their
+ * exp against the item's own maximum (cmax) and its sum (csum), and the exp-weighted values (partial); the items
+ * are combined after (flash-decoding's split softmax). probs [H, S] holds the exp. d is a constant where this is
+ * inlined for d == 64, so the vectors of a row stay in registers. */
+static inline __attribute__((always_inline)) void attend_item(
+        const float *q, const void *K, const void *V, const float *lc, int bf16, int64_t G, int64_t g, int64_t d,
+        float scaling, int64_t S, int64_t j0, int64_t j1, float *probs, float *cmax, float *csum, float *partial,
+        int64_t chunks, int64_t ch) {
+    float mx[MAX_GROUP];
+    for (int64_t gg = 0; gg < G; gg++) mx[gg] = -INFINITY;
+    int64_t j = j0;
+#if defined(__AVX512F__)
+    float buf[16 * MAX_HEAD_DIM];
+    const int64_t dv = d / 16;
+    if (d % 16 == 0)
+        for (; j + 16 <= j1; j += 16) { /* 16 logits a query head, one transposing reduction (sum16) */
+            const float *kf = rows16(K, j, d, bf16, buf);
+            const __m512 bias = lc ? _mm512_loadu_ps(lc + j) : _mm512_setzero_ps();
+            for (int64_t gg = 0; gg < G; gg++) {
+                const float *qh = q + (g * G + gg) * d;
+                __m512 acc[16];
+                for (int e = 0; e < 16; e++) {
+                    const float *kr = kf + e * d;
+                    __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qh), _mm512_loadu_ps(kr));
+                    for (int64_t u = 1; u < dv; u++)
+                        a = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * u), _mm512_loadu_ps(kr + 16 * u), a);
+                    acc[e] = a;
+                }
+                const __m512 l = _mm512_fmadd_ps(sum16(acc), _mm512_set1_ps(scaling), bias);
+                _mm512_storeu_ps(probs + (g * G + gg) * S + j, l);
+                const float top = _mm512_reduce_max_ps(l);
+                mx[gg] = top > mx[gg] ? top : mx[gg];
+            }
+        }
+#endif
+    for (; j < j1; j++) { /* the rest one row at a time, still once for the whole group */
+        float row[MAX_HEAD_DIM];
+        const float *kr = kv_row(K, j, d, bf16, row), bias = lc ? lc[j] : 0.f;
+        for (int64_t gg = 0; gg < G; gg++) {
+            const float l = dot(q + (g * G + gg) * d, kr, d) * scaling + bias;
+            probs[(g * G + gg) * S + j] = l;
+            mx[gg] = l > mx[gg] ? l : mx[gg];
+        }
+    }
+    for (int64_t gg = 0; gg < G; gg++) {
+        const int64_t hq = g * G + gg;
+        float *row = probs + hq * S, sum = 0.f;
+        const float top = mx[gg];
+        int64_t jj = j0;
+#if defined(__AVX512F__)
+        __m512 vsum = _mm512_setzero_ps();
+        for (; jj + 16 <= j1; jj += 16) {
+            const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(row + jj), _mm512_set1_ps(top)));
+            _mm512_storeu_ps(row + jj, e);
+            vsum = _mm512_add_ps(vsum, e);
+        }
+        sum = _mm512_reduce_add_ps(vsum);
+#elif defined(__AVX2__) && defined(__FMA__)
+        __m256 vsum = _mm256_setzero_ps();
+        for (; jj + 8 <= j1; jj += 8) {
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + jj), _mm256_set1_ps(top)));
+            _mm256_storeu_ps(row + jj, e);
+            vsum = _mm256_add_ps(vsum, e);
+        }
+        sum = hsum256(vsum);
+#endif
+        for (; jj < j1; jj++) {
+            const float e = exp_approx(row[jj] - top);
+            row[jj] = e;
+            sum += e;
+        }
+        cmax[hq * chunks + ch] = top;
+        csum[hq * chunks + ch] = sum;
+        float *acc = partial + (hq * chunks + ch) * d;
+        for (int64_t i = 0; i < d; i++) acc[i] = 0.f;
+    }
+    j = j0;
+#if defined(__AVX512F__)
+    if (d % 16 == 0)
+        for (; j + 16 <= j1; j += 16) { /* 16 value rows, then every query head's weighted sum of them */
+            const float *vf = rows16(V, j, d, bf16, buf);
+            for (int64_t gg = 0; gg < G; gg++) {
+                const int64_t hq = g * G + gg;
+                const float *p = probs + hq * S + j;
+                float *out = partial + (hq * chunks + ch) * d;
+                __m512 a0[16], a1[16]; /* two chains per vector: the FMAs' latency, not their count, bound one */
+                for (int64_t u = 0; u < dv; u++) {
+                    a0[u] = _mm512_loadu_ps(out + 16 * u);
+                    a1[u] = _mm512_setzero_ps();
+                }
+                for (int e = 0; e < 16; e += 2) {
+                    const __m512 p0 = _mm512_set1_ps(p[e]), p1 = _mm512_set1_ps(p[e + 1]);
+                    for (int64_t u = 0; u < dv; u++) {
+                        a0[u] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(vf + e * d + 16 * u), a0[u]);
+                        a1[u] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(vf + (e + 1) * d + 16 * u), a1[u]);
+                    }
+                }
+                for (int64_t u = 0; u < dv; u++) _mm512_storeu_ps(out + 16 * u, _mm512_add_ps(a0[u], a1[u]));
+            }
+        }
+#endif
+    for (; j < j1; j++) {
+        float row[MAX_HEAD_DIM];
+        const float *v = kv_row(V, j, d, bf16, row);
+        for (int64_t gg = 0; gg < G; gg++) {
+            const int64_t hq = g * G + gg;
+            const float p = probs[hq * S + j];
+            float *acc = partial + (hq * chunks + ch) * d;
+#pragma omp simd
+            for (int64_t i = 0; i < d; i++) acc[i] += p * v[i];
+        }
+    }
+}
+
+/* act = silu(gate) * up, vectorised (exp16 / exp8: the scalar exp_approx loop was 3 % of a short-context step). */
+static void silu_mul(const float *gate, const float *up, float *act, int64_t n) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16) {
+        const __m512 g = _mm512_loadu_ps(gate + i);
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+        _mm512_storeu_ps(act + i, _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)),
+                                                _mm512_loadu_ps(up + i)));
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    for (; i + 8 <= n; i += 8) {
+        const __m256 g = _mm256_loadu_ps(gate + i);
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+        _mm256_storeu_ps(act + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e)),
+                                                _mm256_loadu_ps(up + i)));
+    }
+#endif
+    for (; i < n; i++) act[i] = gate[i] / (1.0f + exp_approx(-gate[i])) * up[i];
+}
+
+/* Query head hq's softmax over all items: its largest logit and the sum of exp(logit - that), from the items'. */
+static inline void attend_totals(const float *cmax, const float *csum, int64_t hq, int64_t chunks, float *top,
+                                 float *total) {
+    float t = -INFINITY, z = 0.f;
+    for (int64_t k = 0; k < chunks; k++) t = cmax[hq * chunks + k] > t ? cmax[hq * chunks + k] : t;
+    for (int64_t k = 0; k < chunks; k++) z += csum[hq * chunks + k] * exp_approx(cmax[hq * chunks + k] - t);
+    *top = t;
+    *total = z;
+}
+
+/* Attention of the H query heads q [H, d] over the layer's S = length entries -> out [H, d]; with `score`,
+ * scores = scores * decay + the attention each entry received, summed over its group's query heads.
+ * scratch: probs [H, S], stats [2, H, chunks], partial [H, chunks, d] (chunks <= attn_chunks_max(S)). */
 static void attend(const StepModel *m, StepCache *c, const float *q, float *out, float *probs, float *stats,
                    float *partial, int score, float decay, int threads) {
     const int64_t H = m->heads, h = m->kv_heads, d = m->head_dim, G = H / h, S = c->length, cap = c->capacity;
-    const int64_t chunks = (S + ATTN_CHUNK - 1) / ATTN_CHUNK, items = h * chunks;
+    const int64_t size = attn_chunk(S), chunks = (S + size - 1) / size, items = h * chunks;
     float *cmax = stats, *csum = stats + H * chunks;
-    const float scaling = m->scaling;
     const int bf16 = (int)m->kv_bf16;
     const int64_t esize = bf16 ? 2 : 4;
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static)
         for (int64_t it = 0; it < items; it++) {
-            int64_t g = it / chunks, ch = it % chunks, j0 = ch * ATTN_CHUNK, j1 = j0 + ATTN_CHUNK < S ? j0 + ATTN_CHUNK : S;
-            const char *K = (const char *)c->keys + g * cap * d * esize;
-            float buf[MAX_HEAD_DIM];
+            const int64_t g = it / chunks, ch = it % chunks, j0 = ch * size, j1 = j0 + size < S ? j0 + size : S;
+            const char *K = (const char *)c->keys + g * cap * d * esize, *V = (const char *)c->values + g * cap * d * esize;
             const float *lc = c->log_counts ? c->log_counts + g * cap : NULL;
-            float mx[MAX_GROUP];
-            for (int64_t gg = 0; gg < G; gg++) mx[gg] = -INFINITY;
-            int64_t j = j0;
-#if defined(__AVX512F__)
-            if (d % 16 == 0 && d <= 256) /* 16 entries at a time, one transposing reduction for 16 logits */
-                for (int64_t gg = 0; gg < G; gg++) {
-                    const int64_t hq = g * G + gg;
-                    j = logits16(q + hq * d, K, bf16, lc, d, scaling, j0, j1, probs + hq * S, &mx[gg]);
-                }
-#endif
-            for (; j < j1; j++) { /* each key row once, for the whole group */
-                const float *kr = kv_row(K, j, d, bf16, buf), bias = lc ? lc[j] : 0.f;
-                for (int64_t gg = 0; gg < G; gg++) {
-                    const int64_t hq = g * G + gg;
-                    float l = dot(q + hq * d, kr, d) * scaling + bias;
-                    probs[hq * S + j] = l;
-                    mx[gg] = l > mx[gg] ? l : mx[gg];
-                }
-            }
-            for (int64_t gg = 0; gg < G; gg++) cmax[(g * G + gg) * chunks + ch] = mx[gg];
+            if (d == 64) /* the default model's and most small models' head size: unrolled */
+                attend_item(q, K, V, lc, bf16, G, g, 64, m->scaling, S, j0, j1, probs, cmax, csum, partial, chunks, ch);
+            else
+                attend_item(q, K, V, lc, bf16, G, g, d, m->scaling, S, j0, j1, probs, cmax, csum, partial, chunks, ch);
         }
+        if (score) {
 #pragma omp for schedule(static)
-        for (int64_t it = 0; it < items; it++) {
-            int64_t g = it / chunks, ch = it % chunks, j0 = ch * ATTN_CHUNK, j1 = j0 + ATTN_CHUNK < S ? j0 + ATTN_CHUNK : S;
-            for (int64_t gg = 0; gg < G; gg++) {
-                const int64_t hq = g * G + gg;
-                float mx = -INFINITY, sum = 0.f;
-                for (int64_t k = 0; k < chunks; k++) mx = cmax[hq * chunks + k] > mx ? cmax[hq * chunks + k] : mx;
-                float *row = probs + hq * S;
-#pragma omp simd reduction(+ : sum)
-                for (int64_t j = j0; j < j1; j++) {
-                    float e = exp_approx(row[j] - mx);
-                    row[j] = e;
-                    sum += e;
-                }
-                csum[hq * chunks + ch] = sum;
-            }
-        }
-#pragma omp for schedule(static)
-        for (int64_t it = 0; it < items; it++) {
-            int64_t g = it / chunks, ch = it % chunks, j0 = ch * ATTN_CHUNK, j1 = j0 + ATTN_CHUNK < S ? j0 + ATTN_CHUNK : S;
-            const char *V = (const char *)c->values + g * cap * d * esize;
-            float buf[MAX_HEAD_DIM];
-            for (int64_t gg = 0; gg < G; gg++) {
-                const int64_t hq = g * G + gg;
-                float total = 0.f;
-                for (int64_t k = 0; k < chunks; k++) total += csum[hq * chunks + k];
-                const float inv = 1.0f / total;
-                float *row = probs + hq * S, *acc = partial + (hq * chunks + ch) * d;
-#pragma omp simd
-                for (int64_t j = j0; j < j1; j++) row[j] *= inv;
-                for (int64_t i = 0; i < d; i++) acc[i] = 0.f;
-            }
-            int64_t jv = j0;
-#if defined(__AVX512F__)
-            if (d % 16 == 0 && d <= 256) {
-                for (int64_t gg = 0; gg < G; gg++) {
-                    const int64_t hq = g * G + gg;
-                    weighted16(probs + hq * S, V, bf16, d, j0, j1, partial + (hq * chunks + ch) * d);
-                }
-                jv = j1;
-            }
-#endif
-            for (int64_t j = jv; j < j1; j++) { /* each value row once, for the whole group */
-                const float *v = kv_row(V, j, d, bf16, buf);
-                for (int64_t gg = 0; gg < G; gg++) {
-                    const int64_t hq = g * G + gg;
-                    const float p = probs[hq * S + j];
-                    float *acc = partial + (hq * chunks + ch) * d;
-#pragma omp simd
-                    for (int64_t i = 0; i < d; i++) acc[i] += p * v[i];
-                }
-            }
-            if (score) {
+            for (int64_t it = 0; it < items; it++) {
+                const int64_t g = it / chunks, ch = it % chunks, j0 = ch * size, j1 = j0 + size < S ? j0 + size : S;
                 float *sc = c->scores + g * cap;
-                for (int64_t j = j0; j < j1; j++) {
-                    float a = 0.f;
-                    for (int64_t gg = 0; gg < G; gg++) a += probs[(g * G + gg) * S + j];
-                    sc[j] = sc[j] * decay + a;
+#pragma omp simd
+                for (int64_t j = j0; j < j1; j++) sc[j] *= decay;
+                for (int64_t gg = 0; gg < G; gg++) {
+                    const int64_t hq = g * G + gg;
+                    float top, total;
+                    attend_totals(cmax, csum, hq, chunks, &top, &total);
+                    const float f = exp_approx(cmax[hq * chunks + ch] - top) / total, *row = probs + hq * S;
+#pragma omp simd
+                    for (int64_t j = j0; j < j1; j++) sc[j] += row[j] * f;
                 }
             }
         }
     }
     for (int64_t hq = 0; hq < H; hq++) {
+        float top, total;
+        attend_totals(cmax, csum, hq, chunks, &top, &total);
         float *o = out + hq * d;
         for (int64_t i = 0; i < d; i++) o[i] = 0.f;
         for (int64_t k = 0; k < chunks; k++) {
-            const float *p = partial + (hq * chunks + k) * d;
+            const float *p = partial + (hq * chunks + k) * d, f = exp_approx(cmax[hq * chunks + k] - top) / total;
 #pragma omp simd
-            for (int64_t i = 0; i < d; i++) o[i] += p[i];
+            for (int64_t i = 0; i < d; i++) o[i] += p[i] * f;
         }
     }
 }
 
 /* floats of `work` one step needs when no layer holds more than max_entries entries after appending. */
 int64_t dsv41_step_work_floats(const StepModel *m, int64_t max_entries) {
-    const int64_t H = m->heads, d = m->head_dim, chunks = (max_entries + ATTN_CHUNK - 1) / ATTN_CHUNK;
+    const int64_t H = m->heads, d = m->head_dim, chunks = attn_chunks_max(max_entries);
     return 2 * m->hidden + (H + 2 * m->kv_heads) * d + H * d + 3 * m->inter + H * max_entries + 2 * H * chunks +
            H * chunks * d + 64;
 }
@@ -1400,7 +1507,7 @@ int dsv41_decode_step(const StepModel *m, const StepLayer *layers, StepCache *ca
         if (caches[l].length + 1 > most) most = caches[l].length + 1;
     }
     if (dsv41_step_work_floats(m, most) > work_floats) return -1;
-    const int64_t chunks = (most + ATTN_CHUNK - 1) / ATTN_CHUNK;
+    const int64_t chunks = attn_chunks_max(most);
     float *x = work, *hbuf = x + D, *qkv = hbuf + D, *attn = qkv + (H + 2 * h) * d, *gu = attn + H * d,
           *act = gu + 2 * I, *probs = act + I, *stats = probs + H * most, *partial = stats + 2 * H * chunks;
     memcpy(x, x_in, sizeof(float) * D);
@@ -1444,11 +1551,7 @@ int dsv41_decode_step(const StepModel *m, const StepLayer *layers, StepCache *ca
             for (int64_t i = 0; i < D; i++) x[i] += L->o_bias[i];
         rms_norm(x, L->post_norm, hbuf, D, m->eps);
         mv(&L->gate_up, hbuf, gu, D, 0, threads);
-#pragma omp simd
-        for (int64_t i = 0; i < I; i++) {
-            float g = gu[i];
-            act[i] = g / (1.0f + exp_approx(-g)) * gu[I + i];
-        }
+        silu_mul(gu, gu + I, act, I);
         mv(&L->down, act, x, I, 1, threads);
     }
     rms_norm(x, m->final_norm, hbuf, D, m->eps);
@@ -1568,22 +1671,8 @@ int dsv41_rows_insert(int64_t heads, int64_t capacity, int64_t n, int64_t m, con
  * i = r % tq of its group): one softmax over the hot logits [h, r, :S] (+ hot_lc [h, :S] when given; only the
  * entries up to S - tq + i: the question's own later tokens are masked) and the cold logits [h, r, :C]; the cold
  * shares are summed over the rows into mass [h, C]. Returns 0. */
-/* exp_approx on 16 / 8 lanes (the same clamp, reduction and polynomial). */
+/* the recall's vector operations (exp16 / exp8: with exp_approx above) */
 #if defined(__AVX512F__)
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
-    __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-                                    _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
 #define LANES 16
 #define VF __m512
 #define VLOAD _mm512_loadu_ps
@@ -1597,20 +1686,6 @@ static inline __m512 exp16(__m512 x) {
 #define VHMAX _mm512_reduce_max_ps
 #define VHSUM _mm512_reduce_add_ps
 #elif defined(__AVX2__) && defined(__FMA__)
-static inline __m256 exp8(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.7f));
-    __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-    __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x));
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
-    __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-}
 static inline float hmax8(__m256 v) {
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     m = _mm_max_ps(m, _mm_movehl_ps(m, m));

@@ -96,6 +96,23 @@ def test_fused_step_equals_the_per_op_step(arch, threads, fmt, tiny_model):
 
 
 @needs_kernels
+@pytest.mark.parametrize("prefill", [2, 13, 60, 1030, 1300])
+def test_fused_attention_splits_any_length_into_work_items_alike(prefill, tiny_model):
+    """The C attention splits a head's entries into work items (a quarter of a short cache, at least 16 each;
+    256 each past 1,024) and combines their softmaxes after: at every size, with tails that are not a multiple
+    of 16, its output and the CED scores it folds in equal the per-op step's."""
+    model = _packed(tiny_model, "llama")
+    torch.manual_seed(3)
+    ids = torch.randint(0, 256, (1, prefill + 6))
+    knobs = dict(kv_cache_ratio=0.9, csa2_topk=0, ced_decay=0.95, min_entries=4096)  # scoring, never compacting
+    got, cache_a, expected, cache_b = _both(model, ids, prefill, threads=2, **knobs)
+    assert cache_a.compactions == 0 and cache_a.stored == prefill + 6
+    assert cache_a.layers[0].scores[:, : prefill + 6].abs().sum() > 0
+    assert torch.allclose(got, expected, atol=1e-4, rtol=1e-4), (got - expected).abs().max()
+    _assert_same_cache(cache_a, cache_b)
+
+
+@needs_kernels
 @pytest.mark.parametrize("policy,mode", [("ced", "evict"), ("ced", "merge"), ("h2o", "evict"), ("snapkv", "evict")])
 def test_fused_step_scores_and_compacts_like_the_per_op_step(policy, mode, tiny_model):
     """While compressing, each step folds its attention into the scores (CED: after decaying them), and
