@@ -33,7 +33,7 @@ import torch
 
 from ..paths import cold_dir
 from . import attention, csa2, policies
-from .budget import budget_for, explain_ratio, plan_compaction
+from .budget import budget_for, explain_ratio, plan_compactions
 from .cold import ColdLayer, recall_layer
 from .merge import merge_into_kept
 from .policies import PROBE, QUESTION, STREAM
@@ -510,11 +510,10 @@ class DSV41Cache:
         # drops entries below it, only applies when dropping saves memory for good (benchmarks/followups.py:
         # follow-ups at ratio 0.3, 11/18 without it against 7/18 with it, a one-off run of its cases).
         use_threshold = s.ced_threshold if threshold and policy.uses_attention and self.cold is None else 0.0
-        for index, layer in enumerate(self.layers):
-            rank = policy.rank(layer, when, self._torch_rng)
-            plan = plan_compaction(rank, target, sink=s.ced_sink_tokens, recent=s.ced_recent_tokens,
-                                   threshold=use_threshold, scores=layer.scores[:, : layer.length],
-                                   floor=s.min_entries)
+        plans = plan_compactions([policy.rank(layer, when, self._torch_rng) for layer in self.layers], target,
+                                 sink=s.ced_sink_tokens, recent=s.ced_recent_tokens, threshold=use_threshold,
+                                 scores=[layer.scores[:, : layer.length] for layer in self.layers], floor=s.min_entries)
+        for index, (layer, plan) in enumerate(zip(self.layers, plans, strict=True)):
             if plan is None:
                 continue
             if self.cold is not None:  # tiered: nothing is folded away, the dropped entries go cold

@@ -1,11 +1,12 @@
-"""The cache's per-layer operations in C (cpu_kernels.c): rows moved (dsv41_rows_take, dsv41_rows_insert) and the
-recall's softmax (dsv41_recall_softmax).
+"""The cache's per-layer operations in C (cpu_kernels.c): rows moved (dsv41_rows_take, dsv41_rows_keep,
+dsv41_rows_insert) and the recall's softmax (dsv41_recall_softmax).
 
 A layer (the hot set's LayerKV, the cold tier's ColdLayer) keeps several tensors laid out [heads, capacity, ...]
 with one capacity for all. A question's recall takes a few rows per head out of the cold tier and inserts them in
 position order into the hot set: through torch that is a few operations per tensor (~30 us each on a 2-core
-machine), which made the moves half of a recall (1.4 + 0.9 ms a layer at 4k tokens); one call here moves every
-tensor's rows by memcpy (bit-exact, any dtype). The recall's ranking, one softmax per query row over hot and cold
+machine), which made the moves half of a recall (1.4 + 0.9 ms a layer at 4k tokens), and a compaction's keep
+(every tensor gathered, then written back) 0.3 ms a layer; one call here moves every tensor's rows by memcpy
+(bit-exact, any dtype). The recall's ranking, one softmax per query row over hot and cold
 logits summed over the rows, runs in one pass per row (in L1) instead of torch operations over the whole block.
 Each returns None / False where it does not apply (no kernels, a GPU tensor, another layout), and the caller
 runs the torch path as before; tests compare the two.
@@ -52,6 +53,24 @@ def take_rows(tensors: list[torch.Tensor], index: torch.Tensor, n: int) -> list[
     if status != 0:
         raise ValueError(f"taking rows failed ({status}): an index out of range or repeated")
     return outs
+
+
+def keep_rows(tensors: list[torch.Tensor], index: torch.Tensor, n: int) -> bool:
+    """Keep rows `index` [heads, k] (strictly ascending per head, < n) of the first n rows of every tensor, moved
+    in place to rows 0..k-1. Nothing to allocate, so it cannot run out of memory part-way. False where the kernels
+    do not apply."""
+    lib = load()
+    capacity = tensors[0].shape[1]
+    sizes = _layout(tensors, capacity) if lib is not None else None
+    if sizes is None or index.device.type != "cpu":
+        return False
+    heads, k = index.shape
+    index = index.to(torch.int64).contiguous()
+    status = lib.lib.dsv41_rows_keep(heads, capacity, n, k, index.data_ptr(), len(tensors), _pointers(tensors),
+                                     (ctypes.c_int64 * len(sizes))(*sizes))
+    if status != 0:
+        raise ValueError(f"keeping rows failed ({status}): an index out of range or not ascending")
+    return True
 
 
 def insert_rows(tensors: list[torch.Tensor], positions: torch.Tensor, new_positions: torch.Tensor,

@@ -1628,6 +1628,29 @@ int dsv41_rows_take(int64_t heads, int64_t capacity, int64_t n, int64_t m, const
     return 0;
 }
 
+/* Keep only rows index [heads, k] (strictly ascending per head, < n) of the first n rows of every tensor, moved down
+ * in place to rows 0..k-1 in that order (a compaction: row j takes row index[j] >= j, so a forward copy never
+ * overwrites a row still to be read). Returns 0, or -1 (bad sizes or index) before anything is written. */
+int dsv41_rows_keep(int64_t heads, int64_t capacity, int64_t n, int64_t k, const int64_t *index, int count,
+                    char *const *bases, const int64_t *row_bytes) {
+    if (k < 0 || k > n || n > capacity) return -1;
+    for (int64_t h = 0; h < heads; h++)
+        for (int64_t j = 0; j < k; j++) {
+            const int64_t i = index[h * k + j];
+            if (i >= n || (j ? i <= index[h * k + j - 1] : i < 0)) return -1;
+        }
+    for (int t = 0; t < count; t++) {
+        const int64_t rb = row_bytes[t];
+        for (int64_t h = 0; h < heads; h++) {
+            char *base = bases[t] + h * capacity * rb;
+            const int64_t *ix = index + h * k;
+            for (int64_t j = 0; j < k; j++)
+                if (ix[j] != j) memcpy(base + j * rb, base + ix[j] * rb, (size_t)rb);
+        }
+    }
+    return 0;
+}
+
 /* Insert m new rows per head among the first n rows of every tensor so that each head stays in position order:
  * positions [heads, capacity] int32 is the layer's (one of the tensors too), new_positions [heads, m] the new
  * rows'; news[t] [heads, m, row] holds tensor t's new rows (NULL: zeros). Ties keep the stored rows first, the

@@ -476,3 +476,61 @@ def test_bf16_prefill_attention_rounds_q_k_v_and_keeps_the_cache_float32(tiny_mo
     layer_a, layer_b = plain.layers[0], halved.layers[0]
     assert layer_b.keys.dtype == torch.float32
     assert torch.equal(layer_a.keys[:, :10], layer_b.keys[:, :10])  # the first chunk's keys come before attention
+
+
+def test_every_layer_planned_together_as_one_at_a_time():
+    """plan_compactions plans layers of one shape in one batch: each layer's plan is the one plan_compaction
+    makes for it alone, the threshold's count per layer (here layers that want different counts, one that
+    needs nothing dropped), and layers of other shapes planned one by one."""
+    torch.manual_seed(4)
+    ranks = [torch.rand(3, 60) for _ in range(5)]
+    ranks[1][:, 10:50] *= 0.01  # below the threshold: this layer keeps fewer
+    ranks[3][:, 6:54] = 1.0  # nothing low: the budget alone
+    ranks.append(torch.rand(3, 40))  # another length
+    knobs = dict(sink=2, recent=4, threshold=0.1, floor=8)
+    for budget in (20, 45, 1000):
+        together = budget_mod.plan_compactions(ranks, budget, scores=ranks, **knobs)
+        alone = [budget_mod.plan_compaction(r, budget, scores=r, **knobs) for r in ranks]
+        assert [p is None for p in together] == [p is None for p in alone]
+        assert any(p is not None for p in alone)
+        for got, want in zip(together, alone, strict=True):
+            if want is not None:
+                for name in ("keep", "drop", "kept_unprotected"):
+                    assert torch.equal(getattr(got, name), getattr(want, name)), (budget, name)
+    counts = {p.keep.shape[1] for p in budget_mod.plan_compactions(ranks[:5], 1000, scores=ranks[:5], **knobs) if p}
+    assert len(counts) > 1  # the threshold kept different counts in different layers
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_keep_moves_rows_in_place_as_the_gather_does(int8, monkeypatch):
+    """LayerKV.keep moves every tensor's kept rows down in one C call (cache_ops.keep_rows): bit-equal to the
+    torch gather it replaces; an index that is not ascending is refused before anything moves."""
+    from engine import kernels
+    from engine.kernels import cache_ops
+
+    if kernels.load() is None:
+        pytest.skip(f"CPU kernels: {kernels.unavailable_reason()}")
+
+    def layer():
+        torch.manual_seed(5)
+        kv = LayerKV(3, 8, torch.bfloat16, "cpu", int8=int8)
+        kv.append(torch.randn(3, 70, 8), torch.randn(3, 70, 8), torch.arange(70))
+        kv.scores[:, :70] = torch.rand(3, 70)
+        kv.log_counts[:, :70] = torch.rand(3, 70)
+        return kv
+
+    index = torch.stack([torch.randperm(70)[:30].sort().values for _ in range(3)])
+    fast, slow = layer(), layer()
+    fast.keep(index)
+    with monkeypatch.context() as m:
+        m.setattr(cache_ops, "keep_rows", lambda *a, **k: False)
+        slow.keep(index)
+    assert fast.length == slow.length == 30
+    for name in fast._tensors():
+        assert torch.equal(getattr(fast, name)[:, :30], getattr(slow, name)[:, :30]), name
+    for name in ("scores", "log_counts"):  # past the length they read zero (storage.py relies on it)
+        assert not getattr(fast, name)[:, 30:].any()
+    before = {name: getattr(fast, name)[:, :30].clone() for name in fast._tensors()}
+    with pytest.raises(ValueError, match="not ascending"):
+        cache_ops.keep_rows([getattr(fast, name) for name in fast._tensors()], index[:, :10].flip(1), 30)
+    assert all(torch.equal(getattr(fast, name)[:, :30], was) for name, was in before.items())
