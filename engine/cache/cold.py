@@ -115,6 +115,13 @@ class ColdLayer:
         if n == 0:
             return
         dev = self.device  # host RAM whatever device the hot set is on
+        if not layer.int8 and layer.device.type == "cpu":  # one C call (engine.kernels.cache_ops.cold_add)
+            self._grow(self.length + n)
+            if cache_ops.cold_add([layer.keys, layer.values, layer.positions, layer.scores],
+                                  [self.keys, self.values, self.key_scales, self.value_scales, self.positions,
+                                   self.scores], index, layer.length, self.length, self.int8):
+                self.length += n
+                return
         keys, values = layer.read_keys(index).to(dev), layer.read_values(index).to(dev)
         positions = torch.gather(layer.positions, 1, index).to(dev)
         scores = torch.gather(layer.scores, 1, index).to(dev)

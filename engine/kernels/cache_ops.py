@@ -1,11 +1,12 @@
 """The cache's per-layer operations in C (cpu_kernels.c): rows moved (dsv41_rows_take, dsv41_rows_keep,
-dsv41_rows_insert) and the recall's softmax (dsv41_recall_softmax).
+dsv41_rows_insert, dsv41_cold_add) and the recall's softmax (dsv41_recall_softmax).
 
 A layer (the hot set's LayerKV, the cold tier's ColdLayer) keeps several tensors laid out [heads, capacity, ...]
 with one capacity for all. A question's recall takes a few rows per head out of the cold tier and inserts them in
 position order into the hot set: through torch that is a few operations per tensor (~30 us each on a 2-core
 machine), which made the moves half of a recall (1.4 + 0.9 ms a layer at 4k tokens), and a compaction's keep
-(every tensor gathered, then written back) 0.3 ms a layer; one call here moves every tensor's rows by memcpy
+(every tensor gathered, then written back) 0.3 ms a layer, and its dropped rows' way into the cold tier
+(gathered, quantized to int8, written) 0.25 ms a layer; one call here moves every tensor's rows by memcpy
 (bit-exact, any dtype). The recall's ranking, one softmax per query row over hot and cold
 logits summed over the rows, runs in one pass per row (in L1) instead of torch operations over the whole block.
 Each returns None / False where it does not apply (no kernels, a GPU tensor, another layout), and the caller
@@ -70,6 +71,31 @@ def keep_rows(tensors: list[torch.Tensor], index: torch.Tensor, n: int) -> bool:
                                      (ctypes.c_int64 * len(sizes))(*sizes))
     if status != 0:
         raise ValueError(f"keeping rows failed ({status}): an index out of range or not ascending")
+    return True
+
+
+def cold_add(hot: list[torch.Tensor], cold: list[torch.Tensor | None], index: torch.Tensor, n: int, start: int,
+             int8: bool) -> bool:
+    """Append the hot layer's rows `index` [heads, m] (< n) to the cold layer at row `start`: hot = [keys, values,
+    positions, scores] (keys / values float32 or bf16), cold = [keys, values, key_scales, value_scales, positions,
+    scores] (keys / values int8 with their scales when `int8`, else the hot dtype with the scales None). Bit-equal
+    to gathering and quantize_int8. False where the kernels do not apply."""
+    lib = load()
+    keys, values, positions, scores = hot
+    if (lib is None or index.device.type != "cpu" or keys.dtype not in (torch.float32, torch.bfloat16)
+            or _layout(hot, keys.shape[1]) is None
+            or _layout([t for t in cold if t is not None], cold[0].shape[1]) is None
+            or cold[0].dtype != (torch.int8 if int8 else keys.dtype) or positions.dtype != torch.int32
+            or scores.dtype != torch.float32 or cold[4].dtype != torch.int32 or cold[5].dtype != torch.float32):
+        return False
+    heads, m = index.shape
+    index = index.to(torch.int64).contiguous()
+    ptr = [None if t is None else t.data_ptr() for t in cold]
+    status = lib.lib.dsv41_cold_add(heads, keys.shape[2], keys.shape[1], n, m, index.data_ptr(), keys.data_ptr(),
+                                    values.data_ptr(), positions.data_ptr(), scores.data_ptr(),
+                                    int(keys.dtype == torch.bfloat16), cold[0].shape[1], start, *ptr, int(int8))
+    if status != 0:
+        raise ValueError(f"adding rows to the cold tier failed ({status}): an index or size out of range")
     return True
 
 

@@ -1651,6 +1651,52 @@ int dsv41_rows_keep(int64_t heads, int64_t capacity, int64_t n, int64_t k, const
     return 0;
 }
 
+/* A compaction's dropped rows into the cold tier (engine/cache/cold.py ColdLayer.add): rows index [heads, m] (< n)
+ * of the hot layer's keys and values [heads, hot_capacity, d] (float32, or bf16 when hot_bf16), positions and
+ * scores [heads, hot_capacity], appended at rows start.. of the cold layer's, per head in index order. int8: the
+ * cold keys and values are int8 with one float32 scale per row, as engine/kernels/quant.py quantize_int8 rounds
+ * them (scale = max(max |x|, 1e-8) / 127, q = x / scale rounded half to even, clamped to +-127: the same float32
+ * operations, so bit-equal); else they are the hot rows' bytes. Returns 0, or -1 (bad sizes or index) before
+ * anything is written. */
+int dsv41_cold_add(int64_t heads, int64_t d, int64_t hot_capacity, int64_t n, int64_t m, const int64_t *index,
+                   const void *hot_keys, const void *hot_values, const int32_t *hot_positions, const float *hot_scores,
+                   int hot_bf16, int64_t cold_capacity, int64_t start, void *cold_keys, void *cold_values,
+                   float *key_scales, float *value_scales, int32_t *cold_positions, float *cold_scores, int int8) {
+    if (m < 0 || n > hot_capacity || start < 0 || start + m > cold_capacity || d > MAX_HEAD_DIM) return -1;
+    for (int64_t i = 0; i < heads * m; i++)
+        if (index[i] < 0 || index[i] >= n) return -1;
+    const int64_t esize = hot_bf16 ? 2 : 4;
+    for (int64_t g = 0; g < heads; g++)
+        for (int64_t j = 0; j < m; j++) {
+            const int64_t src = g * hot_capacity + index[g * m + j], dst = g * cold_capacity + start + j;
+            cold_positions[dst] = hot_positions[src];
+            cold_scores[dst] = hot_scores[src];
+            for (int kv = 0; kv < 2; kv++) {
+                const char *row = (const char *)(kv ? hot_values : hot_keys) + src * d * esize;
+                void *out = kv ? cold_values : cold_keys;
+                if (!int8) {
+                    memcpy((char *)out + dst * d * esize, row, (size_t)(d * esize));
+                    continue;
+                }
+                float x[MAX_HEAD_DIM], top = 0.f;
+                for (int64_t i = 0; i < d; i++) {
+                    x[i] = hot_bf16 ? bf16_to_f32(((const uint16_t *)row)[i]) : ((const float *)row)[i];
+                    const float a = fabsf(x[i]);
+                    top = a > top ? a : top;
+                }
+                const float scale = (top > 1e-8f ? top : 1e-8f) / 127.0f;
+                int8_t *q = (int8_t *)out + dst * d;
+                for (int64_t i = 0; i < d; i++) {
+                    float r = nearbyintf(x[i] / scale);
+                    r = r > 127.f ? 127.f : (r < -127.f ? -127.f : r);
+                    q[i] = (int8_t)r;
+                }
+                (kv ? value_scales : key_scales)[dst] = scale;
+            }
+        }
+    return 0;
+}
+
 /* Insert m new rows per head among the first n rows of every tensor so that each head stays in position order:
  * positions [heads, capacity] int32 is the layer's (one of the tensors too), new_positions [heads, m] the new
  * rows'; news[t] [heads, m, row] holds tensor t's new rows (NULL: zeros). Ties keep the stored rows first, the

@@ -433,3 +433,43 @@ def test_on_a_gpu_the_cold_tier_is_pinned_and_its_keys_reach_the_device_as_store
         assert on_device.device.type == "cuda" and torch.equal(on_device.cpu(), cold.read_keys())
     host = _cache(cold_tier="ram")
     assert not any(cold.pinned for cold in host.cold)  # a CPU cache keeps ordinary RAM
+
+
+@pytest.mark.skipif(kernels.load() is None, reason=f"CPU kernels: {kernels.unavailable_reason()}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("int8", [False, True])
+def test_a_compactions_rows_go_cold_through_one_c_call_exactly_as_through_torch(monkeypatch, dtype, int8):
+    """ColdLayer.add moves a compaction's dropped rows (gathered, quantized to int8 or kept in the hot dtype) in one
+    C call (cache_ops.cold_add): every cold tensor bit-equal to the torch path's, across a growth of the tier; an
+    index out of range is refused before anything is written."""
+    from engine.kernels import cache_ops
+
+    @torch.inference_mode()
+    def run():
+        g = torch.Generator().manual_seed(7)
+        hot = LayerKV(3, 8, dtype, "cpu")
+        hot.append(torch.randn(3, 300, 8, generator=g) * 3, torch.randn(3, 300, 8, generator=g), torch.arange(300))
+        hot.keys[1, 5] = 0  # an all-zero row: scale from the 1e-8 floor, zeros back
+        hot.scores[:, :300] = torch.rand(3, 300, generator=g)
+        cold = ColdLayer(3, 8, dtype, "cpu", int8=int8)
+        for taken in (40, 250):  # the second add grows the tier past its first block
+            cold.add(hot, torch.stack([torch.randperm(300, generator=g)[:taken] for _ in range(3)]))
+        return cold
+
+    used = []
+    real = cache_ops.cold_add
+    monkeypatch.setattr(cache_ops, "cold_add", lambda *a, **k: used.append(real(*a, **k)) or used[-1])
+    fast = run()
+    assert used == [True, True]
+    with monkeypatch.context() as m:
+        m.setattr(cache_ops, "cold_add", lambda *a, **k: False)
+        slow = run()
+    assert fast.length == slow.length == 290
+    for name in fast._names():
+        assert torch.equal(getattr(fast, name)[:, :290], getattr(slow, name)[:, :290]), name
+    hot = LayerKV(3, 8, dtype, "cpu")
+    hot.append(torch.randn(3, 10, 8), torch.randn(3, 10, 8), torch.arange(10))
+    before = {name: getattr(fast, name)[:, :290].clone() for name in fast._names()}
+    with pytest.raises(ValueError, match="out of range"):
+        fast.add(hot, torch.full((3, 2), 10))
+    assert fast.length == 290 and all(torch.equal(getattr(fast, n)[:, :290], b) for n, b in before.items())
