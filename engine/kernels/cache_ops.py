@@ -37,17 +37,26 @@ def _pointers(tensors) -> ctypes.Array:
     return (ctypes.c_void_p * len(tensors))(*[None if t is None else t.data_ptr() for t in tensors])
 
 
-def take_rows(tensors: list[torch.Tensor], index: torch.Tensor, n: int) -> list[torch.Tensor] | None:
-    """Take rows `index` [heads, m] (distinct per head, < n) out of the first n rows of every tensor: returned as
-    [heads, m, ...] each, in index order; the holes they leave below n - m are filled with the rows at or past
-    n - m that stay, in ascending order. None where the kernels do not apply."""
+def _rows_call(tensors: list[torch.Tensor], index: torch.Tensor):
+    """(library, capacity, bytes per row, index as contiguous int64) for a call that moves rows `index` of
+    `tensors`, or None where the kernels do not apply."""
     lib = load()
     capacity = tensors[0].shape[1]
     sizes = _layout(tensors, capacity) if lib is not None else None
     if sizes is None or index.device.type != "cpu":
         return None
+    return lib, capacity, sizes, index.to(torch.int64).contiguous()
+
+
+def take_rows(tensors: list[torch.Tensor], index: torch.Tensor, n: int) -> list[torch.Tensor] | None:
+    """Take rows `index` [heads, m] (distinct per head, < n) out of the first n rows of every tensor: returned as
+    [heads, m, ...] each, in index order; the holes they leave below n - m are filled with the rows at or past
+    n - m that stay, in ascending order. None where the kernels do not apply."""
+    prepared = _rows_call(tensors, index)
+    if prepared is None:
+        return None
+    lib, capacity, sizes, index = prepared
     heads, m = index.shape
-    index = index.to(torch.int64).contiguous()
     outs = [torch.empty((heads, m, *t.shape[2:]), dtype=t.dtype) for t in tensors]
     status = lib.lib.dsv41_rows_take(heads, capacity, n, m, index.data_ptr(), len(tensors), _pointers(tensors),
                                      (ctypes.c_int64 * len(sizes))(*sizes), _pointers(outs))
@@ -60,13 +69,11 @@ def keep_rows(tensors: list[torch.Tensor], index: torch.Tensor, n: int) -> bool:
     """Keep rows `index` [heads, k] (strictly ascending per head, < n) of the first n rows of every tensor, moved
     in place to rows 0..k-1. Nothing to allocate, so it cannot run out of memory part-way. False where the kernels
     do not apply."""
-    lib = load()
-    capacity = tensors[0].shape[1]
-    sizes = _layout(tensors, capacity) if lib is not None else None
-    if sizes is None or index.device.type != "cpu":
+    prepared = _rows_call(tensors, index)
+    if prepared is None:
         return False
+    lib, capacity, sizes, index = prepared
     heads, k = index.shape
-    index = index.to(torch.int64).contiguous()
     status = lib.lib.dsv41_rows_keep(heads, capacity, n, k, index.data_ptr(), len(tensors), _pointers(tensors),
                                      (ctypes.c_int64 * len(sizes))(*sizes))
     if status != 0:
