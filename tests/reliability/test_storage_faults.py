@@ -51,8 +51,12 @@ def test_growth_that_runs_out_of_memory_midway_leaves_the_layer_as_it_was(monkey
 
 
 def test_compaction_that_runs_out_of_memory_leaves_the_layer_as_it_was(monkeypatch):
+    """The torch path (a GPU layer's; on a CPU one C call moves the rows in place and allocates nothing, so it
+    cannot run out of memory part-way) gathers every tensor before it writes any."""
     import engine.cache.storage as storage
+    from engine.kernels import cache_ops
 
+    monkeypatch.setattr(cache_ops, "keep_rows", lambda *a, **k: False)
     layer = filled()
     before = tensors(layer)
     real = storage._gather_rows
@@ -69,6 +73,7 @@ def test_compaction_that_runs_out_of_memory_leaves_the_layer_as_it_was(monkeypat
     with pytest.raises(torch.OutOfMemoryError):
         layer.keep(keep)
     monkeypatch.undo()
+    assert calls["n"] == 3
     assert layer.length == 200
     for name, tensor in tensors(layer).items():
         assert torch.equal(tensor[:, :200], before[name][:, :200]), name
