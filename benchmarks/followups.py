@@ -9,7 +9,7 @@ knows. Follow-ups are the turns after the first. The configurations of one hot r
 machine whose speed drifts during the run slows them alike (their TTFT ratios are paired).
 
 Usage: python -m benchmarks.followups [--words 640] [--ratios 0.5,0.3,0.2,0.1] [--out results/followups]
-       [--no-reference]
+       [--no-reference] [--mode chat|requests]
 """
 
 from __future__ import annotations
@@ -38,14 +38,19 @@ def ask(session, question: str, documents=(), max_new_tokens: int = 24) -> Done:
     return done
 
 
-def run_case(model: DSV41Model, knobs: dict, case) -> list[dict]:
-    """One case (a document, its facts, the order they are asked in) in a fresh chat at `knobs`."""
+def run_case(model: DSV41Model, knobs: dict, case, mode: str = "chat") -> list[dict]:
+    """One case (a document, its facts, the order they are asked in) in a fresh chat at `knobs`. Mode "chat":
+    every question is the next turn of one chat (SCBench's multi-turn mode). Mode "requests": the first question
+    reads the document, and every later one is asked alone on a fork of the chat as it stood after that first turn
+    (SCBench's multi-request mode, and how kvpress asks several questions about one compressed context)."""
     model.config = model.config.replace(**knobs)
     path, facts, order = case
-    session = model.chat_session()
+    first = session = model.chat_session()
     turns = []
     for index, fact in enumerate(order):
         _, question, key = facts[fact]
+        if mode == "requests" and index > 0:
+            session = first.fork()
         done = ask(session, question, [load_document(str(path))] if index == 0 else [])
         cache = session.cache
         turns.append({
@@ -67,13 +72,13 @@ def summarise(knobs: dict, turns: list[dict]) -> dict:
             "last_uncompressed_bytes": turns[-1]["uncompressed_bytes"]}
 
 
-def run_configs(model: DSV41Model, configs: list[dict], cases) -> list[dict]:
+def run_configs(model: DSV41Model, configs: list[dict], cases, mode: str = "chat") -> list[dict]:
     """Every configuration on every case, the configurations taking turns case by case (interleaved: a machine
     whose speed drifts over the run slows them alike, so their TTFT ratios hold)."""
     turns: list[list[dict]] = [[] for _ in configs]
     for case in cases:
         for i, knobs in enumerate(configs):
-            turns[i] += run_case(model, knobs, case)
+            turns[i] += run_case(model, knobs, case, mode)
     return [summarise(knobs, t) for knobs, t in zip(configs, turns, strict=True)]
 
 
@@ -81,7 +86,9 @@ def table(payload: dict) -> str:
     alone = (f"alone in a fresh uncompressed chat the model answers {payload['alone_right']}/{payload['alone_total']}"
              if payload["alone_total"] else "no reference rows (--no-reference)")
     lines = [f"Follow-up questions about one {payload['words']}-word document ({payload['tokens']} tokens), "
-             f"{len(FACT_SETS)} fact sets x 2 orders; {alone}", "",
+             f"{len(FACT_SETS)} fact sets x 2 orders; {alone}"
+             + ("; each follow-up asked alone on a fork of the chat after its first turn (--mode requests)"
+                if payload.get("mode") == "requests" else ""), "",
              "| configuration | first question | follow-ups | follow-up TTFT (ms) | hot KV | cold KV | uncompressed KV |",
              "|---|---|---|---|---|---|---|"]
     for row in payload["rows"]:
@@ -130,6 +137,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=str(RESULTS / "followups"))
     parser.add_argument("--no-reference", action="store_true",
                         help="skip the questions asked alone and the uncompressed row (rows to compare with a run that has them)")
+    parser.add_argument("--mode", choices=("chat", "requests"), default="chat",
+                        help="chat: the questions are turns of one chat; requests: each follow-up is asked alone on a "
+                             "fork of the chat after its first turn (kvpress's protocol)")
     parser.add_argument("--repetition-penalty", type=float, default=REPETITION_PENALTY,
                         help="1.0: plain greedy, as the kvpress peer decodes (the chat's default is 1.1)")
     args = parser.parse_args(argv)
@@ -151,10 +161,10 @@ def main(argv=None) -> int:
                 for ratio in (float(r) for r in args.ratios.split(",")) for tier in args.tiers.split(",")]
     # the configurations of one ratio take turns case by case (run_configs); the ratios run one after another
     for ratio in dict.fromkeys(c["kv_cache_ratio"] for c in configs):
-        rows += run_configs(model, [c for c in configs if c["kv_cache_ratio"] == ratio], cases)
+        rows += run_configs(model, [c for c in configs if c["kv_cache_ratio"] == ratio], cases, args.mode)
         print(table({"words": args.words, "tokens": rows[0]["turns"][0]["seen"], "alone_right": sum(alone),
                      "alone_total": len(alone), "rows": rows[-1:]}).splitlines()[-1], flush=True)
-    payload = {"machine": machine(), "words": args.words, "repetition_penalty": args.repetition_penalty, "tokens": rows[0]["turns"][0]["seen"],
+    payload = {"machine": machine(), "mode": args.mode, "words": args.words, "repetition_penalty": args.repetition_penalty, "tokens": rows[0]["turns"][0]["seen"],
                "alone_right": sum(alone), "alone_total": len(alone), "rows": rows, "elapsed_s": time.time() - started}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

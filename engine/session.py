@@ -287,6 +287,30 @@ class ChatSession:
         store = self.model.conversation_store
         return store.forget(self.fed_text) if store is not None and self.fed_text else 0
 
+    def fork(self) -> ChatSession:
+        """A new chat that goes on from this one as it stands: the same messages and a copy of its cache (hot
+        set, cold tier, scores, settings), so its next turn reads only that turn, as this one's would. The two
+        then go their own ways. A chat whose cache does not hold its transcript gives a fork that re-reads it
+        on its first turn."""
+        from .cache import persist
+
+        if not self._lock.acquire(blocking=False):
+            raise BusyError("A reply is still being generated in this chat; stop it or wait for it to finish.")
+        try:
+            other = ChatSession(self.model, self.system_prompt)
+            other.messages = [dict(m) for m in self.messages]
+            other.cache.settings = self.cache.settings
+            other.cache.reset()
+            if self._dirty or self.cache.seen != len(self.transcript_ids):
+                return other  # nothing fed: its first turn renders and reads the whole conversation
+            tensors, facts = persist.save_state(self.cache)
+            persist.load_state(other.cache, tensors, facts)
+            other.transcript_ids = list(self.transcript_ids)
+            other.fed_text, other.fed_specials = self.fed_text, self.fed_specials
+            return other
+        finally:
+            self._lock.release()
+
     # ------------------------------------------------------------------ reconfigure / reset
     def rebuild(self, progress=None, cancel: threading.Event | None = None) -> None:
         """Re-read the transcript with the current cache settings (quality comes back after loosening)."""

@@ -210,3 +210,27 @@ def test_a_state_that_does_not_fit_the_cache_changes_nothing(model):
     assert _equal_states(_state(target), before)
     persist.load_state(target, tensors, facts)
     assert _equal_states(_state(target), _state(session.cache))
+
+
+def test_a_fork_goes_on_from_the_same_state_and_leaves_the_original_as_it_was(model, folder):
+    session, _ = _chat(model, ("What is the value of item 3?",))
+    before = _state(session.cache)
+    fork = session.fork()
+    assert _equal_states(_state(fork.cache), before) and fork.cache.settings == session.cache.settings
+    assert fork.cache.cold is not None and sum(c.length for c in fork.cache.cold) > 0  # the cold tier came too
+    forked = ask(fork, "And item 40?")
+    assert forked.stats.prefill_tokens < 40 and not forked.stats.rebuilt_context  # the question only
+    assert _equal_states(_state(session.cache), before)  # the fork's turn changed nothing here
+    assert ask(session, "And item 40?").text == forked.text  # the same answer the original gives
+    assert _equal_states(_state(session.cache), _state(fork.cache))
+
+
+def test_a_fork_of_a_chat_whose_cache_is_out_of_step_re_reads_it(model, folder, monkeypatch):
+    monkeypatch.setattr(model, "config", model.config.replace(conversation_cache_mb=0))  # no saved state to restore
+    session, _ = _chat(model, ("What is the value of item 3?",))
+    session._dirty = True  # as after a turn interrupted mid-compaction
+    fork = session.fork()
+    assert fork.cache.seen == 0 and fork.messages == session.messages
+    done = ask(fork, "And item 40?")
+    assert done.stats.prefill_tokens > 40  # the whole conversation read again
+    assert fork.cache.seen == len(fork.transcript_ids)
