@@ -9,7 +9,8 @@ knows. Follow-ups are the turns after the first. The configurations of one hot r
 machine whose speed drifts during the run slows them alike (their TTFT ratios are paired).
 
 Usage: python -m benchmarks.followups [--words 640] [--ratios 0.5,0.3,0.2,0.1] [--out results/followups]
-       [--no-reference] [--mode chat|requests]
+       [--no-reference] [--mode chat|requests] [--documents 2010-Obama-1,...] [--cold-dtype int8|auto]
+       [--recall-min 256]
 """
 
 from __future__ import annotations
@@ -86,7 +87,9 @@ def table(payload: dict) -> str:
     alone = (f"alone in a fresh uncompressed chat the model answers {payload['alone_right']}/{payload['alone_total']}"
              if payload["alone_total"] else "no reference rows (--no-reference)")
     lines = [f"Follow-up questions about one {payload['words']}-word document ({payload['tokens']} tokens), "
-             f"{len(FACT_SETS)} fact sets x 2 orders; {alone}"
+             f"{len(payload.get('documents') or FACT_SETS)} fact sets x 2 orders; {alone}"
+             + (f"; a question recalls at least {payload['recall_min']} entries a head" if payload.get("recall_min")
+                else "")
              + ("; each follow-up asked alone on a fork of the chat after its first turn (--mode requests)"
                 if payload.get("mode") == "requests" else ""), "",
              "| configuration | first question | follow-ups | follow-up TTFT (ms) | hot KV | cold KV | uncompressed KV |",
@@ -94,7 +97,8 @@ def table(payload: dict) -> str:
     for row in payload["rows"]:
         k = row["knobs"]
         name = "uncompressed" if k["kv_cache_ratio"] >= 1 else \
-            f"{k['ced_policy']} {k['kv_cache_ratio']}" + (" + cold tier" if k["cold_tier"] != "off" else "")
+            f"{k['ced_policy']} {k['kv_cache_ratio']}" + (" + cold tier" if k["cold_tier"] != "off" else "") \
+            + (" (lossless)" if k.get("cold_tier_dtype") == "auto" else "")
         lines.append(f"| {name} | {row['first_right']}/{row['first_total']} | {row['followups_right']}/"
                      f"{row['followups_total']} | {row['followup_ttft_s'] * 1000:.0f} | "
                      f"{row['last_hot_bytes'] / 2**20:.1f} MiB | {row['last_cold_bytes'] / 2**20:.1f} MiB | "
@@ -140,15 +144,31 @@ def main(argv=None) -> int:
     parser.add_argument("--mode", choices=("chat", "requests"), default="chat",
                         help="chat: the questions are turns of one chat; requests: each follow-up is asked alone on a "
                              "fork of the chat after its first turn (kvpress's protocol)")
+    parser.add_argument("--documents", default=None,
+                        help="only these speeches' fact sets (comma-separated names, e.g. 2010-Obama-1)")
+    parser.add_argument("--cold-dtype", choices=("int8", "auto"), default="int8",
+                        help="cold_tier_dtype of the tiered rows (auto: as the hot set stores it, lossless)")
+    parser.add_argument("--recall-min", type=int, default=None,
+                        help="entries a question recalls at least, per head (engine.cache.cold.RECALL_MIN; a "
+                             "number past the document's length recalls everything: the recall's upper bound)")
     parser.add_argument("--repetition-penalty", type=float, default=REPETITION_PENALTY,
                         help="1.0: plain greedy, as the kvpress peer decodes (the chat's default is 1.1)")
     args = parser.parse_args(argv)
     globals()["REPETITION_PENALTY"] = args.repetition_penalty
+    if args.recall_min is not None:
+        from engine.cache import cold
+
+        cold.RECALL_MIN = args.recall_min
     started = time.time()
     # conversation_cache_mb=0: every chat here is new, nothing is reopened, so saving each turn's cache would only
     # fill the user's cache folder (benchmarks/reopen.py measures the saved caches)
     model = DSV41Model.from_pretrained(DSV41Config(max_seq_len=8192, kv_cache_ratio=1.0, conversation_cache_mb=0))
-    docs = [(document(name, facts, args.words), facts) for name, facts in FACT_SETS]
+    wanted = set(args.documents.split(",")) if args.documents else {name for name, _ in FACT_SETS}
+    unknown = wanted - {name for name, _ in FACT_SETS}
+    if unknown:
+        parser.error(f"no fact set for {', '.join(sorted(unknown))}; choose from "
+                     + ", ".join(name for name, _ in FACT_SETS))
+    docs = [(document(name, facts, args.words), facts) for name, facts in FACT_SETS if name in wanted]
     cases = [(path, facts, order) for path, facts in docs for order in orders(facts)]
     alone, rows = [], []
     if not args.no_reference:
@@ -157,14 +177,15 @@ def main(argv=None) -> int:
                 done = ask(model.chat_session(), facts[fact][1], [load_document(str(path))])
                 alone.append(facts[fact][2] in done.text.lower())
     configs = [] if args.no_reference else [dict(kv_cache_ratio=1.0, cold_tier="off", ced_policy="ced")]
-    configs += [dict(kv_cache_ratio=ratio, cold_tier=tier, ced_policy=policy) for policy in args.policies.split(",")
+    configs += [dict(kv_cache_ratio=ratio, cold_tier=tier, ced_policy=policy)
+                | ({"cold_tier_dtype": args.cold_dtype} if tier != "off" else {}) for policy in args.policies.split(",")
                 for ratio in (float(r) for r in args.ratios.split(",")) for tier in args.tiers.split(",")]
     # the configurations of one ratio take turns case by case (run_configs); the ratios run one after another
     for ratio in dict.fromkeys(c["kv_cache_ratio"] for c in configs):
         rows += run_configs(model, [c for c in configs if c["kv_cache_ratio"] == ratio], cases, args.mode)
         print(table({"words": args.words, "tokens": rows[0]["turns"][0]["seen"], "alone_right": sum(alone),
                      "alone_total": len(alone), "rows": rows[-1:]}).splitlines()[-1], flush=True)
-    payload = {"machine": machine(), "mode": args.mode, "words": args.words, "repetition_penalty": args.repetition_penalty, "tokens": rows[0]["turns"][0]["seen"],
+    payload = {"machine": machine(), "mode": args.mode, "recall_min": args.recall_min, "documents": sorted(wanted), "words": args.words, "repetition_penalty": args.repetition_penalty, "tokens": rows[0]["turns"][0]["seen"],
                "alone_right": sum(alone), "alone_total": len(alone), "rows": rows, "elapsed_s": time.time() - started}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

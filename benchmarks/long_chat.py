@@ -4,7 +4,7 @@ questions a fresh chat answers.
 Each turn asks "Turn i: give one word that rhymes with <word>." (greedy, at most 10 new tokens), except five
 early turns (2, 5, 10, 20 and 40) that each tell the chat one fact ("Remember this: my sister's name is
 Ingrid."). After the last turn the chat is asked questions with a known answer ("What is the capital of
-France?" -> Paris), each of a copy of the chat as it stood after its last turn, then, in the chat itself, one
+France?" -> Paris), each of a fork of the chat as it stood after its last turn, then, in the chat itself, one
 question per turn, about each planted fact in turn ("What is my sister's name?" -> Ingrid); an answer is right
 when it holds its key. The same fact questions are asked of a short chat of only the five fact turns (what the
 model recalls at all), the general questions of a fresh chat. Per configuration (ratio, cold tier) it records
@@ -25,7 +25,6 @@ import argparse
 import json
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -38,9 +37,9 @@ from .common import RESULTS, machine
 
 RHYMES = ["cat", "dog", "sun", "tree", "star", "light", "rain", "moon", "day", "book", "ring", "cake"]
 # (question, a word the answer holds): each is asked of the long chat as it stood after its last turn (a
-# copy of the session), and of a fresh chat. All eleven are answered right by a fresh chat of the default
-# model (greedy, 24 tokens); the issue's "What is 2 + 2?" is not (this 135M model rambles on it), so it is
-# left out of the count.
+# ChatSession.fork), and of a fresh chat. All eleven are answered right by a fresh chat of the default model
+# (greedy, 24 tokens); the issue's "What is 2 + 2?" is not (this 135M model rambles on it), so it is left out
+# of the count.
 FINAL_QUESTIONS = [("What is the capital of France?", "paris"), ("What is the capital of Japan?", "tokyo"),
                    ("What is the capital of Germany?", "berlin"), ("What is the capital of England?", "london"),
                    ("What is the opposite of hot?", "cold"), ("How many legs does a dog have?", ("4", "four")),
@@ -108,7 +107,7 @@ def held(cache, start: int, end: int) -> dict:
 
 def run_chat(model: DSV41Model, turns: int, *, session=None, progress=None, facts=()) -> dict:
     """The long chat in `session` (a new one of `model` by default), with `facts` planted in their turns; then the
-    final questions (each of a copy of the chat), the fact questions (in the chat, in order), the final questions
+    final questions (each of a fork of the chat), the fact questions (in the chat, in order), the final questions
     of a fresh chat and the fact questions of a chat of only the fact turns."""
     session = session or model.chat_session()
     facts = planted(facts, turns)
@@ -131,7 +130,7 @@ def run_chat(model: DSV41Model, turns: int, *, session=None, progress=None, fact
     kept = {turn: held(session.cache, *span) for turn, span in spans.items()}
     finals = []
     for question, expected in FINAL_QUESTIONS:
-        text, _ = reply(clone_session(session), question, ANSWER_TOKENS)
+        text, _ = reply(session.fork(), question, ANSWER_TOKENS)
         finals.append({"question": question, "answer": text, "expected": expected,
                        "correct": holds(text, expected)})
     fact_answers = ask_facts(session, facts)
@@ -150,45 +149,6 @@ def run_chat(model: DSV41Model, turns: int, *, session=None, progress=None, fact
     return {"turns": turns, "seconds": time.perf_counter() - started, "curve": curve, "final": finals,
             "fresh": fresh, "facts": fact_answers, "facts_short_chat": short, "seen": seen, "stored": stored,
             "cold_entries": cold}
-
-
-def clone_session(session):
-    """A copy of a chat session (its cache tensors copied, the cold tier's too), so that each final question meets
-    the same state."""
-    import copy
-
-    import torch
-
-    from engine.cache import storage
-
-    clone = copy.copy(session)
-    clone.messages = [dict(m) for m in session.messages]
-    clone.transcript_ids = list(session.transcript_ids)
-    clone._lock = threading.Lock()
-    cache = copy.copy(session.cache)
-
-    def twin_of(layer):
-        twin = copy.copy(layer)
-        for name, value in vars(layer).items():
-            if isinstance(value, torch.Tensor):
-                setattr(twin, name, value.clone())
-        return twin
-
-    layers = []
-    with torch.inference_mode():
-        for layer in session.cache.layers:
-            twin = twin_of(layer)
-            twin.storage_version = next(storage._ALLOCATIONS)
-            layers.append(twin)
-        if session.cache.cold is not None:  # a question recalls from (and so changes) the cold tier
-            cache.cold = [twin_of(cold) for cold in session.cache.cold]
-            for cold in cache.cold:
-                cold.spill = cache._spill
-    cache.layers = layers
-    cache._recall = list(session.cache._recall)
-    cache._torch_rng = torch.Generator().manual_seed(0)
-    clone.cache = cache
-    return clone
 
 
 def label(run: dict) -> str:

@@ -1,7 +1,7 @@
 """A long compressed chat still answers what a fresh chat answers (the short version of benchmarks/long_chat.py).
 
 Sixty rhyme turns in one session at ratio 0.2 (2,000 tokens seen, about 400 entries kept), then eleven simple
-questions, each asked of a copy of the chat. Token by token, the question-aware compaction kept scattered
+questions, each asked of a fork of the chat. Token by token, the question-aware compaction kept scattered
 high-score tokens of the repeated turns and 3 of the 11 answers went wrong; kept in whole spans, the chat
 answers all that a fresh chat answers (docs/design.md, "Compaction").
 """

@@ -1,0 +1,138 @@
+"""Our tiered cache against NVIDIA kvpress on the same follow-up questions, side by side, per hot (kept) ratio.
+
+Reads what benchmarks/followups.py and benchmarks/kvpress_peer.py wrote for one document length (the same six
+speeches, facts, questions, orders and answer keys; torch-free, so any python runs it) and writes one table and one
+plot. Both protocols ask every follow-up without the earlier follow-ups in view: kvpress asks each question alone
+on the context it compressed once; `followups.py --mode requests` asks each follow-up on a fork of the chat as it
+stood after its first turn (the first question and its answer are in the chat, as a user's first turn is). The
+two uncompressed rows differ (float32 transformers against our default load; a first turn in the chat or not),
+so each row is also given against its own uncompressed figure: the share of its own uncompressed answers it keeps.
+
+Usage: python -m benchmarks.followups_compare --ours results/followups-requests/1k
+           --peer results/followups-kvpress --out results/followups-compare/1k
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def _ours(folder: Path) -> tuple[dict, dict]:
+    payload = json.loads((folder / "followups.json").read_text())
+    rows = {}
+    for row in payload["rows"]:
+        k = row["knobs"]
+        if k["kv_cache_ratio"] >= 1:
+            rows["uncompressed"] = row
+        elif k["ced_policy"] == "ced" and k["cold_tier"] != "off":
+            rows[k["kv_cache_ratio"]] = row
+    return payload, rows
+
+
+def _peer(folder: Path) -> tuple[dict, dict[str, dict]]:
+    payload = json.loads((folder / "followups_kvpress.json").read_text())
+    presses: dict[str, dict] = {}
+    for row in payload["rows"]:
+        if row["press"] == "none":
+            presses.setdefault("uncompressed", {})[1.0] = row
+        else:
+            presses.setdefault(row["press"].removesuffix("Press"), {})[row["kept_ratio"]] = row
+    return payload, presses
+
+
+def compare(ours_dir: Path, peer_dir: Path) -> dict:
+    ours_payload, ours = _ours(ours_dir)
+    peer_payload, peer = _peer(peer_dir)
+    if ours_payload.get("mode") != "requests":
+        raise SystemExit(f"{ours_dir} was run with --mode {ours_payload.get('mode', 'chat')}: the comparison needs "
+                         "--mode requests (each follow-up without the earlier follow-ups, as kvpress asks them)")
+    if ours_payload["words"] != peer_payload["words"]:
+        raise SystemExit(f"different documents: ours {ours_payload['words']} words, kvpress {peer_payload['words']}")
+    base_ours = ours["uncompressed"]["followups_right"]
+    base_peer = peer["uncompressed"][1.0]["followups_right"]
+    total = ours["uncompressed"]["followups_total"]
+    ratios = sorted({r for r in ours if r != "uncompressed"} | {r for p, rs in peer.items() if p != "uncompressed"
+                                                                 for r in rs}, reverse=True)
+    lines = []
+
+    def cell(row, base):
+        if row is None:
+            return None
+        return {"right": row["followups_right"], "total": row["followups_total"],
+                "of_uncompressed": row["followups_right"] / base if base else None,
+                "short_of_uncompressed": base - row["followups_right"],
+                "prefill_s": row.get("prefill_s")}
+
+    for ratio in ratios:
+        entry = {"ratio": ratio, "ours": cell(ours.get(ratio), base_ours)}
+        for press, rows in peer.items():
+            if press != "uncompressed":
+                entry[press] = cell(rows.get(ratio), base_peer)
+        lines.append(entry)
+    return {"words": ours_payload["words"], "tokens": ours_payload["tokens"], "followups_total": total,
+            "ours_uncompressed": base_ours, "peer_uncompressed": base_peer,
+            "presses": [p for p in peer if p != "uncompressed"], "rows": lines,
+            "ours_machine": ours_payload["machine"], "peer_machine": peer_payload["machine"],
+            "peer_prefill_uncompressed_s": peer["uncompressed"][1.0].get("prefill_s"),
+            "sources": {"ours": str(ours_dir), "peer": str(peer_dir)}}
+
+
+def table(result: dict) -> str:
+    presses = result["presses"]
+    total = result["followups_total"]
+    head = ["hot / kept ratio", "ours: tiered CED"] + [f"kvpress {p}" for p in presses]
+    lines = [f"Follow-ups right (of {total}) on {result['tokens']}-token documents, each follow-up asked without the "
+             f"earlier follow-ups; in brackets, short of each one's own uncompressed figure (ours "
+             f"{result['ours_uncompressed']}/{total}, kvpress {result['peer_uncompressed']}/{total})", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in result["rows"]:
+        cells = [f"{row['ratio']}"]
+        for name in ["ours", *presses]:
+            c = row.get(name)
+            cells.append("" if c is None else f"{c['right']} ({-c['short_of_uncompressed']:+d})")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    for name, label, style in [("ours", "ours: tiered CED", "s-")] + [(p, f"kvpress {p}", "o--")
+                                                                      for p in result["presses"]]:
+        points = [(r["ratio"], r[name]["of_uncompressed"]) for r in result["rows"] if r.get(name)]
+        if points:
+            ax.plot(*zip(*points, strict=True), style, label=label)
+    ax.axhline(1.0, color="gray", linestyle=":", label="each one's uncompressed")
+    ax.set_xlabel("hot / kept ratio")
+    ax.set_ylabel("follow-ups right / own uncompressed")
+    ax.set_title(f"Follow-up questions, {result['tokens']}-token documents")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "followups_compare.png", dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.followups_compare")
+    parser.add_argument("--ours", required=True, help="a folder of `followups.py --mode requests`")
+    parser.add_argument("--peer", required=True, help="a folder of benchmarks/kvpress_peer.py, same --words")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    result = compare(Path(args.ours), Path(args.peer))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "followups_compare.json").write_text(json.dumps(result, indent=2))
+    (out / "followups_compare.md").write_text(table(result))
+    plot(result, out)
+    print(table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
