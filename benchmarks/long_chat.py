@@ -25,6 +25,7 @@ import argparse
 import json
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -54,6 +55,12 @@ FACTS = [(2, "Remember this: my sister's name is Ingrid.", "What is my sister's 
          (10, "Remember this: my flight number is KL 4471.", "What is my flight number?", "4471"),
          (20, "Remember this: my dog is called Biscuit.", "What is my dog called?", "biscuit"),
          (40, "Remember this: my favourite number is 58.", "What is my favourite number?", "58")]
+# What a right answer to each fact's question says, up to its key, and the key (benchmarks score the key's
+# log-probability after this reply prefix: how much of the fact the chat still reads, even where greedy
+# decoding follows the chat's pattern instead)
+ANSWER_PREFIXES = {2: ("Your sister's name is", " Ingrid"), 5: ("You drive a green", " Volvo"),
+                   10: ("Your flight number is KL", " 4471"), 20: ("Your dog is called", " Biscuit"),
+                   40: ("Your favourite number is", " 58")}
 TURN_TOKENS, ANSWER_TOKENS = 10, 24  # new tokens per chat turn, per question
 
 
@@ -78,13 +85,53 @@ def planted(facts, turns: int) -> list:
     return [fact for fact in facts if fact[0] <= turns]
 
 
+def key_score(session, question: str, prefix: str, key: str) -> dict:
+    """Teacher-forced, on a fork of `session`: `question` read as its next turn (as a turn reads it: chunks, the
+    cold tier's recall in the question's forward), then the reply `prefix` fed token by token; returns the
+    log-probability of `key`'s tokens after it (summed, nats) and the rank of its first token (1: greedy's
+    choice). The fork is dropped: `session` does not change."""
+    import torch
+
+    from engine.generate import TurnPlan, TurnResult, _prefill
+    from engine.models import adapter
+
+    fork = session.fork()
+    model, cache, tokenizer = fork.model, fork.cache, fork.tokenizer
+    turn = fork.prepare(question)
+    plan = TurnPlan(turn.new_ids, turn.question_tokens, model.prefill_chunk, model.headroom_tokens(cache),
+                    fork.context_limit)
+    feed = _prefill(model.hf_model, cache, plan, threading.Event(), model.device, TurnResult([], 0, 0, False))
+    while True:
+        try:
+            next(feed)
+        except StopIteration as stop:
+            logits = stop.value
+            break
+    head = tokenizer.encode(prefix, add_special_tokens=False)
+    ids = tokenizer.encode(prefix + key, add_special_tokens=False)
+    if ids[: len(head)] != head:
+        raise ValueError(f"{prefix + key!r} does not tokenize as {prefix!r} and then the key")
+    total, rank = 0.0, None
+    with torch.inference_mode():
+        for i, token in enumerate(ids):
+            logprobs = torch.log_softmax(logits[0, -1].float(), dim=-1)
+            if i >= len(head):
+                total += float(logprobs[token])
+                if rank is None:
+                    rank = int((logprobs > logprobs[token]).sum()) + 1
+            logits = adapter.forward(model.hf_model, torch.tensor([[token]], device=model.device), cache,
+                                     prefill=False)
+    return {"key_logprob": total, "key_rank": rank}
+
+
 def ask_facts(session, facts) -> list[dict]:
     """Each fact's question in `session` itself, one per turn, in order (the chat goes on with every answer)."""
     answers = []
     for turn, _, question, key in facts:
+        score = key_score(session, question, *ANSWER_PREFIXES[turn])
         text, _ = reply(session, question, ANSWER_TOKENS)
         answers.append({"turn": turn, "question": question, "answer": text, "expected": key,
-                        "correct": holds(text, key), "recalled": session.cache.recalled})
+                        "correct": holds(text, key), "recalled": session.cache.recalled, **score})
     return answers
 
 
@@ -186,6 +233,11 @@ def cell(text: str, limit: int = 90) -> str:
     return text.replace("\n", " ").replace("|", "\\|")[:limit]
 
 
+def _mean_logprob(facts) -> str:
+    scores = [f["key_logprob"] for f in facts or () if "key_logprob" in f]
+    return f"{sum(scores) / len(scores):.2f}" if scores else "–"
+
+
 def markdown(results: dict) -> str:
     facts = planted(FACTS, results["turns"])
     lines = [f"# Long chat: {results['turns']} short turns, then questions (default model, greedy)", "",
@@ -196,8 +248,8 @@ def markdown(results: dict) -> str:
              "compaction puts what it takes out of the hot set ('off': discarded; 'ram': kept, and each question "
              "recalls from it); ratio 1.0 compacts nothing.", "",
              "| ratio | cold tier | tokens seen | entries stored | cold entries | right (of the questions a fresh "
-             "chat gets right) | early-turn facts right | facts right in a short chat | "
-             "RSS after turn 1 → last (MiB) |", "|---|---|---|---|---|---|---|---|---|"]
+             "chat gets right) | early-turn facts right | facts right in a short chat | key log-prob of the facts "
+             "(mean; short chat) | RSS after turn 1 → last (MiB) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for run in results["runs"].values():
         curve = run["curve"]
         graded = [f for f, fresh in zip(run["final"], run["fresh"], strict=True) if fresh["correct"]]
@@ -206,17 +258,19 @@ def markdown(results: dict) -> str:
         lines.append(f"| {run['ratio']} | {tier_cell(run)} | {run['seen']} | {run['stored']} | {run['cold_entries']} | "
                      f"{right} / {len(graded)} | {sum(f['correct'] for f in run['facts'])} / {len(run['facts'])} | "
                      f"{sum(f['correct'] for f in short)} / {len(short)} | "
+                     f"{_mean_logprob(run['facts'])}; {_mean_logprob(short)} | "
                      f"{curve[0]['rss_mib']:.0f} → {curve[-1]['rss_mib']:.0f} |")
     lines += ["", "Early-turn facts (held: share of the fact turn's entries in the hot set / the cold tier after the "
               "last turn, over layers and heads; recalled: entries per head, summed over layers, the question "
               "brought back from the cold tier):", "",
-              "| ratio | cold tier | told in turn | question | answer | right | held hot / cold | recalled |",
-              "|---|---|---|---|---|---|---|---|"]
+              "| ratio | cold tier | told in turn | question | answer | right | key log-prob (rank) | held hot / cold "
+              "| recalled |", "|---|---|---|---|---|---|---|---|---|"]
     for run in results["runs"].values():
         for fact in run["facts"]:
             kept = fact["kept"]
             lines.append(f"| {run['ratio']} | {tier_cell(run)} | {fact['turn']} | {fact['question']} | "
                          f"{cell(fact['answer'])} | {'yes' if fact['correct'] else 'no'} | "
+                         f"{fact.get('key_logprob', float('nan')):.2f} ({fact.get('key_rank')}) | "
                          f"{kept['hot']:.0%} / {kept['cold']:.0%} | {fact['recalled']} |")
     lines += ["", "Answers:", "", "| ratio | cold tier | question | answer | right |", "|---|---|---|---|---|"]
     for run in results["runs"].values():

@@ -28,3 +28,19 @@ def test_sixty_turns_at_ratio_0_2_answer_what_a_fresh_chat_answers(default_model
     assert len(wrong) <= 1, wrong
     rss = [point["rss_mib"] for point in run["curve"]]
     assert max(rss[10:]) - rss[10] < 64  # memory stays flat as the chat grows (MiB)
+
+
+def test_the_key_score_reads_what_the_chat_was_told_and_leaves_the_chat_as_it_was(default_model):
+    """benchmarks/long_chat.py's teacher-forced score: the key of a fact the chat was told is far likelier than in a
+    chat that was told another name; scoring happens on a fork, so the chat itself does not move."""
+    from benchmarks.long_chat import ANSWER_PREFIXES, key_score, reply
+
+    told, other = default_model.chat_session(), default_model.chat_session()
+    reply(told, "Remember this: my sister's name is Ingrid.", 10)
+    reply(other, "Remember this: my sister's name is Marta.", 10)
+    seen, ids = told.cache.seen, list(told.transcript_ids)
+    good = key_score(told, "What is my sister's name?", *ANSWER_PREFIXES[2])
+    bad = key_score(other, "What is my sister's name?", *ANSWER_PREFIXES[2])
+    assert good["key_logprob"] > bad["key_logprob"] + 3 and good["key_rank"] < bad["key_rank"]
+    assert good["key_rank"] <= 3 and good["key_logprob"] < 0
+    assert told.cache.seen == seen and told.transcript_ids == ids
