@@ -92,15 +92,18 @@ def table(payload: dict) -> str:
                 else "")
              + ("; each follow-up asked alone on a fork of the chat after its first turn (--mode requests)"
                 if payload.get("mode") == "requests" else ""), "",
-             "| configuration | first question | follow-ups | follow-up TTFT (ms) | hot KV | cold KV | uncompressed KV |",
-             "|---|---|---|---|---|---|---|"]
+             "| configuration | first question | follow-ups | right per turn (1st, 2nd, ...) | follow-up TTFT (ms) | hot KV "
+             "| cold KV | uncompressed KV |",
+             "|---|---|---|---|---|---|---|---|"]
     for row in payload["rows"]:
         k = row["knobs"]
         name = "uncompressed" if k["kv_cache_ratio"] >= 1 else \
             f"{k['ced_policy']} {k['kv_cache_ratio']}" + (" + cold tier" if k["cold_tier"] != "off" else "") \
             + (" (lossless)" if k.get("cold_tier_dtype") == "auto" else "")
+        per_turn = " / ".join(f"{sum(t['right'] for t in row['turns'] if t['turn'] == i)}"
+                              for i in sorted({t["turn"] for t in row["turns"]}))
         lines.append(f"| {name} | {row['first_right']}/{row['first_total']} | {row['followups_right']}/"
-                     f"{row['followups_total']} | {row['followup_ttft_s'] * 1000:.0f} | "
+                     f"{row['followups_total']} | {per_turn} | {row['followup_ttft_s'] * 1000:.0f} | "
                      f"{row['last_hot_bytes'] / 2**20:.1f} MiB | {row['last_cold_bytes'] / 2**20:.1f} MiB | "
                      f"{row['last_uncompressed_bytes'] / 2**20:.1f} MiB |")
     return "\n".join(lines) + "\n"
