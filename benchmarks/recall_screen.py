@@ -33,7 +33,7 @@ import torch
 from engine import DSV41Config, DSV41Model
 from engine.cache import kv_cache
 from engine.cache.cold import RECALL_MIN, RECALL_SHARE, recall_mass
-from engine.cache.csa2 import RERANK, _factor
+from engine.cache.csa2 import RERANK, bases
 from engine.cache.policies.ced import span_ranking
 from engine.documents import load_document
 from engine.kernels import cache_ops
@@ -58,7 +58,7 @@ def capture(model: DSV41Model, cases, ratio: float) -> list[dict]:
                 "cold_scales": None if cold.key_scales is None else cold.key_scales[:, : cold.length].clone(),
                 "positions": cold.positions[:, : cold.length].clone(),
                 "log_counts": layer.log_counts[:, :n].float().clone() if layer.merged_any else None,
-                "moment": None if layer.query_moment is None else layer.query_moment / max(layer.query_count, 1),
+                "moment": layer.query_moment / layer.query_count if layer.query_count else None,
                 "scaling": scaling, "take": min(cold.length, max(int(budget * RECALL_SHARE), RECALL_MIN)),
                 "spans": spans})
         return original(layer, cold, question, scaling, budget, spans)
@@ -75,19 +75,6 @@ def capture(model: DSV41Model, cases, ratio: float) -> list[dict]:
     finally:
         kv_cache.recall_layer = original
     return kept
-
-
-def bilinear(hot: torch.Tensor, moment: torch.Tensor | None, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """CSA2's rank-r fit (engine.cache.csa2.fit) on the hot keys [h, S, d]: (query basis, key basis) [h, d, r]."""
-    key_moment = torch.matmul(hot.transpose(1, 2), hot) / hot.shape[1]
-    if moment is None:
-        _, vectors = torch.linalg.eigh(key_moment)
-        return vectors[:, :, -rank:].contiguous(), vectors[:, :, -rank:].contiguous()
-    lq, lq_inv_t = _factor(moment)
-    lk, lk_inv_t = _factor(key_moment)
-    u, s, vh = torch.linalg.svd(torch.matmul(lq.transpose(1, 2), lk))
-    return (torch.matmul(lq_inv_t, u[:, :, :rank]).contiguous(),
-            torch.matmul(lk_inv_t, vh.transpose(1, 2)[:, :, :rank] * s[:, None, :rank]).contiguous())
 
 
 def _softmax_mass(hot_logits, cold_logits, log_counts, tq):
@@ -112,7 +99,7 @@ def rank_ways(rec: dict, rank: int, repeat: int) -> dict:
     h, tq, take, spans = hot.shape[0], q.shape[1], rec["take"], rec["spans"]
     lc = None if rec["log_counts"] is None else rec["log_counts"].contiguous()
     qs = q.reshape(h, -1, q.shape[-1]) * rec["scaling"]
-    query_basis, key_basis = bilinear(hot, rec["moment"], rank)
+    query_basis, key_basis = bases(hot, rec["moment"], rank)  # CSA2's fit (engine.cache.csa2.fit)
     hot_proj, cold_proj = torch.matmul(hot, key_basis), torch.matmul(cold, key_basis)  # the stored side caches
     pool = min(cold.shape[1], RERANK * take)
 

@@ -86,22 +86,29 @@ def _factor(moment: torch.Tensor, eps: float = 1e-4) -> tuple[torch.Tensor, torc
     return v * root, v / root
 
 
+def bases(keys: torch.Tensor, query_moment: torch.Tensor | None, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rank-r projections (query basis, key basis) [h, d, r] for keys [h, S, d] (float32) and the mean query
+    second moment [h, d, d] (None when no queries were seen: the keys' top eigenvectors for both)."""
+    key_moment = torch.matmul(keys.transpose(1, 2), keys) / keys.shape[1]  # [h, d, d]
+    if query_moment is None:
+        _, vectors = torch.linalg.eigh(key_moment)  # ascending eigenvalues
+        basis = vectors[:, :, -rank:].contiguous()
+        return basis, basis
+    lq, lq_inv_t = _factor(query_moment)
+    lk, lk_inv_t = _factor(key_moment)
+    u, s, vh = torch.linalg.svd(torch.matmul(lq.transpose(1, 2), lk))
+    return (torch.matmul(lq_inv_t, u[:, :, :rank]).contiguous(),
+            torch.matmul(lk_inv_t, vh.transpose(1, 2)[:, :, :rank] * s[:, None, :rank]).contiguous())
+
+
 def fit(layer: LayerKV, rank: int) -> None:
     """(Re)fit the projections on the stored keys (and seen queries) and rebuild the projected side cache."""
     n = layer.length
     if n == 0:
         return
     keys = layer.read_keys().float()  # [h, S, d]
-    key_moment = torch.matmul(keys.transpose(1, 2), keys) / n  # [h, d, d]
-    if layer.query_moment is not None and layer.query_count > 0:
-        lq, lq_inv_t = _factor(layer.query_moment / layer.query_count)
-        lk, lk_inv_t = _factor(key_moment)
-        u, s, vh = torch.linalg.svd(torch.matmul(lq.transpose(1, 2), lk))
-        query_basis = torch.matmul(lq_inv_t, u[:, :, :rank]).contiguous()
-        key_basis = torch.matmul(lk_inv_t, vh.transpose(1, 2)[:, :, :rank] * s[:, None, :rank]).contiguous()
-    else:
-        _, vectors = torch.linalg.eigh(key_moment)  # ascending eigenvalues
-        key_basis = query_basis = vectors[:, :, -rank:].contiguous()
+    seen = layer.query_moment is not None and layer.query_count > 0
+    query_basis, key_basis = bases(keys, layer.query_moment / layer.query_count if seen else None, rank)
     layer.csa2_basis = key_basis
     layer.csa2_query_basis = query_basis
     proj_dtype = torch.float32 if layer.device.type == "cpu" else layer.dtype
@@ -162,5 +169,5 @@ def exact_topk_recall(layer: LayerKV, query: torch.Tensor, candidates: torch.Ten
     return float(hits)
 
 
-__all__ = ["DENSE_BELOW", "RECALL_EVERY", "RERANK", "exact_topk_recall", "fit", "fit_layers", "observe_queries", "pays",
+__all__ = ["DENSE_BELOW", "RECALL_EVERY", "RERANK", "bases", "exact_topk_recall", "fit", "fit_layers", "observe_queries", "pays",
            "project_new", "screen", "sparse_attention"]
