@@ -107,6 +107,8 @@ def table(payload: dict) -> str:
              f"{len(payload.get('documents') or FACT_SETS)} fact sets x 2 orders; {alone}"
              + (f"; a question recalls at least {payload['recall_min']} entries a head" if payload.get("recall_min")
                 else "")
+             + (f", its reply keeps {payload['reply_recalled']} past the budget" if payload.get("reply_recalled")
+                else "")
              + ("; each follow-up asked alone on a fork of the chat after its first turn (--mode requests)"
                 if payload.get("mode") == "requests" else ""), "",
              "| configuration | first question | follow-ups | right per turn (1st, 2nd, ...) | about the speech "
@@ -179,9 +181,9 @@ def main(argv=None) -> int:
                         help="1.0: plain greedy, as the kvpress peer decodes (the chat's default is 1.1)")
     args = parser.parse_args(argv)
     globals()["REPETITION_PENALTY"] = args.repetition_penalty
-    if args.recall_min is not None:
-        from engine.cache import cold
+    from engine.cache import cold, kv_cache
 
+    if args.recall_min is not None:
         cold.RECALL_MIN = args.recall_min
     started = time.time()
     # conversation_cache_mb=0: every chat here is new, nothing is reopened, so saving each turn's cache would only
@@ -213,7 +215,7 @@ def main(argv=None) -> int:
         rows += run_configs(model, [c for c in configs if c["kv_cache_ratio"] == ratio], cases, args.mode)
         print(table({"words": args.words, "tokens": rows[0]["turns"][0]["seen"], "alone_right": sum(alone),
                      "alone_total": len(alone), "rows": rows[-1:]}).splitlines()[-1], flush=True)
-    payload = {"machine": machine(), "mode": args.mode, "recall_min": args.recall_min, "documents": sorted(wanted), "words": args.words, "repetition_penalty": args.repetition_penalty, "tokens": rows[0]["turns"][0]["seen"],
+    payload = {"machine": machine(), "mode": args.mode, "recall_min": cold.RECALL_MIN, "reply_recalled": kv_cache.REPLY_RECALLED, "documents": sorted(wanted), "words": args.words, "repetition_penalty": args.repetition_penalty, "tokens": rows[0]["turns"][0]["seen"],
                "alone_right": sum(alone), "alone_total": len(alone), "alone_content_right": sum(alone_content),
                "alone_content_total": len(alone_content), "rows": rows, "elapsed_s": time.time() - started}
     out = Path(args.out)

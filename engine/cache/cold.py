@@ -24,13 +24,14 @@ from ..kernels.quant import quantize_int8
 from .policies.ced import span_ranking
 from .storage import BLOCK_TOKENS, LayerKV, Rows, _round_up
 
-# How much a question recalls, as a share of the budget (at least RECALL_MIN entries, 16 spans of 16): what
+# How much a question recalls, as a share of the budget (at least RECALL_MIN entries, 32 spans of 16): what
 # comes back has to hold the spans the question is about, and a fact's span is not always the cold entry its
 # queries rank first; each entry recalled is also one more for the compaction after it to rank. Measured by
 # benchmarks/followups.py (see docs/design.md: 64 -> 256 took the follow-ups at 1k tokens from 24 to 29 of 36
-# at ratio 0.2, and at 2k from 17 to 22 at 0.1).
+# at ratio 0.2, and at 2k from 17 to 22 at 0.1; 256 -> 512 at 1k 28 / 28 -> 31 / 29 at 0.2 / 0.1, and the
+# questions about the speech at 2k 3 -> 5 of 24 at 0.3). The reply keeps kv_cache.REPLY_RECALLED of them.
 RECALL_SHARE = 0.125
-RECALL_MIN = 256
+RECALL_MIN = 512
 
 
 def _on_disk(folder: Path, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

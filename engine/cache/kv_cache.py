@@ -58,6 +58,11 @@ __all__ = ["CacheStats", "Checkpoint", "DSV41Cache", "FusedPlan", "Prefill", "St
 # entries to what the question's forward held before it is compacted back (a short answer is never compacted
 # mid-way: a fact dropped at its 16th token was lost to the rest of the answer)
 REPLY_ROOM = 256
+# A follow-up question reads with what it recalled (cold.RECALL_MIN entries a head at least); before its reply the
+# hot set goes back to the budget plus this many entries a head, the ones the question's attention ranks first
+# (benchmarks/followups.py, AMD EPYC, 1,781 tokens at ratio 0.3: the reply's decode 16 % below the discarding
+# chat's instead of 26 % with all 512 recalled kept; follow-ups 20 of 36 either way, docs/design.md)
+REPLY_RECALLED = 256
 
 
 @dataclass
@@ -118,6 +123,7 @@ class DSV41Cache:
         # While a reply is decoded after its question (finish_prefill(answer_follows=True)): the entries the
         # question's forward held, which the reply may attend to until the turn ends (None: the budget)
         self.answer_limit: int | None = None
+        self.question_tokens = 0  # the current turn's question, its last tokens (start_prefill)
 
     @property
     def policy(self) -> policies.Policy:
@@ -375,6 +381,7 @@ class DSV41Cache:
         positions it will have) to score the document with, instead of each chunk's own last tokens."""
         s = self.settings
         self.answer_limit = None
+        self.question_tokens = question_tokens
         streaming = headroom is not None and s.compressing and self.stored + total > headroom
         wants_probe = streaming and question_tokens > 0 and self.policy.waits_for_question
         room = self.stored + total + 1
@@ -422,6 +429,11 @@ class DSV41Cache:
         question-aware compaction to the budget, spare room released, the CSA2 screening fitted. When a reply
         follows and the cache answers before compacting, the compaction waits for finish_turn."""
         if answer_follows and self.answers_before_compacting:
+            if self.recalled and self.stored > self.budget() + REPLY_RECALLED:
+                # a question that recalled: its reply keeps the budget plus the REPLY_RECALLED entries its question
+                # needs most of all it read (its own tokens stay), the rest goes back cold before the first token
+                self.compact(self.budget() + REPLY_RECALLED, when=QUESTION,
+                             recent=max(self.settings.ced_recent_tokens, self.question_tokens))
             self.answer_limit = max(self.stored, self.budget())
         elif self.settings.compressing:
             self.compact(when=QUESTION)
@@ -496,9 +508,11 @@ class DSV41Cache:
 
     # ------------------------------------------------------------------ compaction
     @torch.inference_mode()
-    def compact(self, target: int | None = None, *, threshold: bool = True, when: str = STREAM) -> int:
+    def compact(self, target: int | None = None, *, threshold: bool = True, when: str = STREAM,
+                recent: int | None = None) -> int:
         """Compact every layer down to `target` entries (default: the budget). Returns entries dropped per head.
-        `when` tells the policy what has scored the entries (policies.STREAM / PROBE / QUESTION)."""
+        `when` tells the policy what has scored the entries (policies.STREAM / PROBE / QUESTION); `recent`: the
+        last entries kept whatever their rank (default ced_recent_tokens)."""
         s = self.settings
         if not s.compressing:
             return 0
@@ -511,7 +525,8 @@ class DSV41Cache:
         # follow-ups at ratio 0.3, 11/18 without it against 7/18 with it, a one-off run of its cases).
         use_threshold = s.ced_threshold if threshold and policy.uses_attention and self.cold is None else 0.0
         plans = plan_compactions([policy.rank(layer, when, self._torch_rng) for layer in self.layers], target,
-                                 sink=s.ced_sink_tokens, recent=s.ced_recent_tokens, threshold=use_threshold,
+                                 sink=s.ced_sink_tokens, recent=s.ced_recent_tokens if recent is None else recent,
+                                 threshold=use_threshold,
                                  scores=[layer.scores[:, : layer.length] for layer in self.layers], floor=s.min_entries)
         for index, (layer, plan) in enumerate(zip(self.layers, plans, strict=True)):
             if plan is None:

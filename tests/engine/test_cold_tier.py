@@ -99,6 +99,40 @@ def test_a_question_recalls_the_entry_it_needs_within_the_budget_keeping_sinks_a
     assert outcomes == {"off": False, "ram": True}
 
 
+@pytest.mark.parametrize("reply_recalled", [6, 1000])
+def test_a_reply_keeps_the_budget_plus_reply_recalled_of_what_its_question_read(monkeypatch, reply_recalled):
+    """A follow-up question reads with everything it recalled; before its reply the hot set goes back to the budget
+    plus REPLY_RECALLED entries a head, the question's own tokens kept whatever their rank (more than the recent
+    window here), and nothing leaves for good: what the reply does not keep is cold again."""
+    from engine.cache import cold, kv_cache
+
+    monkeypatch.setattr(cold, "RECALL_MIN", 40)
+    monkeypatch.setattr(kv_cache, "REPLY_RECALLED", reply_recalled)
+    cache = _cache(cold_tier="ram")
+    _read(cache, 64, seed=2, window=64)
+    cache.finish_prefill()
+    assert cache.stored == 16 and cache.cold[0].length == 48
+    cache.start_prefill(8, 8, None)  # the next turn: a question of 8 tokens, twice the recent window
+    g = torch.Generator().manual_seed(3)
+    cache.begin_forward(8, score_window=8, prefill=True, question=True)
+    for index in range(2):
+        cache.attend(index, torch.randn(1, 4, 8, 8, generator=g), torch.randn(1, 2, 8, 8, generator=g),
+                     torch.randn(1, 2, 8, 8, generator=g), 8**-0.5)
+    cache.end_forward()
+    assert cache.recalled == 2 * 40 and cache.stored == 16 + 40 + 8  # the question read with all it recalled
+    cache.finish_prefill(answer_follows=True)
+    budget = cache.budget()
+    expected = min(16 + 40 + 8, budget + reply_recalled)
+    assert cache.answer_limit == cache.stored == expected
+    for layer, store in zip(cache.layers, cache.cold, strict=True):
+        hot = layer.positions[:, : layer.length]
+        assert layer.length == expected and store.length == 72 - expected  # nothing lost
+        assert all(set(range(64, 72)) <= set(row.tolist()) for row in hot)  # the question stays whole
+        assert torch.equal(hot, hot.sort(dim=1).values)
+    cache.finish_turn()
+    assert cache.stored == budget and cache.answer_limit is None
+
+
 def test_with_the_cold_tier_on_and_ratio_one_nothing_changes():
     plain, tiered = _cache(kv_cache_ratio=1.0), _cache(kv_cache_ratio=1.0, cold_tier="ram")
     for cache in (plain, tiered):
