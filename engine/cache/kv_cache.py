@@ -60,7 +60,7 @@ __all__ = ["CacheStats", "Checkpoint", "DSV41Cache", "FusedPlan", "Prefill", "St
 REPLY_ROOM = 256
 # A follow-up question reads with what it recalled (cold.RECALL_MIN entries a head at least); before its reply the
 # hot set goes back to the budget plus this many entries a head, the ones the question's attention ranks first
-# (benchmarks/followups.py, AMD EPYC, 1,781 tokens at ratio 0.3: the reply's decode 16 % below the discarding
+# (benchmarks/followups.py, AMD EPYC, 1,781 tokens at ratio 0.3: the reply's decode 11-17 % below the discarding
 # chat's instead of 26 % with all 512 recalled kept; follow-ups 20 of 36 either way, docs/design.md)
 REPLY_RECALLED = 256
 
@@ -382,6 +382,7 @@ class DSV41Cache:
         s = self.settings
         self.answer_limit = None
         self.question_tokens = question_tokens
+        self.recalled, self.recall_seconds = 0, 0.0  # this turn's (a turn without a question recalls nothing)
         streaming = headroom is not None and s.compressing and self.stored + total > headroom
         wants_probe = streaming and question_tokens > 0 and self.policy.waits_for_question
         room = self.stored + total + 1

@@ -131,6 +131,11 @@ def test_a_reply_keeps_the_budget_plus_reply_recalled_of_what_its_question_read(
         assert torch.equal(hot, hot.sort(dim=1).values)
     cache.finish_turn()
     assert cache.stored == budget and cache.answer_limit is None
+    # a turn without a question (nothing recalled this turn): its reply keeps all it read, whatever the last turn did
+    cache.start_prefill(4, 0, None)
+    _read(cache, 4, seed=4, window=4)
+    cache.finish_prefill(answer_follows=True)
+    assert cache.recalled == 0 and cache.stored == cache.answer_limit == budget + 4
 
 
 def test_with_the_cold_tier_on_and_ratio_one_nothing_changes():
