@@ -107,6 +107,7 @@ def key_score(session, question: str, prefix: str, key: str) -> dict:
         except StopIteration as stop:
             logits = stop.value
             break
+    cache.finish_prefill(answer_follows=True)  # as run_turn does before the reply's first decode step
     head = tokenizer.encode(prefix, add_special_tokens=False)
     ids = tokenizer.encode(prefix + key, add_special_tokens=False)
     if ids[: len(head)] != head:

@@ -34,7 +34,7 @@ import torch
 from ..paths import cold_dir
 from . import attention, csa2, policies
 from .budget import budget_for, explain_ratio, plan_compactions
-from .cold import ColdLayer, recall_layer
+from .cold import ColdLayer, recall_layer, recall_size
 from .merge import merge_into_kept
 from .policies import PROBE, QUESTION, STREAM
 from .policies.ced import SPAN_TOKENS
@@ -386,6 +386,8 @@ class DSV41Cache:
         streaming = headroom is not None and s.compressing and self.stored + total > headroom
         wants_probe = streaming and question_tokens > 0 and self.policy.waits_for_question
         room = self.stored + total + 1
+        if question_tokens and self.cold is not None and s.compressing and self.cold[0].length:
+            room += min(self.cold[0].length, recall_size(self.budget(self.seen + total)))  # what it may recall
         self.reserve(min(room, headroom) if streaming else room)
         return Prefill(total, question_tokens, headroom, streaming, wants_probe)
 

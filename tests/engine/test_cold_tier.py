@@ -512,3 +512,60 @@ def test_a_compactions_rows_go_cold_through_one_c_call_exactly_as_through_torch(
     with pytest.raises(ValueError, match="out of range"):
         fast.add(hot, torch.full((3, 2), 10))
     assert fast.length == 290 and all(torch.equal(getattr(fast, n)[:, :290], b) for n, b in before.items())
+
+
+@pytest.mark.parametrize("tier", ["off", "ram"])
+def test_the_question_compaction_runs_after_the_first_reply_token_and_changes_no_token(tiny_folder, monkeypatch,
+                                                                                      tier):
+    """run_turn samples the first reply token before the cache's work after the question (finish_prefill), which that
+    token does not depend on: the replies are the tokens the old order gave, and each turn still ends at the
+    budget, whether the reply runs on, stops at its first token or is cancelled after it."""
+    import threading
+
+    from engine import DSV41Config, DSV41Model
+    from engine import generate as gen
+    from engine.cache import kv_cache
+    from engine.events import Done, TokenText
+
+    model = DSV41Model.from_pretrained(DSV41Config(model_path=str(tiny_folder), max_seq_len=4096, kv_cache_ratio=0.2,
+                                                   cold_tier=tier, csa2_topk=0))
+    document = " ".join(f"Line {i}: the value of item {i} is {i * 7}." for i in range(45))
+    questions = [document + "\n\nWhat is the value of item 3?", "And item 40?", "And item 25?"]
+    log = []  # what happens in a turn, in order: "sample" (a reply token chosen), "finish" (finish_prefill)
+    real_sample, real_finish = gen.sample_tensor, kv_cache.DSV41Cache.finish_prefill
+    monkeypatch.setattr(gen, "sample_tensor", lambda *a, **k: log.append("sample") or real_sample(*a, **k))
+    monkeypatch.setattr(kv_cache.DSV41Cache, "finish_prefill",
+                        lambda self, **k: log.append("finish") or real_finish(self, **k))
+
+    def chat():
+        session, replies, orders = model.chat_session(), [], []
+        for question in questions:
+            log.clear()
+            replies += [e.token_ids for e in session.send(question, max_new_tokens=8, greedy=True) if isinstance(e, Done)]
+            orders.append(log[:2])
+            assert session.cache.stored <= session.cache.budget() < session.cache.seen
+        return replies, orders
+
+    replies, orders = chat()
+    assert orders == [["sample", "finish"]] * 3
+    real_prefill = gen._prefill
+
+    def compacting_first(model_, cache, *args):  # the old order: finish_prefill before the first token
+        logits = yield from real_prefill(model_, cache, *args)
+        if logits is not None:
+            cache.finish_prefill(answer_follows=True)
+        return logits
+
+    monkeypatch.setattr(gen, "_prefill", compacting_first)
+    old_replies, old_orders = chat()
+    assert old_orders == [["finish", "sample"]] * 3 and replies == old_replies
+    monkeypatch.setattr(gen, "_prefill", real_prefill)
+    # a reply of one token, and a reply cancelled after its first token, end the turn at the budget too
+    session = model.chat_session()
+    list(session.send(questions[0], max_new_tokens=1, greedy=True))
+    assert session.cache.stored <= session.cache.budget() < session.cache.seen
+    session, cancel = model.chat_session(), threading.Event()
+    for event in session.send(questions[0], max_new_tokens=8, greedy=True, cancel=cancel):
+        if isinstance(event, TokenText):
+            cancel.set()
+    assert session.cache.stored <= session.cache.budget() < session.cache.seen
