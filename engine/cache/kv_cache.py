@@ -241,13 +241,18 @@ class DSV41Cache:
                 log_counts = layer.log_counts[:, : layer.length] if layer.merged_any else None
             keys, values = layer.read_keys(), layer.read_values()
             mask = None
-            if self.backend != "eager" and keys.shape[1] != t and attention.chunk_needs_mask(q.device):
+            fused = scoring and window > 0 and self.backend != "eager" and attention.fuses_question(q, keys)
+            if fused:  # a short scored chunk (a follow-up's question): output and scores from one softmax
+                out, mass = attention.question_attention(q, keys, values, log_counts, scaling, last=window)
+            elif self.backend != "eager" and keys.shape[1] != t and attention.chunk_needs_mask(q.device):
                 # every layer has the same (t, S): build the mask once per forward
                 if (fwd.mask is None or fwd.mask.shape != (t, keys.shape[1]) or fwd.mask.dtype != q.dtype
                         or fwd.mask.device != q.device):
                     fwd.mask = attention.causal_bias(t, keys.shape[1], q.dtype, q.device)
                 mask = fwd.mask
-            out = attention.dense_attention(q, keys, values, log_counts, scaling, self.backend, mask, bf16=self.prefill_bf16)
+            if not fused:
+                out = attention.dense_attention(q, keys, values, log_counts, scaling, self.backend, mask,
+                                                bf16=self.prefill_bf16)
             if s.csa2_topk > 0 and self._capture is None:
                 csa2.observe_queries(layer, q)
             if scoring and window > 0:
@@ -260,7 +265,8 @@ class DSV41Cache:
                     layer.scores[:, : layer.length].zero_()
                 # dt counts scoring steps (the window's queries), not the chunk's tokens: a document read
                 # without scoring does not age what earlier turns found important (Policy.observe).
-                mass = attention.attention_mass(q, keys, log_counts, scaling, last=window)
+                if not fused:
+                    mass = attention.attention_mass(q, keys, log_counts, scaling, last=window)
                 policy.observe(layer.scores[:, :layer.length], mass, window, prefill=True)
         return out.to(query.dtype).transpose(0, 1)[None]  # a bf16 cache under float32 activations
 

@@ -136,6 +136,49 @@ def test_attention_mass_in_blocks_equals_one_pass(monkeypatch, merged):
                           attention_probs(q, k, counts, 0.25, last=9).sum(dim=(1, 2)), atol=1e-5)
 
 
+@pytest.mark.parametrize("merged", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_question_attention_is_the_eager_attention_and_its_mass_from_one_softmax(merged, dtype):
+    from engine.cache import attention
+
+    torch.manual_seed(0)
+    q = torch.randn(6, 19, 16)  # 19 question tokens, the last of 120 stored entries
+    k, v = torch.randn(2, 120, 16).to(dtype), torch.randn(2, 120, 16).to(dtype)
+    counts = torch.rand(2, 120).log1p() if merged else None
+    out, mass = attention.question_attention(q, k, v, counts, 0.25, last=12)
+    probs = attention_probs(q, k, counts, 0.25)  # [h, G, T, S], float32, causal
+    want = torch.matmul(probs, v.float()[:, None]).reshape(6, 19, 16)
+    assert out.dtype == torch.float32 and torch.allclose(out, want, atol=1e-5)
+    assert torch.allclose(mass, attention.attention_mass(q, k, counts, 0.25, last=12), atol=1e-6)
+    assert torch.allclose(mass.sum(dim=1), torch.full((2,), 3 * 12.0), atol=1e-3)  # the last 12 queries only
+    assert attention.fuses_question(q, k) and not attention.fuses_question(torch.randn(6, 200, 16), k)
+
+
+def test_a_scored_question_attends_as_the_dense_path_does(monkeypatch):
+    """Through the cache: a short scored chunk goes through question_attention, and its output and the scores it
+    leaves are the dense path's (dense_attention + attention_mass) within float32 error."""
+    from engine.cache import CacheSettings, DSV41Cache, attention
+
+    def run(fuse: bool):
+        monkeypatch.setattr(attention, "QUESTION_ROWS", 128 if fuse else 0)
+        cache = DSV41Cache(2, 2, 8, torch.float32, "cpu", CacheSettings(kv_cache_ratio=0.5, csa2_topk=0))
+        g = torch.Generator().manual_seed(3)
+        outs = []
+        for tokens, window in ((90, 0), (12, 12)):
+            cache.begin_forward(tokens, score_window=window, prefill=True, question=window > 0)
+            for index in range(2):
+                q, k, v = (torch.randn(1, h, tokens, 8, generator=g) for h in (4, 2, 2))
+                outs.append(cache.attend(index, q, k, v, 8**-0.5))
+            cache.end_forward()
+        return outs, [layer.scores[:, : layer.length].clone() for layer in cache.layers]
+
+    fused_out, fused_scores = run(True)
+    dense_out, dense_scores = run(False)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(fused_out, dense_out, strict=True))
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(fused_scores, dense_scores, strict=True))
+    assert all(s.sum() > 0 for s in fused_scores)
+
+
 @pytest.mark.parametrize("t", [1, 7, 64])
 def test_chunk_attention_over_earlier_entries_matches_the_masked_reference(t):
     from engine.cache import attention
