@@ -7,6 +7,7 @@ What the turn loop (engine.generate) and the session call, in the order of a tur
                      forward (below), scored by cache.chunk_window(prefill, last); the last one
                      (question=True) recalls from the cold tier layer by layer
     cache.finish_prefill(answer_follows=True)                          question-aware compaction, CSA2 fit
+                                                                       (once the first reply token is out)
                                                                        (tiered CED: after the reply instead)
     for each decode step: forward, then cache.after_decode_step()
     cache.finish_turn()                                                back to the steady-state budget
@@ -440,7 +441,8 @@ class DSV41Cache:
         if answer_follows and self.answers_before_compacting:
             if self.recalled and self.stored > self.budget() + REPLY_RECALLED:
                 # a question that recalled: its reply keeps the budget plus the REPLY_RECALLED entries its question
-                # needs most of all it read (its own tokens stay), the rest goes back cold before the first token
+                # needs most of all it read (its own tokens stay), the rest goes back cold before the reply's first
+                # decode step (run_turn calls this once the first token, which the question's logits gave, is out)
                 self.compact(self.budget() + REPLY_RECALLED, when=QUESTION,
                              recent=max(self.settings.ced_recent_tokens, self.question_tokens))
             self.answer_limit = max(self.stored, self.budget())
