@@ -203,6 +203,22 @@ class ColdLayer:
         self.length = rest
         return taken
 
+    @torch.inference_mode()
+    def move_into(self, layer: LayerKV, index: torch.Tensor) -> bool:
+        """take(index) and layer.insert of what it returns, in one C call on a CPU (no intermediate tensors; bit-equal,
+        tests compare the two). False, and nothing changed, where the kernel does not apply (a GPU or int8 hot set)."""
+        if layer.int8 or layer.device.type != "cpu":
+            return False
+        layer.ensure_capacity(layer.length + index.shape[1])
+        names = ["keys", "values", "positions", "scores"]
+        hot = [getattr(layer, name) for name in names] + [getattr(layer, n) for n in layer._tensors() if n not in names]
+        if not cache_ops.recall_move([getattr(self, name) for name in self._names()], self.int8, self.length, hot,
+                                     layer.length, index):
+            return False
+        self.length -= index.shape[1]
+        layer.length += index.shape[1]
+        return True
+
     def reserved_bytes(self) -> int:
         """Bytes allocated (with spare capacity): what the RAM cap counts."""
         return self.capacity * self._bytes_per_entry()
@@ -234,8 +250,9 @@ def recall_layer(layer: LayerKV, cold: ColdLayer, question: torch.Tensor, scalin
     # in position order, as the hot set keeps them: its insert then merges two sorted runs (an insertion sort of
     # the top-k order cost ~6 ms a question over the default model's 30 layers)
     index = torch.gather(index, 1, torch.gather(positions, 1, index).argsort(dim=1))
-    keys, values, positions, scores = cold.take(index)
-    layer.insert(keys.to(dev), values.to(dev), positions.to(dev), scores.to(dev))
+    if not cold.move_into(layer, index):
+        keys, values, positions, scores = cold.take(index)
+        layer.insert(keys.to(dev), values.to(dev), positions.to(dev), scores.to(dev))
     return take
 
 

@@ -1,5 +1,6 @@
 """The cache's per-layer operations in C (cpu_kernels.c): rows moved (dsv41_rows_take, dsv41_rows_keep,
-dsv41_rows_insert, dsv41_cold_add) and the recall's softmax (dsv41_recall_softmax).
+dsv41_rows_insert, dsv41_cold_add, and a recall's take and insert at once, dsv41_recall_move) and the recall's
+softmax (dsv41_recall_softmax).
 
 A layer (the hot set's LayerKV, the cold tier's ColdLayer) keeps several tensors laid out [heads, capacity, ...]
 with one capacity for all. A question's recall takes a few rows per head out of the cold tier and inserts them in
@@ -128,6 +129,31 @@ def insert_rows(tensors: list[torch.Tensor], positions: torch.Tensor, new_positi
                                        _pointers(rows))
     if status != 0:
         raise ValueError(f"inserting rows failed ({status}): {n} + {m} rows do not fit {capacity}")
+    return True
+
+
+def recall_move(cold: list[torch.Tensor], cold_int8: bool, n_cold: int, hot: list[torch.Tensor], n_hot: int,
+                index: torch.Tensor) -> bool:
+    """A recall in one call: take rows `index` [heads, m] out of the first n_cold rows of the cold layer's tensors
+    (keys, values, positions, scores[, key_scales, value_scales]) and insert them, in the hot layer's dtype, among
+    the first n_hot rows of its tensors (keys, values, positions, scores, then tensors whose new rows are zeros) in
+    position order. Bit-equal to take_rows, the widening, and insert_rows. False where the kernels do not apply."""
+    prepared = _rows_call(cold, index)
+    if prepared is None:
+        return False
+    lib, cold_capacity, _, index = prepared
+    hot_sizes = _layout(hot, hot[0].shape[1])
+    keys = hot[0]
+    if (hot_sizes is None or keys.dtype not in (torch.float32, torch.bfloat16) or hot[2].dtype != torch.int32
+            or hot[3].dtype != torch.float32 or cold[2].dtype != torch.int32 or cold[3].dtype != torch.float32
+            or cold[0].dtype != (torch.int8 if cold_int8 else keys.dtype)):
+        return False
+    heads, m = index.shape
+    status = lib.lib.dsv41_recall_move(heads, keys.shape[2], cold_capacity, n_cold, m, index.data_ptr(),
+                                       _pointers(cold), int(cold_int8), keys.shape[1], n_hot, len(hot), _pointers(hot),
+                                       (ctypes.c_int64 * len(hot_sizes))(*hot_sizes), int(keys.dtype == torch.bfloat16))
+    if status != 0:
+        raise (MemoryError if status == -2 else ValueError)(f"moving a recall failed ({status})")
     return True
 
 

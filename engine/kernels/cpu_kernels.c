@@ -1734,6 +1734,79 @@ int dsv41_rows_insert(int64_t heads, int64_t capacity, int64_t n, int64_t m, con
     return 0;
 }
 
+/* A question's recall in one call (engine/cache/cold.py, ColdLayer.move_into): the cold layer's rows index [heads, m]
+ * (distinct per head, < cn) are taken out, widened to the hot set's dtype (int8 rows times their scale in float32,
+ * rounded to bf16 when the hot set is bf16; else copied as stored) and inserted among the hot layer's hn rows in
+ * position order; the holes they leave in the cold layer are filled as dsv41_rows_take fills them. Bit-equal to
+ * dsv41_rows_take, torch's float32 multiply and dtype conversion, then dsv41_rows_insert, without their
+ * intermediate tensors. cold: keys, values, positions, scores, and key_scales, value_scales when int8; hot: keys,
+ * values, positions, scores, then any tensors whose new rows are zeros (log counts, CSA2's projections). Returns 0,
+ * -1 (bad sizes or index) or -2 (no memory) before anything is written. */
+int dsv41_recall_move(int64_t heads, int64_t d, int64_t ccap, int64_t cn, int64_t m, const int64_t *index,
+                      char *const *cold, int cold_int8, int64_t hcap, int64_t hn, int hot_count, char *const *hot,
+                      const int64_t *hot_row_bytes, int hot_bf16) {
+    const int64_t elem = hot_bf16 ? 2 : 4, kv_bytes = d * elem, ckv_bytes = cold_int8 ? d : kv_bytes;
+    if (m < 0 || m > cn || cn > ccap || hn < 0 || hn + m > hcap || hot_count < 4 || hot_row_bytes[0] != kv_bytes
+        || hot_row_bytes[1] != kv_bytes || hot_row_bytes[2] != 4 || hot_row_bytes[3] != 4) return -1;
+    if (m == 0) return 0;
+    unsigned char *gone = calloc((size_t)(heads * cn), 1);
+    char *keys = malloc((size_t)(heads * m * kv_bytes)), *values = malloc((size_t)(heads * m * kv_bytes));
+    int32_t *positions = malloc((size_t)(heads * m) * sizeof(int32_t));
+    float *scores = malloc((size_t)(heads * m) * sizeof(float));
+    const char **news = calloc((size_t)hot_count, sizeof(char *));
+    int status = 0;
+    if (!gone || !keys || !values || !positions || !scores || !news) { status = -2; goto done; }
+    for (int64_t h = 0; h < heads; h++)
+        for (int64_t j = 0; j < m; j++) {
+            int64_t i = index[h * m + j];
+            if (i < 0 || i >= cn || gone[h * cn + i]) { status = -1; goto done; }
+            gone[h * cn + i] = 1;
+        }
+    const int64_t cold_bytes[6] = {ckv_bytes, ckv_bytes, 4, 4, 4, 4};
+    const int cold_count = cold_int8 ? 6 : 4;
+    for (int64_t h = 0; h < heads; h++) {
+        for (int64_t j = 0; j < m; j++) {  /* the taken rows, in the hot set's format */
+            const int64_t i = index[h * m + j], row = h * ccap + i, out = h * m + j;
+            for (int kv = 0; kv < 2; kv++) {
+                const char *src = cold[kv] + row * ckv_bytes;
+                char *dst = (kv ? values : keys) + out * kv_bytes;
+                if (!cold_int8) { memcpy(dst, src, (size_t)kv_bytes); continue; }
+                const float scale = ((const float *)cold[4 + kv])[row];
+                for (int64_t k = 0; k < d; k++) {
+                    const float f = (float)((const int8_t *)src)[k] * scale;
+                    if (hot_bf16) ((uint16_t *)dst)[k] = f32_to_bf16(f);
+                    else ((float *)dst)[k] = f;
+                }
+            }
+            positions[out] = ((const int32_t *)cold[2])[row];
+            scores[out] = ((const float *)cold[3])[row];
+        }
+    }
+    news[0] = keys; news[1] = values; news[2] = (const char *)positions; news[3] = (const char *)scores;
+    /* the hot set first: it is the only step that can fail (no memory), and the cold layer is not touched yet */
+    status = dsv41_rows_insert(heads, hcap, hn, m, (const int32_t *)hot[2], positions, hot_count, hot, hot_row_bytes,
+                               news);
+    if (status != 0) goto done;
+    for (int64_t h = 0; h < heads; h++) {
+        const unsigned char *g = gone + h * cn;  /* the holes below cn - m take the staying rows at or past it */
+        int64_t hole = 0, mover = cn - m;
+        for (;;) {
+            while (hole < cn - m && !g[hole]) hole++;
+            if (hole >= cn - m) break;
+            while (mover < cn && g[mover]) mover++;
+            for (int t = 0; t < cold_count; t++) {
+                char *base = cold[t] + h * ccap * cold_bytes[t];
+                memcpy(base + hole * cold_bytes[t], base + mover * cold_bytes[t], (size_t)cold_bytes[t]);
+            }
+            hole++;
+            mover++;
+        }
+    }
+done:
+    free(gone); free(keys); free(values); free(positions); free(scores); free((void *)news);
+    return status;
+}
+
 /* The attention each cold entry would get from a question's queries, given their logits (engine/cache/cold.py:
  * recall_mass computes the two products with torch, this the rest in one pass per query row, in L1, instead of a
  * torch operation over the whole [heads, rows, entries] block per step). For kv head h and query row r (query

@@ -148,6 +148,8 @@ def build(extra_flags: tuple[str, ...] = ()) -> KernelLibrary:
     lib.dsv41_cold_add.restype = cint
     lib.dsv41_rows_insert.argtypes = [i64, i64, i64, i64, ptr, ptr, cint, ptr, ptr, ptr]
     lib.dsv41_rows_insert.restype = cint
+    lib.dsv41_recall_move.argtypes = [i64, i64, i64, i64, i64, ptr, ptr, cint, i64, i64, cint, ptr, ptr, cint]
+    lib.dsv41_recall_move.restype = cint
     lib.dsv41_recall_softmax.argtypes = [i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, cint]
     lib.dsv41_recall_softmax.restype = cint
     if os.environ.get("DSV41_GGUF_INT8_X") == "1":  # Q4 products on int8-rounded x (gguf_blocks.int8_activations)

@@ -202,6 +202,7 @@ def _no_row_kernels(monkeypatch):
 
     monkeypatch.setattr(rows, "take_rows", lambda *a, **k: None)
     monkeypatch.setattr(rows, "insert_rows", lambda *a, **k: False)
+    monkeypatch.setattr(rows, "recall_move", lambda *a, **k: False)
 
 
 def _layer_state(layer, names, length):
@@ -569,3 +570,50 @@ def test_the_question_compaction_runs_after_the_first_reply_token_and_changes_no
         if isinstance(event, TokenText):
             cancel.set()
     assert session.cache.stored <= session.cache.budget() < session.cache.seen
+
+
+@pytest.mark.skipif(kernels.load() is None, reason=f"CPU kernels: {kernels.unavailable_reason()}")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("sorted_index", [False, True])
+def test_a_recall_moved_in_one_c_call_is_bit_equal_to_take_then_insert(dtype, int8, sorted_index):
+    """ColdLayer.move_into (dsv41_recall_move) leaves the cold and the hot layer exactly as take + insert do: rows,
+    position order (ties stored-first), the widened keys and values in the hot dtype, scores, zeroed merge counts
+    and CSA2 projections, the cold layer's holes filled the same way."""
+    @torch.inference_mode()
+    def run(fused: bool):
+        g = torch.Generator().manual_seed(7 + int8 + 2 * sorted_index)
+        hot = LayerKV(3, 8, dtype, "cpu")
+        hot.append(torch.randn(3, 60, 8, generator=g), torch.randn(3, 60, 8, generator=g), torch.arange(60) * 2)
+        hot.scores[:, :60] = torch.rand(3, 60, generator=g)
+        hot.log_counts[:, :60] = torch.rand(3, 60, generator=g)
+        hot.projected_keys = torch.randn(3, hot.capacity, 4, generator=g)
+        cold = ColdLayer(3, 8, dtype, "cpu", int8=int8)
+        cold.add(hot, torch.stack([torch.randperm(60, generator=g)[:45].sort().values for _ in range(3)]))
+        hot.keep(torch.arange(15).expand(3, -1).contiguous())
+        cold.positions[:, :5] += 1  # odd positions beside equal ones (ties with what stays hot)
+        index = torch.stack([torch.randperm(45, generator=g)[:20] for _ in range(3)])
+        if sorted_index:
+            index = torch.gather(index, 1, torch.gather(cold.positions[:, :45], 1, index).argsort(dim=1))
+        if fused:
+            assert cold.move_into(hot, index)
+        else:
+            keys, values, positions, scores = cold.take(index)
+            hot.insert(keys, values, positions, scores)
+        return (cold.length, _layer_state(cold, cold._names(), cold.length), hot.length,
+                _layer_state(hot, hot._tensors(), hot.length))
+
+    fast, slow = run(True), run(False)
+    assert fast[0] == slow[0] == 25 and fast[2] == slow[2] == 35
+    for got, want in ((fast[1], slow[1]), (fast[3], slow[3])):
+        assert got.keys() == want.keys()
+        for name in got:
+            assert torch.equal(got[name], want[name]), name
+    assert bool((fast[3]["positions"][:, 1:] >= fast[3]["positions"][:, :-1]).all())
+    cold = ColdLayer(3, 8, dtype, "cpu", int8=int8)  # a bad index changes nothing
+    hot = LayerKV(3, 8, dtype, "cpu")
+    hot.append(torch.randn(3, 10, 8), torch.randn(3, 10, 8), torch.arange(10))
+    cold.add(hot, torch.arange(4).expand(3, -1).contiguous())
+    with pytest.raises(ValueError):
+        cold.move_into(hot, torch.tensor([[0, 0]] * 3))
+    assert cold.length == 4 and hot.length == 10
