@@ -53,6 +53,11 @@ def worker(tier: str, ratio: float) -> None:
             print(json.dumps({"ttft_s": done.stats.ttft_s, "answer": done.text}), flush=True)
 
 
+def _commit(path: Path) -> str:
+    return subprocess.run(["git", "-C", str(path), "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True).stdout.strip()
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--before", required=True, help="a checkout of this repository at the other commit")
@@ -62,8 +67,6 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     here = Path(__file__).resolve().parents[1]
     before = Path(args.before).resolve()
-    commit = lambda path: subprocess.run(["git", "-C", str(path), "rev-parse", "--short", "HEAD"],  # noqa: E731
-                                         capture_output=True, text=True).stdout.strip()
     chats = {"before, discarding": (before, "off"), "now, discarding": (here, "off"), "now, tier": (here, "ram")}
     procs = {}
     for name, (root, tier) in chats.items():
@@ -97,8 +100,8 @@ def main(argv=None) -> None:
     base = ttft["before, discarding"]
     from .common import machine
 
-    payload = {"machine": machine(), "words": args.words, "ratio": args.ratio, "before_commit": commit(before),
-               "now_commit": commit(here), "ttft_s": ttft,
+    payload = {"machine": machine(), "words": args.words, "ratio": args.ratio, "before_commit": _commit(before),
+               "now_commit": _commit(here), "ttft_s": ttft,
                "median_ms": {n: 1000 * statistics.median(v) for n, v in ttft.items()},
                "median_ratio_to_before": {n: statistics.median(a / b for a, b in zip(v, base, strict=True))
                                           for n, v in ttft.items()}}

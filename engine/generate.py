@@ -4,8 +4,8 @@
 prefill chunk and every decode step. The cache's work after the question (DSV41Cache.finish_prefill: its
 compaction, the CSA2 fit) runs once the first reply token has been sampled and shown, before the first decode step
 feeds it: that token comes from the question's logits, so nothing it depends on changes, and the reader sees it
-sooner (a follow-up at 1,781 tokens: ~25 ms of a tiered chat's first-token latency). Out of memory mid-turn keeps what was generated and ends the
-turn with an ErrorEvent + Done("error"). `eos_ids` end the reply and are never fed (ChatSession passes
+sooner (a follow-up at 1,781 tokens: ~25 ms of a tiered chat's first-token latency). Out of memory mid-turn keeps
+what was generated and ends the turn with an ErrorEvent + Done("error"). `eos_ids` end the reply and are never fed (ChatSession passes
 EOS and every control token of the tokenizer). `result` says at every yield exactly what was fed.
 """
 

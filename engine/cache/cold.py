@@ -210,8 +210,7 @@ class ColdLayer:
         if layer.int8 or layer.device.type != "cpu":
             return False
         layer.ensure_capacity(layer.length + index.shape[1])
-        names = ["keys", "values", "positions", "scores"]
-        hot = [getattr(layer, name) for name in names] + [getattr(layer, n) for n in layer._tensors() if n not in names]
+        hot = [getattr(layer, name) for name in layer._tensors()]  # keys, values, positions, scores, then zeroed ones
         if not cache_ops.recall_move([getattr(self, name) for name in self._names()], self.int8, self.length, hot,
                                      layer.length, index):
             return False

@@ -1591,38 +1591,49 @@ void dsv41_step_matrices(const StepModel *m, const StepLayer *layers, float *log
  * to outs[t] [heads, m, row] in index order, then fill the holes they leave below n - m with the rows at or past
  * n - m that stay, both in ascending order (the layout the torch path in engine/cache/cold.py makes). Returns 0,
  * or -1 for an index out of range or repeated (nothing written). */
+/* gone [heads, n]: 1 at each taken row of index [heads, m]; -1 for an index out of range or repeated. */
+static int mark_taken(int64_t heads, int64_t n, int64_t m, const int64_t *index, unsigned char *gone) {
+    for (int64_t h = 0; h < heads; h++)
+        for (int64_t j = 0; j < m; j++) {
+            int64_t i = index[h * m + j];
+            if (i < 0 || i >= n || gone[h * n + i]) return -1;
+            gone[h * n + i] = 1;
+        }
+    return 0;
+}
+
+/* Head h's holes below n - m (its taken rows, marked in g [n]) get the rows at or past n - m that stay, both in
+ * ascending order, in every tensor (bases[t] laid out [heads, capacity, row_bytes[t]]). */
+static void fill_holes(const unsigned char *g, int64_t h, int64_t n, int64_t m, int64_t capacity, int count,
+                       char *const *bases, const int64_t *row_bytes) {
+    int64_t hole = 0, mover = n - m;
+    for (;;) {
+        while (hole < n - m && !g[hole]) hole++;
+        if (hole >= n - m) break;
+        while (mover < n && g[mover]) mover++;  /* as many staying rows at or past n - m as holes below it */
+        for (int t = 0; t < count; t++) {
+            int64_t rb = row_bytes[t];
+            char *base = bases[t] + h * capacity * rb;
+            memcpy(base + hole * rb, base + mover * rb, rb);
+        }
+        hole++;
+        mover++;
+    }
+}
+
 int dsv41_rows_take(int64_t heads, int64_t capacity, int64_t n, int64_t m, const int64_t *index, int count,
                     char *const *bases, const int64_t *row_bytes, char *const *outs) {
     if (m < 0 || m > n || n > capacity) return -1;
     unsigned char *gone = calloc((size_t)(heads * (n > 0 ? n : 1)), 1);
     if (!gone) return -2;
-    for (int64_t h = 0; h < heads; h++)
-        for (int64_t j = 0; j < m; j++) {
-            int64_t i = index[h * m + j];
-            if (i < 0 || i >= n || gone[h * n + i]) { free(gone); return -1; }
-            gone[h * n + i] = 1;
-        }
-    int64_t rest = n - m;
+    if (mark_taken(heads, n, m, index, gone) != 0) { free(gone); return -1; }
     for (int64_t h = 0; h < heads; h++) {
         for (int t = 0; t < count; t++) {
             int64_t rb = row_bytes[t];
             const char *base = bases[t] + h * capacity * rb;
             for (int64_t j = 0; j < m; j++) memcpy(outs[t] + (h * m + j) * rb, base + index[h * m + j] * rb, rb);
         }
-        const unsigned char *g = gone + h * n;
-        int64_t hole = 0, mover = rest;
-        for (;;) {
-            while (hole < rest && !g[hole]) hole++;
-            if (hole >= rest) break;
-            while (mover < n && g[mover]) mover++;  /* as many staying rows at or past rest as holes below it */
-            for (int t = 0; t < count; t++) {
-                int64_t rb = row_bytes[t];
-                char *base = bases[t] + h * capacity * rb;
-                memcpy(base + hole * rb, base + mover * rb, rb);
-            }
-            hole++;
-            mover++;
-        }
+        fill_holes(gone + h * n, h, n, m, capacity, count, bases, row_bytes);
     }
     free(gone);
     return 0;
@@ -1756,12 +1767,7 @@ int dsv41_recall_move(int64_t heads, int64_t d, int64_t ccap, int64_t cn, int64_
     const char **news = calloc((size_t)hot_count, sizeof(char *));
     int status = 0;
     if (!gone || !keys || !values || !positions || !scores || !news) { status = -2; goto done; }
-    for (int64_t h = 0; h < heads; h++)
-        for (int64_t j = 0; j < m; j++) {
-            int64_t i = index[h * m + j];
-            if (i < 0 || i >= cn || gone[h * cn + i]) { status = -1; goto done; }
-            gone[h * cn + i] = 1;
-        }
+    if (mark_taken(heads, cn, m, index, gone) != 0) { status = -1; goto done; }
     const int64_t cold_bytes[6] = {ckv_bytes, ckv_bytes, 4, 4, 4, 4};
     const int cold_count = cold_int8 ? 6 : 4;
     for (int64_t h = 0; h < heads; h++) {
@@ -1787,21 +1793,7 @@ int dsv41_recall_move(int64_t heads, int64_t d, int64_t ccap, int64_t cn, int64_
     status = dsv41_rows_insert(heads, hcap, hn, m, (const int32_t *)hot[2], positions, hot_count, hot, hot_row_bytes,
                                news);
     if (status != 0) goto done;
-    for (int64_t h = 0; h < heads; h++) {
-        const unsigned char *g = gone + h * cn;  /* the holes below cn - m take the staying rows at or past it */
-        int64_t hole = 0, mover = cn - m;
-        for (;;) {
-            while (hole < cn - m && !g[hole]) hole++;
-            if (hole >= cn - m) break;
-            while (mover < cn && g[mover]) mover++;
-            for (int t = 0; t < cold_count; t++) {
-                char *base = cold[t] + h * ccap * cold_bytes[t];
-                memcpy(base + hole * cold_bytes[t], base + mover * cold_bytes[t], (size_t)cold_bytes[t]);
-            }
-            hole++;
-            mover++;
-        }
-    }
+    for (int64_t h = 0; h < heads; h++) fill_holes(gone + h * cn, h, cn, m, ccap, cold_count, cold, cold_bytes);
 done:
     free(gone); free(keys); free(values); free(positions); free(scores); free((void *)news);
     return status;
