@@ -624,31 +624,63 @@ static inline __m256i bf16_of16(__m512 f) {
                                                       _mm512_set1_epi32(0x40)));
 }
 
-/* A Q4_0 / Q4_1 / Q8_0 block's 32 values (as gguf_block_values: d * q, then + m, two roundings) as bf16 */
-static inline void small_block_bf16(int64_t type, const uint8_t *b, uint16_t *o) {
-    const __m512 d = _mm512_set1_ps(f16_to_f32(u16_at(b)));
+/* A Q4_0 / Q4_1 / Q8_0 block's 32 values (as gguf_block_values: d * q, then + m, two roundings) as bf16, from its
+ * scale bytes d_at (and m_at, Q4_1) and its integers q (apart in the split layout, together in the file's) */
+static inline void small_values_bf16(int64_t type, const uint8_t *d_at, const uint8_t *m_at, const uint8_t *q,
+                                     uint16_t *o) {
+    const __m512 d = _mm512_set1_ps(f16_to_f32(u16_at(d_at)));
     __m512 lo, hi;
     if (type == 8) {
-        lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 2)))));
-        hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 18)))));
+        lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q))));
+        hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)))));
     } else {
         const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + (type == 3 ? 4 : 2))));
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
         const __m512 ql = _mm512_permutexvar_ps(v, iota), qh = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), iota);
         if (type == 2) {
             const __m512 eight = _mm512_set1_ps(8.f);
             lo = _mm512_mul_ps(d, _mm512_sub_ps(ql, eight));
             hi = _mm512_mul_ps(d, _mm512_sub_ps(qh, eight));
         } else {
-            const __m512 m = _mm512_set1_ps(f16_to_f32(u16_at(b + 2)));
+            const __m512 m = _mm512_set1_ps(f16_to_f32(u16_at(m_at)));
             lo = _mm512_add_ps(barrier512(_mm512_mul_ps(d, ql)), m);
             hi = _mm512_add_ps(barrier512(_mm512_mul_ps(d, qh)), m);
         }
     }
+#if defined(__AVX512BF16__)
+    /* one instruction for the 32 (round to nearest even as bf16_of16; it flushes float32 denormals, which
+     * these values never are: products and sums of float16 numbers, zero or at least ~6e-8 apart) */
+    _mm512_storeu_si512((void *)o, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+#else
     _mm256_storeu_si256((__m256i *)o, bf16_of16(lo));
     _mm256_storeu_si256((__m256i *)(o + 16), bf16_of16(hi));
+#endif
+}
+
+static inline void small_block_bf16(int64_t type, const uint8_t *b, uint16_t *o) {
+    small_values_bf16(type, b, b + 2, b + (type == 3 ? 4 : 2), o);
 }
 #endif
+
+/* Block i's `per` weights as bf16 into o (type without the split flag; `split`: the rows' layout) */
+static inline void block_bf16(int64_t type, int64_t per, int split, const uint8_t *base, int64_t i, int64_t row_blocks,
+                              uint16_t *o) {
+    float vals[256];
+    uint8_t tmp[64];
+    const uint8_t *b = block_at(type, split, base, i, row_blocks, tmp);
+#if defined(__AVX512F__)
+    if (per == 32) {
+        small_block_bf16(type, b, o);
+        return;
+    }
+#endif
+    block_floats(type, per, b, vals);
+    int64_t k = 0;
+#if defined(__AVX512F__)
+    for (; k < per; k += 16) _mm256_storeu_si256((__m256i *)(o + k), bf16_of16(_mm512_loadu_ps(vals + k)));
+#endif
+    for (; k < per; k++) o[k] = f32_to_bf16(vals[k]);
+}
 
 int dsv41_gguf_dequant_bf16(int64_t type, const void *blocks, uint16_t *out, int64_t n_blocks, int64_t row_blocks,
                             int threads) {
@@ -658,25 +690,112 @@ int dsv41_gguf_dequant_bf16(int64_t type, const void *blocks, uint16_t *out, int
     const int64_t per = gguf_block_weights(type);
     const uint8_t *base = (const uint8_t *)blocks;
 #pragma omp parallel for schedule(static) num_threads(threads) if (n_blocks >= 4096)
-    for (int64_t i = 0; i < n_blocks; i++) {
-        float vals[256];
-        uint8_t tmp[64];
-        const uint8_t *b = block_at(type, split, base, i, row_blocks, tmp);
-#if defined(__AVX512F__)
-        if (per == 32) {
-            small_block_bf16(type, b, out + i * per);
-            continue;
+    for (int64_t i = 0; i < n_blocks; i++) block_bf16(type, per, split, base, i, row_blocks, out + i * per);
+    return 0;
+}
+
+/* A few rows of activations times GGUF blocks, the blocks dequantised to bf16 a tile of MM_TILE rows at a time into a
+ * buffer that stays in cache (what a short prefill chunk, a follow-up's question, multiplies: dequantising a whole
+ * matrix to memory and reading it back for a GEMM cost more than the products at a few rows).
+ * y[t, r] (row t at y + t * y_stride) = sum_k x[t, k] * w[r, k] for x [m, cols] bf16 (rows x_stride apart) and w the
+ * blocks' values rounded to bf16, as dsv41_gguf_dequant_bf16 writes them; the products are exact in float32 and
+ * accumulated in float32 (the order differs from a GEMM's: within float32 rounding of the same sum). */
+#define MM_TILE 16
+#define MM_ROWS 4 /* weight rows and activation rows a register block */
+
+static inline float bf16_value(uint16_t v) {
+    const uint32_t u = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* out[i][j] = dot(w row i, x row j) for i < MM_ROWS, j < nt: the register block */
+static inline __attribute__((always_inline)) void mm_block(const uint16_t *w, int64_t cols, const uint16_t *x,
+                                                          int64_t x_stride, int nt, float out[MM_ROWS][MM_ROWS]) {
+#if defined(__AVX512BF16__)
+    __m512 acc[MM_ROWS][MM_ROWS];
+    for (int i = 0; i < MM_ROWS; i++)
+        for (int j = 0; j < nt; j++) acc[i][j] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < cols; k += 32) {
+        __m512bh xs[MM_ROWS];
+        for (int j = 0; j < nt; j++) xs[j] = (__m512bh)_mm512_loadu_si512((const void *)(x + j * x_stride + k));
+        for (int i = 0; i < MM_ROWS; i++) {
+            const __m512bh wv = (__m512bh)_mm512_loadu_si512((const void *)(w + i * cols + k));
+            for (int j = 0; j < nt; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv, xs[j]);
+        }
+    }
+    for (int i = 0; i < MM_ROWS; i++)
+        for (int j = 0; j < nt; j++) out[i][j] = _mm512_reduce_add_ps(acc[i][j]);
+#else
+    /* widened to float32, 16 partial sums a pair (independent lanes: the compiler vectorises them) */
+    for (int i = 0; i < MM_ROWS; i++)
+        for (int j = 0; j < nt; j++) {
+            float part[16] = {0};
+            const uint16_t *wr = w + i * cols, *xr = x + j * x_stride;
+            for (int64_t k = 0; k < cols; k += 16)
+                for (int l = 0; l < 16; l++) part[l] += bf16_value(wr[k + l]) * bf16_value(xr[k + l]);
+            float s = 0.f;
+            for (int l = 0; l < 16; l++) s += part[l];
+            out[i][j] = s;
         }
 #endif
-        block_floats(type, per, b, vals);
-        uint16_t *o = out + i * per;
-        int64_t k = 0;
+}
+
+int dsv41_gguf_mm_bf16(int64_t type, const void *blocks, int64_t rows, int64_t cols, const uint16_t *x, int64_t m,
+                       int64_t x_stride, float *y, int64_t y_stride, int threads) {
+    const int64_t per = gguf_block_weights(type & 255);
+    if (!per || cols % per || rows < 0 || m < 0 || x_stride < cols || y_stride < rows) return -1;
+    const int64_t row_blocks = cols / per;
+    if (!gguf_type_ok(type, rows * row_blocks, row_blocks)) return -1;
+    const int split = (type & GGUF_SPLIT) != 0;
+    const int64_t base_type = type & 255, tiles = (rows + MM_TILE - 1) / MM_TILE;
+    const uint8_t *base = (const uint8_t *)blocks;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (tiles > 1)
+    {
+        uint16_t *w = malloc((size_t)(MM_TILE * cols) * sizeof(uint16_t));
+        if (!w) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t tile = 0; tile < tiles; tile++) {
+            if (!w) continue;
+            const int64_t r0 = tile * MM_TILE, n = rows - r0 < MM_TILE ? rows - r0 : MM_TILE;
+            for (int64_t r = 0; r < n; r++) {
 #if defined(__AVX512F__)
-        for (; k < per; k += 16) _mm256_storeu_si256((__m256i *)(o + k), bf16_of16(_mm512_loadu_ps(vals + k)));
+                if (split) { /* a row's scales side by side, then its blocks' integers */
+                    const int64_t sb = split_scale_bytes(base_type), qb = gguf_block_bytes(base_type) - sb;
+                    const uint8_t *row = base + (r0 + r) * row_blocks * (sb + qb);
+                    for (int64_t b = 0; b < row_blocks; b++)
+                        small_values_bf16(base_type, row + 2 * b, row + 2 * row_blocks + 2 * b,
+                                          row + sb * row_blocks + b * qb, w + r * cols + b * 32);
+                    continue;
+                }
 #endif
-        for (; k < per; k++) o[k] = f32_to_bf16(vals[k]);
+                for (int64_t b = 0; b < row_blocks; b++)
+                    block_bf16(base_type, per, split, base, (r0 + r) * row_blocks + b, row_blocks, w + r * cols + b * per);
+            }
+            for (int64_t r = n; r < MM_TILE; r++) memset(w + r * cols, 0, (size_t)cols * sizeof(uint16_t));
+            for (int64_t i0 = 0; i0 < n; i0 += MM_ROWS)
+                for (int64_t t0 = 0; t0 < m; t0 += MM_ROWS) {
+                    float out[MM_ROWS][MM_ROWS];
+                    const int nt = m - t0 < MM_ROWS ? (int)(m - t0) : MM_ROWS;
+                    const uint16_t *wi = w + i0 * cols, *xt = x + t0 * x_stride;
+                    switch (nt) {
+                    case 4: mm_block(wi, cols, xt, x_stride, 4, out); break;
+                    case 3: mm_block(wi, cols, xt, x_stride, 3, out); break;
+                    case 2: mm_block(wi, cols, xt, x_stride, 2, out); break;
+                    default: mm_block(wi, cols, xt, x_stride, 1, out); break;
+                    }
+                    for (int i = 0; i < MM_ROWS && i0 + i < n; i++)
+                        for (int j = 0; j < nt; j++) y[(t0 + j) * y_stride + r0 + i0 + i] = out[i][j];
+                }
+        }
+        free(w);
     }
-    return 0;
+    return failed ? -2 : 0;
 }
 
 static inline float f16_load(const uint8_t *b) {

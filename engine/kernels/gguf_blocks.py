@@ -77,6 +77,9 @@ def float_activations():
 # scales as one vector instead of gathering them from 18-, 20- or 34-byte strides (one Q4_1 call of the default
 # model's step 4.17 -> 3.57 ms, benchmarks/gguf_blocks.py).
 SPLITTABLE = {2, 3, 8}
+# A bf16 prefill chunk of at most this many rows multiplies the blocks tile by tile (GGUFMatrix.mm_bf16); a longer
+# one dequantises each matrix to bf16 for one GEMM (benchmarks/gguf_blocks.py: tiled_rows)
+TILED_ROWS = 256
 _SPLIT_FLAG = 256
 
 
@@ -175,6 +178,23 @@ class GGUFMatrix:
             raise RuntimeError(f"dequantising {self.format} failed ({status})")
         return out
 
+    def mm_bf16(self, x: torch.Tensor, out: torch.Tensor | None = None, library=None) -> torch.Tensor:
+        """x [m, cols] (bf16) times the matrix's values rounded to bf16, accumulated in float32: [m, rows] float32
+        (into `out`, which may be a column slice of a wider row-major tensor). For a few rows (a short prefill
+        chunk): the blocks are dequantised a tile at a time into cache, never to memory."""
+        if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != self.cols or x.stride(1) != 1:
+            raise ValueError(f"x must be bf16 [m, {self.cols}] with contiguous rows")
+        m = x.shape[0]
+        out = torch.empty(m, self.rows, dtype=torch.float32) if out is None else out
+        if out.dtype != torch.float32 or out.shape != (m, self.rows) or out.stride(1) != 1:
+            raise ValueError(f"out must be float32 [{m}, {self.rows}] with contiguous rows")
+        status = self._lib(library).dsv41_gguf_mm_bf16(self.kernel_type, self.data.data_ptr(), self.rows, self.cols,
+                                                       x.data_ptr(), m, x.stride(0), out.data_ptr(), out.stride(0),
+                                                       torch.get_num_threads())
+        if status != 0:
+            raise (MemoryError if status == -2 else RuntimeError)(f"the {self.format} bf16 product failed ({status})")
+        return out
+
     def finite(self) -> bool:
         """Whether every weight is a finite number (damaged bytes decode to NaN / infinite scales), read from the
         blocks' float16 scales alone: no dequantised copy."""
@@ -263,6 +283,22 @@ class GGUFWeight(KernelMatrix):
 
     def bf16_weight(self) -> torch.Tensor:
         return self.dense(torch.bfloat16)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None,
+               residual: torch.Tensor | None = None) -> torch.Tensor:
+        """As KernelMatrix.linear; a bf16 chunk of at most TILED_ROWS rows multiplies the blocks as they are
+        dequantised into cache (mm_bf16) instead of through a bf16 copy of the whole matrix."""
+        if not (self.bf16_rows and x.dtype == torch.float32 and 1 < x.shape[0] <= TILED_ROWS and x.dim() == 2):
+            return super().linear(x, bias, residual)
+        rows = x.to(torch.bfloat16)
+        out = torch.empty(x.shape[0], self.shape[0], dtype=torch.float32)
+        row = 0
+        for run in self.runs:
+            run.mm_bf16(rows, out[:, row:row + run.rows])
+            row += run.rows
+        if bias is not None:
+            out += bias
+        return out if residual is None else out.add_(residual)
 
     def rows(self, index: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Selected rows' values (an embedding lookup)."""

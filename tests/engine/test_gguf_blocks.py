@@ -217,3 +217,55 @@ def test_a_stacked_weight_joins_neighbours_of_one_format_into_one_run():
                                     parts[1], parts[2]])
     assert [r.format for r in mixed.runs] == ["Q4_1", "Q8_0", "Q4_1"] and [r.rows for r in mixed.runs] == [16, 4, 16]
     assert mixed.formats == ["Q4_1", "Q8_0", "Q4_1", "Q4_1"]
+
+
+@pytest.mark.parametrize("isa", ["native", "no-bf16", "avx2"])
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_a_few_rows_multiply_the_blocks_dequantised_tile_by_tile(name, isa):
+    """mm_bf16 (a short prefill chunk): x [m, cols] bf16 times the blocks' values rounded to bf16, accumulated in
+    float32, in either row layout, for row counts that leave partial tiles and register blocks, into a column slice of
+    a wider output. The AVX-512 BF16 dot products, the AVX-512F and the AVX2 builds' widened ones alike."""
+    flags = {"native": None, "no-bf16": ("-mno-avx512bf16",), "avx2": ("-mno-avx512f",)}[isa]
+    library = cpu_kernels.build(flags) if flags else None
+    rows, cols = 37, 1024 if FORMATS[name][1] == 256 else 800
+    data = blocks_of(name, rows, cols, seed=11)
+    matrices = [GGUFMatrix(FORMATS[name][0], torch.from_numpy(data), cols)]
+    if FORMATS[name][0] in gguf_blocks.SPLITTABLE:
+        matrices.append(matrices[0].as_split(library))
+    w = torch.from_numpy(reference(data, FORMATS[name][0], rows, cols)).bfloat16().double()
+    for m in (1, 3, 4, 6, 17):
+        x = torch.randn(m, cols, generator=torch.Generator().manual_seed(m)).bfloat16()
+        expected = x.double() @ w.T
+        scale = float((x.double().abs() @ w.abs().T).max())
+        for matrix in matrices:
+            got = matrix.mm_bf16(x, library=library)
+            assert got.shape == (m, rows) and got.dtype == torch.float32
+            assert (got.double() - expected).abs().max() <= 1e-6 * scale
+            wide = torch.full((m, rows + 9), 7.0)
+            matrix.mm_bf16(x, out=wide[:, 5:5 + rows], library=library)
+            assert torch.equal(wide[:, 5:5 + rows], got)  # the same sums; the columns around are untouched
+            assert (wide[:, :5] == 7).all() and (wide[:, 5 + rows:] == 7).all()
+    with pytest.raises(ValueError, match="bf16"):
+        matrices[0].mm_bf16(torch.zeros(2, cols))
+
+
+def test_a_short_bf16_chunk_takes_the_tiled_product_with_the_same_result_as_the_gemm(monkeypatch):
+    """GGUFWeight.linear on a bf16 prefill chunk of at most TILED_ROWS rows multiplies tile by tile: the same sums as the
+    dequantised GEMM within float32 rounding (the GEMM rounds its result to bf16), with bias and residual; longer
+    chunks keep the GEMM."""
+    parts = [GGUFMatrix(3, torch.from_numpy(blocks_of("Q4_1", n, 576, seed=n)), 576) for n in (16, 8, 8)]
+    parts.append(GGUFMatrix(8, torch.from_numpy(blocks_of("Q8_0", 12, 576, seed=3)), 576))
+    weight = gguf_blocks.GGUFWeight(parts)
+    weight.bf16_rows = True
+    x = torch.randn(20, 576, generator=torch.Generator().manual_seed(9))
+    bias, residual = torch.randn(44), torch.randn(20, 44)
+    calls = []
+    monkeypatch.setattr(GGUFMatrix, "mm_bf16", lambda self, *a, f=GGUFMatrix.mm_bf16, **k: calls.append(1) or f(self, *a, **k))
+    tiled = weight.linear(x, bias, residual)
+    assert len(calls) == len(weight.runs) == 2
+    expected = residual.double() + bias.double() + x.bfloat16().double() @ weight.dense(torch.bfloat16).double().T
+    assert (tiled.double() - expected).abs().max() < 1e-5 * expected.abs().max()
+    monkeypatch.setattr(gguf_blocks, "TILED_ROWS", 8)
+    gemm = weight.linear(x, bias, residual)
+    assert len(calls) == 2  # 20 rows > 8: the GEMM
+    assert (gemm - tiled).abs().max() < 1e-2 * expected.abs().max()  # bf16 rounding of the GEMM's result
