@@ -70,7 +70,7 @@ def run_turn(model, tokenizer, cache: DSV41Cache, plan: TurnPlan, settings: Gene
     first_token_at = None
     reason = "length"
     shown = ""  # text already emitted (stop strings are held back until they cannot match)
-    prefill_done = None
+    prefill_done = decoded_at = None
     try:
         logits = yield from _prefill(model, cache, plan, cancel, device, result)
         prefill_done = time.perf_counter()
@@ -118,6 +118,7 @@ def run_turn(model, tokenizer, cache: DSV41Cache, plan: TurnPlan, settings: Gene
                 logits = adapter.forward(model, token_ids.view(1, 1).to(device), cache, prefill=False)
                 result.fed_generated += 1
                 cache.after_decode_step()
+            decoded_at = time.perf_counter()  # the reply's last token is out: what follows is the turn's compaction
             if not prefill_finished:  # the reply ended at its first token (or never began): no reply to wait for
                 cache.finish_prefill()
             cache.finish_turn()
@@ -145,7 +146,8 @@ def run_turn(model, tokenizer, cache: DSV41Cache, plan: TurnPlan, settings: Gene
             result.text = shown
             yield TokenText(delta, result.generated[-1] if result.generated else -1)
     ended = time.perf_counter()
-    stats = _stats(cache, plan, result, started, prefill_done, first_token_at, ended, compaction_before)
+    stats = _stats(cache, plan, result, started, prefill_done, first_token_at, decoded_at or ended, ended,
+                   compaction_before)
     yield stats
     yield Done(reason, shown, stats, tuple(result.generated))
 
@@ -218,11 +220,14 @@ def _held_back(text: str, stops: tuple[str, ...]) -> int:
     return best
 
 
-def _stats(cache, plan, result, started, prefill_done, first_token_at, ended, compaction_before) -> TurnStats:
+def _stats(cache, plan, result, started, prefill_done, first_token_at, decoded_at, ended,
+           compaction_before) -> TurnStats:
     prefill_done = prefill_done or ended
     prefill_s = max(prefill_done - started, 1e-9)
     decode_tokens = len(result.generated)
-    decode_s = ended - (first_token_at or ended)
+    # from the first token shown to the last one decoded (the cache's work after the first token, before the
+    # reply's first step, is in it; the turn's compaction after the last one is not: compaction_s has it)
+    decode_s = decoded_at - (first_token_at or decoded_at)
     cstats = cache.stats()
     return TurnStats(
         ttft_s=(first_token_at or ended) - started,

@@ -105,3 +105,24 @@ def test_stop_strings_are_cut_and_held_back():
     assert _cut_at_stop("abc STOP def", ("STOP",)) == ("abc ", True)
     assert _held_back("abc ST", ("STOP",)) == 2
     assert _held_back("abc", ("STOP",)) == 0
+
+
+def test_decode_speed_counts_the_reply_and_not_the_compaction_after_it(tiny_folder, monkeypatch):
+    """decode_tok_s is the reply's tokens after the first over the time from the first to the last: the turn's
+    compaction after the reply (finish_turn) is in total_s and compaction_s, not in the decode speed."""
+    import time
+
+    from engine import DSV41Config, DSV41Model
+    from engine.cache import kv_cache
+    from engine.events import Done
+
+    model = DSV41Model.from_pretrained(DSV41Config(model_path=str(tiny_folder), max_seq_len=1024, kv_cache_ratio=0.5))
+    real = kv_cache.DSV41Cache.finish_turn
+    monkeypatch.setattr(kv_cache.DSV41Cache, "finish_turn", lambda self, *a, **k: time.sleep(0.4) or real(self, *a, **k))
+    session = model.chat_session()
+    done = [e for e in session.send("Count: one two three four", max_new_tokens=12, greedy=True, ignore_eos=True)
+            if isinstance(e, Done)][0]
+    stats = done.stats
+    assert stats.decode_tokens == 12 and stats.decode_tok_s > 0
+    decode_s = (stats.decode_tokens - 1) / stats.decode_tok_s
+    assert stats.total_s - stats.ttft_s >= decode_s + 0.39  # the sleep is after the last token, outside decode_s
