@@ -17,6 +17,7 @@ runs the torch path as before; tests compare the two.
 from __future__ import annotations
 
 import ctypes
+import math
 
 import torch
 
@@ -30,7 +31,7 @@ def _layout(tensors: list[torch.Tensor], capacity: int) -> list[int] | None:
     for t in tensors:
         if t.device.type != "cpu" or not t.is_contiguous() or t.dim() < 2 or t.shape[:2] != (heads, capacity):
             return None
-        out.append(t[0, 0].numel() * t.element_size())
+        out.append(math.prod(t.shape[2:]) * t.element_size())  # a row's bytes (t[0, 0] would make a view each call)
     return out
 
 
