@@ -5,7 +5,7 @@ follow-up; the chats take turns case by case. Three chats: the discarding chat a
 threshold can cut the hot set below the ratio), the discarding chat with the threshold off (its hot set is the
 ratio, as the tier's is between turns), and the tier. For each reply: tokens after the first over the time since it
 (TurnStats.decode_tok_s: the cache's work before the reply's first step is in it), the steady speed from the second
-token on, and the hot entries a head the reply attends to. Writes results/followup-decode/<name>/followup-decode.json
+token on, and the hot set the reply attends to (MiB over every layer: the threshold cuts layers apart). Writes results/followup-decode/<name>/followup-decode.json
 and .md.
 
 Usage: python -m benchmarks.followup_decode [--words 1280] [--ratio 0.3] [--tokens 128] [--out results/followup-decode/2k]
@@ -31,14 +31,14 @@ CHATS = {"discarding": {"cold_tier": "off"}, "discarding, threshold off": {"cold
 
 
 def reply(session, question: str, documents=(), tokens: int = 24, ignore_eos: bool = False) -> dict:
-    """One turn; the times each piece of the reply's text came out, and the hot entries a head mid-reply."""
+    """One turn; the times each piece of the reply's text came out, and the hot set's MiB mid-reply (every layer)."""
     shown, hot, done = [], None, None
     for event in session.send(question, documents, max_new_tokens=tokens, greedy=True, repetition_penalty=1.0,
                               ignore_eos=ignore_eos):
         if isinstance(event, TokenText):
             shown.append(time.perf_counter())
             if len(shown) == 8:
-                hot = session.cache.stored
+                hot = session.cache.stored_kv_bytes() / 2**20
         elif isinstance(event, Done):
             done = event
     # pieces of text from the second to the last, over their time, in tokens (a piece is a token, or a few where one
@@ -46,7 +46,7 @@ def reply(session, question: str, documents=(), tokens: int = 24, ignore_eos: bo
     steady = ((len(shown) - 2) / (shown[-1] - shown[1]) * done.stats.decode_tokens / len(shown)
               if len(shown) > 2 else 0.0)
     return {"decode_tok_s": done.stats.decode_tok_s, "steady_tok_s": steady, "tokens": done.stats.decode_tokens,
-            "pieces": len(shown), "hot_entries": hot, "ttft_s": done.stats.ttft_s, "answer": done.text}
+            "pieces": len(shown), "hot_mib": hot, "ttft_s": done.stats.ttft_s, "answer": done.text}
 
 
 def main(argv=None) -> int:
@@ -68,7 +68,7 @@ def main(argv=None) -> int:
             rows[chat].append({"document": name, **reply(session, facts[2][1], tokens=args.tokens, ignore_eos=True)})
             print(chat, name, {k: v for k, v in rows[chat][-1].items() if k != "answer"}, flush=True)
     summary = {chat: {key: statistics.median(r[key] for r in turns)
-                      for key in ("decode_tok_s", "steady_tok_s", "hot_entries")} for chat, turns in rows.items()}
+                      for key in ("decode_tok_s", "steady_tok_s", "hot_mib")} for chat, turns in rows.items()}
     tier = rows["tier"]
     for chat, turns in rows.items():  # per case, the tier over this chat (paired)
         summary[chat]["tier_over_this_steady"] = statistics.median(
@@ -83,10 +83,10 @@ def main(argv=None) -> int:
     lines = [f"A follow-up's reply, {args.tokens} tokens (end-of-turn ignored), after a {args.words}-word document at "
              f"hot ratio {args.ratio}; {len(FACT_SETS)} cases, the chats taking turns case by case; medians; "
              f"{payload['machine']['cpu']}, {payload['machine']['torch_threads']} threads.", "",
-             "| chat | hot entries a head, mid-reply | decode tok/s (after the first token) | steady tok/s (from the "
+             "| chat | hot KV mid-reply (MiB, every layer) | decode tok/s (after the first token) | steady tok/s (from the "
              "second) | tier / this chat, decode | tier / this chat, steady |", "|---|---|---|---|---|---|"]
     for chat, s in summary.items():
-        lines.append(f"| {chat} | {s['hot_entries']:.0f} | {s['decode_tok_s']:.1f} | {s['steady_tok_s']:.1f} | "
+        lines.append(f"| {chat} | {s['hot_mib']:.1f} | {s['decode_tok_s']:.1f} | {s['steady_tok_s']:.1f} | "
                      f"{s['tier_over_this_decode']:.3f}× | {s['tier_over_this_steady']:.3f}× |")
     (out / "followup-decode.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
