@@ -37,7 +37,7 @@ def reply(session, question: str, documents=(), tokens: int = 24, ignore_eos: bo
                               ignore_eos=ignore_eos):
         if isinstance(event, TokenText):
             shown.append(time.perf_counter())
-            if len(shown) == 8:
+            if len(shown) <= 8:  # mid-reply: at the eighth piece (the last one of a shorter reply)
                 hot = session.cache.stored_kv_bytes() / 2**20
         elif isinstance(event, Done):
             done = event

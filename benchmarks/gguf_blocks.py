@@ -34,14 +34,17 @@ def default_gguf() -> Path:
     return sorted(Path(spec.submodule_search_locations[0]).rglob("*.gguf"))[0]
 
 
-def step_matrices() -> list[GGUFMatrix]:
-    """One decode step's matrices as the file holds them (q, k, v, o, gate, up, down per layer, and the LM head)."""
+def held_tensors() -> dict[str, GGUFMatrix]:
+    """The default model's GGUF tensors in formats held as blocks, by name, in the file's order."""
     import gguf
 
     reader = gguf.GGUFReader(str(default_gguf()))
-    held = [GGUFMatrix.from_reader_tensor(t) for t in reader.tensors
-            if t.tensor_type.name in FORMATS and (t.name.startswith("blk.") or t.name == "token_embd.weight")]
-    return held
+    return {t.name: GGUFMatrix.from_reader_tensor(t) for t in reader.tensors if t.tensor_type.name in FORMATS}
+
+
+def step_matrices() -> list[GGUFMatrix]:
+    """One decode step's matrices as the file holds them (q, k, v, o, gate, up, down per layer, and the LM head)."""
+    return [m for name, m in held_tensors().items() if name.startswith("blk.") or name == "token_embd.weight"]
 
 
 def main(argv=None) -> int:

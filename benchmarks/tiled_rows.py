@@ -1,8 +1,8 @@
 """A short bf16 prefill chunk (a follow-up's question, a short message) through the default model's GGUF-held
 matrices: the blocks dequantised a tile at a time into cache and multiplied there (GGUFMatrix.mm_bf16), against
 each matrix dequantised to a bf16 copy for one GEMM (oneDNN). Every matrix of the 30 layers as the decoder holds
-them (a layer's q, k and v one product), T rows of float32 activations; medians of 7 interleaved rounds. Sets
-gguf_blocks.TILED_ROWS: the tiled product is used up to the largest T where it wins. Writes
+them (a layer's q, k and v one product), T rows of float32 activations; medians of 7 interleaved rounds. What
+gguf_blocks.TILED_ROWS is chosen from: the tiled product is used up to the largest T where it wins. Writes
 results/tiled-rows/tiled-rows.json and .md.
 
 Usage: python -m benchmarks.tiled_rows
@@ -18,21 +18,17 @@ import torch
 
 from engine import kernels as cpu_kernels
 from engine.kernels import gguf_blocks
-from engine.kernels.gguf_blocks import FORMATS, GGUFMatrix, GGUFWeight
+from engine.kernels.gguf_blocks import GGUFWeight
 
 from .common import machine, write_results
-from .gguf_blocks import default_gguf
+from .gguf_blocks import held_tensors
 
 ROWS = (2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512)
 
 
 def layer_weights() -> list[GGUFWeight]:
     """The decoder's matrices: per layer q+k+v joined, o, gate+up joined, down (as engine/models/gguf_hold.py)."""
-    import gguf
-
-    reader = gguf.GGUFReader(str(default_gguf()))
-    held = {t.name: GGUFMatrix.from_reader_tensor(t) for t in reader.tensors
-            if t.tensor_type.name in FORMATS and t.name.startswith("blk.")}
+    held = {name: m for name, m in held_tensors().items() if name.startswith("blk.")}
     layers = sorted({int(name.split(".")[1]) for name in held})
     groups = (("attn_q", "attn_k", "attn_v"), ("attn_output",), ("ffn_gate", "ffn_up"), ("ffn_down",))
     weights = [GGUFWeight([held[f"blk.{i}.{part}.weight"] for part in group]) for i in layers for group in groups]

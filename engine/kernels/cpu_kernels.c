@@ -665,6 +665,14 @@ static inline void small_block_bf16(int64_t type, const uint8_t *b, uint16_t *o)
 /* Block i's `per` weights as bf16 into o (type without the split flag; `split`: the rows' layout) */
 static inline void block_bf16(int64_t type, int64_t per, int split, const uint8_t *base, int64_t i, int64_t row_blocks,
                               uint16_t *o) {
+#if defined(__AVX512F__)
+    if (per == 32 && split) { /* read in place: a row's scales side by side, then its blocks' integers */
+        const int64_t sb = split_scale_bytes(type), qb = gguf_block_bytes(type) - sb, b = i % row_blocks;
+        const uint8_t *row = base + (i / row_blocks) * row_blocks * (sb + qb);
+        small_values_bf16(type, row + 2 * b, row + 2 * row_blocks + 2 * b, row + sb * row_blocks + b * qb, o);
+        return;
+    }
+#endif
     float vals[256];
     uint8_t tmp[64];
     const uint8_t *b = block_at(type, split, base, i, row_blocks, tmp);
@@ -763,20 +771,9 @@ int dsv41_gguf_mm_bf16(int64_t type, const void *blocks, int64_t rows, int64_t c
         for (int64_t tile = 0; tile < tiles; tile++) {
             if (!w) continue;
             const int64_t r0 = tile * MM_TILE, n = rows - r0 < MM_TILE ? rows - r0 : MM_TILE;
-            for (int64_t r = 0; r < n; r++) {
-#if defined(__AVX512F__)
-                if (split) { /* a row's scales side by side, then its blocks' integers */
-                    const int64_t sb = split_scale_bytes(base_type), qb = gguf_block_bytes(base_type) - sb;
-                    const uint8_t *row = base + (r0 + r) * row_blocks * (sb + qb);
-                    for (int64_t b = 0; b < row_blocks; b++)
-                        small_values_bf16(base_type, row + 2 * b, row + 2 * row_blocks + 2 * b,
-                                          row + sb * row_blocks + b * qb, w + r * cols + b * 32);
-                    continue;
-                }
-#endif
+            for (int64_t r = 0; r < n; r++)
                 for (int64_t b = 0; b < row_blocks; b++)
                     block_bf16(base_type, per, split, base, (r0 + r) * row_blocks + b, row_blocks, w + r * cols + b * per);
-            }
             for (int64_t r = n; r < MM_TILE; r++) memset(w + r * cols, 0, (size_t)cols * sizeof(uint16_t));
             for (int64_t i0 = 0; i0 < n; i0 += MM_ROWS)
                 for (int64_t t0 = 0; t0 < m; t0 += MM_ROWS) {

@@ -78,7 +78,7 @@ def float_activations():
 # model's step 4.17 -> 3.57 ms, benchmarks/gguf_blocks.py).
 SPLITTABLE = {2, 3, 8}
 # A bf16 prefill chunk of at most this many rows multiplies the blocks tile by tile (GGUFMatrix.mm_bf16); a longer
-# one dequantises each matrix to bf16 for one GEMM (benchmarks/gguf_blocks.py: tiled_rows)
+# one dequantises each matrix to bf16 for one GEMM (benchmarks/tiled_rows.py: at 512 rows the GEMM is ahead)
 TILED_ROWS = 256
 _SPLIT_FLAG = 256
 
