@@ -63,13 +63,13 @@ class StaticDecodeStep:
         self.inputs = torch.zeros(2 + layers, dtype=torch.long, device=self.device)
         self._host = torch.zeros(1 + layers, dtype=torch.long, pin_memory=self.device.type == "cuda")
         self._host_view = self._host.numpy()  # written without a torch op per value
+        self._copied = None  # a CUDA event: the last copy out of _host has run (it may be rewritten)
         self._cos = self._sin = None
         self._clean: list[int | None] = [None] * layers  # storage_version whose tail past `length` is zeroed
-        # the CUDA graph: what it was captured for, its output, the memory pool captures share
+        # the CUDA graph: what it was captured for, its output (in the graph's own memory pool)
         self._graph = None
         self._graph_key = None
         self._graph_out: torch.Tensor | None = None
-        self._pool = None
         self.captures = 0  # graphs captured so far (bench / gpucheck report it)
         self.replays = 0
         self.graph_error: str | None = None  # why capture failed (the eager static step runs from then on)
@@ -94,11 +94,22 @@ class StaticDecodeStep:
 
     def _write_inputs(self, input_ids: torch.Tensor, cache, position: int) -> None:
         """The token (already on the device), its position and each layer's slot (its length: where the new
-        entry goes) into the step's input tensor: one copy from pinned host memory, no torch op per value."""
+        entry goes) into the step's input tensor: one copy from pinned host memory, no torch op per value.
+
+        The copy runs when the stream reaches it, reading the pinned buffer then, so the buffer is rewritten only
+        once the last copy has run: a caller that does not read each step's result on the host (which waits for
+        the step anyway) could otherwise get the next step's slots and position in this one. Seen on an H200:
+        steps run back to back without a host read differed from decode step 3 on."""
+        if self._copied is not None:
+            self._copied.synchronize()  # done already after the turn loop's token read: no wait there
         self._host_view[0] = position
         self._host_view[1:] = [layer.length for layer in cache.layers]
         self.inputs[:1].copy_(input_ids.reshape(1))
         self.inputs[1:].copy_(self._host, non_blocking=True)
+        if self.device.type == "cuda":
+            if self._copied is None:
+                self._copied = torch.cuda.Event()
+            self._copied.record(torch.cuda.current_stream(self.device))
 
     @torch.inference_mode()
     def _prepare(self, cache, position: int) -> None:
@@ -232,19 +243,21 @@ class StaticDecodeStep:
 
     def _capture(self, cache, plan, key) -> None:
         """Capture _compute as a graph (after one warm-up run on a side stream, which the capture requires; the
-        scores it updated are put back, everything else it wrote sits past the lengths and is written again)."""
+        scores it updated are put back, everything else it wrote sits past the lengths and is written again).
+
+        Each capture gets a private memory pool of its own, and the previous graph (with its pool) is released
+        first. Reusing one pool id after the graph that held it is gone trips an internal assert of torch's
+        caching allocator (`it->second->use_count > 0`, seen with torch 2.11 on an H200 at the second capture)."""
         self._graph = self._graph_out = self._graph_key = None
         saved = [layer.scores.clone() for layer in cache.layers]
         try:
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
             stream = torch.cuda.Stream(device=self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
                 self._compute(cache, plan)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
+            with torch.cuda.graph(graph):
                 out = self._compute(cache, plan)
         except Exception as exc:  # noqa: BLE001 - the eager static step still runs; say why once
             self.graph_error = f"{type(exc).__name__}: {exc}"[:300]
