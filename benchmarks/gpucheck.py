@@ -2,8 +2,10 @@
 one H200; no internet, no downloads: the models are made in place).
 
 Models: a random-init model of Llama-3-8B's shape (4,096 hidden, 14,336 MLP, 32 layers, 32 heads, 8 KV heads,
-head dim 128, vocabulary 128,256) in bf16, its queries and keys scaled up so attention is peaked (a layout bug
-then moves the logits, which near-uniform attention would hide), and a 4-layer copy saved to a folder for the
+head dim 128, vocabulary 128,256) in bf16, its queries and keys scaled up 1.5x so attention is peaked (a layout
+bug then moves the logits, which near-uniform attention would hide; at 4x a 32-layer bf16 model was chaotic on an
+H200: transformers' own eager and SDPA attention disagreed as much as a bug would, so parity is now judged
+against that floor, measured in the same run), and a 4-layer copy saved to a folder for the
 load path; the default model's tokenizer from its package. Sections, each written to <out>/gpucheck.json as
 soon as it ends (a run cut short keeps what it measured):
 
@@ -50,7 +52,7 @@ EIGHT_B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, 
                num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=8192)
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, vocab_size=49152, max_position_embeddings=4096)  # the tokenizer's vocabulary
-PEAK_SCALE = 4.0  # queries and keys scaled by this: peaked attention (see the module's docstring)
+PEAK_SCALE = 1.5  # queries and keys scaled by this: peaked attention (see the module's docstring)
 
 
 class Run:
@@ -235,6 +237,20 @@ def decode_mode(hf, mode: str):
             saved.graphs = graphs
 
 
+def _summary(steps: list[dict]) -> dict:
+    return {"steps": len(steps), "min_cosine": min(s["cosine"] for s in steps),
+            "median_cosine": sorted(s["cosine"] for s in steps)[len(steps) // 2],
+            "max_abs_rel": max(s["max_abs_rel"] for s in steps),
+            "greedy_agreement": sum(s["same_argmax"] for s in steps) / len(steps)}
+
+
+def _within_floor(result: dict, floor: dict) -> bool:
+    """As close to the reference as the floor (eager against SDPA) is, with a margin: at most twice its median
+    cosine distance (plus 0.002) and a greedy agreement at most 0.1 under its."""
+    distance, floor_distance = 1 - result["median_cosine"], 1 - floor["median_cosine"]
+    return distance <= 2 * floor_distance + 0.002 and result["greedy_agreement"] >= floor["greedy_agreement"] - 0.1
+
+
 def _compare(ours: torch.Tensor, ref: torch.Tensor) -> dict:
     ours, ref = ours.float().flatten(), ref.float().flatten()
     return {"cosine": float(torch.nn.functional.cosine_similarity(ours, ref, dim=0)),
@@ -289,31 +305,42 @@ def section_parity(run: Run) -> dict:
     hf = model.hf_model
     ids = prompt_ids(run, run.parity_tokens)
     out = {}
-    # transformers SDPA, teacher-forced on its own greedy tokens; ours fed the same tokens
-    with torch.inference_mode(), adapter.transformers_attention(hf, "sdpa"):
-        from transformers import DynamicCache
+    # transformers SDPA, teacher-forced on its own greedy tokens; transformers eager and ours fed the same tokens
+    def reference(implementation: str, tokens: list[int] | None):
+        with torch.inference_mode(), adapter.transformers_attention(hf, implementation):
+            from transformers import DynamicCache
 
-        past = DynamicCache()
-        step = hf(input_ids=torch.tensor([ids], device=run.device), past_key_values=past, use_cache=True,
-                  logits_to_keep=1)
-        ref_logits = [step.logits[0, -1].float()]
-        tokens = [int(ref_logits[-1].argmax())]
-        for _ in range(run.parity_steps - 1):
-            step = hf(input_ids=torch.tensor([[tokens[-1]]], device=run.device), past_key_values=past, use_cache=True)
-            ref_logits.append(step.logits[0, -1].float())
-            tokens.append(int(ref_logits[-1].argmax()))
+            past = DynamicCache()
+            step = hf(input_ids=torch.tensor([ids], device=run.device), past_key_values=past, use_cache=True,
+                      logits_to_keep=1)
+            logits = [step.logits[0, -1].float()]
+            fed = [] if tokens is None else tokens
+            for i in range(run.parity_steps - 1):
+                token = int(logits[-1].argmax()) if tokens is None else tokens[i]
+                if tokens is None:
+                    fed.append(token)
+                step = hf(input_ids=torch.tensor([[token]], device=run.device), past_key_values=past,
+                          use_cache=True)
+                logits.append(step.logits[0, -1].float())
+            if tokens is None:
+                fed.append(int(logits[-1].argmax()))
+        return logits, fed
+
+    ref_logits, tokens = reference("sdpa", None)
+    eager_logits, _ = reference("eager", tokens)
     dense = engine_for(run, hf, run.tok, kv_cache_ratio=1.0, csa2_topk=0)
     cache = dense.new_cache()
     with torch.inference_mode():
         ours = [adapter.forward(hf, torch.tensor([ids], device=run.device), cache, prefill=True)[0, -1]]
         for token in tokens[:-1]:
             ours.append(adapter.forward(hf, torch.tensor([[token]], device=run.device), cache, prefill=False)[0, -1])
-    steps = [_compare(a, b) for a, b in zip(ours, ref_logits, strict=True)]
-    out["against_transformers_sdpa"] = {
-        "prompt_tokens": len(ids), "steps": len(steps), "min_cosine": min(s["cosine"] for s in steps),
-        "max_abs_rel": max(s["max_abs_rel"] for s in steps),
-        "greedy_agreement": sum(s["same_argmax"] for s in steps) / len(steps),
-        "ok": min(s["cosine"] for s in steps) > 0.99 and sum(s["same_argmax"] for s in steps) >= 0.9 * len(steps)}
+    # The floor: two correct implementations (transformers' eager and SDPA attention) differ by their rounding
+    # alone, and a random deep model in bf16 amplifies rounding, the more the more peaked its attention. Ours
+    # passes when it is as close to SDPA as eager is (a layout or position bug is far outside that).
+    floor = _summary([_compare(a, b) for a, b in zip(eager_logits, ref_logits, strict=True)])
+    result = _summary([_compare(a, b) for a, b in zip(ours, ref_logits, strict=True)])
+    out["against_transformers_sdpa"] = {"prompt_tokens": len(ids), **result, "floor_eager_vs_sdpa": floor,
+                                        "ok": _within_floor(result, floor)}
     # chunked against one-shot prefill of a long prompt
     long_ids = prompt_ids(run, run.long_tokens, seed=2)
     finals = {}
@@ -326,7 +353,8 @@ def section_parity(run: Run) -> dict:
                 part = torch.tensor([long_ids[start:start + chunk]], device=run.device)
                 logits = adapter.forward(hf, part, cache, prefill=True)
         finals[name] = logits[0, -1]
-    out["chunked_vs_one_shot"] = {"tokens": len(long_ids), **_compare(finals["chunked"], finals["one shot"])}
+    out["chunked_vs_one_shot"] = {"tokens": len(long_ids), **_compare(finals["chunked"], finals["one shot"]),
+                                  "floor_min_cosine": floor["min_cosine"]}
     # every cache mode for two turns: runs, stays finite, keeps tensors on their devices
     modes = {"merge": dict(ced_mode="merge"), "int8 KV": dict(kv_cache_dtype="int8"),
              "compaction 0.5": dict(kv_cache_ratio=0.5, csa2_topk=0),
@@ -367,9 +395,8 @@ def section_parity(run: Run) -> dict:
                                                   prefill=False)[0, -1].clone())
             per_mode[mode] = logits
             out.setdefault("decode_step", {})[mode] = static.describe() if static is not None else "per-op"
-    steps = [_compare(a, b) for a, b in zip(per_mode["graph"], per_mode["per-op"], strict=True)]
-    out["graph_vs_per_op"] = {"steps": len(steps), "min_cosine": min(s["cosine"] for s in steps),
-                              "greedy_agreement": sum(s["same_argmax"] for s in steps) / len(steps)}
+    result = _summary([_compare(a, b) for a, b in zip(per_mode["graph"], per_mode["per-op"], strict=True)])
+    out["graph_vs_per_op"] = {**result, "ok": _within_floor(result, floor)}
     # host syncs and kernels per decode step, for each mode
     for mode in ("graph", "per-op"):
         with decode_mode(hf, mode):
@@ -411,13 +438,22 @@ def _syncs_and_kernels(run: Run, hf, engine, ids, tokens):
     return syncs, kernels
 
 
-def _decode_row(run: Run, model, ids, sampled=False) -> dict:
+def _decode_row(run: Run, model, ids, sampled=False, steady: bool = False) -> dict:
+    """A turn's TTFT and decode tok/s. `steady`: also the rate without the turn's fixed costs (a graph capture at
+    its first decode step: a new cache is new addresses), from a second turn with half the reply's tokens:
+    (tokens - half) / (decode seconds - half's decode seconds)."""
     done, error, cache = greedy_turn(model, ids, run.new_tokens, sampled=sampled)
     if done is None or error is not None:
         return {"error": error.message if error else "no reply"}
     s = done.stats
-    return {"ttft_s": s.ttft_s, "decode_tok_s": s.decode_tok_s, "kv_bytes": s.kv_stored_bytes,
-            "stored": cache.stored}
+    row = {"ttft_s": s.ttft_s, "decode_tok_s": s.decode_tok_s, "kv_bytes": s.kv_stored_bytes, "stored": cache.stored}
+    if steady:
+        half = run.new_tokens // 2
+        short, _, _ = greedy_turn(model, ids, half, sampled=sampled)
+        if short is not None and s.decode_tok_s and short.stats.decode_tok_s:
+            seconds = (s.decode_tokens - 1) / s.decode_tok_s - (half - 1) / short.stats.decode_tok_s
+            row["steady_tok_s"] = (s.decode_tokens - half) / seconds if seconds > 0 else None
+    return row
 
 
 def section_speed(run: Run) -> dict:
@@ -437,11 +473,11 @@ def section_speed(run: Run) -> dict:
             engine = engine_for(run, hf, run.tok, **knobs)
             with decode_mode(hf, "graph") as static:
                 _decode_row(run, engine, ids[:32])  # first use
-                table[name] = _decode_row(run, engine, ids)
+                table[name] = _decode_row(run, engine, ids, steady=True)
                 table[name + ", sampled"] = _decode_row(run, engine, ids, sampled=True)
                 table[name]["decode_step"] = static.describe() if static is not None else "per-op"
             with decode_mode(hf, "per-op"):
-                table[name + ", per-op step"] = _decode_row(run, engine, ids)
+                table[name + ", per-op step"] = _decode_row(run, engine, ids, steady=True)
             graph, per_op = table[name].get("decode_tok_s"), table[name + ", per-op step"].get("decode_tok_s")
             if graph and per_op:
                 table[name]["graph_over_per_op"] = graph / per_op
@@ -458,12 +494,16 @@ def section_speed(run: Run) -> dict:
                 stored = row.get("stored", context)
                 per_token = weights + kv_per_token * stored
                 row["bytes_per_token"] = per_token
-                row["share_of_bandwidth_bound"] = row["decode_tok_s"] * per_token / bandwidth["bytes_per_s"]
+                rate = row.get("steady_tok_s") or row["decode_tok_s"]  # steady where measured
+                row["share_of_bandwidth_bound"] = rate * per_token / bandwidth["bytes_per_s"]
         sdpa = table.get("transformers sdpa", {}).get("decode_tok_s")
         for name in rows:
             if sdpa and table[name].get("decode_tok_s"):
                 table[name]["over_transformers_sdpa"] = table[name]["decode_tok_s"] / sdpa
         out["contexts"][str(context)] = table
+        run.results["sections"]["speed (so far)"] = out  # a run cut short keeps the contexts measured
+        run.write()
+    run.results["sections"].pop("speed (so far)", None)
     longest = out["contexts"][str(run.contexts[-1])]
     out["long_ttft_s"] = longest["engine dense"].get("ttft_s")
     ced_short = out["contexts"][str(run.contexts[0])]["engine + CED"].get("decode_tok_s")
@@ -531,7 +571,7 @@ def section_failures(run: Run) -> dict:
         return out
     _, total = torch.cuda.mem_get_info()
     allocated = torch.cuda.memory_allocated()
-    long_text = run.tok.decode(prompt_ids(run, run.contexts[-1], seed=7)) + "\n\nWhat is this about?"
+    long_text = run.tok.decode(prompt_ids(run, run.long_tokens, seed=7)) + "\n\nWhat is this about?"
     session = model.chat_session()
     torch.cuda.set_per_process_memory_fraction(min(1.0, (allocated + (64 << 20)) / total))
     try:
