@@ -624,6 +624,97 @@ def section_quantized(run: Run) -> dict:
     return out
 
 
+# ------------------------------------------------------------------------------------------------ report
+def _f(value, digits: int = 1, scale: float = 1.0) -> str:
+    return "—" if not isinstance(value, (int, float)) else f"{value * scale:.{digits}f}"
+
+
+def report(results: dict, out: Path) -> None:
+    """gpucheck.md (the figures as tables) and speed.png (decode tok/s per row and context) from the results."""
+    sections = results.get("sections", {})
+    lines = [f"# gpucheck ({results.get('mode')}, started {results.get('started')})", ""]
+    if results.get("note"):
+        lines += [results["note"], ""]
+    env = sections.get("environment", {})
+    gpu = env.get("gpu")
+    if isinstance(gpu, dict):
+        lines += [f"{gpu['name']} ({gpu['memory_gb']:.0f} GiB, capability {gpu['capability']}); torch {env['torch']} "
+                  f"(CUDA {env['torch_cuda']}), transformers {env['transformers']}; attention kernels: "
+                  + ", ".join(f"{k} {v}" for k, v in env.get("attention_kernels", {}).items()), ""]
+    parity = sections.get("parity", {})
+    if "against_transformers_sdpa" in parity:
+        ours, floor = parity["against_transformers_sdpa"], parity["against_transformers_sdpa"]["floor_eager_vs_sdpa"]
+        graph = parity.get("graph_vs_per_op", {})
+        lines += ["## Parity (teacher-forced, per-step logits)", "",
+                  "| comparison | median cosine | min cosine | greedy agreement | ok |", "|---|---|---|---|---|",
+                  f"| ours against transformers SDPA | {_f(ours['median_cosine'], 4)} | {_f(ours['min_cosine'], 4)} | "
+                  f"{_f(ours['greedy_agreement'], 2)} | {ours['ok']} |",
+                  f"| floor: transformers eager against SDPA | {_f(floor['median_cosine'], 4)} | "
+                  f"{_f(floor['min_cosine'], 4)} | {_f(floor['greedy_agreement'], 2)} | |"]
+        if graph:
+            lines.append(f"| graph step against per-op step | {_f(graph.get('median_cosine'), 4)} | "
+                         f"{_f(graph.get('min_cosine'), 4)} | {_f(graph.get('greedy_agreement'), 2)} | {graph.get('ok')} |")
+        chunked = parity.get("chunked_vs_one_shot", {})
+        lines += ["", f"Chunked against one-shot prefill ({chunked.get('tokens')} tokens): cosine "
+                      f"{_f(chunked.get('cosine'), 4)}, same argmax {chunked.get('same_argmax')}. Cache modes for two "
+                      f"turns each: {'all ran, on their devices' if parity.get('modes_ok') else 'FAILED'}. Host syncs per "
+                      f"decode step {parity.get('host_syncs_per_step')}; kernels per step {parity.get('kernels_per_step')}.",
+                  ""]
+    speed = sections.get("speed", {})
+    if speed.get("contexts"):
+        lines += ["## Decode (128 tokens, greedy unless said) and TTFT", "",
+                  f"Read bandwidth {_f(speed.get('bandwidth_bytes_per_s'), 0, 1e-9)} GB/s; weights "
+                  f"{_f(speed.get('weight_bytes'), 2, 1e-9)} GB.", "",
+                  "| context | row | TTFT ms | decode tok/s | steady tok/s | share of bandwidth bound | "
+                  "over transformers SDPA | decode step |", "|---|---|---|---|---|---|---|---|"]
+        for context, table in speed["contexts"].items():
+            for name, row in table.items():
+                lines.append(f"| {context} | {name} | {_f(row.get('ttft_s'), 0, 1e3)} | {_f(row.get('decode_tok_s'))} | "
+                             f"{_f(row.get('steady_tok_s'))} | {_f(row.get('share_of_bandwidth_bound'), 2)} | "
+                             f"{_f(row.get('over_transformers_sdpa'), 2)} | {row.get('decode_step', '')} |")
+        lines.append("")
+    memory = sections.get("memory", {})
+    if "reported_over_measured_peak" in memory:
+        lines += ["## Memory", "", f"An {memory['tokens']}-token turn: measured peak "
+                  f"{_f(memory['measured_peak_bytes'], 2, 1e-9)} GB, the memory report's weights + KV reserved + "
+                  f"activations {_f(memory['reported_weights_kv_activations'], 2, 1e-9)} GB "
+                  f"({_f(memory['reported_over_measured_peak'], 3)} of the peak).", ""]
+    failures = sections.get("failures", {})
+    if isinstance(failures.get("oom"), dict):
+        oom, cancel = failures["oom"], failures.get("cancel", {})
+        lines += ["## Failures", "", f"Cancel mid-prefill: {cancel.get('reason')}, then the same answer as a fresh chat: "
+                  f"{cancel.get('then_same_as_fresh')}. Injected out-of-memory: `{oom.get('error_kind')}` — "
+                  f"\"{oom.get('message')}\"; then the same answer as a fresh chat: {oom.get('then_same_as_fresh')}.", ""]
+    failed = {n: r["error"] for n, r in sections.items() if isinstance(r, dict) and "error" in r}
+    for name, error in failed.items():
+        lines.append(f"Section {name} FAILED: {error}")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpucheck.md").write_text("\n".join(lines) + "\n")
+    if speed.get("contexts"):
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            return
+        contexts = list(speed["contexts"])
+        names = [n for n in speed["contexts"][contexts[0]] if ", sampled" not in n]
+        fig, ax = plt.subplots(figsize=(10, 4.5))
+        width = 0.8 / len(contexts)
+        for i, context in enumerate(contexts):
+            values = [speed["contexts"][context].get(n, {}).get("decode_tok_s") or 0 for n in names]
+            ax.bar([j + i * width for j in range(len(names))], values, width, label=f"{context} tokens")
+        ax.set_xticks([j + width * (len(contexts) - 1) / 2 for j in range(len(names))], names, rotation=30,
+                      ha="right", fontsize=8)
+        ax.set_ylabel("decode tok/s")
+        ax.set_title("8B-shape model, bf16, batch 1: decode tok/s" + (f" ({gpu['name']})" if isinstance(gpu, dict) else ""))
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / "speed.png", dpi=110)
+        plt.close(fig)
+
+
 SECTIONS = {"environment": section_environment, "parity": section_parity, "speed": section_speed,
             "memory": section_memory, "failures": section_failures, "quantized": section_quantized}
 
@@ -634,10 +725,18 @@ def main(argv=None, prog: str = "python -m benchmarks.gpucheck") -> int:
     parser.add_argument("--out", default=None, help="results folder (default results/gpucheck; --smoke: a temp folder)")
     parser.add_argument("--sections", default=",".join(SECTIONS))
     parser.add_argument("--tokenizer", default=None, help="a tokenizer folder (default: the default model's)")
+    parser.add_argument("--report", metavar="DIR", default=None,
+                        help="only write DIR/gpucheck.md and DIR/speed.png from DIR/gpucheck.json (a run's results "
+                             "fetched from a GPU machine)")
     parser.add_argument("--prepare", metavar="DIR", default=None,
                         help="only save the default tokenizer to DIR/tokenizer, to carry to a GPU machine without "
                              "the model package (then: --tokenizer DIR/tokenizer there)")
     args = parser.parse_args(argv)
+    if args.report:
+        folder = Path(args.report)
+        report(json.loads((folder / "gpucheck.json").read_text()), folder)
+        print(f"wrote {folder / 'gpucheck.md'}")
+        return 0
     if args.prepare:
         target = Path(args.prepare) / "tokenizer"
         tokenizer().save_pretrained(str(target))
@@ -665,6 +764,7 @@ def main(argv=None, prog: str = "python -m benchmarks.gpucheck") -> int:
         run.section(name, SECTIONS[name])
     run.results["elapsed_s"] = round(time.perf_counter() - started, 1)
     run.write()
+    report(run.results, out)
     failed = [n for n, r in run.results["sections"].items() if "error" in r]
     print(f"[gpucheck] wrote {out / 'gpucheck.json'} in {run.results['elapsed_s']:.0f} s"
           + (f"; sections that failed: {', '.join(failed)}" if failed else ""), flush=True)
