@@ -49,6 +49,33 @@ def test_gpucheck_smoke_runs_every_section_and_checks_what_it_says(tmp_path):
     assert sections["failures"]["cancel"] == {"reason": "cancelled", "then_same_as_fresh": True}
     assert "needs a GPU" in sections["failures"]["oom"]
     assert sections["environment"]["attention_kernels"]["prefill"] in ("flash", "math", "memory-efficient")
+    # the floor is measured in the same run, and the steady rate from a second, half-length turn
+    assert parity["against_transformers_sdpa"]["floor_eager_vs_sdpa"]["steps"] == parity["graph_vs_per_op"]["steps"]
+    assert all(context["engine dense"]["steady_tok_s"] > 0 for context in speed["contexts"].values())
+    md = (out / "gpucheck.md").read_text()
+    assert "| ours against transformers SDPA |" in md and "| engine + CED + CSA2 |" in md
+    assert (out / "speed.png").stat().st_size > 10_000
+
+
+def test_within_floor_fails_what_is_further_from_the_reference_than_the_floor():
+    from benchmarks.gpucheck import _within_floor
+
+    floor = {"median_cosine": 0.944, "greedy_agreement": 0.36}
+    assert _within_floor({"median_cosine": 0.989, "greedy_agreement": 0.64}, floor)  # the H200 run's figures
+    assert not _within_floor({"median_cosine": 0.30, "greedy_agreement": 0.02}, floor)  # a layout bug
+    assert not _within_floor({"median_cosine": 0.95, "greedy_agreement": 0.10}, floor)  # tokens off
+    exact = {"median_cosine": 1.0, "greedy_agreement": 1.0}
+    assert not _within_floor({"median_cosine": 0.99, "greedy_agreement": 1.0}, exact)  # float32: no slack
+
+
+def test_report_writes_the_published_gpu_run_again(tmp_path):
+    """The H200 run's JSON (results/gpucheck) gives back its Markdown: a fetched run is reported the same way."""
+    from benchmarks import gpucheck
+
+    published = ROOT / "results" / "gpucheck"
+    (tmp_path / "gpucheck.json").write_bytes((published / "gpucheck.json").read_bytes())
+    assert gpucheck.main(["--report", str(tmp_path)]) == 0
+    assert (tmp_path / "gpucheck.md").read_text() == (published / "gpucheck.md").read_text()
 
 
 def test_gpucheck_without_a_gpu_says_so_and_how_to_smoke_test(capsys):
