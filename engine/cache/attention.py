@@ -73,7 +73,8 @@ def attention_kernels(backend: str, device, dtype: torch.dtype, kv_heads: int, g
             prefill = _sdpa_choice(q, k, k, causal_bias(t, s, dtype, device))
         bias = torch.zeros(kv_heads, 1, t, s, device=device, dtype=dtype).expand(kv_heads, groups, t, s)
         merged = _sdpa_choice(q, k, k, bias)
-    decode = _sdpa_choice(zeros(1, kv_heads, groups, head_dim), keys[None], keys[None])
+    decode = _sdpa_choice(zeros(1, kv_heads, groups, head_dim), keys[None], keys[None]) if device.type == "cpu" \
+        else "matmul"  # decode_attention_output
     return {"prefill": prefill, "decode": decode, "scored decode": "matmul", "merged": merged}
 
 
@@ -202,8 +203,13 @@ def decode_attention(query, keys, values, log_counts, scaling: float):
 
 def decode_attention_output(query, keys, values, scaling: float):
     """One new token, output only (no weights wanted, no merge counts): query [H, 1, d] -> [H, 1, d].
-    SDPA with the GQA group's queries as rows: 3.8 against 4.6 ms per step for decode_attention over 1.1k
-    entries on the default model (benchmarks/attention_floor.py)."""
+    On the CPU, SDPA with the GQA group's queries as rows: 3.8 against 4.6 ms per step for decode_attention over
+    1.1k entries on the default model (benchmarks/attention_floor.py). On a GPU, decode_attention's matrix
+    products: there SDPA picks cuDNN, whose kernels are built for each new length, and a decode step has a new
+    length every time. Measured on an H200 (gpucheck, 8B shape, per-op step): 16 tok/s for the dense cache
+    through SDPA against 58 for the CED cache, whose decode takes the matrix products and scores the cache too."""
+    if query.device.type != "cpu":
+        return decode_attention(query, keys, values, None, scaling)[0].to(query.dtype)
     h, s, d = keys.shape
     big_h = query.shape[0]
     q = query.reshape(1, h, big_h // h, d).to(keys.dtype)

@@ -200,3 +200,17 @@ def test_output_only_decode_attention_matches_decode_attention():
     q, k, v = torch.randn(9, 1, 16), torch.randn(3, 70, 16), torch.randn(3, 70, 16)
     want, _ = decode_attention(q, k, v, None, 0.25)
     assert torch.allclose(decode_attention_output(q, k, v, 0.25), want, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_output_only_decode_attention_takes_the_matrix_products_and_equals_sdpa():
+    """On CUDA, SDPA (cuDNN) is built per length; the output-only decode takes decode_attention's products."""
+    from engine.cache.attention import attention_kernels, decode_attention_output
+
+    torch.manual_seed(0)
+    q = torch.randn(32, 1, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(8, 1000, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q.reshape(1, 8, 4, 128), k[None], v[None], scale=0.088)
+    got = decode_attention_output(q, k, v, 0.088)
+    assert (got.float() - sdpa.reshape(32, 1, 128).float()).abs().max() < 0.02
+    assert attention_kernels("sdpa", "cuda", torch.bfloat16, 8, 4, 128)["decode"] == "matmul"
