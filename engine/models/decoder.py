@@ -63,8 +63,10 @@ _FUSED_RMS_NORM = hasattr(F, "rms_norm")
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' Llama RMSNorm: normalise in float32, cast back, then scale. In float32 that is
-    one fused op (F.rms_norm) instead of six."""
-    if x.dtype == torch.float32 and weight.dtype == torch.float32 and _FUSED_RMS_NORM:
+    one fused op (F.rms_norm) instead of six. On a GPU in half precision too: one kernel instead of eight (a
+    decode step there is bound by its kernel count), normalised and scaled in float32 and rounded once where
+    transformers rounds before the scale as well (a bf16 ulp at most apart)."""
+    if _FUSED_RMS_NORM and x.dtype == weight.dtype and (x.dtype == torch.float32 or x.device.type != "cpu"):
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)

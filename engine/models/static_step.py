@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cache.storage import _gather_rows
-from .decoder import DecoderWeights, linear, residual_linear, rms_norm, rope
+from .decoder import DecoderWeights, linear, residual_linear, rms_norm
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +66,8 @@ class StaticDecodeStep:
         self._copied = None  # a CUDA event: the last copy out of _host has run (it may be rewritten)
         self._cos = self._sin = None
         self._clean: list[int | None] = [None] * layers  # storage_version whose tail past `length` is zeroed
+        self._swap: torch.Tensor | None = None  # RoPE's fixed pattern: [d, d] (see _rotation)
+        self._entries: dict[int, torch.Tensor] = {}  # arange(capacity) per capacity: a constant, not a kernel a layer
         # the CUDA graph: what it was captured for, its output (in the graph's own memory pool)
         self._graph = None
         self._graph_key = None
@@ -139,6 +141,7 @@ class StaticDecodeStep:
         cos = self._cos.index_select(0, position)[:, None, :]  # [1, 1, d]
         sin = self._sin.index_select(0, position)[:, None, :]
         positions32 = position.to(torch.int32).expand(kv_heads, 1).contiguous()
+        rotation = self._rotation(cos[0, 0], sin[0, 0])  # [d, d]
         for index, layer in enumerate(w.layers):
             h = rms_norm(x, layer.input_norm, w.eps)
             qkv = linear(h, layer.qkv, layer.qkv_bias).view(1, qk_heads + kv_heads, d)
@@ -147,7 +150,7 @@ class StaticDecodeStep:
                                 rms_norm(qkv[:, heads:qk_heads], layer.k_norm, w.eps)), dim=1)
             else:
                 qk = qkv[:, :qk_heads]
-            qk = rope(qk, cos, sin)
+            qk = torch.matmul(qk, rotation)  # RoPE: one product instead of seven elementwise kernels
             slot = self.inputs[2 + index: 3 + index]
             attn = self._attend(cache.layers[index], plan.layers[index], plan, qk[0, :heads], qk[0, heads:],
                                 qkv[0, qk_heads:], slot, positions32)  # [H, d]
@@ -181,7 +184,9 @@ class StaticDecodeStep:
             projected = torch.matmul(k3.float(), kv.csa2_basis).to(kv.projected_keys.dtype)
             kv.projected_keys.index_copy_(1, slot, projected)
         capacity = kv.capacity
-        entries = torch.arange(capacity, device=q.device)
+        entries = self._entries.get(capacity)
+        if entries is None:
+            entries = self._entries[capacity] = torch.arange(capacity, device=q.device)
         qg = q.reshape(h, groups, d)
         if mode.sparse:
             index = self._screen(kv, mode, plan, qg.float(), slot, entries)
@@ -208,6 +213,19 @@ class StaticDecodeStep:
             else:
                 scores.scatter_add_(1, index, probs.sum(dim=1))
         return out.reshape(h * groups, d)
+
+    def _rotation(self, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """RoPE at this step's position as a [d, d] matrix R, x @ R == decoder.rope(x) (decoder.rope_matrix's R,
+        built from device tensors: cos / sin [d], both halves equal): R = diag(cos) + P * sin, where P holds -1
+        at (half + i, i) and +1 at (i, half + i). Two kernels a step; each layer's rotation is then one product,
+        its sums in float32 and rounded once (the elementwise form rounds each product in half precision)."""
+        d = cos.shape[-1]
+        if self._swap is None or self._swap.shape[0] != d or self._swap.dtype != cos.dtype:
+            swap = torch.zeros(d, d, dtype=cos.dtype, device=cos.device)
+            swap.diagonal(d // 2).fill_(1)  # (i, half + i)
+            swap.diagonal(-(d // 2)).fill_(-1)  # (half + i, i)
+            self._swap = swap
+        return torch.addcmul(torch.diag_embed(cos), self._swap, sin)
 
     @staticmethod
     def _screen(kv, mode, plan, q, slot, entries) -> torch.Tensor:
