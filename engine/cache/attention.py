@@ -15,6 +15,25 @@ try:  # optional: only on CUDA machines with the gpu extra
 except Exception:  # noqa: BLE001 - any import failure means "not available"
     _flash_attn_func = None
 
+try:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    # On a GPU, SDPA may pick cuDNN, whose kernels are built for each new shape (hundreds of milliseconds each,
+    # reported by other projects). A document's prefill chunks have a new length every chunk and every document,
+    # so they would always pay it: on an H200 the first 8k-token turn of a process took 1.7 s against 0.32-0.39 s
+    # once the same shapes came again (gpucheck). Flash and memory-efficient kernels need no build.
+    _GPU_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+except ImportError:  # an older torch: its own choice
+    sdpa_kernel = _GPU_SDPA = None
+
+
+def sdpa(q, k, v, **kwargs):
+    """F.scaled_dot_product_attention, on a GPU without cuDNN's kernels (see _GPU_SDPA)."""
+    if q.device.type == "cuda" and _GPU_SDPA is not None:
+        with sdpa_kernel(_GPU_SDPA):
+            return F.scaled_dot_product_attention(q, k, v, **kwargs)
+    return F.scaled_dot_product_attention(q, k, v, **kwargs)
+
 
 def flash_available() -> bool:
     return _flash_attn_func is not None
@@ -41,6 +60,9 @@ def _sdpa_choice(q, k, v, mask=None, is_causal=False) -> str:
     if choose is None:
         return "SDPA (kernel not reported by this torch)"
     try:
+        if q.device.type == "cuda" and _GPU_SDPA is not None:
+            with sdpa_kernel(_GPU_SDPA):  # what sdpa() allows
+                return _SDPA_NAMES.get(int(choose(q, k, v, attn_mask=mask, is_causal=is_causal, scale=0.125)), "SDPA")
         return _SDPA_NAMES.get(int(choose(q, k, v, attn_mask=mask, is_causal=is_causal, scale=0.125)), "SDPA")
     except Exception as exc:  # noqa: BLE001 - a diagnostic: say what failed
         return f"error: {type(exc).__name__}"
@@ -170,16 +192,16 @@ def dense_attention(query, keys, values, log_counts, scaling: float, backend: st
     k = keys[:, None].expand(h, groups, s, d)
     v = values[:, None].expand(h, groups, s, d)
     if log_counts is None and t == s:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling)
+        out = sdpa(q, k, v, is_causal=True, scale=scaling)
     elif log_counts is None:
         if t > 1 and mask is None:
             mask = causal_bias(t, s, query.dtype, query.device)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask if t > 1 else None, scale=scaling)
+        out = sdpa(q, k, v, attn_mask=mask if t > 1 else None, scale=scaling)
     else:
         bias = log_counts.to(query.dtype)[:, None, None, :].expand(h, 1, t, s)
         if t > 1:
             bias = bias.masked_fill(~causal_visibility(t, s, query.device), float("-inf"))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scaling)
+        out = sdpa(q, k, v, attn_mask=bias, scale=scaling)
     return out.reshape(big_h, t, d)
 
 

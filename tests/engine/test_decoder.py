@@ -214,3 +214,19 @@ def test_on_a_gpu_output_only_decode_attention_takes_the_matrix_products_and_equ
     got = decode_attention_output(q, k, v, 0.088)
     assert (got.float() - sdpa.reshape(32, 1, 128).float()).abs().max() < 0.02
     assert attention_kernels("sdpa", "cuda", torch.bfloat16, 8, 4, 128)["decode"] == "matmul"
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_prefill_attention_never_takes_cudnn_and_equals_the_math_kernel():
+    """cuDNN's SDPA kernels are built per shape, and prefill chunks have new lengths: the cache's SDPA calls
+    leave cuDNN out (flash or memory-efficient run), with the same result."""
+    from engine.cache.attention import attention_kernels, causal_bias, dense_attention
+
+    kernels = attention_kernels("sdpa", "cuda", torch.bfloat16, 8, 4, 128)
+    assert "cuDNN" not in kernels.values(), kernels
+    torch.manual_seed(0)
+    q = torch.randn(32, 64, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(8, 300, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    got = dense_attention(q, k, v, None, 0.088, "sdpa", causal_bias(64, 300, torch.bfloat16, "cuda"))
+    want = dense_attention(q.float(), k.float(), v.float(), None, 0.088, "eager")
+    assert (got.float() - want).abs().max() < 0.03
