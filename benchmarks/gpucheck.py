@@ -23,7 +23,9 @@ soon as it ends (a run cut short keeps what it measured):
 - memory: the peak of an 8k turn against what the memory report says;
 - failures: an out-of-memory injected with `set_per_process_memory_fraction`, a cancel mid-prefill, then a
   turn that must equal a fresh session's;
-- quantized: bitsandbytes INT8 / INT4 on the 4-layer model (logit cosine against bf16, tok/s), when it imports.
+- quantized: bitsandbytes INT8 / INT4 on the 4-layer model (logit cosine against bf16, tok/s), when it imports;
+- tests: the test suite's tests marked `gpu` (pytest in a subprocess; the `gguf` package, carried as a wheel
+  where the machine lacks it, lets the GGUF one run).
 
 Decode modes (engine.models.static_step): "graph" (the static step replayed as a CUDA graph: the default on a
 GPU), "static" (the same step launched op by op), "per-op" (decoder.py + DSV41Cache.attend).
@@ -624,6 +626,30 @@ def section_quantized(run: Run) -> dict:
     return out
 
 
+def section_gpu_tests(run: Run) -> dict:
+    """The test suite's GPU tests (marked `gpu`; skipped where no GPU is), run here in a subprocess, so the one
+    command a GPU machine runs covers them too. Only the files that hold such tests are collected."""
+    import re
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    files = sorted(str(f.relative_to(root)) for f in (root / "tests").rglob("test_*.py")
+                   if "mark.gpu" in f.read_text(encoding="utf-8"))
+    if run.device.type != "cuda":
+        return {"skipped": "needs a GPU", "files": files}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-m", "gpu", "-p", "no:cacheprovider", *files],
+                          cwd=root, capture_output=True, text=True, timeout=600)
+    tail = done.stdout[-6000:]
+    counts = {kind: int(n) for n, kind in re.findall(r"(\d+) (passed|failed|skipped|errors?)", tail.splitlines()[-1]
+                                                        if tail.strip() else "")}
+    failed = re.findall(r"^FAILED (\S+)", tail, flags=re.M)
+    out = {"files": files, "returncode": done.returncode, **counts, "failed_tests": failed,
+           "skipped_reasons": re.findall(r"^SKIPPED .*$", tail, flags=re.M)}
+    if done.returncode not in (0, 5):  # 5: nothing collected
+        out["output_tail"] = tail[-3000:] + done.stderr[-1000:]
+    return out
+
+
 # ------------------------------------------------------------------------------------------------ report
 def _f(value, digits: int = 1, scale: float = 1.0) -> str:
     return "—" if not isinstance(value, (int, float)) else f"{value * scale:.{digits}f}"
@@ -685,6 +711,11 @@ def report(results: dict, out: Path) -> None:
         lines += ["## Failures", "", f"Cancel mid-prefill: {cancel.get('reason')}, then the same answer as a fresh chat: "
                   f"{cancel.get('then_same_as_fresh')}. Injected out-of-memory: `{oom.get('error_kind')}` — "
                   f"\"{oom.get('message')}\"; then the same answer as a fresh chat: {oom.get('then_same_as_fresh')}.", ""]
+    tests = sections.get("tests", {})
+    if "files" in tests and "skipped" not in tests:
+        lines += ["## GPU tests", "", f"{tests.get('passed', 0)} passed, {tests.get('failed', 0)} failed, "
+                  f"{tests.get('skipped', 0)} skipped ({len(tests['files'])} files)"
+                  + (": " + ", ".join(tests["failed_tests"]) if tests.get("failed_tests") else "") + ".", ""]
     failed = {n: r["error"] for n, r in sections.items() if isinstance(r, dict) and "error" in r}
     for name, error in failed.items():
         lines.append(f"Section {name} FAILED: {error}")
@@ -716,7 +747,8 @@ def report(results: dict, out: Path) -> None:
 
 
 SECTIONS = {"environment": section_environment, "parity": section_parity, "speed": section_speed,
-            "memory": section_memory, "failures": section_failures, "quantized": section_quantized}
+            "memory": section_memory, "failures": section_failures, "quantized": section_quantized,
+            "tests": section_gpu_tests}
 
 
 def main(argv=None, prog: str = "python -m benchmarks.gpucheck") -> int:
@@ -765,7 +797,7 @@ def main(argv=None, prog: str = "python -m benchmarks.gpucheck") -> int:
     run.results["elapsed_s"] = round(time.perf_counter() - started, 1)
     run.write()
     report(run.results, out)
-    failed = [n for n, r in run.results["sections"].items() if "error" in r]
+    failed = [n for n, r in run.results["sections"].items() if "error" in r or r.get("failed")]
     print(f"[gpucheck] wrote {out / 'gpucheck.json'} in {run.results['elapsed_s']:.0f} s"
           + (f"; sections that failed: {', '.join(failed)}" if failed else ""), flush=True)
     return 1 if failed else 0

@@ -25,7 +25,8 @@ def test_gpucheck_smoke_runs_every_section_and_checks_what_it_says(tmp_path):
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     payload = json.loads((out / "gpucheck.json").read_text())
     sections = payload["sections"]
-    assert set(sections) == {"environment", "parity", "speed", "memory", "failures", "quantized"}
+    assert set(sections) == {"environment", "parity", "speed", "memory", "failures", "quantized", "tests"}
+    assert sections["tests"]["skipped"] == "needs a GPU" and "tests/engine/test_static_step.py" in sections["tests"]["files"]
     assert not [name for name, s in sections.items() if "error" in s]
     parity = sections["parity"]
     # float32 on the CPU: our forward is transformers' to float precision, chunked prefill equals one shot
