@@ -100,8 +100,9 @@ class StaticDecodeStep:
 
         The copy runs when the stream reaches it, reading the pinned buffer then, so the buffer is rewritten only
         once the last copy has run: a caller that does not read each step's result on the host (which waits for
-        the step anyway) could otherwise get the next step's slots and position in this one. Seen on an H200:
-        steps run back to back without a host read differed from decode step 3 on."""
+        the step anyway) could otherwise get the next step's slots and position in this one. The likely cause of
+        what the GPU test saw on an H200: steps run back to back without a host read, the graph and the eager
+        static step differed from decode step 3 on (not yet rerun on a GPU)."""
         if self._copied is not None:
             self._copied.synchronize()  # done already after the turn loop's token read: no wait there
         self._host_view[0] = position
