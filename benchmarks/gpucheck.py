@@ -746,6 +746,28 @@ def report(results: dict, out: Path) -> None:
         plt.close(fig)
 
 
+# packages a CUDA machine's own image may lack (python 3.12, x86-64 Linux): what --prepare --wheels downloads
+CARRIED_WHEELS = ("gguf==0.19.0", "bitsandbytes==0.50.2")
+
+
+def prepare_wheels(folder: Path) -> int:
+    """Download CARRIED_WHEELS (no dependencies: torch, numpy, pyyaml and tqdm are on such machines) for
+    CPython 3.12 on manylinux x86-64; there: pip install --no-index --no-deps --target /tmp/site DIR/wheels/*.whl
+    and PYTHONPATH=/tmp/site."""
+    import subprocess
+
+    platforms = [arg for tag in ("manylinux_2_28_x86_64", "manylinux_2_24_x86_64", "manylinux2014_x86_64")
+                 for arg in ("--platform", tag)]
+    done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                           "--python-version", "3.12", "--implementation", "cp", *platforms, "-d", str(folder),
+                           *CARRIED_WHEELS], capture_output=True, text=True)
+    if done.returncode != 0:
+        print(f"could not download {', '.join(CARRIED_WHEELS)}: {done.stderr.strip()[-500:]}", file=sys.stderr)
+        return 1
+    print(f"saved {', '.join(sorted(p.name for p in folder.glob('*.whl')))} to {folder}")
+    return 0
+
+
 SECTIONS = {"environment": section_environment, "parity": section_parity, "speed": section_speed,
             "memory": section_memory, "failures": section_failures, "quantized": section_quantized,
             "tests": section_gpu_tests}
@@ -760,6 +782,9 @@ def main(argv=None, prog: str = "python -m benchmarks.gpucheck") -> int:
     parser.add_argument("--report", metavar="DIR", default=None,
                         help="only write DIR/gpucheck.md and DIR/speed.png from DIR/gpucheck.json (a run's results "
                              "fetched from a GPU machine)")
+    parser.add_argument("--wheels", action="store_true",
+                        help="with --prepare: also download the wheels a bare CUDA machine may lack (gguf for the "
+                             "GGUF test, bitsandbytes for the quantized section; ~43 MB) to DIR/wheels")
     parser.add_argument("--prepare", metavar="DIR", default=None,
                         help="only save the default tokenizer to DIR/tokenizer, to carry to a GPU machine without "
                              "the model package (then: --tokenizer DIR/tokenizer there)")
@@ -773,6 +798,8 @@ def main(argv=None, prog: str = "python -m benchmarks.gpucheck") -> int:
         target = Path(args.prepare) / "tokenizer"
         tokenizer().save_pretrained(str(target))
         print(f"saved the tokenizer to {target}: carry it and run python -m engine gpucheck --tokenizer {target}")
+        if args.wheels:
+            return prepare_wheels(Path(args.prepare) / "wheels")
         return 0
     if not args.smoke and not torch.cuda.is_available():
         print("gpucheck needs a CUDA GPU and a CUDA build of torch; none is visible here (python -m engine doctor "
