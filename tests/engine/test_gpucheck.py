@@ -98,3 +98,26 @@ def test_gpucheck_prepares_the_tokenizer_a_gpu_machine_without_the_model_package
     text = "Hello, 世界 <|im_start|>"
     assert carried(text)["input_ids"] == own(text)["input_ids"] and carried.chat_template == own.chat_template
     assert sum(f.stat().st_size for f in (tmp_path / "tokenizer").iterdir()) < 8 << 20  # small enough to carry
+
+
+def test_prepare_wheels_asks_pip_for_the_gpu_machines_python_and_says_when_it_cannot(tmp_path, monkeypatch, capsys):
+    import subprocess
+
+    from benchmarks import gpucheck
+
+    calls = []
+
+    def fake_run(cmd, **_):
+        calls.append(cmd)
+        for name in ("gguf-0.19.0-py3-none-any.whl", "bitsandbytes-0.50.2-py3-none-manylinux_2_24_x86_64.whl"):
+            (tmp_path / name).write_bytes(b"")
+        return subprocess.CompletedProcess(cmd, 0 if len(calls) == 1 else 1, "", "no network")
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    assert gpucheck.prepare_wheels(tmp_path) == 0
+    cmd = calls[0]
+    assert cmd[1:4] == ["-m", "pip", "download"] and "--no-deps" in cmd and cmd[cmd.index("--python-version") + 1] == "3.12"
+    assert set(gpucheck.CARRIED_WHEELS) <= set(cmd) and "manylinux_2_28_x86_64" in cmd
+    assert "bitsandbytes-0.50.2" in capsys.readouterr().out
+    assert gpucheck.prepare_wheels(tmp_path) == 1  # offline: said, not raised
+    assert "could not download" in capsys.readouterr().err
