@@ -517,6 +517,16 @@ def section_speed(run: Run) -> dict:
     cold = _decode_row(run, engine, ids)
     warm = _decode_row(run, engine, ids)
     out["cold_ttft_s"], out["warm_ttft_s"] = cold.get("ttft_s"), warm.get("ttft_s")
+    # a document of a length never read before, then the same again: what a new document pays for kernels
+    # built per shape (cuDNN's SDPA did, so the cache leaves it out); both after everything above has run
+    engine = engine_for(run, hf, run.tok, kv_cache_ratio=1.0, csa2_topk=0)
+    ids = prompt_ids(run, run.contexts[-1] - (7 if run.smoke else 777), seed=9)
+    ttfts = []
+    for _ in range(2):
+        done, _, _ = greedy_turn(engine, ids, 2)
+        ttfts.append(done.stats.ttft_s if done is not None else None)
+    out["new_length_ttft_s"], out["same_length_again_ttft_s"] = ttfts
+    out["new_length_tokens"] = len(ids)
     return out
 
 
@@ -699,6 +709,11 @@ def report(results: dict, out: Path) -> None:
                              f"{_f(row.get('steady_tok_s'))} | {_f(row.get('share_of_bandwidth_bound'), 2)} | "
                              f"{_f(row.get('over_transformers_sdpa'), 2)} | {row.get('decode_step', '')} |")
         lines.append("")
+        if speed.get("new_length_ttft_s"):
+            lines += [f"TTFT of a {speed['new_length_tokens']}-token prompt of a length not read before: "
+                      f"{_f(speed['new_length_ttft_s'], 0, 1e3)} ms; the same again: "
+                      f"{_f(speed['same_length_again_ttft_s'], 0, 1e3)} ms. A fresh engine's first 1k turn "
+                      f"{_f(speed.get('cold_ttft_s'), 0, 1e3)} ms, again {_f(speed.get('warm_ttft_s'), 0, 1e3)} ms.", ""]
     memory = sections.get("memory", {})
     if "reported_over_measured_peak" in memory:
         lines += ["## Memory", "", f"An {memory['tokens']}-token turn: measured peak "

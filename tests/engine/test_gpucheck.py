@@ -53,6 +53,7 @@ def test_gpucheck_smoke_runs_every_section_and_checks_what_it_says(tmp_path):
     # the floor is measured in the same run, and the steady rate from a second, half-length turn
     assert parity["against_transformers_sdpa"]["floor_eager_vs_sdpa"]["steps"] == parity["graph_vs_per_op"]["steps"]
     assert all(context["engine dense"]["steady_tok_s"] > 0 for context in speed["contexts"].values())
+    assert speed["new_length_ttft_s"] > 0 and speed["same_length_again_ttft_s"] > 0 and speed["new_length_tokens"] == 121
     md = (out / "gpucheck.md").read_text()
     assert "| ours against transformers SDPA |" in md and "| engine + CED + CSA2 |" in md
     assert (out / "speed.png").stat().st_size > 10_000
