@@ -7,6 +7,8 @@ transformers' repeat_kv assumes).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -27,12 +29,17 @@ except ImportError:  # an older torch: its own choice
     sdpa_kernel = _GPU_SDPA = None
 
 
+def _sdpa_backends(device: torch.device):
+    """The SDPA kernels the cache allows on `device`: on a GPU all but cuDNN's (see _GPU_SDPA)."""
+    if device.type == "cuda" and _GPU_SDPA is not None:
+        return sdpa_kernel(_GPU_SDPA)
+    return contextlib.nullcontext()
+
+
 def sdpa(q, k, v, **kwargs):
-    """F.scaled_dot_product_attention, on a GPU without cuDNN's kernels (see _GPU_SDPA)."""
-    if q.device.type == "cuda" and _GPU_SDPA is not None:
-        with sdpa_kernel(_GPU_SDPA):
-            return F.scaled_dot_product_attention(q, k, v, **kwargs)
-    return F.scaled_dot_product_attention(q, k, v, **kwargs)
+    """F.scaled_dot_product_attention with the kernels _sdpa_backends allows."""
+    with _sdpa_backends(q.device):
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
 
 
 def flash_available() -> bool:
@@ -60,10 +67,8 @@ def _sdpa_choice(q, k, v, mask=None, is_causal=False) -> str:
     if choose is None:
         return "SDPA (kernel not reported by this torch)"
     try:
-        if q.device.type == "cuda" and _GPU_SDPA is not None:
-            with sdpa_kernel(_GPU_SDPA):  # what sdpa() allows
-                return _SDPA_NAMES.get(int(choose(q, k, v, attn_mask=mask, is_causal=is_causal, scale=0.125)), "SDPA")
-        return _SDPA_NAMES.get(int(choose(q, k, v, attn_mask=mask, is_causal=is_causal, scale=0.125)), "SDPA")
+        with _sdpa_backends(q.device):  # what sdpa() allows
+            return _SDPA_NAMES.get(int(choose(q, k, v, attn_mask=mask, is_causal=is_causal, scale=0.125)), "SDPA")
     except Exception as exc:  # noqa: BLE001 - a diagnostic: say what failed
         return f"error: {type(exc).__name__}"
 

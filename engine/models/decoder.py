@@ -81,19 +81,22 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
 
 
-def rope_matrix(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE at one position as a [d, d] matrix R (x @ R == rope(x)): cos/sin [d] (both halves equal).
-    A decode step rotates every layer's queries and keys with one small matmul instead of eleven ops."""
-    d = cos.shape[-1]
-    half = d // 2
-    c, s = cos[:half], sin[:half]
-    idx = torch.arange(half, device=cos.device)
-    r = torch.zeros(d, d, dtype=cos.dtype, device=cos.device)
-    r[idx, idx] = c
-    r[idx + half, idx + half] = c
-    r[idx + half, idx] = -s
-    r[idx, idx + half] = s
-    return r
+def rope_swap(d: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """rope_matrix's fixed pattern P [d, d]: +1 at (i, half + i), -1 at (half + i, i)."""
+    swap = torch.zeros(d, d, dtype=dtype, device=device)
+    swap.diagonal(d // 2).fill_(1)
+    swap.diagonal(-(d // 2)).fill_(-1)
+    return swap
+
+
+def rope_matrix(cos: torch.Tensor, sin: torch.Tensor, swap: torch.Tensor | None = None) -> torch.Tensor:
+    """RoPE at one position as a [d, d] matrix R (x @ R == rope(x)): cos/sin [d] (both halves equal), R =
+    diag(cos) + P * sin with P = rope_swap (pass it to build it once). A decode step rotates every layer's queries
+    and keys with one small matmul instead of seven elementwise ops; no host value is read, so a CUDA graph can
+    hold it (models/static_step.py)."""
+    if swap is None:
+        swap = rope_swap(cos.shape[-1], cos.dtype, cos.device)
+    return torch.addcmul(torch.diag_embed(cos), swap, sin)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | KernelMatrix, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cache.storage import _gather_rows
-from .decoder import DecoderWeights, linear, residual_linear, rms_norm
+from .decoder import DecoderWeights, linear, residual_linear, rms_norm, rope_matrix, rope_swap
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ class StaticDecodeStep:
         self._copied = None  # a CUDA event: the last copy out of _host has run (it may be rewritten)
         self._cos = self._sin = None
         self._clean: list[int | None] = [None] * layers  # storage_version whose tail past `length` is zeroed
-        self._swap: torch.Tensor | None = None  # RoPE's fixed pattern: [d, d] (see _rotation)
+        self._swap = rope_swap(weights.head_dim, self.dtype, self.device)  # RoPE's fixed pattern (rope_matrix)
         self._entries: dict[int, torch.Tensor] = {}  # arange(capacity) per capacity: a constant, not a kernel a layer
         # the CUDA graph: what it was captured for, its output (in the graph's own memory pool)
         self._graph = None
@@ -142,7 +142,7 @@ class StaticDecodeStep:
         cos = self._cos.index_select(0, position)[:, None, :]  # [1, 1, d]
         sin = self._sin.index_select(0, position)[:, None, :]
         positions32 = position.to(torch.int32).expand(kv_heads, 1).contiguous()
-        rotation = self._rotation(cos[0, 0], sin[0, 0])  # [d, d]
+        rotation = rope_matrix(cos[0, 0], sin[0, 0], self._swap)  # [d, d]
         for index, layer in enumerate(w.layers):
             h = rms_norm(x, layer.input_norm, w.eps)
             qkv = linear(h, layer.qkv, layer.qkv_bias).view(1, qk_heads + kv_heads, d)
@@ -214,19 +214,6 @@ class StaticDecodeStep:
             else:
                 scores.scatter_add_(1, index, probs.sum(dim=1))
         return out.reshape(h * groups, d)
-
-    def _rotation(self, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """RoPE at this step's position as a [d, d] matrix R, x @ R == decoder.rope(x) (decoder.rope_matrix's R,
-        built from device tensors: cos / sin [d], both halves equal): R = diag(cos) + P * sin, where P holds -1
-        at (half + i, i) and +1 at (i, half + i). Two kernels a step; each layer's rotation is then one product,
-        its sums in float32 and rounded once (the elementwise form rounds each product in half precision)."""
-        d = cos.shape[-1]
-        if self._swap is None or self._swap.shape[0] != d or self._swap.dtype != cos.dtype:
-            swap = torch.zeros(d, d, dtype=cos.dtype, device=cos.device)
-            swap.diagonal(d // 2).fill_(1)  # (i, half + i)
-            swap.diagonal(-(d // 2)).fill_(-1)  # (half + i, i)
-            self._swap = swap
-        return torch.addcmul(torch.diag_embed(cos), self._swap, sin)
 
     @staticmethod
     def _screen(kv, mode, plan, q, slot, entries) -> torch.Tensor:

@@ -37,3 +37,14 @@ def test_a_full_rank_screen_recalls_what_the_exact_recall_recalls(spans):
     assert low["screen"]["same_as_exact"] < 0.95  # rank 1 loses entries the exact ranking keeps ...
     assert low["screen + rerank"]["same_as_exact"] >= low["screen"]["same_as_exact"]  # ... the re-rank wins some back
     assert full["cold_entries"] == 400 and full["take"] == 64
+
+
+def test_recall_cost_times_the_scoring_products_and_says_how_far_each_is_from_float32():
+    from benchmarks.recall_cost import products
+
+    out = products({"heads": 2, "rows": 6, "dim": 16, "cold": 40}, rounds=2)
+    assert out["float32"]["max_error_of_largest"] == 0.0
+    assert 0 < out["bf16"]["max_error_of_largest"] < 0.02  # bf16 rounding, not a wrong product
+    if "int8" in out:
+        assert 0 < out["int8"]["max_error_of_largest"] < 0.03
+    assert all(r["ms"] > 0 and r["gflops"] > 0 for r in out.values())

@@ -371,16 +371,17 @@ def test_cuda_graphs_captured_again_and_again_for_chats_taking_turns(tiny_model)
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
-def test_the_step_rotation_matrix_is_rope(tiny_model):
-    """The static step rotates queries and keys with one [d, d] product built from device tensors: it must be
-    decoder.rope_matrix's R and give decoder.rope's result."""
-    from engine.models.decoder import rope, rope_matrix
+def test_the_step_rotation_matrix_is_rope():
+    """The decode steps rotate queries and keys with one [d, d] product built from device tensors (no host read,
+    so a CUDA graph holds it): R has cos on the diagonal, sin at (i, half + i), -sin at (half + i, i)."""
+    from engine.models.decoder import rope, rope_matrix, rope_swap
 
-    _, decoder = _installed(tiny_model)
-    static = StaticDecodeStep(decoder.w)
     angles = torch.rand(8) * 50
     cos, sin = torch.cat((angles.cos(), angles.cos())), torch.cat((angles.sin(), angles.sin()))
-    rotation = static._rotation(cos, sin)
-    assert torch.equal(rotation, rope_matrix(cos, sin))
+    want = torch.diag(cos)
+    i = torch.arange(8)
+    want[i, i + 8], want[i + 8, i] = angles.sin(), -angles.sin()
+    rotation = rope_matrix(cos, sin)
+    assert torch.equal(rotation, want) and torch.equal(rope_matrix(cos, sin, rope_swap(16, cos.dtype, "cpu")), want)
     x = torch.randn(1, 6, 16)
     assert torch.allclose(x @ rotation, rope(x, cos[None, None], sin[None, None]), atol=1e-6)
