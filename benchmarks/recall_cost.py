@@ -11,7 +11,7 @@ hot ratio 0.3, default model, greedy). Two parts:
   straight from the int8 cold keys with the queries quantized per row (quantization and rescaling included),
   each with its largest error against float32 relative to the largest logit. Medians of interleaved rounds.
 
-Writes results/recall-cost/recall_cost.json and .md.
+Writes results/recall-cost/recall-cost.json and .md.
 
 Usage: python -m benchmarks.recall_cost [--words 5900] [--cases 3]
 """
