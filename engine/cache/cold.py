@@ -241,7 +241,13 @@ def recall_layer(layer: LayerKV, cold: ColdLayer, question: torch.Tensor, scalin
         return 0
     dev = layer.device
     log_counts = layer.log_counts[:, : layer.length] if layer.merged_any else None
-    mass = recall_mass(question, layer.read_keys(), cold.read_keys_to(dev), log_counts, scaling).to(cold.device)
+    mass = None
+    if dev.type == "cpu" and cold.device.type == "cpu":  # one C call, the cold keys as stored (cache_ops.recall_mass)
+        mass = cache_ops.recall_mass(question, layer.read_keys(), cold.keys[:, : cold.length],
+                                     None if cold.key_scales is None else cold.key_scales[:, : cold.length],
+                                     log_counts, scaling)
+    if mass is None:
+        mass = recall_mass(question, layer.read_keys(), cold.read_keys_to(dev), log_counts, scaling).to(cold.device)
     take = min(cold.length, recall_size(budget))
     positions = cold.positions[:, : cold.length]
     rank = span_ranking(mass, positions, spans) if spans > 1 else mass

@@ -64,6 +64,11 @@ REPLY_ROOM = 256
 # (benchmarks/followups.py, AMD EPYC, 1,781 tokens at ratio 0.3: the reply's decode 11-17 % below the discarding
 # chat's instead of 26 % with all 512 recalled kept; follow-ups 20 of 36 either way, docs/design.md)
 REPLY_RECALLED = 256
+# Room a compacted cache keeps past its entries for the next turn's question and reply; a tiered cache keeps what
+# the next question may recall on top (cold.recall_size), which every follow-up fills again: without it, each
+# follow-up's reserve reallocated and copied every layer (~15 ms of an 8k follow-up's ~250 ms TTFT on a 2-core
+# AMD EPYC, for ~12 MB of the default model's memory kept between turns).
+SPARE_TOKENS = 256
 
 
 @dataclass
@@ -393,8 +398,8 @@ class DSV41Cache:
         streaming = headroom is not None and s.compressing and self.stored + total > headroom
         wants_probe = streaming and question_tokens > 0 and self.policy.waits_for_question
         room = self.stored + total + 1
-        if question_tokens and self.cold is not None and s.compressing and self.cold[0].length:
-            room += min(self.cold[0].length, recall_size(self.budget(self.seen + total)))  # what it may recall
+        if question_tokens:
+            room += self._recall_room(self.seen + total)  # what it may recall
         self.reserve(min(room, headroom) if streaming else room)
         return Prefill(total, question_tokens, headroom, streaming, wants_probe)
 
@@ -448,8 +453,14 @@ class DSV41Cache:
             self.answer_limit = max(self.stored, self.budget())
         elif self.settings.compressing:
             self.compact(when=QUESTION)
-            self.shrink()
+            self.shrink(SPARE_TOKENS + self._recall_room())
         self.fit_sparse()
+
+    def _recall_room(self, seen: int | None = None) -> int:
+        """Entries per head the next question may recall (0 with the cold tier off or empty)."""
+        if self.cold is None or not self.settings.compressing or not self.cold[0].length:
+            return 0
+        return min(self.cold[0].length, recall_size(self.budget(self.seen if seen is None else seen)))
 
     def _recall_layer(self, index: int, layer, question: torch.Tensor, scaling: float) -> None:
         """Inside the forward that reads a turn's question, before layer `index` attends: the cold entries the
@@ -562,7 +573,7 @@ class DSV41Cache:
                 layer.resize(entries)
 
     @torch.inference_mode()
-    def shrink(self, spare_tokens: int = 256) -> None:
+    def shrink(self, spare_tokens: int = SPARE_TOKENS) -> None:
         for layer in self.layers:
             layer.shrink_to_fit(spare_tokens)
 

@@ -178,3 +178,43 @@ def recall_softmax(hot: torch.Tensor, cold: torch.Tensor, hot_log_counts: torch.
     if status != 0:
         raise MemoryError("the recall's softmax could not allocate its buffers")
     return mass
+
+
+_KEY_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+
+
+def _rows_of(t: torch.Tensor, width: int) -> bool:
+    """Whether t [h, n, width] (or [h, n] for width 1) is a CPU view whose entries are contiguous rows."""
+    return (t.device.type == "cpu" and t.dim() in (2, 3) and (t.dim() == 2 or t.shape[2] == width)
+            and (t.shape[1] <= 1 or t.stride(1) == width) and (t.dim() == 2 or t.stride(2) == 1 or width == 1))
+
+
+def recall_mass(query: torch.Tensor, hot_keys: torch.Tensor, cold_keys: torch.Tensor, cold_scales: torch.Tensor | None,
+                hot_log_counts: torch.Tensor | None, scaling: float) -> torch.Tensor | None:
+    """cold.recall_mass in one C call (dsv41_recall_mass), the cold keys read as stored: int8 [h, C, d] with their
+    float32 scales [h, C, 1] (widened key by key, as ColdLayer.read_keys does), or bf16 / float32 without scales;
+    the hot keys [h, S, d] float32 or bf16; each a view whose entries are contiguous rows (a layer's storage up
+    to its length). None where the kernels do not apply."""
+    lib = load()
+    h, s, d = hot_keys.shape
+    c = cold_keys.shape[1]
+    if (lib is None or hot_keys.dtype not in (torch.float32, torch.bfloat16) or cold_keys.dtype not in _KEY_TYPES
+            or (cold_keys.dtype == torch.int8) != (cold_scales is not None) or not _rows_of(hot_keys, d)
+            or not _rows_of(cold_keys, d) or cold_keys.shape[0] != h or query.device.type != "cpu"):
+        return None
+    if cold_scales is not None and (cold_scales.dtype != torch.float32 or not _rows_of(cold_scales, 1)):
+        return None
+    if hot_log_counts is not None and (hot_log_counts.dtype != torch.float32 or not _rows_of(hot_log_counts, 1)):
+        return None
+    tq = query.shape[1]
+    q = (query.float().reshape(h, -1, d) * scaling).contiguous()
+    mass = torch.empty(h, c, dtype=torch.float32)
+    status = lib.lib.dsv41_recall_mass(
+        h, q.shape[1], tq, d, q.data_ptr(), s, hot_keys.data_ptr(), _KEY_TYPES[hot_keys.dtype], hot_keys.stride(0),
+        None if hot_log_counts is None else hot_log_counts.data_ptr(),
+        0 if hot_log_counts is None else hot_log_counts.stride(0), c, cold_keys.data_ptr(),
+        _KEY_TYPES[cold_keys.dtype], cold_keys.stride(0), None if cold_scales is None else cold_scales.data_ptr(),
+        0 if cold_scales is None else cold_scales.stride(0), mass.data_ptr(), torch.get_num_threads())
+    if status == -2:
+        raise MemoryError("the recall's scoring could not allocate its buffers")
+    return mass if status == 0 else None

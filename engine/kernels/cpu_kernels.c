@@ -2017,3 +2017,196 @@ int dsv41_recall_softmax(int64_t heads, int64_t rows, int64_t tq, int64_t s, int
     free(partial);
     return 0;
 }
+
+/* A question's recall scoring in one call (cold.recall_mass): per kv head, the logits of the group's query rows
+ * q [heads, rows, d] (already scaled; row r is query r % tq of its head) against the hot keys [s, d] (+ hot_lc;
+ * the question's own later tokens masked, as dsv41_recall_softmax) and the cold keys [c, d], read as they are
+ * stored: float32, bf16, or int8 with a float32 scale per entry (widened and scaled exactly as ColdLayer.read_keys
+ * does, key by key into L1, instead of a float32 copy of the whole cold tier); then one softmax per row over both
+ * and the cold shares summed over the rows into mass [heads, c]. The logits are computed entries x rows (the rows
+ * in vector lanes, four entries at a time: every key element is broadcast once against up to four vectors of
+ * rows held in registers), each a sum over d in order, as torch's float32 matmul gives them on this CPU (tests
+ * compare). Key types: 0 float32, 1 bf16, 2 int8. Returns 0, -1 where it does not apply (no vectors, d not a
+ * multiple of the vector width or above RECALL_DMAX), -2 out of memory. */
+#ifdef LANES
+#define RECALL_DMAX 256
+#if LANES == 16
+#define RECALL_NV 4
+#define VZERO _mm512_setzero_ps
+#define VFMA _mm512_fmadd_ps
+#else
+#define RECALL_NV 2
+#define VZERO _mm256_setzero_ps
+#define VFMA _mm256_fmadd_ps
+#endif
+
+static inline void recall_key(int type, const void *base, int64_t j, int64_t d, const float *scales, float *dst) {
+    if (type == 0) {
+        memcpy(dst, (const float *)base + j * d, (size_t)d * sizeof(float));
+    } else if (type == 1) {
+        const uint16_t *k = (const uint16_t *)base + j * d;
+        for (int64_t t = 0; t < d; t += LANES) {
+#if LANES == 16
+            __m512i w = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(k + t))), 16);
+            VSTORE(dst + t, _mm512_castsi512_ps(w));
+#else
+            __m256i w = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(k + t))), 16);
+            VSTORE(dst + t, _mm256_castsi256_ps(w));
+#endif
+        }
+    } else {
+        const int8_t *k = (const int8_t *)base + j * d;
+        VF s = VSET(scales[j]);
+        for (int64_t t = 0; t < d; t += LANES) {
+#if LANES == 16
+            VF f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(k + t))));
+#else
+            VF f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(k + t))));
+#endif
+            VSTORE(dst + t, VMUL(f, s));
+        }
+    }
+}
+
+/* out [ne][rp] (rows rb.. of entries j0..j0+ne) = kf [4][RECALL_DMAX] . qt [d][rp], NV vectors of rows. */
+#define RECALL_TILE(NV)                                                                                          \
+    static inline void recall_tile##NV(const float *qt, int64_t rp, int64_t d, const float *kf, int ne,        \
+                                       float *out) {                                                          \
+        VF acc[4][NV];                                                                                        \
+        _Pragma("GCC unroll 4") for (int e = 0; e < 4; e++)                                                   \
+            _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) acc[e][v] = VZERO();                        \
+        for (int64_t t = 0; t < d; t++) {                                                                     \
+            VF qv[NV];                                                                                        \
+            _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) qv[v] = VLOAD(qt + t * rp + v * LANES);     \
+            _Pragma("GCC unroll 4") for (int e = 0; e < 4; e++) {                                            \
+                VF b = VSET(kf[e * RECALL_DMAX + t]);                                                         \
+                _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) acc[e][v] = VFMA(b, qv[v], acc[e][v]);  \
+            }                                                                                                 \
+        }                                                                                                     \
+        for (int e = 0; e < ne; e++)                                                                          \
+            _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) VSTORE(out + e * rp + v * LANES, acc[e][v]);\
+    }
+RECALL_TILE(1)
+RECALL_TILE(2)
+#if RECALL_NV == 4
+RECALL_TILE(3)
+RECALL_TILE(4)
+#endif
+
+static void recall_logits4(const float *qt, int64_t rp, int64_t d, const float *kf, int ne, float *out) {
+    int64_t rb = 0;
+    for (; rb + RECALL_NV * LANES <= rp; rb += RECALL_NV * LANES)
+#if RECALL_NV == 4
+        recall_tile4(qt + rb, rp, d, kf, ne, out + rb);
+#else
+        recall_tile2(qt + rb, rp, d, kf, ne, out + rb);
+#endif
+    switch ((rp - rb) / LANES) {
+    case 1: recall_tile1(qt + rb, rp, d, kf, ne, out + rb); break;
+#if RECALL_NV == 4
+    case 2: recall_tile2(qt + rb, rp, d, kf, ne, out + rb); break;
+    case 3: recall_tile3(qt + rb, rp, d, kf, ne, out + rb); break;
+#endif
+    default: break;
+    }
+}
+
+int dsv41_recall_mass(int64_t heads, int64_t rows, int64_t tq, int64_t d, const float *q,
+                      int64_t s, const void *hot, int hot_type, int64_t hot_stride, const float *hot_lc,
+                      int64_t lc_stride, int64_t c, const void *cold, int cold_type, int64_t cold_stride,
+                      const float *cold_scales, int64_t scale_stride, float *mass, int threads) {
+    if (d > RECALL_DMAX || d % LANES || rows < 1 || tq < 1 || tq > s) return -1;
+    const int nt = threads > 0 ? threads : 1;
+    const int64_t rp = (rows + LANES - 1) / LANES * LANES, n = s + c;
+    const int64_t hot_blocks = (s + 3) / 4, blocks = hot_blocks + (c + 3) / 4;
+    float *qt = malloc((size_t)(d * rp) * sizeof(float));
+    float *logits = malloc((size_t)(n * rp > 0 ? n * rp : 1) * sizeof(float));
+    float *part = malloc((size_t)(2 * nt * rp) * sizeof(float));  /* per thread: row maxima, row sums */
+    float *top = malloc((size_t)(2 * rp) * sizeof(float)), *inv = top + rp;
+    if (!qt || !logits || !part || !top) {
+        free(qt); free(logits); free(part); free(top);
+        return -2;
+    }
+    for (int64_t h = 0; h < heads; h++) {
+        memset(qt, 0, (size_t)(d * rp) * sizeof(float));
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t t = 0; t < d; t++) qt[t * rp + r] = q[(h * rows + r) * d + t];
+        const void *hk = hot_type == 1 ? (const void *)((const uint16_t *)hot + h * hot_stride)
+                                       : (const void *)((const float *)hot + h * hot_stride);
+        const void *ck = cold_type == 2 ? (const void *)((const int8_t *)cold + h * cold_stride)
+                         : cold_type == 1 ? (const void *)((const uint16_t *)cold + h * cold_stride)
+                                          : (const void *)((const float *)cold + h * cold_stride);
+        const float *cs = cold_scales ? cold_scales + h * scale_stride : NULL;
+        const float *lc = hot_lc ? hot_lc + h * lc_stride : NULL;
+#pragma omp parallel num_threads(nt)
+        {
+            const int me = omp_get_thread_num();
+            float *mx = part + (int64_t)me * 2 * rp, *sm = mx + rp;
+            float kf[4 * RECALL_DMAX] __attribute__((aligned(64)));
+            for (int64_t r = 0; r < rp; r++) mx[r] = -INFINITY, sm[r] = 0.f;
+#pragma omp for schedule(static)
+            for (int64_t b = 0; b < blocks; b++) {
+                const int is_hot = b < hot_blocks;
+                const int64_t j0 = is_hot ? b * 4 : (b - hot_blocks) * 4, len = is_hot ? s : c;
+                const int ne = len - j0 < 4 ? (int)(len - j0) : 4;
+                for (int e = 0; e < 4; e++) {
+                    if (e < ne) recall_key(is_hot ? hot_type : cold_type, is_hot ? hk : ck, j0 + e, d, cs,
+                                           kf + e * RECALL_DMAX);
+                    else memset(kf + e * RECALL_DMAX, 0, (size_t)d * sizeof(float));
+                }
+                float *out = logits + ((is_hot ? 0 : s) + j0) * rp;
+                recall_logits4(qt, rp, d, kf, ne, out);
+                for (int e = 0; e < ne; e++) {
+                    float *row = out + e * rp;
+                    const int64_t j = j0 + e;
+                    if (is_hot && lc) {
+                        VF a = VSET(lc[j]);
+                        for (int64_t v = 0; v < rp; v += LANES) VSTORE(row + v, VADD(VLOAD(row + v), a));
+                    }
+                    if (is_hot && j > s - tq)  /* the question's own later tokens: row r sees up to s - tq + r % tq */
+                        for (int64_t r = 0; r < rows; r++)
+                            if (j > s - tq + r % tq) row[r] = -INFINITY;
+                    for (int64_t v = 0; v < rp; v += LANES) VSTORE(mx + v, VMAX(VLOAD(mx + v), VLOAD(row + v)));
+                }
+            }
+#pragma omp single
+            for (int64_t r = 0; r < rp; r++) {
+                float m = -INFINITY;
+                for (int t = 0; t < nt; t++) m = fmaxf(m, part[(int64_t)t * 2 * rp + r]);
+                top[r] = m;
+            }
+#pragma omp for schedule(static)
+            for (int64_t j = 0; j < n; j++) {
+                float *row = logits + j * rp;
+                for (int64_t v = 0; v < rp; v += LANES) {
+                    VF e = VEXP(VSUB(VLOAD(row + v), VLOAD(top + v)));
+                    if (j >= s) VSTORE(row + v, e);
+                    VSTORE(sm + v, VADD(VLOAD(sm + v), e));
+                }
+            }
+#pragma omp single
+            for (int64_t r = 0; r < rp; r++) {
+                float total = 0.f;
+                for (int t = 0; t < nt; t++) total += part[(int64_t)t * 2 * rp + rp + r];
+                inv[r] = r < rows ? 1.f / total : 0.f;
+            }
+#pragma omp for schedule(static)
+            for (int64_t j = 0; j < c; j++) {
+                const float *row = logits + (s + j) * rp;
+                VF acc = VSET(0.f);
+                for (int64_t v = 0; v < rp; v += LANES) acc = VADD(acc, VMUL(VLOAD(row + v), VLOAD(inv + v)));
+                mass[h * c + j] = VHSUM(acc);
+            }
+        }
+    }
+    free(qt); free(logits); free(part); free(top);
+    return 0;
+}
+#else
+int dsv41_recall_mass(int64_t heads, int64_t rows, int64_t tq, int64_t d, const float *q,
+                      int64_t s, const void *hot, int hot_type, int64_t hot_stride, const float *hot_lc,
+                      int64_t lc_stride, int64_t c, const void *cold, int cold_type, int64_t cold_stride,
+                      const float *cold_scales, int64_t scale_stride, float *mass, int threads) {
+    return -1;
+}
+#endif

@@ -439,6 +439,44 @@ def test_recall_mass_is_each_cold_entrys_share_of_one_softmax_over_hot_and_cold(
     assert calls == ([1] if path == "C" else [])
 
 
+@pytest.mark.parametrize("cold_type", [torch.int8, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("hot_type", [torch.bfloat16, torch.float32])
+def test_the_one_call_recall_scoring_reads_the_keys_as_stored_and_ranks_as_torch_does(cold_type, hot_type):
+    """engine.kernels.cache_ops.recall_mass (what a CPU recall runs): the cold keys as stored (int8 with their
+    scales, widened key by key; bf16; float32) and the hot keys as views of a layer's storage, against
+    cold.recall_mass on the widened keys. Query rows that do not fill a vector (2 x 7 here), a causal tail,
+    merge counts; the same top entries."""
+    from engine.cache.cold import recall_mass
+    from engine.kernels import cache_ops
+    from engine.kernels.quant import quantize_int8
+
+    if kernels.load() is None:
+        pytest.skip(f"CPU kernels: {kernels.unavailable_reason()}")
+    g = torch.Generator().manual_seed(5)
+    h, groups, d, s, c, tq, capacity = 2, 2, 32, 45, 301, 7, 320
+    query = torch.randn(h * groups, tq, d, generator=g) * 2
+    hot_store = (torch.randn(h, capacity, d, generator=g) * 2).to(hot_type)
+    cold_full = torch.randn(h, capacity, d, generator=g) * 2
+    if cold_type == torch.int8:
+        cold_store, scale_store = quantize_int8(cold_full)
+        widened = cold_store[:, :c].float() * scale_store[:, :c]
+        scales = scale_store[:, :c]
+    else:
+        cold_store, scales = cold_full.to(cold_type), None
+        widened = cold_store[:, :c].float()
+    counts_store = torch.rand(h, capacity, generator=g).mul(3).add(1).log()
+    for counts in (None, counts_store[:, :s]):
+        want = recall_mass(query, hot_store[:, :s], widened, counts, 0.3)
+        got = cache_ops.recall_mass(query, hot_store[:, :s], cold_store[:, :c], scales, counts, 0.3)
+        assert got is not None and got.shape == (h, c)
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-6)
+        assert torch.equal(got.topk(40, dim=1).indices.sort(dim=1).values,
+                           want.topk(40, dim=1).indices.sort(dim=1).values)
+    # where it does not apply, the caller takes torch's path
+    assert cache_ops.recall_mass(query, hot_store[:, :s].half(), cold_store[:, :c], scales, None, 0.3) is None
+    assert cache_ops.recall_mass(query, hot_store[:, :s, ::2], cold_store[:, :c], scales, None, 0.3) is None
+
+
 def test_a_cache_with_the_cold_tier_is_freed_as_soon_as_it_is_dropped():
     """No reference cycle: a dropped chat's cache (its hot and cold tensors) goes at once, not at some later run
     of the cyclic collector (a server dropping chats grew by 900 MiB over 240 of them that way)."""
