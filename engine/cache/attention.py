@@ -12,6 +12,8 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
+from ..kernels import cache_ops
+
 try:  # optional: only on CUDA machines with the gpu extra
     from flash_attn import flash_attn_func as _flash_attn_func
 except Exception:  # noqa: BLE001 - any import failure means "not available"
@@ -302,6 +304,9 @@ def question_attention(query, keys, values, log_counts, scaling: float, *, last:
     """query [H, T, d] (the chunk's T entries the last of keys / values [h, S, d]) -> (out [H, T, d] float32, mass
     [h, S] float32): causal attention in float32, and the attention each entry receives from the last `last`
     queries summed over them and the group's heads (attention_mass's), from the same weights."""
+    fused = cache_ops.question_attention(query, keys, values, log_counts, scaling, last)
+    if fused is not None:
+        return fused
     h, s, d = keys.shape
     big_h, t, _ = query.shape
     groups = big_h // h

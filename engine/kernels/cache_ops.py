@@ -218,3 +218,30 @@ def recall_mass(query: torch.Tensor, hot_keys: torch.Tensor, cold_keys: torch.Te
     if status == -2:
         raise MemoryError("the recall's scoring could not allocate its buffers")
     return mass if status == 0 else None
+
+
+def question_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                       log_counts: torch.Tensor | None, scaling: float, last: int):
+    """attention.question_attention in one C call (dsv41_question_attention): (out [H, T, d] float32, mass [h, S]
+    float32), the keys and values [h, S, d] float32 or bf16 views whose entries are contiguous rows (a layer's
+    storage up to its length). None where the kernels do not apply."""
+    lib = load()
+    h, s, d = keys.shape
+    big_h, t, _ = query.shape
+    if (lib is None or keys.dtype not in (torch.float32, torch.bfloat16) or values.dtype != keys.dtype
+            or not _rows_of(keys, d) or not _rows_of(values, d) or values.shape != keys.shape
+            or keys.stride(0) != values.stride(0) or query.device.type != "cpu" or big_h % h):
+        return None
+    if log_counts is not None and (log_counts.dtype != torch.float32 or not _rows_of(log_counts, 1)):
+        return None
+    groups = big_h // h
+    q = (query.float().reshape(h, groups * t, d) * scaling).contiguous()
+    out = torch.empty(big_h, t, d, dtype=torch.float32)
+    mass = torch.empty(h, s, dtype=torch.float32)
+    status = lib.lib.dsv41_question_attention(
+        h, groups, t, d, q.data_ptr(), s, keys.data_ptr(), values.data_ptr(), _KEY_TYPES[keys.dtype], keys.stride(0),
+        None if log_counts is None else log_counts.data_ptr(), 0 if log_counts is None else log_counts.stride(0),
+        last, out.data_ptr(), mass.data_ptr(), torch.get_num_threads())
+    if status == -2:
+        raise MemoryError("the question's attention could not allocate its buffers")
+    return (out, mass) if status == 0 else None

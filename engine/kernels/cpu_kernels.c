@@ -2202,11 +2202,167 @@ int dsv41_recall_mass(int64_t heads, int64_t rows, int64_t tq, int64_t d, const 
     free(qt); free(logits); free(part); free(top);
     return 0;
 }
+
+/* out^T [4][rp] rows rb.. (acc over entries j) += P^T [j][rp] x v [j][t0 .. t0 + 3], NV vectors of rows. */
+#define QA_TILE(NV)                                                                                              \
+    static inline void qa_tile##NV(const float *pt, int64_t rp, int64_t n, const void *v, int vtype, int64_t d, \
+                                   int64_t t0, float *outt) {                                                 \
+        VF acc[4][NV];                                                                                        \
+        _Pragma("GCC unroll 4") for (int e = 0; e < 4; e++)                                                   \
+            _Pragma("GCC unroll 4") for (int k = 0; k < NV; k++) acc[e][k] = VZERO();                        \
+        for (int64_t j = 0; j < n; j++) {                                                                     \
+            VF pv[NV];                                                                                        \
+            _Pragma("GCC unroll 4") for (int k = 0; k < NV; k++) pv[k] = VLOAD(pt + j * rp + k * LANES);     \
+            _Pragma("GCC unroll 4") for (int e = 0; e < 4; e++) {                                            \
+                const float x = vtype == 1 ? bf16_to_f32(((const uint16_t *)v)[j * d + t0 + e])               \
+                                           : ((const float *)v)[j * d + t0 + e];                              \
+                VF b = VSET(x);                                                                               \
+                _Pragma("GCC unroll 4") for (int k = 0; k < NV; k++) acc[e][k] = VFMA(b, pv[k], acc[e][k]);  \
+            }                                                                                                 \
+        }                                                                                                     \
+        _Pragma("GCC unroll 4") for (int e = 0; e < 4; e++)                                                   \
+            _Pragma("GCC unroll 4") for (int k = 0; k < NV; k++) VSTORE(outt + e * rp + k * LANES, acc[e][k]);\
+    }
+QA_TILE(1)
+QA_TILE(2)
+#if RECALL_NV == 4
+QA_TILE(3)
+QA_TILE(4)
+#endif
+
+/* A scored chunk's attention (attention.question_attention): per kv head, the group's query rows q [heads,
+ * rows = groups x t, d] (scaled) against keys / values [s, d] (float32 or bf16, the chunk's t entries the last;
+ * + lc), causal over the chunk, one softmax per row; out [heads x groups, t, d] = probs . values and mass [heads, s]
+ * = the probs of each group's last `last` queries summed. The logits as dsv41_recall_mass computes them; the
+ * product with the values sums over the entries in order. Returns 0, -1 where it does not apply, -2 out of memory. */
+int dsv41_question_attention(int64_t heads, int64_t groups, int64_t t, int64_t d, const float *q, int64_t s,
+                             const void *keys, const void *values, int kv_type, int64_t kv_stride,
+                             const float *lc, int64_t lc_stride, int64_t last, float *out, float *mass,
+                             int threads) {
+    const int64_t rows = groups * t;
+    if (d > RECALL_DMAX || d % 4 || d % LANES || t < 1 || t > s || kv_type > 1) return -1;
+    const int nt = threads > 0 ? threads : 1;
+    const int64_t rp = (rows + LANES - 1) / LANES * LANES, blocks = (s + 3) / 4;
+    const int64_t w = last < t ? last : t;
+    float *qt = malloc((size_t)(d * rp) * sizeof(float));
+    float *pt = malloc((size_t)(s * rp) * sizeof(float));
+    float *part = malloc((size_t)(2 * nt * rp) * sizeof(float));
+    float *top = malloc((size_t)(3 * rp) * sizeof(float)), *inv = top + rp, *sel = top + 2 * rp;
+    float *outt = malloc((size_t)(d * rp) * sizeof(float));
+    if (!qt || !pt || !part || !top || !outt) {
+        free(qt); free(pt); free(part); free(top); free(outt);
+        return -2;
+    }
+    for (int64_t r = 0; r < rp; r++) sel[r] = r < rows && r % t >= t - w ? 1.f : 0.f;
+    const int64_t row_blocks = (rp / LANES + RECALL_NV - 1) / RECALL_NV, tiles = (d / 4) * row_blocks;
+    for (int64_t h = 0; h < heads; h++) {
+        memset(qt, 0, (size_t)(d * rp) * sizeof(float));
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t k = 0; k < d; k++) qt[k * rp + r] = q[(h * rows + r) * d + k];
+        const size_t el = kv_type == 1 ? 2 : 4;
+        const void *hk = (const char *)keys + (size_t)(h * kv_stride) * el;
+        const void *hv = (const char *)values + (size_t)(h * kv_stride) * el;
+        const float *hl = lc ? lc + h * lc_stride : NULL;
+#pragma omp parallel num_threads(nt)
+        {
+            const int me = omp_get_thread_num();
+            float *mx = part + (int64_t)me * 2 * rp, *sm = mx + rp;
+            float kf[4 * RECALL_DMAX] __attribute__((aligned(64)));
+            for (int64_t r = 0; r < rp; r++) mx[r] = -INFINITY, sm[r] = 0.f;
+#pragma omp for schedule(static)
+            for (int64_t b = 0; b < blocks; b++) {
+                const int64_t j0 = b * 4;
+                const int ne = s - j0 < 4 ? (int)(s - j0) : 4;
+                for (int e = 0; e < 4; e++) {
+                    if (e < ne) recall_key(kv_type, hk, j0 + e, d, NULL, kf + e * RECALL_DMAX);
+                    else memset(kf + e * RECALL_DMAX, 0, (size_t)d * sizeof(float));
+                }
+                float *o = pt + j0 * rp;
+                recall_logits4(qt, rp, d, kf, ne, o);
+                for (int e = 0; e < ne; e++) {
+                    float *row = o + e * rp;
+                    const int64_t j = j0 + e;
+                    if (hl) {
+                        VF a = VSET(hl[j]);
+                        for (int64_t v = 0; v < rp; v += LANES) VSTORE(row + v, VADD(VLOAD(row + v), a));
+                    }
+                    if (j > s - t)
+                        for (int64_t r = 0; r < rows; r++)
+                            if (j > s - t + r % t) row[r] = -INFINITY;
+                    for (int64_t v = 0; v < rp; v += LANES) VSTORE(mx + v, VMAX(VLOAD(mx + v), VLOAD(row + v)));
+                }
+            }
+#pragma omp single
+            for (int64_t r = 0; r < rp; r++) {
+                float m = -INFINITY;
+                for (int k = 0; k < nt; k++) m = fmaxf(m, part[(int64_t)k * 2 * rp + r]);
+                top[r] = m;
+            }
+#pragma omp for schedule(static)
+            for (int64_t j = 0; j < s; j++) {
+                float *row = pt + j * rp;
+                for (int64_t v = 0; v < rp; v += LANES) {
+                    /* a masked logit (-inf) gives exactly 0, as torch's softmax does (exp16 alone would clamp) */
+                    VF x = VLOAD(row + v), e = VEXP(VSUB(x, VLOAD(top + v)));
+#if LANES == 16
+                    e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, VSET(-INFINITY), _CMP_NEQ_OQ), e);
+#else
+                    e = _mm256_and_ps(e, _mm256_cmp_ps(x, VSET(-INFINITY), _CMP_NEQ_OQ));
+#endif
+                    VSTORE(row + v, e);
+                    VSTORE(sm + v, VADD(VLOAD(sm + v), e));
+                }
+            }
+#pragma omp single
+            for (int64_t r = 0; r < rp; r++) {
+                float total = 0.f;
+                for (int k = 0; k < nt; k++) total += part[(int64_t)k * 2 * rp + rp + r];
+                inv[r] = r < rows ? 1.f / total : 0.f;
+            }
+#pragma omp for schedule(static)
+            for (int64_t j = 0; j < s; j++) {
+                float *row = pt + j * rp;
+                VF acc = VSET(0.f);
+                for (int64_t v = 0; v < rp; v += LANES) {
+                    VF p = VMUL(VLOAD(row + v), VLOAD(inv + v));
+                    VSTORE(row + v, p);
+                    acc = VADD(acc, VMUL(p, VLOAD(sel + v)));
+                }
+                mass[h * s + j] = VHSUM(acc);
+            }
+#pragma omp for schedule(static)
+            for (int64_t tile = 0; tile < tiles; tile++) {
+                const int64_t t0 = (tile / row_blocks) * 4, rb = (tile % row_blocks) * RECALL_NV * LANES;
+                const int64_t nv = (rp - rb) / LANES < RECALL_NV ? (rp - rb) / LANES : RECALL_NV;
+                float *o = outt + t0 * rp + rb;
+                switch (nv) {
+                case 1: qa_tile1(pt + rb, rp, s, hv, kv_type, d, t0, o); break;
+                case 2: qa_tile2(pt + rb, rp, s, hv, kv_type, d, t0, o); break;
+#if RECALL_NV == 4
+                case 3: qa_tile3(pt + rb, rp, s, hv, kv_type, d, t0, o); break;
+                case 4: qa_tile4(pt + rb, rp, s, hv, kv_type, d, t0, o); break;
+#endif
+                default: break;
+                }
+            }
+        }
+        for (int64_t r = 0; r < rows; r++)  /* row r = g * t + i: head h * groups + g, query i */
+            for (int64_t k = 0; k < d; k++) out[(h * rows + r) * d + k] = outt[k * rp + r];
+    }
+    free(qt); free(pt); free(part); free(top); free(outt);
+    return 0;
+}
 #else
 int dsv41_recall_mass(int64_t heads, int64_t rows, int64_t tq, int64_t d, const float *q,
                       int64_t s, const void *hot, int hot_type, int64_t hot_stride, const float *hot_lc,
                       int64_t lc_stride, int64_t c, const void *cold, int cold_type, int64_t cold_stride,
                       const float *cold_scales, int64_t scale_stride, float *mass, int threads) {
+    return -1;
+}
+int dsv41_question_attention(int64_t heads, int64_t groups, int64_t t, int64_t d, const float *q, int64_t s,
+                             const void *keys, const void *values, int kv_type, int64_t kv_stride,
+                             const float *lc, int64_t lc_stride, int64_t last, float *out, float *mass,
+                             int threads) {
     return -1;
 }
 #endif

@@ -136,22 +136,34 @@ def test_attention_mass_in_blocks_equals_one_pass(monkeypatch, merged):
                           attention_probs(q, k, counts, 0.25, last=9).sum(dim=(1, 2)), atol=1e-5)
 
 
+@pytest.mark.parametrize("path", ["C", "torch"])
 @pytest.mark.parametrize("merged", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_question_attention_is_the_eager_attention_and_its_mass_from_one_softmax(merged, dtype):
+@pytest.mark.parametrize("t", [19, 45])
+def test_question_attention_is_the_eager_attention_and_its_mass_from_one_softmax(monkeypatch, merged, dtype, path, t):
+    """Through the one C call (cache_ops.question_attention: the keys and values as views of a layer's storage,
+    the group's 3 x t query rows over one or several vector blocks) and through torch alike."""
+    from engine import kernels
     from engine.cache import attention
+    from engine.kernels import cache_ops
 
+    if path == "C" and kernels.load() is None:
+        pytest.skip(f"CPU kernels: {kernels.unavailable_reason()}")
+    real, calls = cache_ops.question_attention, []
+    monkeypatch.setattr(cache_ops, "question_attention",
+                        (lambda *a: calls.append(real(*a)) or calls[-1]) if path == "C" else (lambda *a: None))
     torch.manual_seed(0)
-    q = torch.randn(6, 19, 16)  # 19 question tokens, the last of 120 stored entries
-    k, v = torch.randn(2, 120, 16).to(dtype), torch.randn(2, 120, 16).to(dtype)
-    counts = torch.rand(2, 120).log1p() if merged else None
+    q = torch.randn(6, t, 16)  # t question tokens, the last of 120 stored entries
+    k, v = (torch.randn(2, 150, 16).to(dtype)[:, :120] for _ in range(2))  # a layer's storage up to its length
+    counts = torch.rand(2, 150).log1p()[:, :120] if merged else None
     out, mass = attention.question_attention(q, k, v, counts, 0.25, last=12)
     probs = attention_probs(q, k, counts, 0.25)  # [h, G, T, S], float32, causal
-    want = torch.matmul(probs, v.float()[:, None]).reshape(6, 19, 16)
+    want = torch.matmul(probs, v.float()[:, None]).reshape(6, t, 16)
     assert out.dtype == torch.float32 and torch.allclose(out, want, atol=1e-5)
     assert torch.allclose(mass, attention.attention_mass(q, k, counts, 0.25, last=12), atol=1e-6)
     assert torch.allclose(mass.sum(dim=1), torch.full((2,), 3 * 12.0), atol=1e-3)  # the last 12 queries only
     assert attention.fuses_question(q, k) and not attention.fuses_question(torch.randn(6, 200, 16), k)
+    assert len(calls) == (1 if path == "C" else 0) and (path == "torch" or calls[0] is not None)
 
 
 def test_a_scored_question_attends_as_the_dense_path_does(monkeypatch):
