@@ -245,3 +245,20 @@ def question_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Te
     if status == -2:
         raise MemoryError("the question's attention could not allocate its buffers")
     return (out, mass) if status == 0 else None
+
+
+def recall_select(mass: torch.Tensor, positions: torch.Tensor, span: int, take: int) -> torch.Tensor | None:
+    """cold.recall_layer's choice in one C call (dsv41_recall_select): the indices [h, take] of the `take` cold
+    entries of each head ranked first by mass [h, C] (span > 1: by cold.span_ranking), in position order
+    (positions [h, C] int32, a view whose rows are contiguous). None where the kernels do not apply."""
+    lib = load()
+    if (lib is None or mass.device.type != "cpu" or mass.dtype != torch.float32 or not mass.is_contiguous()
+            or positions.dtype != torch.int32 or not _rows_of(positions, 1) or positions.shape != mass.shape):
+        return None
+    heads, c = mass.shape
+    out = torch.empty(heads, take, dtype=torch.int64)
+    status = lib.lib.dsv41_recall_select(heads, c, positions.data_ptr(), positions.stride(0), mass.data_ptr(),
+                                         span, take, out.data_ptr())
+    if status == -2:
+        raise MemoryError("the recall's choice could not allocate its buffers")
+    return out if status == 0 else None

@@ -2366,3 +2366,116 @@ int dsv41_question_attention(int64_t heads, int64_t groups, int64_t t, int64_t d
     return -1;
 }
 #endif
+
+/* A recall's choice (cold.recall_layer after its scoring): per head, rank the c cold entries by mass [heads, c]
+ * (span > 1: by their span's total mass over span + 1e-3 x their own, cold.span_ranking's float32 operations in
+ * its order), keep the `take` best (ties to the lower index) and write their indices in position order to
+ * out [heads, take]. positions: int32 rows of pos_stride, >= 0. Keys (rank, index) and (position, index) are
+ * packed into 64-bit integers: a selection and a sort without comparator calls. Returns 0, -1 where it does not
+ * apply, -2 out of memory. */
+static inline void u64_swap(uint64_t *a, uint64_t *b) { uint64_t t = *a; *a = *b; *b = t; }
+
+/* the k smallest of v [n] to its front (unordered) */
+static void u64_select(uint64_t *v, int64_t n, int64_t k) {
+    int64_t lo = 0, hi = n - 1;
+    while (hi > lo) {
+        const int64_t mid = lo + (hi - lo) / 2;  /* median of three as the pivot */
+        if (v[mid] < v[lo]) u64_swap(v + mid, v + lo);
+        if (v[hi] < v[lo]) u64_swap(v + hi, v + lo);
+        if (v[hi] < v[mid]) u64_swap(v + hi, v + mid);
+        const uint64_t pivot = v[mid];
+        int64_t i = lo, j = hi;
+        while (i <= j) {
+            while (v[i] < pivot) i++;
+            while (v[j] > pivot) j--;
+            if (i <= j) u64_swap(v + i++, v + j--);
+        }
+        if (k - 1 <= j) hi = j;
+        else if (k - 1 >= i) lo = i;
+        else return;
+    }
+}
+
+static void u64_sort(uint64_t *v, int64_t n) {
+    while (n > 16) {
+        const int64_t mid = n / 2;
+        if (v[mid] < v[0]) u64_swap(v + mid, v);
+        if (v[n - 1] < v[0]) u64_swap(v + n - 1, v);
+        if (v[n - 1] < v[mid]) u64_swap(v + n - 1, v + mid);
+        const uint64_t pivot = v[mid];
+        int64_t i = 0, j = n - 1;
+        while (i <= j) {
+            while (v[i] < pivot) i++;
+            while (v[j] > pivot) j--;
+            if (i <= j) u64_swap(v + i++, v + j--);
+        }
+        if (j + 1 < n - i) {  /* the smaller side by recursion, the larger by the loop */
+            u64_sort(v, j + 1);
+            v += i;
+            n -= i;
+        } else {
+            u64_sort(v + i, n - i);
+            n = j + 1;
+        }
+    }
+    for (int64_t a = 1; a < n; a++)
+        for (int64_t b = a; b > 0 && v[b] < v[b - 1]; b--) u64_swap(v + b, v + b - 1);
+}
+
+int dsv41_recall_select(int64_t heads, int64_t c, const int32_t *positions, int64_t pos_stride, const float *mass,
+                        int64_t span, int64_t take, int64_t *out) {
+    if (take > c || take < 0 || c >= ((int64_t)1 << 32)) return -1;
+    float *total = NULL;
+    uint64_t *keys = malloc((size_t)(c > 0 ? c : 1) * sizeof(uint64_t));
+    uint32_t *ids = malloc((size_t)(c > 0 ? c : 1) * sizeof(uint32_t));
+    if (!keys || !ids) {
+        free(keys); free(ids);
+        return -2;
+    }
+    const int shift = span > 1 && (span & (span - 1)) == 0 ? __builtin_ctzll((unsigned long long)span) : -1;
+    for (int64_t h = 0; h < heads; h++) {
+        const int32_t *pos = positions + h * pos_stride;
+        const float *m = mass + h * c;
+        if (span > 1 && c > 0) {
+            uint32_t lo = UINT32_MAX, hi = 0;
+            for (int64_t j = 0; j < c; j++) {  /* the span of each entry (positions >= 0), its lowest and highest */
+                const uint32_t id = shift >= 0 ? (uint32_t)pos[j] >> shift : (uint32_t)pos[j] / (uint32_t)span;
+                ids[j] = id;
+                lo = id < lo ? id : lo;
+                hi = id > hi ? id : hi;
+            }
+            free(total);
+            total = calloc((size_t)(hi - lo + 1), sizeof(float));
+            if (!total) {
+                free(keys); free(ids);
+                return -2;
+            }
+            for (int64_t j = 0; j < c; j++) ids[j] -= lo;
+            for (int64_t j = 0; j < c; j++) total[ids[j]] += m[j];
+        }
+        const float fspan = (float)span;
+        for (int64_t j = 0; j < c; j++) {
+            float r = m[j];
+            if (total) {
+                /* rounded as torch rounds them: the share, then the own term, then the sum (no fused multiply-add) */
+                volatile float share = total[ids[j]] / fspan, own = 1e-3f * m[j];
+                r = share + own;
+            }
+            uint32_t bits;
+            memcpy(&bits, &r, 4);
+            bits = (bits & 0x80000000u) ? ~bits : bits | 0x80000000u;  /* ascending as the floats */
+            keys[j] = ((uint64_t)(~bits) << 32) | (uint64_t)j;  /* the largest rank first, then the lower index */
+        }
+        u64_select(keys, c, take);
+        for (int64_t k = 0; k < take; k++) {
+            const uint64_t j = keys[k] & 0xFFFFFFFFu;
+            keys[k] = ((uint64_t)(uint32_t)pos[j] << 32) | j;
+        }
+        u64_sort(keys, take);
+        for (int64_t k = 0; k < take; k++) out[h * take + k] = (int64_t)(keys[k] & 0xFFFFFFFFu);
+    }
+    free(total);
+    free(keys);
+    free(ids);
+    return 0;
+}

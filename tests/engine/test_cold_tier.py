@@ -477,6 +477,29 @@ def test_the_one_call_recall_scoring_reads_the_keys_as_stored_and_ranks_as_torch
     assert cache_ops.recall_mass(query, hot_store[:, :s, ::2], cold_store[:, :c], scales, None, 0.3) is None
 
 
+@pytest.mark.parametrize("span", [1, 16, 12])
+def test_the_one_call_recall_choice_takes_the_entries_torch_takes_in_position_order(span):
+    """engine.kernels.cache_ops.recall_select (what a CPU recall runs after its scoring) against cold.span_ranking,
+    topk and the sort by position: the same indices in the same order, positions as a view of a cold layer."""
+    from engine.cache.policies.ced import span_ranking
+    from engine.kernels import cache_ops
+
+    if kernels.load() is None:
+        pytest.skip(f"CPU kernels: {kernels.unavailable_reason()}")
+    g = torch.Generator().manual_seed(6)
+    h, c, capacity, take = 3, 1000, 1100, 96
+    positions = torch.stack([torch.randperm(3000, generator=g)[:capacity] for _ in range(h)]).int()[:, :c]
+    mass = torch.rand(h, c, generator=g) ** 4
+    rank = span_ranking(mass, positions, span) if span > 1 else mass
+    index = rank.topk(take, dim=1).indices
+    want = torch.gather(index, 1, torch.gather(positions, 1, index).argsort(dim=1))
+    got = cache_ops.recall_select(mass, positions, span, take)
+    assert torch.equal(got, want)
+    assert torch.equal(cache_ops.recall_select(mass, positions, span, c).sort(dim=1).values,
+                       torch.arange(c).expand(h, -1))  # everything, once
+    assert cache_ops.recall_select(mass.double(), positions, span, take) is None
+
+
 def test_a_cache_with_the_cold_tier_is_freed_as_soon_as_it_is_dropped():
     """No reference cycle: a dropped chat's cache (its hot and cold tensors) goes at once, not at some later run
     of the cyclic collector (a server dropping chats grew by 900 MiB over 240 of them that way)."""
