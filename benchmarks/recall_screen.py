@@ -49,7 +49,7 @@ def capture(model: DSV41Model, cases, ratio: float) -> list[dict]:
     state = {"on": False}
     original = kv_cache.recall_layer
 
-    def recording(layer, cold, question, scaling, budget, spans):
+    def recording(layer, cold, question, scaling, budget, spans, **kwargs):
         if state["on"] and cold.length:
             n = layer.length
             kept.append({
@@ -61,7 +61,7 @@ def capture(model: DSV41Model, cases, ratio: float) -> list[dict]:
                 "moment": layer.query_moment / layer.query_count if layer.query_count else None,
                 "scaling": scaling, "take": min(cold.length, max(int(budget * RECALL_SHARE), RECALL_MIN)),
                 "spans": spans})
-        return original(layer, cold, question, scaling, budget, spans)
+        return original(layer, cold, question, scaling, budget, spans, **kwargs)
 
     kv_cache.recall_layer = recording
     try:

@@ -300,11 +300,12 @@ def fuses_question(query, keys) -> bool:
     return query.device.type == "cpu" and t <= QUESTION_ROWS and big_h * t * keys.shape[1] <= 2 * SCORE_BLOCK_ELEMENTS
 
 
-def question_attention(query, keys, values, log_counts, scaling: float, *, last: int):
+def question_attention(query, keys, values, log_counts, scaling: float, *, last: int, shared=None):
     """query [H, T, d] (the chunk's T entries the last of keys / values [h, S, d]) -> (out [H, T, d] float32, mass
     [h, S] float32): causal attention in float32, and the attention each entry receives from the last `last`
-    queries summed over them and the group's heads (attention_mass's), from the same weights."""
-    fused = cache_ops.question_attention(query, keys, values, log_counts, scaling, last)
+    queries summed over them and the group's heads (attention_mass's), from the same weights. `shared`: the hot
+    logits a recall computed (cache_ops.HotLogits), which the C path takes instead of computing them again."""
+    fused = cache_ops.question_attention(query, keys, values, log_counts, scaling, last, shared)
     if fused is not None:
         return fused
     h, s, d = keys.shape

@@ -230,22 +230,26 @@ class ColdLayer:
 
 @torch.inference_mode()
 def recall_layer(layer: LayerKV, cold: ColdLayer, question: torch.Tensor, scaling: float, budget: int,
-                 spans: int) -> int:
+                 spans: int, *, share: bool = False) -> tuple[int, cache_ops.HotLogits | None]:
     """Move the cold entries the question's queries [H, Tq, d] (the last Tq entries of `layer`, just appended)
     would attend to most back into `layer`: RECALL_SHARE of the `budget` per head, ranked by the attention each
     would get in one softmax over hot and cold. `spans` > 0 ranks them by the total of their span of that many
     positions (CED keeps whole spans after a question, so it recalls whole spans too). They come back with the
     score they left with; the question's attention, which the layer computes next over hot and recalled
-    entries alike, is added to every score the same way. Returns entries recalled per head."""
+    entries alike, is added to every score the same way. `share`: keep the logits the scoring computed for the
+    hot entries, for the question's attention that follows (cache_ops.HotLogits, with the recall's row map; None
+    where the C scoring did not run). Returns (entries recalled per head, those logits or None)."""
     if cold.length == 0:
-        return 0
+        return 0, None
     dev = layer.device
     log_counts = layer.log_counts[:, : layer.length] if layer.merged_any else None
-    mass = None
+    mass = shared = None
     if dev.type == "cpu" and cold.device.type == "cpu":  # one C call, the cold keys as stored (cache_ops.recall_mass)
-        mass = cache_ops.recall_mass(question, layer.read_keys(), cold.keys[:, : cold.length],
-                                     None if cold.key_scales is None else cold.key_scales[:, : cold.length],
-                                     log_counts, scaling)
+        share = share and log_counts is None
+        got = cache_ops.recall_mass(question, layer.read_keys(), cold.keys[:, : cold.length],
+                                    None if cold.key_scales is None else cold.key_scales[:, : cold.length],
+                                    log_counts, scaling, keep_hot=share)
+        mass, shared = got if share and got is not None else (got, None)
     if mass is None:
         mass = recall_mass(question, layer.read_keys(), cold.read_keys_to(dev), log_counts, scaling).to(cold.device)
     take = min(cold.length, recall_size(budget))
@@ -257,10 +261,14 @@ def recall_layer(layer: LayerKV, cold: ColdLayer, question: torch.Tensor, scalin
         # in position order, as the hot set keeps them: its insert then merges two sorted runs (an insertion sort
         # of the top-k order cost ~6 ms a question over the default model's 30 layers)
         index = torch.gather(index, 1, torch.gather(positions, 1, index).argsort(dim=1))
+    if shared is not None:  # the hot entries' positions, in the order of their logits rows
+        shared.positions = layer.positions[:, : layer.length].clone()
     if not cold.move_into(layer, index):
         keys, values, positions, scores = cold.take(index)
         layer.insert(keys.to(dev), values.to(dev), positions.to(dev), scores.to(dev))
-    return take
+    if shared is not None:
+        shared.merged = layer.positions[:, : layer.length]
+    return take, shared
 
 
 def recall_size(budget: int) -> int:

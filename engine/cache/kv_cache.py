@@ -242,14 +242,17 @@ class DSV41Cache:
                 policy.observe(layer.scores[:, :layer.length], probs.sum(dim=1), 1, prefill=False)
         else:
             window = t if fwd.score_window is None else min(fwd.score_window, t)
+            shared = None
             if fwd.question and scoring and window > 0 and self.cold[layer_idx].length:
-                self._recall_layer(layer_idx, layer, q[:, t - window:], scaling)
+                # a chunk that is all question: its attention takes the hot logits the recall computed
+                shared = self._recall_layer(layer_idx, layer, q[:, t - window:], scaling, share=window == t)
                 log_counts = layer.log_counts[:, : layer.length] if layer.merged_any else None
             keys, values = layer.read_keys(), layer.read_values()
             mask = None
             fused = scoring and window > 0 and self.backend != "eager" and attention.fuses_question(q, keys)
             if fused:  # a short scored chunk (a follow-up's question): output and scores from one softmax
-                out, mass = attention.question_attention(q, keys, values, log_counts, scaling, last=window)
+                out, mass = attention.question_attention(q, keys, values, log_counts, scaling, last=window,
+                                                         shared=shared)
             elif self.backend != "eager" and keys.shape[1] != t and attention.chunk_needs_mask(q.device):
                 # every layer has the same (t, S): build the mask once per forward
                 if (fwd.mask is None or fwd.mask.shape != (t, keys.shape[1]) or fwd.mask.dtype != q.dtype
@@ -462,22 +465,24 @@ class DSV41Cache:
             return 0
         return min(self.cold[0].length, recall_size(self.budget(self.seen if seen is None else seen)))
 
-    def _recall_layer(self, index: int, layer, question: torch.Tensor, scaling: float) -> None:
+    def _recall_layer(self, index: int, layer, question: torch.Tensor, scaling: float, *, share: bool = False):
         """Inside the forward that reads a turn's question, before layer `index` attends: the cold entries the
         question's queries [H, Tq, d] (the last Tq hot entries) would attend to most come back into the hot
         set, so this layer's attention, everything above it and the first reply token see them. The
         question-aware compaction after the forward keeps what the question needs most and sends the rest
-        back."""
+        back. `share`: return the hot entries' logits the scoring computed (cold.recall_layer), else None."""
         started = time.perf_counter()
         fwd = self._fwd
         spans = SPAN_TOKENS if self.policy.waits_for_question else 0
-        taken = recall_layer(layer, self.cold[index], question, scaling, self.budget(self.seen + fwd.tokens), spans)
+        taken, shared = recall_layer(layer, self.cold[index], question, scaling, self.budget(self.seen + fwd.tokens),
+                                     spans, share=share)
         if taken:
             if not fwd.recalled:
                 self.compactions += 1  # the layout changed: a stopped turn can no longer be undone in place
             fwd.recalled[index] = taken
             self.recalled += taken
         self.recall_seconds += time.perf_counter() - started
+        return shared
 
     def after_decode_step(self) -> int:
         """Every `compact_every` decode steps: fit CSA2 once a reply has grown the cache past the point where

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -190,11 +191,12 @@ def _rows_of(t: torch.Tensor, width: int) -> bool:
 
 
 def recall_mass(query: torch.Tensor, hot_keys: torch.Tensor, cold_keys: torch.Tensor, cold_scales: torch.Tensor | None,
-                hot_log_counts: torch.Tensor | None, scaling: float) -> torch.Tensor | None:
+                hot_log_counts: torch.Tensor | None, scaling: float, *, keep_hot: bool = False):
     """cold.recall_mass in one C call (dsv41_recall_mass), the cold keys read as stored: int8 [h, C, d] with their
     float32 scales [h, C, 1] (widened key by key, as ColdLayer.read_keys does), or bf16 / float32 without scales;
     the hot keys [h, S, d] float32 or bf16; each a view whose entries are contiguous rows (a layer's storage up
-    to its length). None where the kernels do not apply."""
+    to its length). None where the kernels do not apply. `keep_hot`: (mass, HotLogits), the hot entries' logits
+    as computed, for the question's attention after the recall (question_attention's `shared`)."""
     lib = load()
     h, s, d = hot_keys.shape
     c = cold_keys.shape[1]
@@ -209,22 +211,41 @@ def recall_mass(query: torch.Tensor, hot_keys: torch.Tensor, cold_keys: torch.Te
     tq = query.shape[1]
     q = (query.float().reshape(h, -1, d) * scaling).contiguous()
     mass = torch.empty(h, c, dtype=torch.float32)
+    lanes = lib.isa // 32
+    hot = torch.empty(h, s, -(-q.shape[1] // lanes) * lanes, dtype=torch.float32) if keep_hot else None
     status = lib.lib.dsv41_recall_mass(
         h, q.shape[1], tq, d, q.data_ptr(), s, hot_keys.data_ptr(), _KEY_TYPES[hot_keys.dtype], hot_keys.stride(0),
         None if hot_log_counts is None else hot_log_counts.data_ptr(),
         0 if hot_log_counts is None else hot_log_counts.stride(0), c, cold_keys.data_ptr(),
         _KEY_TYPES[cold_keys.dtype], cold_keys.stride(0), None if cold_scales is None else cold_scales.data_ptr(),
-        0 if cold_scales is None else cold_scales.stride(0), mass.data_ptr(), torch.get_num_threads())
+        0 if cold_scales is None else cold_scales.stride(0), mass.data_ptr(), None if hot is None else hot.data_ptr(),
+        torch.get_num_threads())
     if status == -2:
         raise MemoryError("the recall's scoring could not allocate its buffers")
-    return mass if status == 0 else None
+    if status != 0:
+        return None
+    return (mass, HotLogits(hot, q.shape[1], torch.empty(0, dtype=torch.int32))) if keep_hot else mass
+
+
+@dataclass
+class HotLogits:
+    """The logits recall_mass computed for a layer's hot entries [h, S, rows rounded up to the vector width] (the
+    group's question rows in lanes, masked as the question's attention masks them), `rows` of them real; the
+    positions of those entries [h, S] (int32, in order) and, once the recalled entries are in, the layer's
+    positions [h, S'] (a view): question_attention pairs the two to find each entry's row (the recalled ones it
+    computes)."""
+    logits: torch.Tensor
+    rows: int
+    positions: torch.Tensor
+    merged: torch.Tensor | None = None
 
 
 def question_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                       log_counts: torch.Tensor | None, scaling: float, last: int):
+                       log_counts: torch.Tensor | None, scaling: float, last: int, shared: HotLogits | None = None):
     """attention.question_attention in one C call (dsv41_question_attention): (out [H, T, d] float32, mass [h, S]
     float32), the keys and values [h, S, d] float32 or bf16 views whose entries are contiguous rows (a layer's
-    storage up to its length). None where the kernels do not apply."""
+    storage up to its length). `shared`: the logits the recall computed for the entries it found hot (taken
+    instead of computed again; the same products of the same rows). None where the kernels do not apply."""
     lib = load()
     h, s, d = keys.shape
     big_h, t, _ = query.shape
@@ -235,13 +256,21 @@ def question_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Te
     if log_counts is not None and (log_counts.dtype != torch.float32 or not _rows_of(log_counts, 1)):
         return None
     groups = big_h // h
+    if shared is not None and (log_counts is not None or shared.merged is None or shared.rows != groups * t
+                               or shared.merged.shape != (h, s) or not _rows_of(shared.merged, 1)
+                               or shared.merged.dtype != torch.int32 or shared.logits.shape[0] != h
+                               or shared.positions.shape != shared.logits.shape[:2]
+                               or shared.positions.dtype != torch.int32 or not shared.positions.is_contiguous()):
+        shared = None
     q = (query.float().reshape(h, groups * t, d) * scaling).contiguous()
     out = torch.empty(big_h, t, d, dtype=torch.float32)
     mass = torch.empty(h, s, dtype=torch.float32)
     status = lib.lib.dsv41_question_attention(
         h, groups, t, d, q.data_ptr(), s, keys.data_ptr(), values.data_ptr(), _KEY_TYPES[keys.dtype], keys.stride(0),
         None if log_counts is None else log_counts.data_ptr(), 0 if log_counts is None else log_counts.stride(0),
-        last, out.data_ptr(), mass.data_ptr(), torch.get_num_threads())
+        last, None if shared is None else shared.logits.data_ptr(), 0 if shared is None else shared.logits.shape[1],
+        None if shared is None else shared.positions.data_ptr(), None if shared is None else shared.merged.data_ptr(),
+        0 if shared is None else shared.merged.stride(0), out.data_ptr(), mass.data_ptr(), torch.get_num_threads())
     if status == -2:
         raise MemoryError("the question's attention could not allocate its buffers")
     return (out, mass) if status == 0 else None

@@ -2114,13 +2114,15 @@ static void recall_logits4(const float *qt, int64_t rp, int64_t d, const float *
 int dsv41_recall_mass(int64_t heads, int64_t rows, int64_t tq, int64_t d, const float *q,
                       int64_t s, const void *hot, int hot_type, int64_t hot_stride, const float *hot_lc,
                       int64_t lc_stride, int64_t c, const void *cold, int cold_type, int64_t cold_stride,
-                      const float *cold_scales, int64_t scale_stride, float *mass, int threads) {
+                      const float *cold_scales, int64_t scale_stride, float *mass, float *hot_out, int threads) {
     if (d > RECALL_DMAX || d % LANES || rows < 1 || tq < 1 || tq > s) return -1;
     const int nt = threads > 0 ? threads : 1;
     const int64_t rp = (rows + LANES - 1) / LANES * LANES, n = s + c;
     const int64_t hot_blocks = (s + 3) / 4, blocks = hot_blocks + (c + 3) / 4;
     float *qt = malloc((size_t)(d * rp) * sizeof(float));
-    float *logits = malloc((size_t)(n * rp > 0 ? n * rp : 1) * sizeof(float));
+    /* the hot logits in hot_out [heads][s][rp] when given (dsv41_question_attention takes them), else here */
+    const int64_t kept = hot_out ? c : n;
+    float *logits = malloc((size_t)(kept * rp > 0 ? kept * rp : 1) * sizeof(float));
     float *part = malloc((size_t)(2 * nt * rp) * sizeof(float));  /* per thread: row maxima, row sums */
     float *top = malloc((size_t)(2 * rp) * sizeof(float)), *inv = top + rp;
     if (!qt || !logits || !part || !top) {
@@ -2138,6 +2140,7 @@ int dsv41_recall_mass(int64_t heads, int64_t rows, int64_t tq, int64_t d, const 
                                           : (const void *)((const float *)cold + h * cold_stride);
         const float *cs = cold_scales ? cold_scales + h * scale_stride : NULL;
         const float *lc = hot_lc ? hot_lc + h * lc_stride : NULL;
+        float *hot_rows = hot_out ? hot_out + h * s * rp : logits, *cold_rows = hot_out ? logits : logits + s * rp;
 #pragma omp parallel num_threads(nt)
         {
             const int me = omp_get_thread_num();
@@ -2154,7 +2157,7 @@ int dsv41_recall_mass(int64_t heads, int64_t rows, int64_t tq, int64_t d, const 
                                            kf + e * RECALL_DMAX);
                     else memset(kf + e * RECALL_DMAX, 0, (size_t)d * sizeof(float));
                 }
-                float *out = logits + ((is_hot ? 0 : s) + j0) * rp;
+                float *out = (is_hot ? hot_rows : cold_rows) + j0 * rp;
                 recall_logits4(qt, rp, d, kf, ne, out);
                 for (int e = 0; e < ne; e++) {
                     float *row = out + e * rp;
@@ -2177,7 +2180,7 @@ int dsv41_recall_mass(int64_t heads, int64_t rows, int64_t tq, int64_t d, const 
             }
 #pragma omp for schedule(static)
             for (int64_t j = 0; j < n; j++) {
-                float *row = logits + j * rp;
+                float *row = j < s ? hot_rows + j * rp : cold_rows + (j - s) * rp;
                 for (int64_t v = 0; v < rp; v += LANES) {
                     VF e = VEXP(VSUB(VLOAD(row + v), VLOAD(top + v)));
                     if (j >= s) VSTORE(row + v, e);
@@ -2192,7 +2195,7 @@ int dsv41_recall_mass(int64_t heads, int64_t rows, int64_t tq, int64_t d, const 
             }
 #pragma omp for schedule(static)
             for (int64_t j = 0; j < c; j++) {
-                const float *row = logits + (s + j) * rp;
+                const float *row = cold_rows + j * rp;
                 VF acc = VSET(0.f);
                 for (int64_t v = 0; v < rp; v += LANES) acc = VADD(acc, VMUL(VLOAD(row + v), VLOAD(inv + v)));
                 mass[h * c + j] = VHSUM(acc);
@@ -2203,14 +2206,16 @@ int dsv41_recall_mass(int64_t heads, int64_t rows, int64_t tq, int64_t d, const 
     return 0;
 }
 
-/* out^T [4][rp] rows rb.. (acc over entries j) += P^T [j][rp] x v [j][t0 .. t0 + 3], NV vectors of rows. */
+/* out^T [4][rp] rows rb.. (= when first, else +=) sum over entries j0 <= j < j1 of P^T [j][rp] x
+ * v [j][t0 .. t0 + 3], NV vectors of rows. */
 #define QA_TILE(NV)                                                                                              \
-    static inline void qa_tile##NV(const float *pt, int64_t rp, int64_t n, const void *v, int vtype, int64_t d, \
-                                   int64_t t0, float *outt) {                                                 \
+    static inline void qa_tile##NV(const float *pt, int64_t rp, int64_t j0, int64_t j1, const void *v, int vtype, \
+                                   int64_t d, int64_t t0, float *outt, int first) {                           \
         VF acc[4][NV];                                                                                        \
         _Pragma("GCC unroll 4") for (int e = 0; e < 4; e++)                                                   \
-            _Pragma("GCC unroll 4") for (int k = 0; k < NV; k++) acc[e][k] = VZERO();                        \
-        for (int64_t j = 0; j < n; j++) {                                                                     \
+            _Pragma("GCC unroll 4") for (int k = 0; k < NV; k++)                                             \
+                acc[e][k] = first ? VZERO() : VLOAD(outt + e * rp + k * LANES);                               \
+        for (int64_t j = j0; j < j1; j++) {                                                                   \
             VF pv[NV];                                                                                        \
             _Pragma("GCC unroll 4") for (int k = 0; k < NV; k++) pv[k] = VLOAD(pt + j * rp + k * LANES);     \
             _Pragma("GCC unroll 4") for (int e = 0; e < 4; e++) {                                            \
@@ -2225,6 +2230,7 @@ int dsv41_recall_mass(int64_t heads, int64_t rows, int64_t tq, int64_t d, const 
     }
 QA_TILE(1)
 QA_TILE(2)
+#define QA_BLOCK 64
 #if RECALL_NV == 4
 QA_TILE(3)
 QA_TILE(4)
@@ -2237,10 +2243,11 @@ QA_TILE(4)
  * product with the values sums over the entries in order. Returns 0, -1 where it does not apply, -2 out of memory. */
 int dsv41_question_attention(int64_t heads, int64_t groups, int64_t t, int64_t d, const float *q, int64_t s,
                              const void *keys, const void *values, int kv_type, int64_t kv_stride,
-                             const float *lc, int64_t lc_stride, int64_t last, float *out, float *mass,
-                             int threads) {
+                             const float *lc, int64_t lc_stride, int64_t last, const float *hot_logits,
+                             int64_t hot_s, const int32_t *hot_pos, const int32_t *pos, int64_t pos_stride,
+                             float *out, float *mass, int threads) {
     const int64_t rows = groups * t;
-    if (d > RECALL_DMAX || d % 4 || d % LANES || t < 1 || t > s || kv_type > 1) return -1;
+    if (d > RECALL_DMAX || d % 4 || d % LANES || t < 1 || t > s || kv_type > 1 || (hot_logits && lc)) return -1;
     const int nt = threads > 0 ? threads : 1;
     const int64_t rp = (rows + LANES - 1) / LANES * LANES, blocks = (s + 3) / 4;
     const int64_t w = last < t ? last : t;
@@ -2249,8 +2256,11 @@ int dsv41_question_attention(int64_t heads, int64_t groups, int64_t t, int64_t d
     float *part = malloc((size_t)(2 * nt * rp) * sizeof(float));
     float *top = malloc((size_t)(3 * rp) * sizeof(float)), *inv = top + rp, *sel = top + 2 * rp;
     float *outt = malloc((size_t)(d * rp) * sizeof(float));
-    if (!qt || !pt || !part || !top || !outt) {
-        free(qt); free(pt); free(part); free(top); free(outt);
+    /* with hot_logits: each entry's row there (-1: one the recall brought, computed here), those entries */
+    int64_t *src = malloc((size_t)(s + 4) * sizeof(int64_t)), *todo = malloc((size_t)(s + 4) * sizeof(int64_t));
+    float *scratch = malloc((size_t)(nt * 4 * rp) * sizeof(float));  /* per thread: 4 entries' rows */
+    if (!qt || !pt || !part || !top || !outt || !src || !todo || !scratch) {
+        free(qt); free(pt); free(part); free(top); free(outt); free(src); free(todo); free(scratch);
         return -2;
     }
     for (int64_t r = 0; r < rp; r++) sel[r] = r < rows && r % t >= t - w ? 1.f : 0.f;
@@ -2263,12 +2273,57 @@ int dsv41_question_attention(int64_t heads, int64_t groups, int64_t t, int64_t d
         const void *hk = (const char *)keys + (size_t)(h * kv_stride) * el;
         const void *hv = (const char *)values + (size_t)(h * kv_stride) * el;
         const float *hl = lc ? lc + h * lc_stride : NULL;
+        int64_t computed = 0;
+        if (hot_logits) {
+            /* both in position order (the recall's insert merges by position): one walk pairs them */
+            const int32_t *was = hot_pos + h * hot_s, *now = pos + h * pos_stride;
+            int64_t i = 0;
+            for (int64_t m = 0; m < s; m++) {
+                if (i < hot_s && now[m] == was[i]) src[m] = i++;
+                else src[m] = -1, todo[computed++] = m;
+            }
+            if (i != hot_s) {  /* not the layout the recall left: compute every logit instead */
+                for (int64_t m = 0; m < s; m++) src[m] = -1, todo[m] = m;
+                computed = s;
+            }
+        }
 #pragma omp parallel num_threads(nt)
         {
             const int me = omp_get_thread_num();
             float *mx = part + (int64_t)me * 2 * rp, *sm = mx + rp;
             float kf[4 * RECALL_DMAX] __attribute__((aligned(64)));
             for (int64_t r = 0; r < rp; r++) mx[r] = -INFINITY, sm[r] = 0.f;
+            if (hot_logits) {
+                /* the rows dsv41_recall_mass computed (the same products of the same rows, masked the same), and
+                 * the logits of the entries it recalled (never among the question's own) from their hot keys */
+#pragma omp for schedule(static) nowait
+                for (int64_t m = 0; m < s; m++) {
+                    const int64_t from = src[m];
+                    if (from < 0) continue;
+                    float *row = pt + m * rp;
+                    memcpy(row, hot_logits + (h * hot_s + from) * rp, (size_t)rp * sizeof(float));
+                    for (int64_t v = 0; v < rp; v += LANES) VSTORE(mx + v, VMAX(VLOAD(mx + v), VLOAD(row + v)));
+                }
+#pragma omp for schedule(static)
+                for (int64_t b = 0; b < (computed + 3) / 4; b++) {
+                    float *tile = scratch + (int64_t)me * 4 * rp;
+                    const int ne = computed - b * 4 < 4 ? (int)(computed - b * 4) : 4;
+                    for (int e = 0; e < 4; e++) {
+                        if (e < ne) recall_key(kv_type, hk, todo[b * 4 + e], d, NULL, kf + e * RECALL_DMAX);
+                        else memset(kf + e * RECALL_DMAX, 0, (size_t)d * sizeof(float));
+                    }
+                    recall_logits4(qt, rp, d, kf, ne, tile);
+                    for (int e = 0; e < ne; e++) {
+                        const int64_t j = todo[b * 4 + e];
+                        float *row = pt + j * rp;
+                        memcpy(row, tile + e * rp, (size_t)rp * sizeof(float));
+                        if (j > s - t)  /* only where the layout was not the recall's: a recalled entry is older */
+                            for (int64_t r = 0; r < rows; r++)
+                                if (j > s - t + r % t) row[r] = -INFINITY;
+                        for (int64_t v = 0; v < rp; v += LANES) VSTORE(mx + v, VMAX(VLOAD(mx + v), VLOAD(row + v)));
+                    }
+                }
+            } else {
 #pragma omp for schedule(static)
             for (int64_t b = 0; b < blocks; b++) {
                 const int64_t j0 = b * 4;
@@ -2291,6 +2346,7 @@ int dsv41_question_attention(int64_t heads, int64_t groups, int64_t t, int64_t d
                             if (j > s - t + r % t) row[r] = -INFINITY;
                     for (int64_t v = 0; v < rp; v += LANES) VSTORE(mx + v, VMAX(VLOAD(mx + v), VLOAD(row + v)));
                 }
+            }
             }
 #pragma omp single
             for (int64_t r = 0; r < rp; r++) {
@@ -2330,39 +2386,48 @@ int dsv41_question_attention(int64_t heads, int64_t groups, int64_t t, int64_t d
                 }
                 mass[h * s + j] = VHSUM(acc);
             }
-#pragma omp for schedule(static)
-            for (int64_t tile = 0; tile < tiles; tile++) {
-                const int64_t t0 = (tile / row_blocks) * 4, rb = (tile % row_blocks) * RECALL_NV * LANES;
-                const int64_t nv = (rp - rb) / LANES < RECALL_NV ? (rp - rb) / LANES : RECALL_NV;
-                float *o = outt + t0 * rp + rb;
-                switch (nv) {
-                case 1: qa_tile1(pt + rb, rp, s, hv, kv_type, d, t0, o); break;
-                case 2: qa_tile2(pt + rb, rp, s, hv, kv_type, d, t0, o); break;
+            /* the products with the values: each thread a share of the (value columns, row block) tiles, the
+             * entries in blocks of QA_BLOCK so a block's probabilities and values stay in L1 across its tiles (all
+             * entries per tile read the probabilities from L2 / L3 once per tile: most of the call's time) */
+            const int64_t per = (tiles + nt - 1) / nt, first_tile = me * per;
+            const int64_t last_tile = first_tile + per < tiles ? first_tile + per : tiles;
+            for (int64_t j0 = 0; j0 < s; j0 += QA_BLOCK) {
+                const int64_t j1 = j0 + QA_BLOCK < s ? j0 + QA_BLOCK : s;
+                for (int64_t tile = first_tile; tile < last_tile; tile++) {
+                    const int64_t t0 = (tile / row_blocks) * 4, rb = (tile % row_blocks) * RECALL_NV * LANES;
+                    const int64_t nv = (rp - rb) / LANES < RECALL_NV ? (rp - rb) / LANES : RECALL_NV;
+                    float *o = outt + t0 * rp + rb;
+                    const int f = j0 == 0;
+                    switch (nv) {
+                    case 1: qa_tile1(pt + rb, rp, j0, j1, hv, kv_type, d, t0, o, f); break;
+                    case 2: qa_tile2(pt + rb, rp, j0, j1, hv, kv_type, d, t0, o, f); break;
 #if RECALL_NV == 4
-                case 3: qa_tile3(pt + rb, rp, s, hv, kv_type, d, t0, o); break;
-                case 4: qa_tile4(pt + rb, rp, s, hv, kv_type, d, t0, o); break;
+                    case 3: qa_tile3(pt + rb, rp, j0, j1, hv, kv_type, d, t0, o, f); break;
+                    case 4: qa_tile4(pt + rb, rp, j0, j1, hv, kv_type, d, t0, o, f); break;
 #endif
-                default: break;
+                    default: break;
+                    }
                 }
             }
         }
         for (int64_t r = 0; r < rows; r++)  /* row r = g * t + i: head h * groups + g, query i */
             for (int64_t k = 0; k < d; k++) out[(h * rows + r) * d + k] = outt[k * rp + r];
     }
-    free(qt); free(pt); free(part); free(top); free(outt);
+    free(qt); free(pt); free(part); free(top); free(outt); free(src); free(todo); free(scratch);
     return 0;
 }
 #else
 int dsv41_recall_mass(int64_t heads, int64_t rows, int64_t tq, int64_t d, const float *q,
                       int64_t s, const void *hot, int hot_type, int64_t hot_stride, const float *hot_lc,
                       int64_t lc_stride, int64_t c, const void *cold, int cold_type, int64_t cold_stride,
-                      const float *cold_scales, int64_t scale_stride, float *mass, int threads) {
+                      const float *cold_scales, int64_t scale_stride, float *mass, float *hot_out, int threads) {
     return -1;
 }
 int dsv41_question_attention(int64_t heads, int64_t groups, int64_t t, int64_t d, const float *q, int64_t s,
                              const void *keys, const void *values, int kv_type, int64_t kv_stride,
-                             const float *lc, int64_t lc_stride, int64_t last, float *out, float *mass,
-                             int threads) {
+                             const float *lc, int64_t lc_stride, int64_t last, const float *hot_logits,
+                             int64_t hot_s, const int32_t *hot_pos, const int32_t *pos, int64_t pos_stride,
+                             float *out, float *mass, int threads) {
     return -1;
 }
 #endif

@@ -500,6 +500,58 @@ def test_the_one_call_recall_choice_takes_the_entries_torch_takes_in_position_or
     assert cache_ops.recall_select(mass.double(), positions, span, take) is None
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_question_that_recalls_attends_with_the_logits_its_recall_computed_as_if_computed_again(monkeypatch, dtype):
+    """A follow-up's question chunk on a CPU: the recall keeps the hot entries' logits it computed and the question's
+    attention takes them (cache_ops.HotLogits: rows paired with the layer's entries by position after the merge)
+    instead of computing them again. Outputs and scores are bit-equal to the same turns with nothing shared, and
+    logits whose positions do not pair with the layer's are not taken."""
+    from engine.kernels import cache_ops
+
+    if kernels.load() is None:
+        pytest.skip(f"CPU kernels: {kernels.unavailable_reason()}")
+    d = 16
+    real_qa = cache_ops.question_attention
+
+    def run(share: bool):
+        settings = CacheSettings(kv_cache_ratio=0.25, csa2_topk=0, ced_sink_tokens=2, ced_recent_tokens=4,
+                                 min_entries=8, ced_threshold=0.0, cold_tier="ram")
+        cache = DSV41Cache(2, 2, d, dtype, "cpu", settings)
+        g = torch.Generator().manual_seed(11)
+        outs, calls = [], []
+
+        def attend(*args):
+            got = real_qa(*args[:-1], args[-1] if share else None)
+            calls.append((args, share and args[-1] is not None and got is not None))
+            return got
+
+        monkeypatch.setattr(cache_ops, "question_attention", attend)
+        for tokens, window in ((300, 300), (12, 12), (9, 9)):
+            cache.begin_forward(tokens, score_window=window, prefill=True, question=True)
+            for index in range(2):
+                q, k, v = (torch.randn(1, h, tokens, d, generator=g).to(dtype) for h in (4, 2, 2))
+                outs.append(cache.attend(index, q, k, v, d**-0.5))
+            cache.end_forward()
+            cache.finish_prefill()
+        scores = [layer.scores[:, : layer.length].clone() for layer in cache.layers]
+        return outs, scores, calls, cache
+
+    with torch.inference_mode():  # as a model's forward runs
+        shared_out, shared_scores, calls, cache = run(True)
+        plain_out, plain_scores, _, _ = run(False)
+        assert cache.recalled > 0 and [taken for _, taken in calls].count(True) == 4  # 2 follow-ups x 2 layers
+        assert all(torch.equal(a, b) for a, b in zip(shared_out, plain_out, strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(shared_scores, plain_scores, strict=True))
+        # logits whose positions are not the layer's hot entries' (here: shifted by one) are not taken
+        args, _ = calls[-1]
+        query, keys, values, counts, scaling, last, shared = args
+        want = real_qa(query, keys, values, counts, scaling, last, None)
+        wrong = cache_ops.HotLogits(shared.logits.clone().fill_(50.0), shared.rows, shared.positions + 1, shared.merged)
+        got = real_qa(query, keys, values, counts, scaling, last, wrong)
+        assert torch.equal(real_qa(query, keys, values, counts, scaling, last, shared)[0], want[0])
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def test_a_cache_with_the_cold_tier_is_freed_as_soon_as_it_is_dropped():
     """No reference cycle: a dropped chat's cache (its hot and cold tensors) goes at once, not at some later run
     of the cyclic collector (a server dropping chats grew by 900 MiB over 240 of them that way)."""
