@@ -1,15 +1,19 @@
-"""Where a follow-up's recall goes, and what cheaper products for its scoring would save (the tiered chat at
-hot ratio 0.3, default model, greedy). Two parts:
+"""Where a follow-up's recall goes, and what its scoring costs per layer (the tiered chat at hot ratio 0.3, default
+model, greedy). Three parts:
 
 - in place: tiered chats on `--cases` fact sets (benchmarks/followup_cases.py), each reading its document with
-  its first question and then asking the other three; per follow-up, the time in the recall's parts
-  (cold.recall_mass: scoring the cold tier against the question's queries, products and softmax;
-  ColdLayer.read_keys_to: widening the int8 cold keys; cold.span_ranking; ColdLayer.move_into: moving the
-  recalled entries in) summed over the layers, the whole recall (DSV41Cache._recall_layer) and the TTFT;
-- the scoring's products alone, on the shapes the last recall of the run had (one layer): float32 as recall_mass
-  takes them, bf16 through torch (its conversions included), and int8 (torch._int_mm, where this torch has it)
-  straight from the int8 cold keys with the queries quantized per row (quantization and rescaling included),
-  each with its largest error against float32 relative to the largest logit. Medians of interleaved rounds.
+  its first question and then asking the other three; per follow-up, summed over the layers: the scoring
+  (cache_ops.recall_mass, one C call per layer from the int8 cold keys as stored: products, softmax over hot and
+  cold, mass), the choice (cache_ops.recall_select: span ranking, the best, in position order), moving the
+  recalled entries in (ColdLayer.move_into), the whole recall (DSV41Cache._recall_layer), the question's
+  attention that follows (cache_ops.question_attention, with the hot logits the recall computed), and the TTFT;
+- one layer's scoring on the shapes the last recall of the run had: the C call against torch's path (the cold
+  int8 keys widened to float32, then cold.recall_mass: two products and the softmax pass), with how far their
+  masses are apart and whether they recall the same entries;
+- one layer's scoring products alone: float32 as torch's path takes them, bf16 through torch (its conversions
+  included), and int8 (torch._int_mm, where this torch has it) straight from the int8 cold keys with the queries
+  quantized per row (quantization and rescaling included), each with its largest error against float32 relative
+  to the largest logit. Medians of interleaved rounds.
 
 Writes results/recall-cost/recall-cost.json and .md.
 
@@ -27,7 +31,7 @@ import torch
 
 from .common import machine, write_results
 
-PARTS = ("recall", "recall_mass", "read_keys_to", "span_ranking", "move_into")
+PARTS = ("recall", "scoring", "choice", "move_into", "question_attention")
 
 
 def in_place(words: int, cases: int) -> tuple[dict, dict]:
@@ -38,6 +42,7 @@ def in_place(words: int, cases: int) -> tuple[dict, dict]:
     from engine import DSV41Config, DSV41Model
     from engine.documents import load_document
     from engine.events import Done
+    from engine.kernels import cache_ops
 
     spent: dict[str, float] = collections.defaultdict(float)
     shapes: dict = {}
@@ -48,10 +53,10 @@ def in_place(words: int, cases: int) -> tuple[dict, dict]:
         originals.append((owner, attribute, original))
 
         def wrapper(*args, **kwargs):
-            if part == "recall_mass":
+            if part == "scoring":
                 query, hot_keys, cold_keys = args[:3]
                 shapes.update(heads=hot_keys.shape[0], rows=query.shape[0] // hot_keys.shape[0] * query.shape[1],
-                              dim=hot_keys.shape[2], hot=hot_keys.shape[1], cold=cold_keys.shape[1])
+                              tq=query.shape[1], dim=hot_keys.shape[2], hot=hot_keys.shape[1], cold=cold_keys.shape[1])
             started = time.perf_counter()
             try:
                 return original(*args, **kwargs)
@@ -60,10 +65,10 @@ def in_place(words: int, cases: int) -> tuple[dict, dict]:
         setattr(owner, attribute, wrapper)
 
     timed(kv_cache.DSV41Cache, "_recall_layer", "recall")
-    timed(cold, "recall_mass", "recall_mass")
-    timed(cold, "span_ranking", "span_ranking")
-    timed(cold.ColdLayer, "read_keys_to", "read_keys_to")
+    timed(cache_ops, "recall_mass", "scoring")
+    timed(cache_ops, "recall_select", "choice")
     timed(cold.ColdLayer, "move_into", "move_into")
+    timed(cache_ops, "question_attention", "question_attention")
     try:
         model = DSV41Model.from_pretrained(DSV41Config(max_seq_len=8192, kv_cache_ratio=0.3, cold_tier="ram",
                                                        conversation_cache_mb=0))
@@ -86,6 +91,44 @@ def in_place(words: int, cases: int) -> tuple[dict, dict]:
             setattr(owner, attribute, original)
     medians = {key: statistics.median(r[key] for r in rows) for key in ("ttft", *PARTS)}
     return {"follow_ups": len(rows), **medians}, shapes
+
+
+def scoring(shapes: dict, rounds: int = 15) -> dict:
+    """One layer's scoring: the C call (cache_ops.recall_mass from the int8 keys) against torch's path (see the
+    module's docstring), on random queries and keys of the run's shapes; None where the kernels do not apply."""
+    from engine.cache.cold import RECALL_MIN, recall_mass
+    from engine.kernels import cache_ops
+    from engine.kernels.quant import quantize_int8
+
+    h, rows, d, s, c = shapes["heads"], shapes["rows"], shapes["dim"], shapes["hot"], shapes["cold"]
+    tq = shapes.get("tq", rows)
+    torch.manual_seed(0)
+    query = torch.randn(h * rows // tq, tq, d)
+    hot = torch.randn(h, s, d).to(torch.bfloat16)
+    keys8, scales = quantize_int8(torch.randn(h, c, d))
+    scaling = d**-0.5
+
+    def torch_path():
+        return recall_mass(query, hot, keys8.float().mul_(scales), None, scaling)
+
+    def c_call():
+        return cache_ops.recall_mass(query, hot, keys8, scales, None, scaling)
+
+    if c_call() is None:
+        return None
+    times = {"torch": [], "C": []}
+    for _ in range(rounds):
+        for name, fn in (("torch", torch_path), ("C", c_call)):
+            started = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - started)
+    want, got = torch_path(), c_call()
+    take = min(c, RECALL_MIN)
+    same = float(sum(len(set(a.tolist()) & set(b.tolist())) for a, b in
+                     zip(want.topk(take, dim=1).indices, got.topk(take, dim=1).indices, strict=True)) / (h * take))
+    return {"torch_ms": statistics.median(times["torch"]) * 1e3, "c_ms": statistics.median(times["C"]) * 1e3,
+            "max_difference_of_largest": float((got - want).abs().max() / want.abs().max()),
+            "same_recalled_share": same, "recalled": take}
 
 
 def products(shapes: dict, rounds: int = 15) -> dict:
@@ -139,18 +182,25 @@ def main(argv=None) -> int:
     parser.add_argument("--cases", type=int, default=3)
     args = parser.parse_args(argv)
     parts, shapes = in_place(args.words, args.cases)
+    whole = scoring(shapes)
     layer = products(shapes)
     payload = {"machine": machine(), "threads": torch.get_num_threads(), "words": args.words, "in_place": parts,
-               "shapes": shapes, "products": layer}
+               "shapes": shapes, "scoring": whole, "products": layer}
     table = "\n".join([
         f"Follow-ups of a tiered chat at ratio 0.3 on {args.words}-word documents ({parts['follow_ups']} follow-ups), "
         f"{payload['machine']['cpu']}, {payload['threads']} threads; medians per follow-up, summed over the layers.",
-        "", "| TTFT | recall | scoring (recall_mass) | widening the int8 keys | span ranking | moving in |",
+        "", "| TTFT | recall | scoring | choice | moving in | the question's attention after it |",
         "|---|---|---|---|---|---|",
-        f"| {parts['ttft']:.0f} ms | {parts['recall']:.0f} ms | {parts['recall_mass']:.0f} ms | "
-        f"{parts['read_keys_to']:.1f} ms | {parts['span_ranking']:.1f} ms | {parts['move_into']:.1f} ms |", "",
-        f"One layer's scoring products ({shapes['heads']} KV heads, {shapes['rows']} query rows a head, "
+        f"| {parts['ttft']:.0f} ms | {parts['recall']:.0f} ms | {parts['scoring']:.0f} ms | "
+        f"{parts['choice']:.1f} ms | {parts['move_into']:.1f} ms | {parts['question_attention']:.0f} ms |", "",
+        f"One layer's scoring ({shapes['heads']} KV heads, {shapes['rows']} query rows a head, {shapes['hot']} hot and "
         f"{shapes['cold']} cold entries a head, head dim {shapes['dim']}):", "",
+        *(["| torch (int8 keys widened, products, softmax pass) | one C call | largest difference / largest mass | "
+           "same entries recalled |", "|---|---|---|---|",
+           f"| {whole['torch_ms']:.3f} ms | {whole['c_ms']:.3f} ms | {whole['max_difference_of_largest']:.1e} | "
+           f"{whole['same_recalled_share']:.1%} of {whole['recalled']} |", ""] if whole else
+          ["(no CPU kernels here: torch's path only)", ""]),
+        "Its products alone, through torch:", "",
         "| products | ms | GFLOP/s | largest error / largest logit |", "|---|---|---|---|",
         *[f"| {name} | {r['ms']:.3f} | {r['gflops']:.0f} | {r['max_error_of_largest']:.1e} |"
           for name, r in layer.items()], ""])

@@ -18,3 +18,31 @@ def test_the_table_counts_answers_right_per_turn():
     cells = [c.strip() for c in line.strip("|").split("|")]
     assert cells[1:5] == ["1/2", "4/6", "1 / 1 / 2 / 1", "1/2"]
     assert cells[6:] == ["1.0 MiB", "2.0 MiB", "4.0 MiB"]
+
+
+def test_followups_answers_lists_every_answer_two_runs_gave_differently(tmp_path):
+    """benchmarks/followups_answers.py: the turns whose answer text moved between two runs, and both scores."""
+    import json
+
+    from benchmarks.followups_answers import compare, table
+
+    def run(folder, answers, rights):
+        turns = [{"document": "d", "turn": i, "question": f"q{i}", "answer": a, "right": r}
+                 for i, (a, r) in enumerate(zip(answers, rights, strict=True))]
+        rows = [{"knobs": {"kv_cache_ratio": 0.3, "cold_tier": "ram", "ced_policy": "ced"}, "turns": turns,
+                 "first_right": int(rights[0]), "followups_right": sum(rights[1:]), "followups_total": 2},
+                {"knobs": {"kv_cache_ratio": 0.1, "cold_tier": "ram", "ced_policy": "ced"}, "turns": turns,
+                 "first_right": 0, "followups_right": 0, "followups_total": 2}]
+        folder.mkdir()
+        (folder / "followups.json").write_text(json.dumps({"words": 640, "tokens": 943, "rows": rows[: 1 + (
+            folder.name == "this")]}))
+        return folder
+
+    this = run(tmp_path / "this", ["Lisbon", "Maria Lopez", "no idea"], [True, True, False])
+    before = run(tmp_path / "before", ["Lisbon", "Lopez", "March 14"], [True, True, True])
+    result = compare(this, before)
+    (row,) = result["rows"]  # the configuration only one run has is left out
+    assert row["followups_right"] == [1, 2]
+    assert [(m["turn"], m["this"], m["before"]) for m in row["answers_differing"]] == [
+        (1, "Maria Lopez", "Lopez"), (2, "no idea", "March 14")]
+    assert "| ced 0.3 cold ram | 1 / 1 | 1 / 2 of 2 | 2 of 3 |" in table(result)

@@ -39,6 +39,16 @@ def test_a_full_rank_screen_recalls_what_the_exact_recall_recalls(spans):
     assert full["cold_entries"] == 400 and full["take"] == 64
 
 
+def test_recall_cost_times_one_layers_scoring_both_ways_and_they_recall_the_same_entries():
+    from benchmarks.recall_cost import scoring
+
+    if kernels.load() is None:
+        pytest.skip(f"CPU kernels: {kernels.unavailable_reason()}")
+    out = scoring({"heads": 2, "rows": 12, "tq": 4, "dim": 16, "hot": 50, "cold": 700}, rounds=2)
+    assert out["torch_ms"] > 0 and out["c_ms"] > 0 and out["recalled"] == 512
+    assert out["max_difference_of_largest"] < 1e-4 and out["same_recalled_share"] == 1.0
+
+
 def test_recall_cost_times_the_scoring_products_and_says_how_far_each_is_from_float32():
     from benchmarks.recall_cost import products
 
