@@ -2141,12 +2141,14 @@ int dsv41_recall_mass(int64_t heads, int64_t rows, int64_t tq, int64_t d, const 
         const float *cs = cold_scales ? cold_scales + h * scale_stride : NULL;
         const float *lc = hot_lc ? hot_lc + h * lc_stride : NULL;
         float *hot_rows = hot_out ? hot_out + h * s * rp : logits, *cold_rows = hot_out ? logits : logits + s * rp;
+        /* every thread's row maxima and sums, set here: the region may run on fewer threads than asked */
+        for (int64_t r = 0; r < (int64_t)nt * rp; r++) part[(r / rp) * 2 * rp + r % rp] = -INFINITY,
+                                                       part[(r / rp) * 2 * rp + rp + r % rp] = 0.f;
 #pragma omp parallel num_threads(nt)
         {
             const int me = omp_get_thread_num();
             float *mx = part + (int64_t)me * 2 * rp, *sm = mx + rp;
             float kf[4 * RECALL_DMAX] __attribute__((aligned(64)));
-            for (int64_t r = 0; r < rp; r++) mx[r] = -INFINITY, sm[r] = 0.f;
 #pragma omp for schedule(static)
             for (int64_t b = 0; b < blocks; b++) {
                 const int is_hot = b < hot_blocks;
@@ -2287,12 +2289,14 @@ int dsv41_question_attention(int64_t heads, int64_t groups, int64_t t, int64_t d
                 computed = s;
             }
         }
+        /* every thread's row maxima and sums, set here: the region may run on fewer threads than asked */
+        for (int64_t r = 0; r < (int64_t)nt * rp; r++) part[(r / rp) * 2 * rp + r % rp] = -INFINITY,
+                                                       part[(r / rp) * 2 * rp + rp + r % rp] = 0.f;
 #pragma omp parallel num_threads(nt)
         {
             const int me = omp_get_thread_num();
             float *mx = part + (int64_t)me * 2 * rp, *sm = mx + rp;
             float kf[4 * RECALL_DMAX] __attribute__((aligned(64)));
-            for (int64_t r = 0; r < rp; r++) mx[r] = -INFINITY, sm[r] = 0.f;
             if (hot_logits) {
                 /* the rows dsv41_recall_mass computed (the same products of the same rows, masked the same), and
                  * the logits of the entries it recalled (never among the question's own) from their hot keys */
@@ -2389,7 +2393,7 @@ int dsv41_question_attention(int64_t heads, int64_t groups, int64_t t, int64_t d
             /* the products with the values: each thread a share of the (value columns, row block) tiles, the
              * entries in blocks of QA_BLOCK so a block's probabilities and values stay in L1 across its tiles (all
              * entries per tile read the probabilities from L2 / L3 once per tile: most of the call's time) */
-            const int64_t per = (tiles + nt - 1) / nt, first_tile = me * per;
+            const int64_t team = omp_get_num_threads(), per = (tiles + team - 1) / team, first_tile = me * per;
             const int64_t last_tile = first_tile + per < tiles ? first_tile + per : tiles;
             for (int64_t j0 = 0; j0 < s; j0 += QA_BLOCK) {
                 const int64_t j1 = j0 + QA_BLOCK < s ? j0 + QA_BLOCK : s;

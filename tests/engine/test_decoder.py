@@ -242,3 +242,25 @@ def test_on_a_gpu_prefill_attention_never_takes_cudnn_and_equals_the_math_kernel
     got = dense_attention(q, k, v, None, 0.088, "sdpa", causal_bias(64, 300, torch.bfloat16, "cuda"))
     want = dense_attention(q.float(), k.float(), v.float(), None, 0.088, "eager")
     assert (got.float() - want).abs().max() < 0.03
+
+
+def test_the_question_attention_call_gives_the_same_result_on_any_number_of_threads():
+    """cache_ops.question_attention splits entries and value tiles over its threads (any count, tiles not even)."""
+    from engine import kernels
+    from engine.kernels import cache_ops
+
+    if kernels.load() is None:
+        pytest.skip(f"CPU kernels: {kernels.unavailable_reason()}")
+    torch.manual_seed(1)
+    q = torch.randn(9, 21, 64)
+    k, v = torch.randn(3, 700, 64).bfloat16(), torch.randn(3, 700, 64).bfloat16()
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 3, 5):
+            torch.set_num_threads(n)
+            outs.append(cache_ops.question_attention(q, k, v, None, 0.125, 10))
+    finally:
+        torch.set_num_threads(threads)
+    for out, mass in outs[1:]:
+        assert torch.allclose(out, outs[0][0], atol=1e-6) and torch.allclose(mass, outs[0][1], atol=1e-6)
