@@ -243,13 +243,13 @@ def recall_layer(layer: LayerKV, cold: ColdLayer, question: torch.Tensor, scalin
         return 0, None
     dev = layer.device
     log_counts = layer.log_counts[:, : layer.length] if layer.merged_any else None
-    mass = shared = None
+    mass = hot_logits = None
     if dev.type == "cpu" and cold.device.type == "cpu":  # one C call, the cold keys as stored (cache_ops.recall_mass)
         share = share and log_counts is None
         got = cache_ops.recall_mass(question, layer.read_keys(), cold.keys[:, : cold.length],
                                     None if cold.key_scales is None else cold.key_scales[:, : cold.length],
                                     log_counts, scaling, keep_hot=share)
-        mass, shared = got if share and got is not None else (got, None)
+        mass, hot_logits = got if share and got is not None else (got, None)
     if mass is None:
         mass = recall_mass(question, layer.read_keys(), cold.read_keys_to(dev), log_counts, scaling).to(cold.device)
     take = min(cold.length, recall_size(budget))
@@ -261,14 +261,14 @@ def recall_layer(layer: LayerKV, cold: ColdLayer, question: torch.Tensor, scalin
         # in position order, as the hot set keeps them: its insert then merges two sorted runs (an insertion sort
         # of the top-k order cost ~6 ms a question over the default model's 30 layers)
         index = torch.gather(index, 1, torch.gather(positions, 1, index).argsort(dim=1))
-    if shared is not None:  # the hot entries' positions, in the order of their logits rows
-        shared.positions = layer.positions[:, : layer.length].clone()
+    hot_positions = layer.positions[:, : layer.length].clone() if hot_logits is not None else None
     if not cold.move_into(layer, index):
         keys, values, positions, scores = cold.take(index)
         layer.insert(keys.to(dev), values.to(dev), positions.to(dev), scores.to(dev))
-    if shared is not None:
-        shared.merged = layer.positions[:, : layer.length]
-    return take, shared
+    if hot_logits is None:
+        return take, None
+    rows = question.shape[0] * question.shape[1] // layer.kv_heads  # the group's question rows of a head
+    return take, cache_ops.HotLogits(hot_logits, rows, hot_positions, layer.positions[:, : layer.length])
 
 
 def recall_size(budget: int) -> int:

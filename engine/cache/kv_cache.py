@@ -66,8 +66,8 @@ REPLY_ROOM = 256
 REPLY_RECALLED = 256
 # Room a compacted cache keeps past its entries for the next turn's question and reply; a tiered cache keeps what
 # the next question may recall on top (cold.recall_size), which every follow-up fills again: without it, each
-# follow-up's reserve reallocated and copied every layer (~15 ms of an 8k follow-up's ~250 ms TTFT on a 2-core
-# AMD EPYC, for ~12 MB of the default model's memory kept between turns).
+# follow-up's reserve reallocated and copied every layer (at 8k, 512 entries a head: ~12 MB of the default
+# model's memory kept between turns instead).
 SPARE_TOKENS = 256
 
 

@@ -195,8 +195,9 @@ def recall_mass(query: torch.Tensor, hot_keys: torch.Tensor, cold_keys: torch.Te
     """cold.recall_mass in one C call (dsv41_recall_mass), the cold keys read as stored: int8 [h, C, d] with their
     float32 scales [h, C, 1] (widened key by key, as ColdLayer.read_keys does), or bf16 / float32 without scales;
     the hot keys [h, S, d] float32 or bf16; each a view whose entries are contiguous rows (a layer's storage up
-    to its length). None where the kernels do not apply. `keep_hot`: (mass, HotLogits), the hot entries' logits
-    as computed, for the question's attention after the recall (question_attention's `shared`)."""
+    to its length). None where the kernels do not apply. `keep_hot`: (mass, logits), the hot entries' logits
+    [h, S, rows rounded up to the vector width] as computed, for the question's attention after the recall
+    (HotLogits)."""
     lib = load()
     h, s, d = hot_keys.shape
     c = cold_keys.shape[1]
@@ -224,20 +225,20 @@ def recall_mass(query: torch.Tensor, hot_keys: torch.Tensor, cold_keys: torch.Te
         raise MemoryError("the recall's scoring could not allocate its buffers")
     if status != 0:
         return None
-    return (mass, HotLogits(hot, q.shape[1], torch.empty(0, dtype=torch.int32))) if keep_hot else mass
+    return (mass, hot) if keep_hot else mass
 
 
 @dataclass
 class HotLogits:
     """The logits recall_mass computed for a layer's hot entries [h, S, rows rounded up to the vector width] (the
     group's question rows in lanes, masked as the question's attention masks them), `rows` of them real; the
-    positions of those entries [h, S] (int32, in order) and, once the recalled entries are in, the layer's
-    positions [h, S'] (a view): question_attention pairs the two to find each entry's row (the recalled ones it
-    computes)."""
+    positions of those entries [h, S] (int32, in order) and the layer's positions once the recalled entries are in
+    [h, S'] (a view): question_attention pairs the two to find each entry's row (the recalled ones it computes).
+    Built by cold.recall_layer."""
     logits: torch.Tensor
     rows: int
     positions: torch.Tensor
-    merged: torch.Tensor | None = None
+    merged: torch.Tensor
 
 
 def question_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -256,7 +257,7 @@ def question_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Te
     if log_counts is not None and (log_counts.dtype != torch.float32 or not _rows_of(log_counts, 1)):
         return None
     groups = big_h // h
-    if shared is not None and (log_counts is not None or shared.merged is None or shared.rows != groups * t
+    if shared is not None and (log_counts is not None or shared.rows != groups * t
                                or shared.merged.shape != (h, s) or not _rows_of(shared.merged, 1)
                                or shared.merged.dtype != torch.int32 or shared.logits.shape[0] != h
                                or shared.positions.shape != shared.logits.shape[:2]

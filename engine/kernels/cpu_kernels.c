@@ -2111,6 +2111,66 @@ static void recall_logits4(const float *qt, int64_t rp, int64_t d, const float *
     }
 }
 
+/* The pieces dsv41_recall_mass and dsv41_question_attention share. */
+
+/* qt [d][rp] = the head's query rows q [rows][d] transposed, rows past `rows` zero. */
+static void queries_t(const float *q, int64_t rows, int64_t d, int64_t rp, float *qt) {
+    memset(qt, 0, (size_t)(d * rp) * sizeof(float));
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t t = 0; t < d; t++) qt[t * rp + r] = q[r * d + t];
+}
+
+/* The logits of up to four entries of one head's keys (type / scales as recall_key) into their rows of `base`
+ * ([entry][rp]): entries j0 .. j0 + ne - 1, or idx[0 .. ne - 1] when idx is given (computed in `tile`, 4 x rp, and
+ * copied). lc (per entry) is added; with tq > 0 the question's own later tokens are masked (row r sees entries up
+ * to s - tq + r % tq); each row's maximum goes into mx [rp]. */
+static void logit_rows(const float *qt, int64_t rp, int64_t d, int type, const void *keys, const float *scales,
+                       int64_t j0, const int64_t *idx, int ne, const float *lc, int64_t s, int64_t tq, int64_t rows,
+                       float *base, float *tile, float *mx) {
+    float kf[4 * RECALL_DMAX] __attribute__((aligned(64)));
+    for (int e = 0; e < 4; e++) {
+        if (e < ne) recall_key(type, keys, idx ? idx[e] : j0 + e, d, scales, kf + e * RECALL_DMAX);
+        else memset(kf + e * RECALL_DMAX, 0, (size_t)d * sizeof(float));
+    }
+    recall_logits4(qt, rp, d, kf, ne, idx ? tile : base + j0 * rp);
+    for (int e = 0; e < ne; e++) {
+        const int64_t j = idx ? idx[e] : j0 + e;
+        float *row = base + j * rp;
+        if (idx) memcpy(row, tile + e * rp, (size_t)rp * sizeof(float));
+        if (lc) {
+            VF a = VSET(lc[j]);
+            for (int64_t v = 0; v < rp; v += LANES) VSTORE(row + v, VADD(VLOAD(row + v), a));
+        }
+        if (tq > 0 && j > s - tq)
+            for (int64_t r = 0; r < rows; r++)
+                if (j > s - tq + r % tq) row[r] = -INFINITY;
+        for (int64_t v = 0; v < rp; v += LANES) VSTORE(mx + v, VMAX(VLOAD(mx + v), VLOAD(row + v)));
+    }
+}
+
+/* Per thread t of nt: row maxima part[t][0][rp] and sums part[t][1][rp]. Set before each parallel region (it may
+ * run on fewer threads than asked); combined into top [rp] and inv [rp] (1 / sum, 0 past `rows`). */
+static void partials_reset(float *part, int nt, int64_t rp) {
+    for (int t = 0; t < nt; t++)
+        for (int64_t r = 0; r < rp; r++) part[(int64_t)t * 2 * rp + r] = -INFINITY, part[(int64_t)t * 2 * rp + rp + r] = 0.f;
+}
+
+static void partials_top(const float *part, int nt, int64_t rp, float *top) {
+    for (int64_t r = 0; r < rp; r++) {
+        float m = -INFINITY;
+        for (int t = 0; t < nt; t++) m = fmaxf(m, part[(int64_t)t * 2 * rp + r]);
+        top[r] = m;
+    }
+}
+
+static void partials_inv(const float *part, int nt, int64_t rp, int64_t rows, float *inv) {
+    for (int64_t r = 0; r < rp; r++) {
+        float total = 0.f;
+        for (int t = 0; t < nt; t++) total += part[(int64_t)t * 2 * rp + rp + r];
+        inv[r] = r < rows ? 1.f / total : 0.f;
+    }
+}
+
 int dsv41_recall_mass(int64_t heads, int64_t rows, int64_t tq, int64_t d, const float *q,
                       int64_t s, const void *hot, int hot_type, int64_t hot_stride, const float *hot_lc,
                       int64_t lc_stride, int64_t c, const void *cold, int cold_type, int64_t cold_stride,
@@ -2130,9 +2190,7 @@ int dsv41_recall_mass(int64_t heads, int64_t rows, int64_t tq, int64_t d, const 
         return -2;
     }
     for (int64_t h = 0; h < heads; h++) {
-        memset(qt, 0, (size_t)(d * rp) * sizeof(float));
-        for (int64_t r = 0; r < rows; r++)
-            for (int64_t t = 0; t < d; t++) qt[t * rp + r] = q[(h * rows + r) * d + t];
+        queries_t(q + h * rows * d, rows, d, rp, qt);
         const void *hk = hot_type == 1 ? (const void *)((const uint16_t *)hot + h * hot_stride)
                                        : (const void *)((const float *)hot + h * hot_stride);
         const void *ck = cold_type == 2 ? (const void *)((const int8_t *)cold + h * cold_stride)
@@ -2141,45 +2199,24 @@ int dsv41_recall_mass(int64_t heads, int64_t rows, int64_t tq, int64_t d, const 
         const float *cs = cold_scales ? cold_scales + h * scale_stride : NULL;
         const float *lc = hot_lc ? hot_lc + h * lc_stride : NULL;
         float *hot_rows = hot_out ? hot_out + h * s * rp : logits, *cold_rows = hot_out ? logits : logits + s * rp;
-        /* every thread's row maxima and sums, set here: the region may run on fewer threads than asked */
-        for (int64_t r = 0; r < (int64_t)nt * rp; r++) part[(r / rp) * 2 * rp + r % rp] = -INFINITY,
-                                                       part[(r / rp) * 2 * rp + rp + r % rp] = 0.f;
+        partials_reset(part, nt, rp);
 #pragma omp parallel num_threads(nt)
         {
             const int me = omp_get_thread_num();
             float *mx = part + (int64_t)me * 2 * rp, *sm = mx + rp;
-            float kf[4 * RECALL_DMAX] __attribute__((aligned(64)));
 #pragma omp for schedule(static)
             for (int64_t b = 0; b < blocks; b++) {
-                const int is_hot = b < hot_blocks;
-                const int64_t j0 = is_hot ? b * 4 : (b - hot_blocks) * 4, len = is_hot ? s : c;
-                const int ne = len - j0 < 4 ? (int)(len - j0) : 4;
-                for (int e = 0; e < 4; e++) {
-                    if (e < ne) recall_key(is_hot ? hot_type : cold_type, is_hot ? hk : ck, j0 + e, d, cs,
-                                           kf + e * RECALL_DMAX);
-                    else memset(kf + e * RECALL_DMAX, 0, (size_t)d * sizeof(float));
-                }
-                float *out = (is_hot ? hot_rows : cold_rows) + j0 * rp;
-                recall_logits4(qt, rp, d, kf, ne, out);
-                for (int e = 0; e < ne; e++) {
-                    float *row = out + e * rp;
-                    const int64_t j = j0 + e;
-                    if (is_hot && lc) {
-                        VF a = VSET(lc[j]);
-                        for (int64_t v = 0; v < rp; v += LANES) VSTORE(row + v, VADD(VLOAD(row + v), a));
-                    }
-                    if (is_hot && j > s - tq)  /* the question's own later tokens: row r sees up to s - tq + r % tq */
-                        for (int64_t r = 0; r < rows; r++)
-                            if (j > s - tq + r % tq) row[r] = -INFINITY;
-                    for (int64_t v = 0; v < rp; v += LANES) VSTORE(mx + v, VMAX(VLOAD(mx + v), VLOAD(row + v)));
+                if (b < hot_blocks)  /* hot: merge counts added, the question's own later tokens masked */
+                    logit_rows(qt, rp, d, hot_type, hk, NULL, b * 4, NULL, s - b * 4 < 4 ? (int)(s - b * 4) : 4, lc,
+                               s, tq, rows, hot_rows, NULL, mx);
+                else {
+                    const int64_t j0 = (b - hot_blocks) * 4;
+                    logit_rows(qt, rp, d, cold_type, ck, cs, j0, NULL, c - j0 < 4 ? (int)(c - j0) : 4, NULL, s, 0,
+                               rows, cold_rows, NULL, mx);
                 }
             }
 #pragma omp single
-            for (int64_t r = 0; r < rp; r++) {
-                float m = -INFINITY;
-                for (int t = 0; t < nt; t++) m = fmaxf(m, part[(int64_t)t * 2 * rp + r]);
-                top[r] = m;
-            }
+            partials_top(part, nt, rp, top);
 #pragma omp for schedule(static)
             for (int64_t j = 0; j < n; j++) {
                 float *row = j < s ? hot_rows + j * rp : cold_rows + (j - s) * rp;
@@ -2190,11 +2227,7 @@ int dsv41_recall_mass(int64_t heads, int64_t rows, int64_t tq, int64_t d, const 
                 }
             }
 #pragma omp single
-            for (int64_t r = 0; r < rp; r++) {
-                float total = 0.f;
-                for (int t = 0; t < nt; t++) total += part[(int64_t)t * 2 * rp + rp + r];
-                inv[r] = r < rows ? 1.f / total : 0.f;
-            }
+            partials_inv(part, nt, rp, rows, inv);
 #pragma omp for schedule(static)
             for (int64_t j = 0; j < c; j++) {
                 const float *row = cold_rows + j * rp;
@@ -2268,9 +2301,7 @@ int dsv41_question_attention(int64_t heads, int64_t groups, int64_t t, int64_t d
     for (int64_t r = 0; r < rp; r++) sel[r] = r < rows && r % t >= t - w ? 1.f : 0.f;
     const int64_t row_blocks = (rp / LANES + RECALL_NV - 1) / RECALL_NV, tiles = (d / 4) * row_blocks;
     for (int64_t h = 0; h < heads; h++) {
-        memset(qt, 0, (size_t)(d * rp) * sizeof(float));
-        for (int64_t r = 0; r < rows; r++)
-            for (int64_t k = 0; k < d; k++) qt[k * rp + r] = q[(h * rows + r) * d + k];
+        queries_t(q + h * rows * d, rows, d, rp, qt);
         const size_t el = kv_type == 1 ? 2 : 4;
         const void *hk = (const char *)keys + (size_t)(h * kv_stride) * el;
         const void *hv = (const char *)values + (size_t)(h * kv_stride) * el;
@@ -2289,17 +2320,14 @@ int dsv41_question_attention(int64_t heads, int64_t groups, int64_t t, int64_t d
                 computed = s;
             }
         }
-        /* every thread's row maxima and sums, set here: the region may run on fewer threads than asked */
-        for (int64_t r = 0; r < (int64_t)nt * rp; r++) part[(r / rp) * 2 * rp + r % rp] = -INFINITY,
-                                                       part[(r / rp) * 2 * rp + rp + r % rp] = 0.f;
+        partials_reset(part, nt, rp);
 #pragma omp parallel num_threads(nt)
         {
             const int me = omp_get_thread_num();
             float *mx = part + (int64_t)me * 2 * rp, *sm = mx + rp;
-            float kf[4 * RECALL_DMAX] __attribute__((aligned(64)));
             if (hot_logits) {
                 /* the rows dsv41_recall_mass computed (the same products of the same rows, masked the same), and
-                 * the logits of the entries it recalled (never among the question's own) from their hot keys */
+                 * the logits of the entries it recalled (older than the question) from their hot keys */
 #pragma omp for schedule(static) nowait
                 for (int64_t m = 0; m < s; m++) {
                     const int64_t from = src[m];
@@ -2309,55 +2337,18 @@ int dsv41_question_attention(int64_t heads, int64_t groups, int64_t t, int64_t d
                     for (int64_t v = 0; v < rp; v += LANES) VSTORE(mx + v, VMAX(VLOAD(mx + v), VLOAD(row + v)));
                 }
 #pragma omp for schedule(static)
-                for (int64_t b = 0; b < (computed + 3) / 4; b++) {
-                    float *tile = scratch + (int64_t)me * 4 * rp;
-                    const int ne = computed - b * 4 < 4 ? (int)(computed - b * 4) : 4;
-                    for (int e = 0; e < 4; e++) {
-                        if (e < ne) recall_key(kv_type, hk, todo[b * 4 + e], d, NULL, kf + e * RECALL_DMAX);
-                        else memset(kf + e * RECALL_DMAX, 0, (size_t)d * sizeof(float));
-                    }
-                    recall_logits4(qt, rp, d, kf, ne, tile);
-                    for (int e = 0; e < ne; e++) {
-                        const int64_t j = todo[b * 4 + e];
-                        float *row = pt + j * rp;
-                        memcpy(row, tile + e * rp, (size_t)rp * sizeof(float));
-                        if (j > s - t)  /* only where the layout was not the recall's: a recalled entry is older */
-                            for (int64_t r = 0; r < rows; r++)
-                                if (j > s - t + r % t) row[r] = -INFINITY;
-                        for (int64_t v = 0; v < rp; v += LANES) VSTORE(mx + v, VMAX(VLOAD(mx + v), VLOAD(row + v)));
-                    }
-                }
+                for (int64_t b = 0; b < (computed + 3) / 4; b++)
+                    logit_rows(qt, rp, d, kv_type, hk, NULL, 0, todo + b * 4,
+                               computed - b * 4 < 4 ? (int)(computed - b * 4) : 4, NULL, s, t, rows, pt,
+                               scratch + (int64_t)me * 4 * rp, mx);
             } else {
 #pragma omp for schedule(static)
-            for (int64_t b = 0; b < blocks; b++) {
-                const int64_t j0 = b * 4;
-                const int ne = s - j0 < 4 ? (int)(s - j0) : 4;
-                for (int e = 0; e < 4; e++) {
-                    if (e < ne) recall_key(kv_type, hk, j0 + e, d, NULL, kf + e * RECALL_DMAX);
-                    else memset(kf + e * RECALL_DMAX, 0, (size_t)d * sizeof(float));
-                }
-                float *o = pt + j0 * rp;
-                recall_logits4(qt, rp, d, kf, ne, o);
-                for (int e = 0; e < ne; e++) {
-                    float *row = o + e * rp;
-                    const int64_t j = j0 + e;
-                    if (hl) {
-                        VF a = VSET(hl[j]);
-                        for (int64_t v = 0; v < rp; v += LANES) VSTORE(row + v, VADD(VLOAD(row + v), a));
-                    }
-                    if (j > s - t)
-                        for (int64_t r = 0; r < rows; r++)
-                            if (j > s - t + r % t) row[r] = -INFINITY;
-                    for (int64_t v = 0; v < rp; v += LANES) VSTORE(mx + v, VMAX(VLOAD(mx + v), VLOAD(row + v)));
-                }
-            }
+                for (int64_t b = 0; b < blocks; b++)
+                    logit_rows(qt, rp, d, kv_type, hk, NULL, b * 4, NULL, s - b * 4 < 4 ? (int)(s - b * 4) : 4, hl,
+                               s, t, rows, pt, NULL, mx);
             }
 #pragma omp single
-            for (int64_t r = 0; r < rp; r++) {
-                float m = -INFINITY;
-                for (int k = 0; k < nt; k++) m = fmaxf(m, part[(int64_t)k * 2 * rp + r]);
-                top[r] = m;
-            }
+            partials_top(part, nt, rp, top);
 #pragma omp for schedule(static)
             for (int64_t j = 0; j < s; j++) {
                 float *row = pt + j * rp;
@@ -2374,11 +2365,7 @@ int dsv41_question_attention(int64_t heads, int64_t groups, int64_t t, int64_t d
                 }
             }
 #pragma omp single
-            for (int64_t r = 0; r < rp; r++) {
-                float total = 0.f;
-                for (int k = 0; k < nt; k++) total += part[(int64_t)k * 2 * rp + rp + r];
-                inv[r] = r < rows ? 1.f / total : 0.f;
-            }
+            partials_inv(part, nt, rp, rows, inv);
 #pragma omp for schedule(static)
             for (int64_t j = 0; j < s; j++) {
                 float *row = pt + j * rp;
