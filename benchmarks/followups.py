@@ -109,6 +109,10 @@ def table(payload: dict) -> str:
                 else "")
              + (f", its reply keeps {payload['reply_recalled']} past the budget" if payload.get("reply_recalled")
                 else "")
+             + ("; a follow-up's reply attends to the hot set alone (--no-cold-counts)"
+                if payload.get("cold_counts") is False else "")
+             + (f"; a follow-up's reply counts the cold tier ({payload['count_tables']} hash tables, seed "
+                f"{payload['count_seed']})" if payload.get("cold_counts") and "count_tables" in payload else "")
              + ("; each follow-up asked alone on a fork of the chat after its first turn (--mode requests)"
                 if payload.get("mode") == "requests" else ""), "",
              "| configuration | first question | follow-ups | right per turn (1st, 2nd, ...) | about the speech "
@@ -175,6 +179,13 @@ def main(argv=None) -> int:
     parser.add_argument("--recall-min", type=int, default=None,
                         help="entries a question recalls at least, per head (engine.cache.cold.RECALL_MIN; a "
                              "number past the document's length recalls everything: the recall's upper bound)")
+    parser.add_argument("--no-cold-counts", action="store_true",
+                        help="a follow-up's reply attends to the hot set alone (engine.cache.kv_cache.COUNT_COLD off: "
+                             "no hot entry stands for the cold entries like it)")
+    parser.add_argument("--count-tables", type=int, default=None,
+                        help="hash tables of the reply's counts of the cold tier (engine.cache.cold.COUNT_TABLES)")
+    parser.add_argument("--count-seed", type=int, default=None,
+                        help="seed of their random hyperplanes (engine.cache.cold.COUNT_SEED)")
     parser.add_argument("--no-content", action="store_true",
                         help="skip the two questions about the speech itself asked after the planted facts")
     parser.add_argument("--repetition-penalty", type=float, default=REPETITION_PENALTY,
@@ -185,6 +196,11 @@ def main(argv=None) -> int:
 
     if args.recall_min is not None:
         cold.RECALL_MIN = args.recall_min
+    kv_cache.COUNT_COLD = not args.no_cold_counts
+    if args.count_tables is not None:
+        cold.COUNT_TABLES = args.count_tables
+    if args.count_seed is not None:
+        cold.COUNT_SEED = args.count_seed
     started = time.time()
     # conversation_cache_mb=0: every chat here is new, nothing is reopened, so saving each turn's cache would only
     # fill the user's cache folder (benchmarks/reopen.py measures the saved caches)
@@ -215,7 +231,7 @@ def main(argv=None) -> int:
         rows += run_configs(model, [c for c in configs if c["kv_cache_ratio"] == ratio], cases, args.mode)
         print(table({"words": args.words, "tokens": rows[0]["turns"][0]["seen"], "alone_right": sum(alone),
                      "alone_total": len(alone), "rows": rows[-1:]}).splitlines()[-1], flush=True)
-    payload = {"machine": machine(), "mode": args.mode, "recall_min": cold.RECALL_MIN, "reply_recalled": kv_cache.REPLY_RECALLED, "documents": sorted(wanted), "words": args.words, "repetition_penalty": args.repetition_penalty, "tokens": rows[0]["turns"][0]["seen"],
+    payload = {"machine": machine(), "mode": args.mode, "recall_min": cold.RECALL_MIN, "reply_recalled": kv_cache.REPLY_RECALLED, "cold_counts": kv_cache.COUNT_COLD, "count_tables": cold.COUNT_TABLES, "count_seed": cold.COUNT_SEED, "documents": sorted(wanted), "words": args.words, "repetition_penalty": args.repetition_penalty, "tokens": rows[0]["turns"][0]["seen"],
                "alone_right": sum(alone), "alone_total": len(alone), "alone_content_right": sum(alone_content),
                "alone_content_total": len(alone_content), "rows": rows, "elapsed_s": time.time() - started}
     out = Path(args.out)

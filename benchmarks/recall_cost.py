@@ -6,7 +6,8 @@ model, greedy). Three parts:
   (cache_ops.recall_mass, one C call per layer from the int8 cold keys as stored: products, softmax over hot and
   cold, mass), the choice (cache_ops.recall_select: span ranking, the best, in position order), moving the
   recalled entries in (ColdLayer.move_into), the whole recall (DSV41Cache._recall_layer), the question's
-  attention that follows (cache_ops.question_attention, with the hot logits the recall computed), and the TTFT;
+  attention that follows (cache_ops.question_attention, with the hot logits the recall computed), the TTFT, and
+  the reply's counts of the cold tier (DSV41Cache.count_cold, once the first reply token is out: not in the TTFT);
 - one layer's scoring on the shapes the last recall of the run had: the C call against torch's path (the cold
   int8 keys widened to float32, then cold.recall_mass: two products and the softmax pass), with how far their
   masses are apart and whether they recall the same entries;
@@ -31,7 +32,7 @@ import torch
 
 from .common import machine, write_results
 
-PARTS = ("recall", "scoring", "choice", "move_into", "question_attention")
+PARTS = ("recall", "scoring", "choice", "move_into", "question_attention", "counts")
 
 
 def in_place(words: int, cases: int) -> tuple[dict, dict]:
@@ -69,6 +70,7 @@ def in_place(words: int, cases: int) -> tuple[dict, dict]:
     timed(cache_ops, "recall_select", "choice")
     timed(cold.ColdLayer, "move_into", "move_into")
     timed(cache_ops, "question_attention", "question_attention")
+    timed(kv_cache.DSV41Cache, "count_cold", "counts")
     try:
         model = DSV41Model.from_pretrained(DSV41Config(max_seq_len=8192, kv_cache_ratio=0.3, cold_tier="ram",
                                                        conversation_cache_mb=0))
@@ -189,10 +191,12 @@ def main(argv=None) -> int:
     table = "\n".join([
         f"Follow-ups of a tiered chat at ratio 0.3 on {args.words}-word documents ({parts['follow_ups']} follow-ups), "
         f"{payload['machine']['cpu']}, {payload['threads']} threads; medians per follow-up, summed over the layers.",
-        "", "| TTFT | recall | scoring | choice | moving in | the question's attention after it |",
-        "|---|---|---|---|---|---|",
+        "", "| TTFT | recall | scoring | choice | moving in | the question's attention after it "
+        "| the reply's counts of the cold tier (after the first token) |",
+        "|---|---|---|---|---|---|---|",
         f"| {parts['ttft']:.0f} ms | {parts['recall']:.0f} ms | {parts['scoring']:.0f} ms | "
-        f"{parts['choice']:.1f} ms | {parts['move_into']:.1f} ms | {parts['question_attention']:.0f} ms |", "",
+        f"{parts['choice']:.1f} ms | {parts['move_into']:.1f} ms | {parts['question_attention']:.0f} ms "
+        f"| {parts['counts']:.0f} ms |", "",
         f"One layer's scoring ({shapes['heads']} KV heads, {shapes['rows']} query rows a head, {shapes['hot']} hot and "
         f"{shapes['cold']} cold entries a head, head dim {shapes['dim']}):", "",
         *(["| torch (int8 keys widened, products, softmax pass) | one C call | largest difference / largest mass | "

@@ -8,7 +8,9 @@ What the turn loop (engine.generate) and the session call, in the order of a tur
                      (question=True) recalls from the cold tier layer by layer
     cache.finish_prefill(answer_follows=True)                          question-aware compaction, CSA2 fit
                                                                        (once the first reply token is out)
-                                                                       (tiered CED: after the reply instead)
+                                                                       (tiered CED: after the reply instead;
+                                                                       a follow-up's reply counts the cold
+                                                                       tier until finish_turn: count_cold)
     for each decode step: forward, then cache.after_decode_step()
     cache.finish_turn()                                                back to the steady-state budget
     cache.apply(settings) -> "compacted" | "needs_rebuild"             new knobs between turns
@@ -35,7 +37,7 @@ import torch
 from ..paths import cold_dir
 from . import attention, csa2, policies
 from .budget import budget_for, explain_ratio, plan_compactions
-from .cold import ColdLayer, recall_layer, recall_size
+from .cold import ColdLayer, cold_counts, count_planes, recall_layer, recall_size
 from .merge import merge_into_kept
 from .policies import PROBE, QUESTION, STREAM
 from .policies.ced import SPAN_TOKENS
@@ -69,6 +71,9 @@ REPLY_RECALLED = 256
 # follow-up's reserve reallocated and copied every layer (at 8k, 512 entries a head: ~12 MB of the default
 # model's memory kept between turns instead).
 SPARE_TOKENS = 256
+# A follow-up's reply attends with each hot entry standing for the cold entries like it (cold.cold_counts, from the
+# reply's first decode step to the end of the turn); False: the hot set alone, as if nothing were cold
+COUNT_COLD = True
 
 
 @dataclass
@@ -130,6 +135,8 @@ class DSV41Cache:
         # question's forward held, which the reply may attend to until the turn ends (None: the budget)
         self.answer_limit: int | None = None
         self.question_tokens = 0  # the current turn's question, its last tokens (start_prefill)
+        self.counting = False  # the hot set's log counts stand for the cold tier (count_cold) until the turn ends
+        self._planes: torch.Tensor | None = None
 
     @property
     def policy(self) -> policies.Policy:
@@ -395,6 +402,7 @@ class DSV41Cache:
         as it streams in; its question is known, so such a policy asks for a probe of the question (at the
         positions it will have) to score the document with, instead of each chunk's own last tokens."""
         s = self.settings
+        self.uncount_cold()  # a turn that failed while replying did not reach finish_turn
         self.answer_limit = None
         self.question_tokens = question_tokens
         self.recalled, self.recall_seconds = 0, 0.0  # this turn's (a turn without a question recalls nothing)
@@ -453,11 +461,40 @@ class DSV41Cache:
                 # decode step (run_turn calls this once the first token, which the question's logits gave, is out)
                 self.compact(self.budget() + REPLY_RECALLED, when=QUESTION,
                              recent=max(self.settings.ced_recent_tokens, self.question_tokens))
+            if self.recalled and COUNT_COLD:
+                self.count_cold()
             self.answer_limit = max(self.stored, self.budget())
         elif self.settings.compressing:
             self.compact(when=QUESTION)
             self.shrink(SPARE_TOKENS + self._recall_room())
         self.fit_sparse()
+
+    @torch.inference_mode()
+    def count_cold(self) -> None:
+        """Before a follow-up's reply: every hot entry's logit gets log(1 + the cold entries it stands for)
+        (cold.cold_counts), so the reply's attention gives the hot set about the share the whole conversation
+        would have, instead of the recent turns taking what the cold entries would have drawn. Measured in
+        docs/design.md ("What the reply counts"). Undone by uncount_cold when the turn ends."""
+        if self.cold is None or any(layer.merged_any for layer in self.layers):
+            return  # merge counts of their own (a merge-mode cache): left as they are
+        for layer, cold in zip(self.layers, self.cold, strict=True):
+            if not cold.length or not layer.length:
+                continue
+            if self._planes is None or self._planes.device != layer.device:
+                self._planes = count_planes(self.head_dim, layer.device)
+            layer.log_counts[:, : layer.length] = cold_counts(layer, cold, self._planes)
+            layer.merged_any = True
+            self.counting = True
+
+    @torch.inference_mode()
+    def uncount_cold(self) -> None:
+        """The hot set stands for itself again (after count_cold; a no-op otherwise)."""
+        if not self.counting:
+            return
+        for layer in self.layers:
+            layer.log_counts[:, : layer.length] = 0.0
+            layer.merged_any = False
+        self.counting = False
 
     def _recall_room(self, seen: int | None = None) -> int:
         """Entries per head the next question may recall (0 with the cold tier off or empty)."""
@@ -500,6 +537,7 @@ class DSV41Cache:
     def finish_turn(self) -> None:
         """The turn ends at the steady-state budget (a reply decoded before its question's compaction: that
         compaction now, ranked by the question's and the reply's attention)."""
+        self.uncount_cold()
         if self.answer_limit is not None:
             self.answer_limit = None
             self.finish_prefill()
@@ -512,6 +550,7 @@ class DSV41Cache:
         set lacked, so it came back from there; "needs_rebuild": the settings are taken, but they keep more than
         the cache still holds (or change its stored format), so the caller re-reads the conversation
         (ChatSession.rebuild)."""
+        self.uncount_cold()
         old, self.settings = self.settings, settings
         if old.needs_rebuild(settings):
             if self.cold is None or not old.only_budget_changed(settings):

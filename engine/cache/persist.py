@@ -29,7 +29,9 @@ def _hot_names(layer: LayerKV) -> list[str]:
 
 @torch.inference_mode()
 def save_state(cache) -> tuple[dict[str, torch.Tensor], dict]:
-    """(tensors, facts): the cache's state as contiguous CPU tensors and a JSON-able dict of its counters."""
+    """(tensors, facts): the cache's state as contiguous CPU tensors and a JSON-able dict of its counters. A state
+    is saved between turns: a reply's counts of the cold tier (DSV41Cache.count_cold) are not part of it."""
+    cache.uncount_cold()
     tensors: dict[str, torch.Tensor] = {}
     layers = []
     for i, layer in enumerate(cache.layers):

@@ -283,11 +283,22 @@ def test_loosening_the_ratio_recalls_from_the_cold_tier_instead_of_re_reading():
     assert plain.apply(plain.settings.replace(kv_cache_ratio=1.0)) == "needs_rebuild"
 
 
-def test_a_chat_with_the_cold_tier_never_loses_a_token_and_recalls_each_question(tiny_folder):
+def test_a_chat_with_the_cold_tier_never_loses_a_token_and_recalls_each_question(tiny_folder, monkeypatch):
     """Through real turns (a tiny model, the real tokenizer): every token seen is either hot or cold after each
-    turn, each follow-up question recalls from the cold tier, and the hot set stays within its budget."""
+    turn, each follow-up question recalls from the cold tier, its reply counts the cold tier (the counts gone
+    when the turn ends), and the hot set stays within its budget."""
     from engine import DSV41Config, DSV41Model
+    from engine.cache import cold as cold_module
 
+    monkeypatch.setattr(cold_module, "RECALL_MIN", 16)  # the tiny chat's cold tier would come back whole
+    counted = []
+    original = DSV41Cache.count_cold
+
+    def count_cold(self):
+        original(self)
+        counted.append(self.counting)
+
+    monkeypatch.setattr(DSV41Cache, "count_cold", count_cold)
     model = DSV41Model.from_pretrained(DSV41Config(model_path=str(tiny_folder), max_seq_len=4096, kv_cache_ratio=0.2,
                                                    cold_tier="ram", csa2_topk=0))
     session = model.chat_session()
@@ -301,8 +312,10 @@ def test_a_chat_with_the_cold_tier_never_loses_a_token_and_recalls_each_question
             assert layer.length <= cache.budget()
             hot = set(layer.positions[0, : layer.length].tolist())
             assert not hot & set(cold.positions[0, : cold.length].tolist())
+        assert not cache.counting and not any(layer.merged_any for layer in cache.layers)
         if turn:
             assert cache.recalled > 0
+    assert counted == [True, True]  # each follow-up's reply, not the first question's
     report = model.memory_report(session.cache)
     assert report.kv_cold == session.cache.cold_bytes() > 0
 

@@ -1,0 +1,175 @@
+"""A follow-up's reply counts what is cold: each hot entry's logit gets log(1 + the cold entries it stands for)
+(engine.cache.cold.cold_counts, DSV41Cache.count_cold), from the reply's first step to the end of the turn."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from engine.cache import CacheSettings, DSV41Cache, kv_cache, persist
+from engine.cache.cold import COUNT_BITS, COUNT_TABLES, ColdLayer, cold_counts, count_planes
+from engine.cache.storage import LayerKV
+
+
+def _layers(hot_keys, cold_keys, *, int8):
+    h, s, d = hot_keys.shape
+    layer = LayerKV(h, d, torch.float32, "cpu", initial_capacity=s)
+    layer.append(hot_keys, torch.randn(h, s, d), torch.arange(s).expand(h, -1).contiguous())
+    source = LayerKV(h, d, torch.float32, "cpu", initial_capacity=cold_keys.shape[1])
+    c = cold_keys.shape[1]
+    source.append(cold_keys, torch.randn(h, c, d), torch.arange(s, s + c).expand(h, -1).contiguous())
+    cold = ColdLayer(h, d, torch.float32, "cpu", int8=int8)
+    cold.add(source, torch.arange(c).expand(h, -1).contiguous())
+    return layer, cold
+
+
+def _naive(hot_keys, cold_keys, planes):
+    """The counts by hand: per head and table, each key's bucket from the signs of its projections; a bucket's
+    cold entries shared evenly by its hot ones; the mean over the tables."""
+    h, s, _ = hot_keys.shape
+    out = torch.zeros(h, s)
+    for head in range(h):
+        for table in range(COUNT_TABLES):
+            cut = planes[:, table * COUNT_BITS:(table + 1) * COUNT_BITS]
+
+            def bucket(key, cut=cut):
+                return tuple(bool(x > 0) for x in key @ cut)
+
+            hot_buckets = [bucket(k) for k in hot_keys[head]]
+            cold_buckets = [bucket(k) for k in cold_keys[head]]
+            for i, b in enumerate(hot_buckets):
+                out[head, i] += cold_buckets.count(b) / hot_buckets.count(b)
+    return (out / COUNT_TABLES).log1p()
+
+
+def test_each_bucket_shares_its_cold_entries_evenly_over_its_hot_ones():
+    g = torch.Generator().manual_seed(0)
+    hot = torch.randn(2, 24, 8, generator=g)
+    # cold keys near some hot ones (what a compaction sends away looks like what it keeps) and some anywhere
+    near = hot[:, :6].repeat(1, 3, 1) + 0.05 * torch.randn(2, 18, 8, generator=g)
+    cold = torch.cat([near, torch.randn(2, 10, 8, generator=g)], dim=1)
+    layer, cold_layer = _layers(hot, cold, int8=False)
+    planes = count_planes(8, "cpu")
+    got = cold_counts(layer, cold_layer, planes)
+    assert torch.allclose(got, _naive(hot, cold, planes), atol=1e-6)
+    # the hot keys with cold ones close to them stand for more than the others
+    assert got[:, :6].mean() > 2 * got[:, 6:].mean()
+    # cold copies of the hot keys: every cold entry is counted once, on the hot entries of its own bucket
+    copies = hot[:, [0, 0, 5, 9]]
+    layer, cold_layer = _layers(hot, copies, int8=False)
+    counts = cold_counts(layer, cold_layer, planes).expm1()
+    assert torch.allclose(counts.sum(dim=1), torch.full((2,), 4.0), atol=1e-5)
+
+
+def test_int8_cold_keys_are_counted_as_their_widened_values_would_be():
+    """The int8 cold keys are hashed as stored (a positive scale changes no sign): the counts equal those of the
+    keys widened back to float."""
+    g = torch.Generator().manual_seed(1)
+    hot, cold = torch.randn(3, 40, 16, generator=g), torch.randn(3, 70, 16, generator=g)
+    layer, int8_cold = _layers(hot, cold, int8=True)
+    planes = count_planes(16, "cpu")
+    widened = int8_cold.read_keys()
+    assert not torch.equal(widened, cold)  # int8 is not lossless: the point is what is stored
+    assert torch.allclose(cold_counts(layer, int8_cold, planes), _naive(hot, widened, planes), atol=1e-6)
+
+
+def test_the_planes_are_the_same_for_every_cache():
+    assert torch.equal(count_planes(8, "cpu"), count_planes(8, "cpu"))
+    assert count_planes(64, "cpu").shape == (64, COUNT_TABLES * COUNT_BITS)
+
+
+def _cache(**knobs):
+    settings = CacheSettings(**{"kv_cache_ratio": 0.25, "csa2_topk": 0, "ced_sink_tokens": 2, "ced_recent_tokens": 4,
+                                "min_entries": 8, "ced_threshold": 0.0, "cold_tier": "ram", **knobs})
+    return DSV41Cache(2, 2, 8, torch.float32, "cpu", settings)
+
+
+def _forward(cache, tokens, *, seed, question=False):
+    """One forward of `tokens` random entries through the cache's own attend; the layers' outputs."""
+    g = torch.Generator().manual_seed(seed)
+    cache.begin_forward(tokens, score_window=tokens, prefill=tokens > 1, question=question)
+    outs = []
+    for index in range(cache.num_layers):
+        q, k, v = (torch.randn(1, n, tokens, 8, generator=g) for n in (4, 2, 2))
+        outs.append(cache.attend(index, q, k, v, 8**-0.5))
+    cache.end_forward()
+    return outs
+
+
+@pytest.fixture(autouse=True)
+def _small_recall(monkeypatch):
+    """A question of these small caches recalls a few entries and its reply keeps fewer (the defaults would bring
+    the whole cold tier back)."""
+    from engine.cache import cold
+
+    monkeypatch.setattr(cold, "RECALL_MIN", 8)
+    monkeypatch.setattr(kv_cache, "REPLY_RECALLED", 4)
+
+
+def _first_turn_then_question(cache):
+    cache.start_prefill(64, 8, None)
+    _forward(cache, 64, seed=3)
+    cache.finish_prefill(answer_follows=True)
+    for step in range(4):
+        _forward(cache, 1, seed=10 + step)
+    cache.finish_turn()
+    assert cache.cold[0].length > 0
+    cache.start_prefill(6, 6, None)
+    _forward(cache, 6, seed=20, question=True)
+    assert cache.recalled > 0
+    assert cache.cold[0].length > 0
+
+
+def test_a_follow_ups_reply_counts_the_cold_tier_until_its_turn_ends(monkeypatch):
+    cache = _cache()
+    _first_turn_then_question(cache)
+    cache.finish_prefill(answer_follows=True)
+    assert cache.counting
+    planes = count_planes(8, "cpu")
+    for layer, cold in zip(cache.layers, cache.cold, strict=True):
+        assert layer.merged_any
+        assert torch.equal(layer.log_counts[:, : layer.length], cold_counts(layer, cold, planes))
+        assert layer.log_counts[:, : layer.length].max() > 0
+    counted = _forward(cache, 1, seed=30)  # a reply step attends with the counts ...
+    cache.finish_turn()
+    assert not cache.counting
+    for layer in cache.layers:  # ... and the turn ends with the hot set standing for itself alone
+        assert not layer.merged_any and not layer.log_counts.any()
+
+    plain = _cache()  # the same turns without the counts: the reply's step attends differently
+    _first_turn_then_question(plain)
+    monkeypatch.setattr(kv_cache, "COUNT_COLD", False)
+    plain.finish_prefill(answer_follows=True)
+    assert not plain.counting and not any(layer.merged_any for layer in plain.layers)
+    uncounted = _forward(plain, 1, seed=30)
+    assert not all(torch.allclose(a, b) for a, b in zip(counted, uncounted, strict=True))
+
+
+def test_a_first_question_and_a_cache_without_the_cold_tier_count_nothing():
+    for knobs in ({}, {"cold_tier": "off"}):
+        cache = _cache(**knobs)
+        cache.start_prefill(64, 8, None)
+        _forward(cache, 64, seed=3, question=True)
+        cache.finish_prefill(answer_follows=True)
+        assert not cache.counting and not any(layer.merged_any for layer in cache.layers)
+
+
+@pytest.mark.parametrize("after", ["save", "next turn", "new knobs"])
+def test_a_reply_that_never_finished_leaves_no_counts_behind(after):
+    """A reply that failed part-way does not reach finish_turn: a saved state, the next turn and new knobs each
+    find the hot set standing for itself."""
+    cache = _cache()
+    _first_turn_then_question(cache)
+    cache.finish_prefill(answer_follows=True)
+    _forward(cache, 1, seed=30)
+    assert cache.counting  # the reply fails here
+    if after == "save":
+        tensors, facts = persist.save_state(cache)
+        assert not any(tensors[f"hot.{i}.log_counts"].any() for i in range(cache.num_layers))
+        assert not any(layer["merged_any"] for layer in facts["layers"])
+    elif after == "next turn":
+        cache.start_prefill(4, 4, None)
+    else:
+        cache.apply(dataclasses.replace(cache.settings, ced_decay=0.99))
+    assert not cache.counting
+    assert not any(layer.merged_any or layer.log_counts.any() for layer in cache.layers)
