@@ -297,10 +297,14 @@ def count_planes(head_dim: int, device) -> torch.Tensor:
 def _buckets(keys: torch.Tensor, planes: torch.Tensor) -> torch.Tensor:
     """keys [h, n, d] -> each key's bucket in every table [h, n * COUNT_TABLES], numbered across the tables."""
     h, n = keys.shape[0], keys.shape[1]
-    signs = torch.matmul(keys.float(), planes) > 0  # [h, n, T * b]
-    weights = 2 ** torch.arange(COUNT_BITS, device=keys.device)
-    offsets = torch.arange(COUNT_TABLES, device=keys.device) << COUNT_BITS
-    return ((signs.view(h, n, COUNT_TABLES, COUNT_BITS).long() * weights).sum(-1) + offsets).view(h, -1)
+    signs = torch.matmul(keys.float(), planes).gt_(0)  # [h, n, T * b]: 1.0 where the key is above the plane
+    # the bits of each table to its bucket number (exact in float32: < 2^24), in one product
+    bits = torch.zeros(COUNT_TABLES * COUNT_BITS, COUNT_TABLES, device=keys.device)
+    powers = 2.0 ** torch.arange(COUNT_BITS, device=keys.device)
+    for table in range(COUNT_TABLES):
+        bits[table * COUNT_BITS:(table + 1) * COUNT_BITS, table] = powers
+    offsets = torch.arange(COUNT_TABLES, device=keys.device, dtype=torch.float32) * (1 << COUNT_BITS)
+    return (torch.matmul(signs, bits) + offsets).long().view(h, -1)
 
 
 @torch.inference_mode()
@@ -314,10 +318,13 @@ def cold_counts(layer: LayerKV, cold: ColdLayer, planes: torch.Tensor) -> torch.
     cold_keys = stored.to(dev, non_blocking=cold.pinned) if cold.int8 else cold.read_keys_to(dev)
     held = _buckets(cold_keys, planes)
     slots = COUNT_TABLES << COUNT_BITS
-    hot_n = torch.zeros(h, slots, device=dev).scatter_add_(1, hot, torch.ones(hot.shape, device=dev))
-    cold_n = torch.zeros(h, slots, device=dev).scatter_add_(1, held, torch.ones(held.shape, device=dev))
-    shared = (torch.gather(cold_n, 1, hot) / torch.gather(hot_n, 1, hot)).view(h, s, COUNT_TABLES)
-    return shared.mean(dim=-1).log1p_()
+    heads = torch.arange(h, device=dev)[:, None] * slots  # one count over every head's buckets
+
+    def sizes(buckets):
+        return torch.bincount((buckets + heads).view(-1), minlength=h * slots).view(h, slots).float()
+
+    shared = torch.gather(sizes(held), 1, hot) / torch.gather(sizes(hot), 1, hot)
+    return shared.view(h, s, COUNT_TABLES).mean(dim=-1).log1p_()
 
 
 def recall_size(budget: int) -> int:
