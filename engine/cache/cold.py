@@ -297,14 +297,11 @@ def count_planes(head_dim: int, device) -> torch.Tensor:
 def _buckets(keys: torch.Tensor, planes: torch.Tensor) -> torch.Tensor:
     """keys [h, n, d] -> each key's bucket in every table [h, n * COUNT_TABLES], numbered across the tables."""
     h, n = keys.shape[0], keys.shape[1]
-    signs = torch.matmul(keys.float(), planes).gt_(0)  # [h, n, T * b]: 1.0 where the key is above the plane
-    # the bits of each table to its bucket number (exact in float32: < 2^24), in one product
-    bits = torch.zeros(COUNT_TABLES * COUNT_BITS, COUNT_TABLES, device=keys.device)
+    # [h, n, T, b]: 1.0 where the key is above the plane; a table's bits to its bucket number (exact in float32)
+    signs = torch.matmul(keys.float(), planes).gt_(0).view(h, n, COUNT_TABLES, COUNT_BITS)
     powers = 2.0 ** torch.arange(COUNT_BITS, device=keys.device)
-    for table in range(COUNT_TABLES):
-        bits[table * COUNT_BITS:(table + 1) * COUNT_BITS, table] = powers
-    offsets = torch.arange(COUNT_TABLES, device=keys.device, dtype=torch.float32) * (1 << COUNT_BITS)
-    return (torch.matmul(signs, bits) + offsets).long().view(h, -1)
+    offsets = torch.arange(COUNT_TABLES, device=keys.device) << COUNT_BITS
+    return (torch.matmul(signs, powers).long() + offsets).view(h, -1)
 
 
 @torch.inference_mode()

@@ -136,7 +136,7 @@ class DSV41Cache:
         self.answer_limit: int | None = None
         self.question_tokens = 0  # the current turn's question, its last tokens (start_prefill)
         self.counting = False  # the hot set's log counts stand for the cold tier (count_cold) until the turn ends
-        self._planes: torch.Tensor | None = None
+        self._planes: dict[torch.device, torch.Tensor] = {}  # count_cold's hyperplanes on each layer's device
 
     @property
     def policy(self) -> policies.Policy:
@@ -480,9 +480,10 @@ class DSV41Cache:
         for layer, cold in zip(self.layers, self.cold, strict=True):
             if not cold.length or not layer.length:
                 continue
-            if self._planes is None or self._planes.device != layer.device:
-                self._planes = count_planes(self.head_dim, layer.device)
-            layer.log_counts[:, : layer.length] = cold_counts(layer, cold, self._planes)
+            planes = self._planes.get(layer.device)
+            if planes is None:
+                planes = self._planes[layer.device] = count_planes(self.head_dim, layer.device)
+            layer.log_counts[:, : layer.length] = cold_counts(layer, cold, planes)
             layer.merged_any = True
             self.counting = True
 
