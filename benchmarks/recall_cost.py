@@ -16,9 +16,9 @@ model, greedy). Three parts:
   quantized per row (quantization and rescaling included), each with its largest error against float32 relative
   to the largest logit. Medians of interleaved rounds.
 
-Writes results/recall-cost/recall-cost.json and .md.
+Writes results/<folder>/<folder>.json and .md (results/recall-cost/ by default).
 
-Usage: python -m benchmarks.recall_cost [--words 5900] [--cases 3]
+Usage: python -m benchmarks.recall_cost [--words 5900] [--cases 3] [--folder recall-cost]
 """
 
 from __future__ import annotations
@@ -182,6 +182,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--words", type=int, default=5900)
     parser.add_argument("--cases", type=int, default=3)
+    parser.add_argument("--folder", default="recall-cost", help="results/<folder>/ (e.g. recall-cost-2k for --words 1280)")
     args = parser.parse_args(argv)
     parts, shapes = in_place(args.words, args.cases)
     whole = scoring(shapes)
@@ -208,7 +209,7 @@ def main(argv=None) -> int:
         "| products | ms | GFLOP/s | largest error / largest logit |", "|---|---|---|---|",
         *[f"| {name} | {r['ms']:.3f} | {r['gflops']:.0f} | {r['max_error_of_largest']:.1e} |"
           for name, r in layer.items()], ""])
-    write_results("recall-cost", payload, table)
+    write_results(args.folder, payload, table)
     print(table)
     return 0
 

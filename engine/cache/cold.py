@@ -281,7 +281,7 @@ def recall_layer(layer: LayerKV, cold: ColdLayer, question: torch.Tensor, scalin
 # counts"): at 1,781 tokens the follow-ups went from 20 / 21 / 22 to 24 / 25 / 27 of 36 at ratios 0.3 / 0.2 / 0.1
 # (uncompressed 23; over the seeds 0-3 a mean of 23.5 / 23.8 / 25.8), at 3,752 tokens from 18 / 18 to 23 / 25 at
 # 0.3 / 0.2 (uncompressed 19). Exact counts (each cold entry on its most similar hot key) take a [cold x hot]
-# product per head and layer: ~2.5 s a follow-up at 7.4k tokens on 2 cores.
+# product per head and layer: about 70 billion multiply-adds a follow-up at 7.4k tokens.
 COUNT_TABLES = 16
 COUNT_BITS = 10
 COUNT_SEED = 0
