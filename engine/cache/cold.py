@@ -287,18 +287,30 @@ COUNT_BITS = 10
 COUNT_SEED = 0
 
 
+PLANE_STEPS = 32  # a hyperplane's normal in int8: round(32 x a standard normal), clamped to +-127
+
+
 def count_planes(head_dim: int, device) -> torch.Tensor:
-    """The hyperplanes of count_cold's hashing [head_dim, COUNT_TABLES * COUNT_BITS], the same for every cache
-    (seeded: a chat's replies do not depend on the process they run in)."""
+    """The hyperplanes of count_cold's hashing [COUNT_TABLES * COUNT_BITS, head_dim] int8, the same for every cache
+    (seeded: a chat's replies do not depend on the process they run in). In int8, like the keys they are applied
+    to, so every product is an exact integer: a key hashes the same in any order of summation, on any device."""
     generator = torch.Generator().manual_seed(COUNT_SEED)
-    return torch.randn(head_dim, COUNT_TABLES * COUNT_BITS, generator=generator).to(device)
+    normals = torch.randn(head_dim, COUNT_TABLES * COUNT_BITS, generator=generator)
+    return normals.t().mul(PLANE_STEPS).round_().clamp_(-127, 127).to(torch.int8).contiguous().to(device)
 
 
 def _buckets(keys: torch.Tensor, planes: torch.Tensor) -> torch.Tensor:
-    """keys [h, n, d] -> each key's bucket in every table [h, n * COUNT_TABLES], numbered across the tables."""
+    """keys [h, n, d] -> each key's bucket in every table [h, n * COUNT_TABLES], numbered across the tables. A float
+    key is rounded to int8 as the cold tier stores it (quantize_int8: an entry hashes the same hot or cold); the
+    int8 products are exact in float32 too (|sum| <= 127 * 127 * d < 2^24 for d <= 1024)."""
+    if keys.device.type == "cpu":
+        got = cache_ops.lsh_buckets(keys, planes, COUNT_TABLES, COUNT_BITS)  # one C call (dsv41_lsh_buckets)
+        if got is not None:
+            return got
     h, n = keys.shape[0], keys.shape[1]
+    q = keys if keys.dtype == torch.int8 else quantize_int8(keys)[0]
     # [h, n, T, b]: 1.0 where the key is above the plane; a table's bits to its bucket number (exact in float32)
-    signs = torch.matmul(keys.float(), planes).gt_(0).view(h, n, COUNT_TABLES, COUNT_BITS)
+    signs = torch.matmul(q.float(), planes.float().t()).gt_(0).view(h, n, COUNT_TABLES, COUNT_BITS)
     powers = 2.0 ** torch.arange(COUNT_BITS, device=keys.device)
     offsets = torch.arange(COUNT_TABLES, device=keys.device) << COUNT_BITS
     return (torch.matmul(signs, powers).long() + offsets).view(h, -1)
@@ -307,13 +319,12 @@ def _buckets(keys: torch.Tensor, planes: torch.Tensor) -> torch.Tensor:
 @torch.inference_mode()
 def cold_counts(layer: LayerKV, cold: ColdLayer, planes: torch.Tensor) -> torch.Tensor:
     """log(1 + c) for each hot entry of `layer` [h, S] float32 on its device: c, the cold entries it stands for
-    (see COUNT_TABLES). The int8 cold keys are hashed as stored: a key's scale is positive, it changes no sign."""
+    (see COUNT_TABLES). The cold keys are hashed as stored (int8: a key's scale is positive, it changes no sign),
+    on the hot set's device (to a GPU the int8 bytes cross the bus, a quarter of float32)."""
     dev = layer.device
     h, s = layer.kv_heads, layer.length
     hot = _buckets(layer.read_keys(), planes)
-    stored = cold.keys[:, : cold.length]
-    cold_keys = stored.to(dev, non_blocking=cold.pinned) if cold.int8 else cold.read_keys_to(dev)
-    held = _buckets(cold_keys, planes)
+    held = _buckets(cold.keys[:, : cold.length].to(dev, non_blocking=cold.pinned), planes)
     slots = COUNT_TABLES << COUNT_BITS
     heads = torch.arange(h, device=dev)[:, None] * slots  # one count over every head's buckets
 

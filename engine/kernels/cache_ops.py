@@ -292,3 +292,21 @@ def recall_select(mass: torch.Tensor, positions: torch.Tensor, span: int, take: 
     if status == -2:
         raise MemoryError("the recall's choice could not allocate its buffers")
     return out if status == 0 else None
+
+
+def lsh_buckets(keys: torch.Tensor, planes: torch.Tensor, tables: int, bits: int) -> torch.Tensor | None:
+    """cold._buckets in one C call (dsv41_lsh_buckets): keys [h, n, d] float32 or bf16 (rounded to int8 as
+    quantize_int8 rounds them) or int8 (as stored), a view whose entries are contiguous rows; planes int8
+    [tables * bits, d]. Each key's bucket in every table [h, n * tables] int64, numbered across the tables; the
+    same integers as the torch path (exact products). None where the kernels do not apply."""
+    lib = load()
+    h, n, d = keys.shape
+    if (lib is None or keys.dtype not in _KEY_TYPES or not _rows_of(keys, d) or planes.dtype != torch.int8
+            or planes.device.type != "cpu" or not planes.is_contiguous() or planes.shape != (tables * bits, d)):
+        return None
+    out = torch.empty(h, n * tables, dtype=torch.int64)
+    status = lib.lib.dsv41_lsh_buckets(h, n, d, keys.data_ptr(), _KEY_TYPES[keys.dtype], keys.stride(0) if h else 0,
+                                       planes.data_ptr(), tables, bits, out.data_ptr(), torch.get_num_threads())
+    if status == -2:
+        raise MemoryError("hashing the keys could not allocate its buffer")
+    return out if status == 0 else None

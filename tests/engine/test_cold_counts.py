@@ -7,8 +7,11 @@ import pytest
 import torch
 
 from engine.cache import CacheSettings, DSV41Cache, kv_cache, persist
+from engine.cache import cold as cold_module
 from engine.cache.cold import COUNT_BITS, COUNT_TABLES, ColdLayer, cold_counts, count_planes
 from engine.cache.storage import LayerKV
+from engine.kernels import cache_ops
+from engine.kernels.quant import quantize_int8
 
 
 def _layers(hot_keys, cold_keys, *, int8):
@@ -24,16 +27,17 @@ def _layers(hot_keys, cold_keys, *, int8):
 
 
 def _naive(hot_keys, cold_keys, planes):
-    """The counts by hand: per head and table, each key's bucket from the signs of its projections; a bucket's
-    cold entries shared evenly by its hot ones; the mean over the tables."""
+    """The counts by hand: per head and table, each key's bucket from the signs of its integer products (the key
+    rounded to int8 as the cold tier stores it) with the table's int8 planes; a bucket's cold entries shared evenly
+    by its hot ones; the mean over the tables."""
     h, s, _ = hot_keys.shape
     out = torch.zeros(h, s)
     for head in range(h):
         for table in range(COUNT_TABLES):
-            cut = planes[:, table * COUNT_BITS:(table + 1) * COUNT_BITS]
+            cut = planes[table * COUNT_BITS:(table + 1) * COUNT_BITS].long()
 
             def bucket(key, cut=cut):
-                return tuple(bool(x > 0) for x in key @ cut)
+                return tuple(bool(x > 0) for x in cut @ quantize_int8(key)[0].long())
 
             hot_buckets = [bucket(k) for k in hot_keys[head]]
             cold_buckets = [bucket(k) for k in cold_keys[head]]
@@ -61,21 +65,41 @@ def test_each_bucket_shares_its_cold_entries_evenly_over_its_hot_ones():
     assert torch.allclose(counts.sum(dim=1), torch.full((2,), 4.0), atol=1e-5)
 
 
-def test_int8_cold_keys_are_counted_as_their_widened_values_would_be():
-    """The int8 cold keys are hashed as stored (a positive scale changes no sign): the counts equal those of the
-    keys widened back to float."""
+def test_an_entry_hashes_the_same_hot_or_cold():
+    """The int8 cold keys are hashed as stored, and a hot key as it would be stored: the counts over an int8 cold
+    tier are those of the original float keys, and a key copied into the cold tier lands in its own buckets."""
     g = torch.Generator().manual_seed(1)
     hot, cold = torch.randn(3, 40, 16, generator=g), torch.randn(3, 70, 16, generator=g)
     layer, int8_cold = _layers(hot, cold, int8=True)
     planes = count_planes(16, "cpu")
-    widened = int8_cold.read_keys()
-    assert not torch.equal(widened, cold)  # int8 is not lossless: the point is what is stored
-    assert torch.allclose(cold_counts(layer, int8_cold, planes), _naive(hot, widened, planes), atol=1e-6)
+    assert not torch.equal(int8_cold.read_keys(), cold)  # int8 is not lossless: the point is what is stored
+    assert torch.allclose(cold_counts(layer, int8_cold, planes), _naive(hot, cold, planes), atol=1e-6)
+    # every hot key also cold (as int8): each bucket's cold entries are exactly its hot ones, c = 1 everywhere
+    layer, copies = _layers(hot, hot, int8=True)
+    assert torch.allclose(cold_counts(layer, copies, planes), torch.full((3, 40), 2.0).log(), atol=1e-6)
 
 
-def test_the_planes_are_the_same_for_every_cache():
-    assert torch.equal(count_planes(8, "cpu"), count_planes(8, "cpu"))
-    assert count_planes(64, "cpu").shape == (64, COUNT_TABLES * COUNT_BITS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_the_c_buckets_are_the_torch_ones(dtype, monkeypatch):
+    """dsv41_lsh_buckets gives the integers the torch path gives (exact products, so no float order can differ),
+    on a layer's storage view (capacity past its length), for every key type the tiers hold; hashing part of the
+    keys gives those keys' buckets of the whole."""
+    g = torch.Generator().manual_seed(2)
+    store = torch.randn(3, 300, 64, generator=g)
+    if dtype == torch.int8:
+        store = quantize_int8(store)[0]
+    keys = store.to(dtype)[:, :257]
+    planes = count_planes(64, "cpu")
+    c = cache_ops.lsh_buckets(keys, planes, COUNT_TABLES, COUNT_BITS)
+    if c is None:
+        pytest.skip("the C kernels are not available here")
+    monkeypatch.setattr(cache_ops, "lsh_buckets", lambda *args: None)
+    torch_path = cold_module._buckets(keys, planes)
+    assert torch.equal(c, torch_path)
+    assert torch.equal(cold_module._buckets(keys[:, 100:130], planes), torch_path[:, 100 * COUNT_TABLES:130 * COUNT_TABLES])
+    # numbered across the tables: table t's buckets are t << COUNT_BITS and up
+    tables = c.view(3, 257, COUNT_TABLES) >> COUNT_BITS
+    assert torch.equal(tables, torch.arange(COUNT_TABLES).expand(3, 257, -1))
 
 
 def _cache(**knobs):
