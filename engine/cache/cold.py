@@ -323,8 +323,13 @@ def cold_counts(layer: LayerKV, cold: ColdLayer, planes: torch.Tensor) -> torch.
     on the hot set's device (to a GPU the int8 bytes cross the bus, a quarter of float32)."""
     dev = layer.device
     h, s = layer.kv_heads, layer.length
+    stored = cold.keys[:, : cold.length]
+    if dev.type == "cpu":  # one C call: hashes, counts and shares (dsv41_cold_counts)
+        got = cache_ops.cold_counts(layer.read_keys(), stored, planes, COUNT_TABLES, COUNT_BITS)
+        if got is not None:
+            return got
     hot = _buckets(layer.read_keys(), planes)
-    held = _buckets(cold.keys[:, : cold.length].to(dev, non_blocking=cold.pinned), planes)
+    held = _buckets(stored.to(dev, non_blocking=cold.pinned), planes)
     slots = COUNT_TABLES << COUNT_BITS
     heads = torch.arange(h, device=dev)[:, None] * slots  # one count over every head's buckets
 

@@ -310,3 +310,25 @@ def lsh_buckets(keys: torch.Tensor, planes: torch.Tensor, tables: int, bits: int
     if status == -2:
         raise MemoryError("hashing the keys could not allocate its buffer")
     return out if status == 0 else None
+
+
+def cold_counts(hot_keys: torch.Tensor, cold_keys: torch.Tensor, planes: torch.Tensor, tables: int,
+                bits: int) -> torch.Tensor | None:
+    """cold.cold_counts in one C call (dsv41_cold_counts): log(1 + c) [h, S] float32 for the hot keys [h, S, d], c
+    the mean over the tables of their bucket's cold keys [h, C, d] over its hot ones; key types and views as
+    lsh_buckets takes them. None where the kernels do not apply."""
+    lib = load()
+    h, s, d = hot_keys.shape
+    if (lib is None or hot_keys.dtype not in _KEY_TYPES or cold_keys.dtype not in _KEY_TYPES
+            or not _rows_of(hot_keys, d) or not _rows_of(cold_keys, d) or cold_keys.shape[0] != h
+            or planes.dtype != torch.int8 or planes.device.type != "cpu" or not planes.is_contiguous()
+            or planes.shape != (tables * bits, d)):
+        return None
+    out = torch.empty(h, s, dtype=torch.float32)
+    status = lib.lib.dsv41_cold_counts(h, d, s, hot_keys.data_ptr(), _KEY_TYPES[hot_keys.dtype],
+                                       hot_keys.stride(0) if h else 0, cold_keys.shape[1], cold_keys.data_ptr(),
+                                       _KEY_TYPES[cold_keys.dtype], cold_keys.stride(0) if h else 0, planes.data_ptr(),
+                                       tables, bits, out.data_ptr(), torch.get_num_threads())
+    if status == -2:
+        raise MemoryError("the reply's counts could not allocate their buffers")
+    return out if status == 0 else None

@@ -2536,102 +2536,169 @@ int dsv41_recall_select(int64_t heads, int64_t c, const int32_t *positions, int6
     return 0;
 }
 
-/* The buckets of the reply's counts of the cold tier (cold.cold_counts): locality-sensitive hashing by random
- * hyperplanes. Each key [d] (key type 0 float32, 1 bf16, both rounded to int8 first exactly as quantize_int8 and
- * dsv41_cold_add round them; 2 int8, as the cold tier stores it) is multiplied by the int8 hyperplanes planes
- * [tables * bits, d] in integers (exact: no float order can flip a sign), and table t's bucket is
- * t << bits | sum over b < bits of (product with plane t * bits + b > 0) << b, written to out [heads, n, tables]
- * int64. keys: heads of n rows of d, `head_stride` elements apart. With AVX-512 VNNI the products are vpdpbusd
- * (the key's bytes offset by 128 to be unsigned, the offset's share, 128 * sum(plane), taken off after), 16
- * planes a vector: a key is d / 4 broadcasts times tables * bits / 16 products, a quarter of the float multiply-
- * adds' instructions and none of their rounding. Returns 0, or -1 (sizes out of range), -2 (no memory). */
+/* The reply's counts of the cold tier (cold.cold_counts): locality-sensitive hashing by random hyperplanes. Each
+ * key [d] (key type 0 float32, 1 bf16, both rounded to int8 first exactly as quantize_int8 and dsv41_cold_add round
+ * them; 2 int8, as the cold tier stores it) is multiplied by the int8 hyperplanes planes [tables * bits, d] in
+ * integers (exact: no float order can flip a sign), and table t's bucket is t << bits | sum over b < bits of
+ * (product with plane t * bits + b > 0) << b. With AVX-512 VNNI the products are vpdpbusd (the key's bytes offset by
+ * 128 to be unsigned, the offset's share, 128 * sum(plane), taken off after), 16 planes a vector: a key is d / 4
+ * broadcasts times tables * bits / 16 products, a quarter of the float multiply-adds' instructions and none of
+ * their rounding. */
 #define LSH_MAX_PLANES 512
-#define LSH_CHUNK 5
-int dsv41_lsh_buckets(int64_t heads, int64_t n, int64_t d, const void *keys, int key_type, int64_t head_stride,
-                      const int8_t *planes, int64_t tables, int64_t bits, int64_t *out, int threads) {
-    const int64_t p = tables * bits, groups = (p + 15) / 16;
-    if (d <= 0 || d > MAX_HEAD_DIM || p <= 0 || p > LSH_MAX_PLANES || bits <= 0 || bits > 16 || key_type < 0
-        || key_type > 2 || n < 0 || heads < 0)
-        return -1;
-    int nt = threads > 0 ? threads : 1;
+#define LSH_CHUNK 5  /* groups of 16 planes summed at once: independent chains for the 4-byte steps */
+
+typedef struct {
+    const int8_t *planes;
+    int64_t d, p, groups, tables, bits;
+    int8_t *packed;  /* VNNI: the planes as [group][d / 4][16 planes][4 bytes], zero planes past p; NULL: scalar */
+    int32_t offset[LSH_MAX_PLANES + 16];
+} LshPlanes;
+
+/* 0, -1 (sizes out of range) or -2 (no memory); lsh_free after */
+static int lsh_prepare(LshPlanes *lp, const int8_t *planes, int64_t d, int64_t tables, int64_t bits) {
+    lp->planes = planes, lp->d = d, lp->tables = tables, lp->bits = bits, lp->p = tables * bits;
+    lp->groups = (lp->p + 15) / 16, lp->packed = NULL;
+    if (d <= 0 || d > MAX_HEAD_DIM || lp->p <= 0 || lp->p > LSH_MAX_PLANES || bits <= 0 || bits > 16) return -1;
+    memset(lp->offset, 0, sizeof(lp->offset));
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-    const int vnni = d % 4 == 0;
-    /* the planes packed for a broadcast of 4 key bytes: [group][d / 4][16 planes][4 bytes], padded with zero planes */
-    int8_t *packed = vnni ? calloc((size_t)(groups * 16 * d), 1) : NULL;
-    int32_t offset[LSH_MAX_PLANES + 16] = {0};
-    if (vnni && !packed) return -2;
-    if (vnni)
-        for (int64_t k = 0; k < p; k++) {
+    if (d % 4 == 0) {
+        lp->packed = calloc((size_t)(lp->groups * 16 * d), 1);
+        if (!lp->packed) return -2;
+        for (int64_t k = 0; k < lp->p; k++) {
             int32_t sum = 0;
             for (int64_t j = 0; j < d; j++) {
-                packed[((k / 16) * (d / 4) + j / 4) * 64 + (k % 16) * 4 + j % 4] = planes[k * d + j];
+                lp->packed[((k / 16) * (d / 4) + j / 4) * 64 + (k % 16) * 4 + j % 4] = planes[k * d + j];
                 sum += planes[k * d + j];
             }
-            offset[k] = 128 * sum;
-        }
-#endif
-#pragma omp parallel for schedule(static) num_threads(nt)
-    for (int64_t e = 0; e < heads * n; e++) {
-        const int64_t at = (e / n) * head_stride + (e % n) * d;
-        int8_t q[MAX_HEAD_DIM];
-        if (key_type == 2) {
-            memcpy(q, (const int8_t *)keys + at, (size_t)d);
-        } else {
-            float x[MAX_HEAD_DIM], top = 0.f;
-            for (int64_t i = 0; i < d; i++) {
-                x[i] = key_type == 1 ? bf16_to_f32(((const uint16_t *)keys)[at + i]) : ((const float *)keys)[at + i];
-                const float a = fabsf(x[i]);
-                top = a > top ? a : top;
-            }
-            const float scale = (top > 1e-8f ? top : 1e-8f) / 127.0f;
-            for (int64_t i = 0; i < d; i++) {
-                float r = nearbyintf(x[i] / scale);
-                q[i] = (int8_t)(r > 127.f ? 127.f : (r < -127.f ? -127.f : r));
-            }
-        }
-        uint64_t word[LSH_MAX_PLANES / 64 + 1] = {0};  /* the signs as one bit string, plane k at bit k */
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-        if (vnni) {
-            uint8_t u[MAX_HEAD_DIM];
-            for (int64_t i = 0; i < d; i++) u[i] = (uint8_t)(q[i] ^ 0x80);  /* q + 128 */
-            /* LSH_CHUNK groups' sums at a time in registers: independent chains for the 4-byte steps */
-            for (int64_t g0 = 0; g0 < groups; g0 += LSH_CHUNK) {
-                __m512i acc[LSH_CHUNK];
-                for (int c = 0; c < LSH_CHUNK; c++) acc[c] = _mm512_setzero_si512();
-                const int64_t m = groups - g0 < LSH_CHUNK ? groups - g0 : LSH_CHUNK;
-                for (int64_t j = 0; j < d / 4; j++) {
-                    int32_t four;
-                    memcpy(&four, u + 4 * j, 4);
-                    const __m512i b = _mm512_set1_epi32(four);
-                    const int8_t *w = packed + (g0 * (d / 4) + j) * 64;
-                    for (int c = 0; c < LSH_CHUNK; c++)
-                        if (c < m) acc[c] = _mm512_dpbusd_epi32(acc[c], b, _mm512_loadu_si512(w + c * (d / 4) * 64));
-                }
-                for (int64_t c = 0; c < m; c++) {
-                    const int64_t g = g0 + c;
-                    const __m512i sum = _mm512_sub_epi32(acc[c], _mm512_loadu_si512(offset + g * 16));
-                    const uint64_t mask = _mm512_cmpgt_epi32_mask(sum, _mm512_setzero_si512());
-                    word[g / 4] |= mask << (16 * (g % 4));
-                }
-            }
-        } else
-#endif
-        {
-            for (int64_t k = 0; k < p; k++) {
-                int32_t sum = 0;
-                for (int64_t j = 0; j < d; j++) sum += (int32_t)q[j] * planes[k * d + j];
-                if (sum > 0) word[k / 64] |= (uint64_t)1 << (k % 64);
-            }
-        }
-        for (int64_t t = 0; t < tables; t++) {
-            const int64_t o = t * bits, lo = o % 64;
-            uint64_t code = word[o / 64] >> lo;
-            if (lo && lo + bits > 64) code |= word[o / 64 + 1] << (64 - lo);
-            out[e * tables + t] = (t << bits) | (int64_t)(code & ((1u << bits) - 1));
+            lp->offset[k] = 128 * sum;
         }
     }
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-    free(packed);
 #endif
+    return 0;
+}
+
+static void lsh_free(LshPlanes *lp) { free(lp->packed); }
+
+/* The buckets of the key at keys + at (elements of key_type) into codes[tables] */
+static void lsh_codes(const LshPlanes *lp, const void *keys, int key_type, int64_t at, int32_t *codes) {
+    const int64_t d = lp->d;
+    int8_t q[MAX_HEAD_DIM];
+    if (key_type == 2) {
+        memcpy(q, (const int8_t *)keys + at, (size_t)d);
+    } else {
+        float x[MAX_HEAD_DIM], top = 0.f;
+        for (int64_t i = 0; i < d; i++) {
+            x[i] = key_type == 1 ? bf16_to_f32(((const uint16_t *)keys)[at + i]) : ((const float *)keys)[at + i];
+            const float a = fabsf(x[i]);
+            top = a > top ? a : top;
+        }
+        const float scale = (top > 1e-8f ? top : 1e-8f) / 127.0f;
+        for (int64_t i = 0; i < d; i++) {
+            const float r = nearbyintf(x[i] / scale);
+            q[i] = (int8_t)(r > 127.f ? 127.f : (r < -127.f ? -127.f : r));
+        }
+    }
+    uint64_t word[LSH_MAX_PLANES / 64 + 1] = {0};  /* the signs as one bit string, plane k at bit k */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+    if (lp->packed) {
+        uint8_t u[MAX_HEAD_DIM];
+        for (int64_t i = 0; i < d; i++) u[i] = (uint8_t)(q[i] ^ 0x80);  /* q + 128 */
+        for (int64_t g0 = 0; g0 < lp->groups; g0 += LSH_CHUNK) {
+            __m512i acc[LSH_CHUNK];
+            for (int c = 0; c < LSH_CHUNK; c++) acc[c] = _mm512_setzero_si512();
+            const int64_t m = lp->groups - g0 < LSH_CHUNK ? lp->groups - g0 : LSH_CHUNK;
+            for (int64_t j = 0; j < d / 4; j++) {
+                int32_t four;
+                memcpy(&four, u + 4 * j, 4);
+                const __m512i b = _mm512_set1_epi32(four);
+                const int8_t *w = lp->packed + (g0 * (d / 4) + j) * 64;
+                for (int c = 0; c < LSH_CHUNK; c++)
+                    if (c < m) acc[c] = _mm512_dpbusd_epi32(acc[c], b, _mm512_loadu_si512(w + c * (d / 4) * 64));
+            }
+            for (int64_t c = 0; c < m; c++) {
+                const int64_t g = g0 + c;
+                const __m512i sum = _mm512_sub_epi32(acc[c], _mm512_loadu_si512(lp->offset + g * 16));
+                const uint64_t mask = _mm512_cmpgt_epi32_mask(sum, _mm512_setzero_si512());
+                word[g / 4] |= mask << (16 * (g % 4));
+            }
+        }
+    } else
+#endif
+    {
+        for (int64_t k = 0; k < lp->p; k++) {
+            int32_t sum = 0;
+            for (int64_t j = 0; j < d; j++) sum += (int32_t)q[j] * lp->planes[k * d + j];
+            if (sum > 0) word[k / 64] |= (uint64_t)1 << (k % 64);
+        }
+    }
+    for (int64_t t = 0; t < lp->tables; t++) {
+        const int64_t o = t * lp->bits, lo = o % 64;
+        uint64_t code = word[o / 64] >> lo;
+        if (lo && lo + lp->bits > 64) code |= word[o / 64 + 1] << (64 - lo);
+        codes[t] = (int32_t)((t << lp->bits) | (int64_t)(code & ((1u << lp->bits) - 1)));
+    }
+}
+
+/* Every key's buckets, out [heads, n, tables] int64 (cold._buckets). keys: heads of n rows of d, `head_stride`
+ * elements apart. Returns 0, -1 (sizes out of range), -2 (no memory). */
+int dsv41_lsh_buckets(int64_t heads, int64_t n, int64_t d, const void *keys, int key_type, int64_t head_stride,
+                      const int8_t *planes, int64_t tables, int64_t bits, int64_t *out, int threads) {
+    LshPlanes lp;
+    const int status = lsh_prepare(&lp, planes, d, tables, bits);
+    if (status != 0 || key_type < 0 || key_type > 2 || n < 0 || heads < 0) {
+        lsh_free(&lp);
+        return status ? status : -1;
+    }
+#pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
+    for (int64_t e = 0; e < heads * n; e++) {
+        int32_t codes[LSH_MAX_PLANES];
+        lsh_codes(&lp, keys, key_type, (e / n) * head_stride + (e % n) * d, codes);
+        for (int64_t t = 0; t < tables; t++) out[e * tables + t] = codes[t];
+    }
+    lsh_free(&lp);
+    return 0;
+}
+
+/* cold.cold_counts in one call: out [heads, s] float32, log(1 + c) for each of the s hot keys, c the mean over the
+ * tables of its bucket's cold keys over its bucket's hot keys (every bucket of a head counted over that head's keys).
+ * hot / cold keys: heads of s / c rows of d, their types and head strides as dsv41_lsh_buckets. Returns 0, -1
+ * (sizes out of range), -2 (no memory). */
+int dsv41_cold_counts(int64_t heads, int64_t d, int64_t s, const void *hot, int hot_type, int64_t hot_stride,
+                      int64_t c, const void *cold, int cold_type, int64_t cold_stride, const int8_t *planes,
+                      int64_t tables, int64_t bits, float *out, int threads) {
+    LshPlanes lp;
+    int status = lsh_prepare(&lp, planes, d, tables, bits);
+    if (status == 0 && (hot_type < 0 || hot_type > 2 || cold_type < 0 || cold_type > 2 || s < 0 || c < 0))
+        status = -1;
+    const int64_t slots = tables << bits, total = heads * (s + c);
+    int32_t *codes = status ? NULL : malloc((size_t)(total * tables + 1) * sizeof(int32_t));
+    int32_t *sizes = status ? NULL : calloc((size_t)(2 * heads * slots), sizeof(int32_t));  /* [hot, cold][h][slot] */
+    if (status == 0 && (!codes || !sizes)) status = -2;
+    if (status != 0) {
+        free(codes), free(sizes), lsh_free(&lp);
+        return status;
+    }
+    const int nt = threads > 0 ? threads : 1;
+#pragma omp parallel for schedule(static) num_threads(nt)
+    for (int64_t e = 0; e < total; e++) {  /* keys e < heads * s hot, the rest cold */
+        const int is_cold = e >= heads * s;
+        const int64_t r = is_cold ? e - heads * s : e, n = is_cold ? c : s;
+        lsh_codes(&lp, is_cold ? cold : hot, is_cold ? cold_type : hot_type,
+                  (r / n) * (is_cold ? cold_stride : hot_stride) + (r % n) * d, codes + e * tables);
+    }
+#pragma omp parallel for schedule(static) num_threads(nt)
+    for (int64_t h = 0; h < heads; h++) {
+        int32_t *hot_sizes = sizes + h * slots, *cold_sizes = sizes + (heads + h) * slots;
+        for (int64_t i = h * s * tables; i < (h + 1) * s * tables; i++) hot_sizes[codes[i]]++;
+        const int32_t *held = codes + heads * s * tables;
+        for (int64_t i = h * c * tables; i < (h + 1) * c * tables; i++) cold_sizes[held[i]]++;
+        for (int64_t i = 0; i < s; i++) {
+            const int32_t *b = codes + (h * s + i) * tables;
+            float sum = 0.f;
+            for (int64_t t = 0; t < tables; t++) sum += (float)cold_sizes[b[t]] / (float)hot_sizes[b[t]];
+            out[h * s + i] = log1pf(sum / (float)tables);
+        }
+    }
+    free(codes), free(sizes), lsh_free(&lp);
     return 0;
 }

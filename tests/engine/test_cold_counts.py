@@ -197,3 +197,22 @@ def test_a_reply_that_never_finished_leaves_no_counts_behind(after):
         cache.apply(dataclasses.replace(cache.settings, ced_decay=0.99))
     assert not cache.counting
     assert not any(layer.merged_any or layer.log_counts.any() for layer in cache.layers)
+
+
+@pytest.mark.parametrize("int8", [True, False])
+def test_the_c_counts_are_the_torch_ones(int8, monkeypatch):
+    """dsv41_cold_counts (hashes, bucket sizes, shares and their mean in one call) against the torch path, on a
+    layer's and a cold tier's storage views, an int8 and a lossless cold tier."""
+    g = torch.Generator().manual_seed(4)
+    hot = torch.randn(3, 90, 64, generator=g)
+    near = hot[:, :30].repeat(1, 4, 1) + 0.1 * torch.randn(3, 120, 64, generator=g)
+    layer, cold_layer = _layers(hot, torch.cat([near, torch.randn(3, 50, 64, generator=g)], dim=1), int8=int8)
+    planes = count_planes(64, "cpu")
+    if cache_ops.cold_counts(layer.read_keys(), cold_layer.keys[:, :1], planes, COUNT_TABLES, COUNT_BITS) is None:
+        pytest.skip("the C kernels are not available here")
+    c = cold_counts(layer, cold_layer, planes)
+    monkeypatch.setattr(cache_ops, "cold_counts", lambda *args: None)
+    monkeypatch.setattr(cache_ops, "lsh_buckets", lambda *args: None)
+    torch_path = cold_counts(layer, cold_layer, planes)
+    assert torch.allclose(c, torch_path, rtol=1e-6, atol=1e-6)
+    assert c[:, :30].mean() > 2 * c[:, 30:].mean()  # the keys with cold ones near them stand for more
