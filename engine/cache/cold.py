@@ -277,11 +277,14 @@ def recall_layer(layer: LayerKV, cold: ColdLayer, question: torch.Tensor, scalin
 # have (the merge mode's log n, without folding keys or values). c is estimated by locality-sensitive hashing:
 # COUNT_TABLES tables of COUNT_BITS random hyperplanes through the origin bucket every key by the signs of its
 # projections (keys at a small angle share buckets); in each table a bucket's cold entries are shared evenly by its
-# hot ones, and c is the mean over the tables. Measured by benchmarks/followups.py (docs/design.md, "What the reply
-# counts"): at 1,781 tokens the follow-ups went from 20 / 21 / 22 to 24 / 25 / 27 of 36 at ratios 0.3 / 0.2 / 0.1
-# (uncompressed 23; over the seeds 0-3 a mean of 23.5 / 23.8 / 25.8), at 3,752 tokens from 18 / 18 to 23 / 25 at
-# 0.3 / 0.2 (uncompressed 19). Exact counts (each cold entry on its most similar hot key) take a [cold x hot]
-# product per head and layer: about 70 billion multiply-adds a follow-up at 7.4k tokens.
+# hot ones, and c is the mean over the tables. The hyperplanes are int8 and every key is hashed as the int8 the cold
+# tier stores (a hot key rounded as it would be), so the products are exact integers: an entry has the same buckets
+# hot or cold, in any order of summation, on any device; on a CPU one C call a layer hashes and counts
+# (cache_ops.cold_counts). Measured by benchmarks/followups.py (docs/design.md, "What the reply counts"): at 1,781
+# tokens the follow-ups went from 20 / 21 / 22 to 24 / 24 / 24 of 36 at ratios 0.3 / 0.2 / 0.1 (uncompressed 23), at
+# 3,752 tokens from 18 / 18 to 24 / 23 at 0.3 / 0.2 (uncompressed 19). Exact counts (each cold entry on its most
+# similar hot key) take a [cold x hot] product per head and layer: about 70 billion multiply-adds a follow-up at
+# 7.4k tokens.
 COUNT_TABLES = 16
 COUNT_BITS = 10
 COUNT_SEED = 0

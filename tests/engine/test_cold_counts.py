@@ -216,3 +216,23 @@ def test_the_c_counts_are_the_torch_ones(int8, monkeypatch):
     torch_path = cold_counts(layer, cold_layer, planes)
     assert torch.allclose(c, torch_path, rtol=1e-6, atol=1e-6)
     assert c[:, :30].mean() > 2 * c[:, 30:].mean()  # the keys with cold ones near them stand for more
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_on_a_gpu_the_counts_are_the_cpu_ones(dtype):
+    """The hot set on a GPU: its keys rounded to int8 there, the int8 cold keys carried over as stored, the products in
+    float32 (exact for these integers, TF32 or not), the counts those of the CPU path for the same keys."""
+    g = torch.Generator().manual_seed(5)
+    hot = torch.randn(3, 90, 64, generator=g).to(dtype)
+    near = hot[:, :30].float().repeat(1, 4, 1) + 0.1 * torch.randn(3, 120, 64, generator=g)
+    cold_keys = torch.cat([near, torch.randn(3, 50, 64, generator=g)], dim=1)
+    layer, cold_layer = _layers(hot.float(), cold_keys, int8=True)
+    gpu = LayerKV(3, 64, dtype, "cuda", initial_capacity=90)
+    gpu.append(hot.cuda(), torch.randn(3, 90, 64).to(dtype).cuda(), torch.arange(90).expand(3, -1).contiguous().cuda())
+    if dtype == torch.bfloat16:  # the CPU side from the same bf16 keys
+        layer = LayerKV(3, 64, torch.bfloat16, "cpu", initial_capacity=90)
+        layer.append(hot, torch.randn(3, 90, 64).to(dtype), torch.arange(90).expand(3, -1).contiguous())
+    on_gpu = cold_counts(gpu, cold_layer, count_planes(64, "cuda"))
+    assert on_gpu.device.type == "cuda"
+    assert torch.allclose(on_gpu.cpu(), cold_counts(layer, cold_layer, count_planes(64, "cpu")), atol=1e-6)
