@@ -2672,31 +2672,40 @@ int dsv41_cold_counts(int64_t heads, int64_t d, int64_t s, const void *hot, int 
         status = -1;
     const int64_t slots = tables << bits, total = heads * (s + c);
     int32_t *codes = status ? NULL : malloc((size_t)(total * tables + 1) * sizeof(int32_t));
-    int32_t *sizes = status ? NULL : calloc((size_t)(2 * heads * slots), sizeof(int32_t));  /* [hot, cold][h][slot] */
+    int32_t *sizes = status ? NULL : malloc((size_t)(2 * heads * slots + 1) * sizeof(int32_t));  /* [hot, cold][h][slot] */
     if (status == 0 && (!codes || !sizes)) status = -2;
     if (status != 0) {
         free(codes), free(sizes), lsh_free(&lp);
         return status;
     }
     const int nt = threads > 0 ? threads : 1;
-#pragma omp parallel for schedule(static) num_threads(nt)
-    for (int64_t e = 0; e < total; e++) {  /* keys e < heads * s hot, the rest cold */
-        const int is_cold = e >= heads * s;
-        const int64_t r = is_cold ? e - heads * s : e, n = is_cold ? c : s;
-        lsh_codes(&lp, is_cold ? cold : hot, is_cold ? cold_type : hot_type,
-                  (r / n) * (is_cold ? cold_stride : hot_stride) + (r % n) * d, codes + e * tables);
-    }
-#pragma omp parallel for schedule(static) num_threads(nt)
-    for (int64_t h = 0; h < heads; h++) {
-        int32_t *hot_sizes = sizes + h * slots, *cold_sizes = sizes + (heads + h) * slots;
-        for (int64_t i = h * s * tables; i < (h + 1) * s * tables; i++) hot_sizes[codes[i]]++;
-        const int32_t *held = codes + heads * s * tables;
-        for (int64_t i = h * c * tables; i < (h + 1) * c * tables; i++) cold_sizes[held[i]]++;
-        for (int64_t i = 0; i < s; i++) {
-            const int32_t *b = codes + (h * s + i) * tables;
+#pragma omp parallel num_threads(nt)
+    {
+#pragma omp for schedule(static)
+        for (int64_t e = 0; e < total; e++) {  /* keys e < heads * s hot, the rest cold */
+            const int is_cold = e >= heads * s;
+            const int64_t r = is_cold ? e - heads * s : e, n = is_cold ? c : s;
+            lsh_codes(&lp, is_cold ? cold : hot, is_cold ? cold_type : hot_type,
+                      (r / n) * (is_cold ? cold_stride : hot_stride) + (r % n) * d, codes + e * tables);
+        }
+        /* each (head, table) its own slice of the bucket sizes: no two threads write one */
+#pragma omp for schedule(static)
+        for (int64_t ht = 0; ht < heads * tables; ht++) {
+            const int64_t h = ht / tables, t = ht % tables, width = (int64_t)1 << bits;
+            int32_t *hot_sizes = sizes + h * slots, *cold_sizes = sizes + (heads + h) * slots;
+            memset(hot_sizes + t * width, 0, (size_t)width * sizeof(int32_t));
+            memset(cold_sizes + t * width, 0, (size_t)width * sizeof(int32_t));
+            for (int64_t i = h * s; i < (h + 1) * s; i++) hot_sizes[codes[i * tables + t]]++;
+            const int32_t *held = codes + heads * s * tables;
+            for (int64_t i = h * c; i < (h + 1) * c; i++) cold_sizes[held[i * tables + t]]++;
+        }
+#pragma omp for schedule(static)
+        for (int64_t e = 0; e < heads * s; e++) {
+            const int64_t h = e / s;
+            const int32_t *b = codes + e * tables, *hot_sizes = sizes + h * slots, *cold_sizes = sizes + (heads + h) * slots;
             float sum = 0.f;
             for (int64_t t = 0; t < tables; t++) sum += (float)cold_sizes[b[t]] / (float)hot_sizes[b[t]];
-            out[h * s + i] = log1pf(sum / (float)tables);
+            out[e] = log1pf(sum / (float)tables);
         }
     }
     free(codes), free(sizes), lsh_free(&lp);
