@@ -404,16 +404,20 @@ def test_kernel_ceiling_is_measured_on_the_fused_steps_products(tiny_model):
     weights = sum(p.numel() * p.element_size() for p in model.parameters() if p.dim() == 2)
     assert ceiling["bytes"] <= weights  # the tied head counted once
     cache = make_cache(model, kv_cache_ratio=1.0, csa2_topk=0)
-    ids = torch.randint(0, 256, (1, 12))
+    ids = torch.randint(0, 256, (1, 18))
     adapter.forward(model, ids[:, :10], cache, prefill=True)
     import time
 
-    steps = []
-    for i in range(10, 12):
+    # the products alone and whole steps taken in turns, the fastest of each compared: a step holds every product,
+    # so only noise (a busy machine while one side ran) could put a step below them, and the minima drop it
+    fused = adapter.runtime(model).decoder.fused
+    steps, products = [], []
+    for i in range(10, 18):
+        products.append(fused.matrices_seconds(1))
         started = time.perf_counter()
         adapter.forward(model, ids[:, i:i + 1], cache, prefill=False)
         steps.append(time.perf_counter() - started)
-    assert min(steps) > ceiling["seconds"]
+    assert min(steps) > min(products)
 
 
 @needs_kernels
