@@ -1,6 +1,6 @@
 """The cache's per-layer operations in C (cpu_kernels.c): rows moved (dsv41_rows_take, dsv41_rows_keep,
-dsv41_rows_insert, dsv41_cold_add, and a recall's take and insert at once, dsv41_recall_move) and the recall's
-softmax (dsv41_recall_softmax).
+dsv41_rows_insert, dsv41_cold_add, and a recall's take and insert at once, dsv41_recall_move), the recall's
+softmax (dsv41_recall_softmax), and the reply's counts of the cold tier (dsv41_lsh_buckets, dsv41_cold_counts).
 
 A layer (the hot set's LayerKV, the cold tier's ColdLayer) keeps several tensors laid out [heads, capacity, ...]
 with one capacity for all. A question's recall takes a few rows per head out of the cold tier and inserts them in
