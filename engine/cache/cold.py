@@ -305,11 +305,8 @@ def count_planes(head_dim: int, device) -> torch.Tensor:
 def _buckets(keys: torch.Tensor, planes: torch.Tensor) -> torch.Tensor:
     """keys [h, n, d] -> each key's bucket in every table [h, n * COUNT_TABLES], numbered across the tables. A float
     key is rounded to int8 as the cold tier stores it (quantize_int8: an entry hashes the same hot or cold); the
-    int8 products are exact in float32 too (|sum| <= 127 * 127 * d < 2^24 for d <= 1024)."""
-    if keys.device.type == "cpu":
-        got = cache_ops.lsh_buckets(keys, planes, COUNT_TABLES, COUNT_BITS)  # one C call (dsv41_lsh_buckets)
-        if got is not None:
-            return got
+    int8 products are exact in float32 (|sum| <= 127 * 127 * d < 2^24 for d <= 1024), as in the C call.
+    cold_counts' path on a GPU, or without the kernels."""
     h, n = keys.shape[0], keys.shape[1]
     q = keys if keys.dtype == torch.int8 else quantize_int8(keys)[0]
     # [h, n, T, b]: 1.0 where the key is above the plane; a table's bits to its bucket number (exact in float32)

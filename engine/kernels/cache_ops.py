@@ -1,6 +1,6 @@
 """The cache's per-layer operations in C (cpu_kernels.c): rows moved (dsv41_rows_take, dsv41_rows_keep,
 dsv41_rows_insert, dsv41_cold_add, and a recall's take and insert at once, dsv41_recall_move), the recall's
-softmax (dsv41_recall_softmax), and the reply's counts of the cold tier (dsv41_lsh_buckets, dsv41_cold_counts).
+softmax (dsv41_recall_softmax), and the reply's counts of the cold tier (dsv41_cold_counts).
 
 A layer (the hot set's LayerKV, the cold tier's ColdLayer) keeps several tensors laid out [heads, capacity, ...]
 with one capacity for all. A question's recall takes a few rows per head out of the cold tier and inserts them in
@@ -294,29 +294,13 @@ def recall_select(mass: torch.Tensor, positions: torch.Tensor, span: int, take: 
     return out if status == 0 else None
 
 
-def lsh_buckets(keys: torch.Tensor, planes: torch.Tensor, tables: int, bits: int) -> torch.Tensor | None:
-    """cold._buckets in one C call (dsv41_lsh_buckets): keys [h, n, d] float32 or bf16 (rounded to int8 as
-    quantize_int8 rounds them) or int8 (as stored), a view whose entries are contiguous rows; planes int8
-    [tables * bits, d]. Each key's bucket in every table [h, n * tables] int64, numbered across the tables; the
-    same integers as the torch path (exact products). None where the kernels do not apply."""
-    lib = load()
-    h, n, d = keys.shape
-    if (lib is None or keys.dtype not in _KEY_TYPES or not _rows_of(keys, d) or planes.dtype != torch.int8
-            or planes.device.type != "cpu" or not planes.is_contiguous() or planes.shape != (tables * bits, d)):
-        return None
-    out = torch.empty(h, n * tables, dtype=torch.int64)
-    status = lib.lib.dsv41_lsh_buckets(h, n, d, keys.data_ptr(), _KEY_TYPES[keys.dtype], keys.stride(0) if h else 0,
-                                       planes.data_ptr(), tables, bits, out.data_ptr(), torch.get_num_threads())
-    if status == -2:
-        raise MemoryError("hashing the keys could not allocate its buffer")
-    return out if status == 0 else None
-
-
 def cold_counts(hot_keys: torch.Tensor, cold_keys: torch.Tensor, planes: torch.Tensor, tables: int,
                 bits: int) -> torch.Tensor | None:
     """cold.cold_counts in one C call (dsv41_cold_counts): log(1 + c) [h, S] float32 for the hot keys [h, S, d], c
-    the mean over the tables of their bucket's cold keys [h, C, d] over its hot ones; key types and views as
-    lsh_buckets takes them. None where the kernels do not apply."""
+    the mean over the tables of their bucket's cold keys [h, C, d] over its hot ones. Keys float32 or bf16 (rounded
+    to int8 as quantize_int8 rounds them) or int8 (as stored), views whose entries are contiguous rows; planes int8
+    [tables * bits, d]. The buckets are the torch path's integers (exact products). None where the kernels do not
+    apply."""
     lib = load()
     h, s, d = hot_keys.shape
     if (lib is None or hot_keys.dtype not in _KEY_TYPES or cold_keys.dtype not in _KEY_TYPES

@@ -1785,6 +1785,24 @@ int dsv41_rows_keep(int64_t heads, int64_t capacity, int64_t n, int64_t k, const
  * them (scale = max(max |x|, 1e-8) / 127, q = x / scale rounded half to even, clamped to +-127: the same float32
  * operations, so bit-equal); else they are the hot rows' bytes. Returns 0, or -1 (bad sizes or index) before
  * anything is written. */
+/* A float32 (bf16: 1) row of d rounded to int8 as quantize_int8 rounds it: q = round(x / scale), |q| <= 127, scale =
+ * max |x| / 127 (at least 1e-8 / 127); returns the scale. The cold tier stores its rows so, and the reply's counts
+ * hash every key so (dsv41_cold_counts). */
+static float row_to_int8(const void *row, int bf16, int64_t d, int8_t *q) {
+    float x[MAX_HEAD_DIM], top = 0.f;
+    for (int64_t i = 0; i < d; i++) {
+        x[i] = bf16 ? bf16_to_f32(((const uint16_t *)row)[i]) : ((const float *)row)[i];
+        const float a = fabsf(x[i]);
+        top = a > top ? a : top;
+    }
+    const float scale = (top > 1e-8f ? top : 1e-8f) / 127.0f;
+    for (int64_t i = 0; i < d; i++) {
+        const float r = nearbyintf(x[i] / scale);
+        q[i] = (int8_t)(r > 127.f ? 127.f : (r < -127.f ? -127.f : r));
+    }
+    return scale;
+}
+
 int dsv41_cold_add(int64_t heads, int64_t d, int64_t hot_capacity, int64_t n, int64_t m, const int64_t *index,
                    const void *hot_keys, const void *hot_values, const int32_t *hot_positions, const float *hot_scores,
                    int hot_bf16, int64_t cold_capacity, int64_t start, void *cold_keys, void *cold_values,
@@ -1805,20 +1823,7 @@ int dsv41_cold_add(int64_t heads, int64_t d, int64_t hot_capacity, int64_t n, in
                     memcpy((char *)out + dst * d * esize, row, (size_t)(d * esize));
                     continue;
                 }
-                float x[MAX_HEAD_DIM], top = 0.f;
-                for (int64_t i = 0; i < d; i++) {
-                    x[i] = hot_bf16 ? bf16_to_f32(((const uint16_t *)row)[i]) : ((const float *)row)[i];
-                    const float a = fabsf(x[i]);
-                    top = a > top ? a : top;
-                }
-                const float scale = (top > 1e-8f ? top : 1e-8f) / 127.0f;
-                int8_t *q = (int8_t *)out + dst * d;
-                for (int64_t i = 0; i < d; i++) {
-                    float r = nearbyintf(x[i] / scale);
-                    r = r > 127.f ? 127.f : (r < -127.f ? -127.f : r);
-                    q[i] = (int8_t)r;
-                }
-                (kv ? value_scales : key_scales)[dst] = scale;
+                (kv ? value_scales : key_scales)[dst] = row_to_int8(row, hot_bf16, d, (int8_t *)out + dst * d);
             }
         }
     return 0;
@@ -2583,21 +2588,10 @@ static void lsh_free(LshPlanes *lp) { free(lp->packed); }
 static void lsh_codes(const LshPlanes *lp, const void *keys, int key_type, int64_t at, int32_t *codes) {
     const int64_t d = lp->d;
     int8_t q[MAX_HEAD_DIM];
-    if (key_type == 2) {
+    if (key_type == 2)
         memcpy(q, (const int8_t *)keys + at, (size_t)d);
-    } else {
-        float x[MAX_HEAD_DIM], top = 0.f;
-        for (int64_t i = 0; i < d; i++) {
-            x[i] = key_type == 1 ? bf16_to_f32(((const uint16_t *)keys)[at + i]) : ((const float *)keys)[at + i];
-            const float a = fabsf(x[i]);
-            top = a > top ? a : top;
-        }
-        const float scale = (top > 1e-8f ? top : 1e-8f) / 127.0f;
-        for (int64_t i = 0; i < d; i++) {
-            const float r = nearbyintf(x[i] / scale);
-            q[i] = (int8_t)(r > 127.f ? 127.f : (r < -127.f ? -127.f : r));
-        }
-    }
+    else
+        row_to_int8((const char *)keys + at * (key_type == 1 ? 2 : 4), key_type == 1, d, q);
     uint64_t word[LSH_MAX_PLANES / 64 + 1] = {0};  /* the signs as one bit string, plane k at bit k */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
     if (lp->packed) {
@@ -2639,29 +2633,10 @@ static void lsh_codes(const LshPlanes *lp, const void *keys, int key_type, int64
     }
 }
 
-/* Every key's buckets, out [heads, n, tables] int64 (cold._buckets). keys: heads of n rows of d, `head_stride`
- * elements apart. Returns 0, -1 (sizes out of range), -2 (no memory). */
-int dsv41_lsh_buckets(int64_t heads, int64_t n, int64_t d, const void *keys, int key_type, int64_t head_stride,
-                      const int8_t *planes, int64_t tables, int64_t bits, int64_t *out, int threads) {
-    LshPlanes lp;
-    const int status = lsh_prepare(&lp, planes, d, tables, bits);
-    if (status != 0 || key_type < 0 || key_type > 2 || n < 0 || heads < 0) {
-        lsh_free(&lp);
-        return status ? status : -1;
-    }
-#pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
-    for (int64_t e = 0; e < heads * n; e++) {
-        int32_t codes[LSH_MAX_PLANES];
-        lsh_codes(&lp, keys, key_type, (e / n) * head_stride + (e % n) * d, codes);
-        for (int64_t t = 0; t < tables; t++) out[e * tables + t] = codes[t];
-    }
-    lsh_free(&lp);
-    return 0;
-}
-
 /* cold.cold_counts in one call: out [heads, s] float32, log(1 + c) for each of the s hot keys, c the mean over the
  * tables of its bucket's cold keys over its bucket's hot keys (every bucket of a head counted over that head's keys).
- * hot / cold keys: heads of s / c rows of d, their types and head strides as dsv41_lsh_buckets. Returns 0, -1
+ * hot / cold keys: heads of s / c rows of d, `hot_stride` / `cold_stride` elements apart, of key type 0
+ * float32, 1 bf16, 2 int8. Returns 0, -1
  * (sizes out of range), -2 (no memory). */
 int dsv41_cold_counts(int64_t heads, int64_t d, int64_t s, const void *hot, int hot_type, int64_t hot_stride,
                       int64_t c, const void *cold, int cold_type, int64_t cold_stride, const int8_t *planes,

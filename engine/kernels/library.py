@@ -162,8 +162,6 @@ def build(extra_flags: tuple[str, ...] = ()) -> KernelLibrary:
     lib.dsv41_question_attention.restype = cint
     lib.dsv41_recall_select.argtypes = [i64, i64, ptr, i64, ptr, i64, i64, ptr]
     lib.dsv41_recall_select.restype = cint
-    lib.dsv41_lsh_buckets.argtypes = [i64, i64, i64, ptr, cint, i64, ptr, i64, i64, ptr, cint]
-    lib.dsv41_lsh_buckets.restype = cint
     lib.dsv41_cold_counts.argtypes = [i64, i64, i64, ptr, cint, i64, i64, ptr, cint, i64, ptr, i64, i64, ptr, cint]
     lib.dsv41_cold_counts.restype = cint
     if os.environ.get("DSV41_GGUF_INT8_X") == "1":  # Q4 products on int8-rounded x (gguf_blocks.int8_activations)
