@@ -183,24 +183,24 @@ def main(argv=None) -> int:
                         help="a follow-up's reply attends to the hot set alone (engine.cache.kv_cache.COUNT_COLD off: "
                              "no hot entry stands for the cold entries like it)")
     parser.add_argument("--count-tables", type=int, default=None,
-                        help="hash tables of the reply's counts of the cold tier (engine.cache.cold.COUNT_TABLES)")
+                        help="hash tables of the reply's counts of the cold tier (engine.cache.counts.COUNT_TABLES)")
     parser.add_argument("--count-seed", type=int, default=None,
-                        help="seed of their random hyperplanes (engine.cache.cold.COUNT_SEED)")
+                        help="seed of their random hyperplanes (engine.cache.counts.COUNT_SEED)")
     parser.add_argument("--no-content", action="store_true",
                         help="skip the two questions about the speech itself asked after the planted facts")
     parser.add_argument("--repetition-penalty", type=float, default=REPETITION_PENALTY,
                         help="1.0: plain greedy, as the kvpress peer decodes (the chat's default is 1.1)")
     args = parser.parse_args(argv)
     globals()["REPETITION_PENALTY"] = args.repetition_penalty
-    from engine.cache import cold, kv_cache
+    from engine.cache import cold, counts, kv_cache
 
     if args.recall_min is not None:
         cold.RECALL_MIN = args.recall_min
     kv_cache.COUNT_COLD = not args.no_cold_counts
     if args.count_tables is not None:
-        cold.COUNT_TABLES = args.count_tables
+        counts.COUNT_TABLES = args.count_tables
     if args.count_seed is not None:
-        cold.COUNT_SEED = args.count_seed
+        counts.COUNT_SEED = args.count_seed
     started = time.time()
     # conversation_cache_mb=0: every chat here is new, nothing is reopened, so saving each turn's cache would only
     # fill the user's cache folder (benchmarks/reopen.py measures the saved caches)
@@ -231,7 +231,7 @@ def main(argv=None) -> int:
         rows += run_configs(model, [c for c in configs if c["kv_cache_ratio"] == ratio], cases, args.mode)
         print(table({"words": args.words, "tokens": rows[0]["turns"][0]["seen"], "alone_right": sum(alone),
                      "alone_total": len(alone), "rows": rows[-1:]}).splitlines()[-1], flush=True)
-    payload = {"machine": machine(), "mode": args.mode, "recall_min": cold.RECALL_MIN, "reply_recalled": kv_cache.REPLY_RECALLED, "cold_counts": kv_cache.COUNT_COLD, "count_tables": cold.COUNT_TABLES, "count_seed": cold.COUNT_SEED, "documents": sorted(wanted), "words": args.words, "repetition_penalty": args.repetition_penalty, "tokens": rows[0]["turns"][0]["seen"],
+    payload = {"machine": machine(), "mode": args.mode, "recall_min": cold.RECALL_MIN, "reply_recalled": kv_cache.REPLY_RECALLED, "cold_counts": kv_cache.COUNT_COLD, "count_tables": counts.COUNT_TABLES, "count_seed": counts.COUNT_SEED, "documents": sorted(wanted), "words": args.words, "repetition_penalty": args.repetition_penalty, "tokens": rows[0]["turns"][0]["seen"],
                "alone_right": sum(alone), "alone_total": len(alone), "alone_content_right": sum(alone_content),
                "alone_content_total": len(alone_content), "rows": rows, "elapsed_s": time.time() - started}
     out = Path(args.out)

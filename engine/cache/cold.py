@@ -8,7 +8,7 @@ question is read, each layer, before it attends, scores its cold entries with th
 moves the best back into the hot set (DSV41Cache._recall_layer), so that layer's attention, the layers above
 and the first reply token see them; the question-aware compaction after the question keeps what it needs
 most within the budget, and what it drops comes back here. While the reply is decoded, each hot entry stands for
-the cold entries like it (cold_counts: log(1 + their count) added to its logit, until the turn ends).
+the cold entries like it (engine.cache.counts: log(1 + their count) added to its logit, until the turn ends).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 
 from ..kernels import cache_ops
 from ..kernels.quant import quantize_int8
+from . import counts
 from .policies.ced import span_ranking
 from .storage import BLOCK_TOKENS, LayerKV, Rows, _round_up
 
@@ -70,6 +71,10 @@ class ColdLayer:
         self.on_disk = False
         self.length = 0
         self._set(self._alloc(0, None))
+        # The cold keys' bucket sizes for the reply's counts (counts.cold_counts), kept up to date as entries come and go
+        # so a follow-up hashes only its hot set; None when not kept (see BUCKET_SIZES_SHARE)
+        self.bucket_sizes: torch.Tensor | None = None
+        self._sizes_key = counts.hashing()
 
     def _bytes_per_entry(self) -> int:
         element = 1 if self.int8 else torch.empty((), dtype=self.dtype).element_size()
@@ -123,6 +128,7 @@ class ColdLayer:
                                   [self.keys, self.values, self.key_scales, self.value_scales, self.positions,
                                    self.scores], index, layer.length, self.length, self.int8):
                 self.length += n
+                self._tally(torch.arange(self.length - n, self.length).expand(self.kv_heads, -1), +1)
                 return
         keys, values = layer.read_keys(index).to(dev), layer.read_values(index).to(dev)
         positions = torch.gather(layer.positions, 1, index).to(dev)
@@ -138,6 +144,7 @@ class ColdLayer:
         self.positions[:, start:end] = positions
         self.scores[:, start:end] = scores
         self.length = end
+        self._tally(torch.arange(start, end, device=dev).expand(self.kv_heads, -1), +1)
 
     def read_keys(self, index: torch.Tensor | None = None) -> torch.Tensor:
         """All cold keys [h, C, d], or those at `index` [h, k]: float32 when stored as int8 (for scoring; the
@@ -173,8 +180,15 @@ class ColdLayer:
         leave below it, so a recall moves M entries per head, not the whole tier (the tier has no order: a
         recall ranks by score and position)."""
         n, m = self.length, index.shape[1]
+        if m == n:
+            self.forget_buckets()  # everything leaves: nothing left to count
+        self._tally(index, -1)  # before the rows move
         names = self._names()
-        moved = cache_ops.take_rows([getattr(self, name) for name in names], index, n)
+        try:
+            moved = cache_ops.take_rows([getattr(self, name) for name in names], index, n)
+        except Exception:
+            self.forget_buckets()  # nothing taken, but the sizes counted it gone
+            raise
         if moved is not None:  # one C call for every tensor (engine.kernels.rows); the same layout as below
             got = dict(zip(names, moved, strict=True))
             self.length = n - m
@@ -212,8 +226,15 @@ class ColdLayer:
             return False
         layer.ensure_capacity(layer.length + index.shape[1])
         hot = [getattr(layer, name) for name in layer._tensors()]  # keys, values, positions, scores, then zeroed ones
-        if not cache_ops.recall_move([getattr(self, name) for name in self._names()], self.int8, self.length, hot,
-                                     layer.length, index):
+        self._tally(index, -1)
+        try:
+            moved = cache_ops.recall_move([getattr(self, name) for name in self._names()], self.int8, self.length,
+                                          hot, layer.length, index)
+        except Exception:
+            self.forget_buckets()  # nothing moved: the sizes no longer match (rebuilt by the next counts)
+            raise
+        if not moved:
+            self._tally(index, +1)
             return False
         self.length -= index.shape[1]
         layer.length += index.shape[1]
@@ -221,12 +242,55 @@ class ColdLayer:
 
     def reserved_bytes(self) -> int:
         """Bytes allocated (with spare capacity): what the RAM cap counts."""
-        return self.capacity * self._bytes_per_entry()
+        return self.capacity * self._bytes_per_entry() + self._sizes_bytes()
 
     def nbytes(self) -> int:
-        """Bytes the cold entries occupy (without spare capacity)."""
+        """Bytes the cold entries occupy (without spare capacity), with their bucket sizes when kept."""
         return sum(getattr(self, n).element_size() * getattr(self, n)[:, :1].numel() * self.length
-                   for n in self._names())
+                   for n in self._names()) + self._sizes_bytes()
+
+    # ---------------------------------------------------------------- the bucket sizes of the reply's counts
+    def _sizes_bytes(self) -> int:
+        return 0 if self.bucket_sizes is None else self.bucket_sizes.numel() * self.bucket_sizes.element_size()
+
+    def buckets_pay(self) -> bool:
+        """Whether keeping the bucket sizes pays: on a CPU with the kernels, and their bytes at most
+        1 / counts.BUCKET_SIZES_SHARE of the cold entries' (so they add at most that share to the tier), with every
+        size below 2^16."""
+        sizes = self.kv_heads * (counts.COUNT_TABLES << counts.COUNT_BITS) * 2
+        return (self.device.type == "cpu" and self.length < 1 << 16 and cache_ops.load() is not None
+                and sizes * counts.BUCKET_SIZES_SHARE <= self.length * self._bytes_per_entry())
+
+    def forget_buckets(self) -> None:
+        """Drop the bucket sizes (after a change they do not follow; the next counts rebuild them if they pay)."""
+        self.bucket_sizes = None
+
+    def buckets(self) -> torch.Tensor | None:
+        """The cold keys' bucket sizes [h, COUNT_TABLES << COUNT_BITS] (int16 read as unsigned), built now if not
+        kept and they pay; None (and dropped) when they do not."""
+        if not self.buckets_pay():
+            self.bucket_sizes = None
+            return None
+        if self.bucket_sizes is not None and self._sizes_key != counts.hashing():
+            self.bucket_sizes = None  # hashed with other planes (a benchmark's --count-seed / --count-tables)
+        if self.bucket_sizes is None:
+            self._sizes_key = counts.hashing()
+            sizes = torch.zeros(self.kv_heads, counts.COUNT_TABLES << counts.COUNT_BITS, dtype=torch.int16)
+            everything = torch.arange(self.length).expand(self.kv_heads, -1)
+            if not cache_ops.lsh_tally(self.keys, self.length, everything, counts.count_planes(self.head_dim, "cpu"),
+                                       counts.COUNT_TABLES, counts.COUNT_BITS, sizes, +1):
+                return None
+            self.bucket_sizes = sizes
+        return self.bucket_sizes
+
+    def _tally(self, index: torch.Tensor, sign: int) -> None:
+        """The kept bucket sizes follow the entries at `index` [h, m] coming in (+1, after they are stored) or going
+        out (-1, before they move); dropped where that cannot be done."""
+        if self.bucket_sizes is None or index.shape[1] == 0:
+            return
+        if not cache_ops.lsh_tally(self.keys, self.length, index.cpu(), counts.count_planes(self.head_dim, "cpu"),
+                                   counts.COUNT_TABLES, counts.COUNT_BITS, self.bucket_sizes, sign):
+            self.bucket_sizes = None
 
 
 @torch.inference_mode()
@@ -270,74 +334,6 @@ def recall_layer(layer: LayerKV, cold: ColdLayer, question: torch.Tensor, scalin
         return take, None
     rows = question.shape[0] * question.shape[1] // layer.kv_heads  # the group's question rows of a head
     return take, cache_ops.HotLogits(hot_logits, rows, hot_positions, layer.positions[:, : layer.length])
-
-
-# A reply after a recall counts what is cold (DSV41Cache.count_cold): each hot entry's attention logit gets log(1 + c),
-# c the cold entries it stands for, so the softmax gives the hot set about the share the whole conversation would
-# have (the merge mode's log n, without folding keys or values). c is estimated by locality-sensitive hashing:
-# COUNT_TABLES tables of COUNT_BITS random hyperplanes through the origin bucket every key by the signs of its
-# projections (keys at a small angle share buckets); in each table a bucket's cold entries are shared evenly by its
-# hot ones, and c is the mean over the tables. The hyperplanes are int8 and every key is hashed as the int8 the cold
-# tier stores (a hot key rounded as it would be), so the products are exact integers: an entry has the same buckets
-# hot or cold, in any order of summation, on any device; on a CPU one C call a layer hashes and counts
-# (cache_ops.cold_counts). Measured by benchmarks/followups.py (docs/design.md, "What the reply counts"): at 1,781
-# tokens the follow-ups went from 20 / 21 / 22 to 24 / 24 / 24 of 36 at ratios 0.3 / 0.2 / 0.1 (uncompressed 23), at
-# 3,752 tokens from 18 / 18 to 24 / 23 at 0.3 / 0.2 (uncompressed 19). Exact counts (each cold entry on its most
-# similar hot key) take a [cold x hot] product per head and layer: about 70 billion multiply-adds a follow-up at
-# 7.4k tokens.
-COUNT_TABLES = 16
-COUNT_BITS = 10
-COUNT_SEED = 0
-
-
-PLANE_STEPS = 32  # a hyperplane's normal in int8: round(32 x a standard normal), clamped to +-127
-
-
-def count_planes(head_dim: int, device) -> torch.Tensor:
-    """The hyperplanes of count_cold's hashing [COUNT_TABLES * COUNT_BITS, head_dim] int8, the same for every cache
-    (seeded: a chat's replies do not depend on the process they run in). In int8, like the keys they are applied
-    to, so every product is an exact integer: a key hashes the same in any order of summation, on any device."""
-    generator = torch.Generator().manual_seed(COUNT_SEED)
-    normals = torch.randn(head_dim, COUNT_TABLES * COUNT_BITS, generator=generator)
-    return normals.t().mul(PLANE_STEPS).round_().clamp_(-127, 127).to(torch.int8).contiguous().to(device)
-
-
-def _buckets(keys: torch.Tensor, planes: torch.Tensor) -> torch.Tensor:
-    """keys [h, n, d] -> each key's bucket in every table [h, n * COUNT_TABLES], numbered across the tables. A float
-    key is rounded to int8 as the cold tier stores it (quantize_int8: an entry hashes the same hot or cold); the
-    int8 products are exact in float32 (|sum| <= 127 * 127 * d < 2^24 for d <= 1024), as in the C call.
-    cold_counts' path on a GPU, or without the kernels."""
-    h, n = keys.shape[0], keys.shape[1]
-    q = keys if keys.dtype == torch.int8 else quantize_int8(keys)[0]
-    # [h, n, T, b]: 1.0 where the key is above the plane; a table's bits to its bucket number (exact in float32)
-    signs = torch.matmul(q.float(), planes.float().t()).gt_(0).view(h, n, COUNT_TABLES, COUNT_BITS)
-    powers = 2.0 ** torch.arange(COUNT_BITS, device=keys.device)
-    offsets = torch.arange(COUNT_TABLES, device=keys.device) << COUNT_BITS
-    return (torch.matmul(signs, powers).long() + offsets).view(h, -1)
-
-
-@torch.inference_mode()
-def cold_counts(layer: LayerKV, cold: ColdLayer, planes: torch.Tensor) -> torch.Tensor:
-    """log(1 + c) for each hot entry of `layer` [h, S] float32 on its device: c, the cold entries it stands for
-    (see COUNT_TABLES). The cold keys are hashed as stored (int8: a key's scale is positive, it changes no sign),
-    on the hot set's device (to a GPU the int8 bytes cross the bus, a quarter of float32)."""
-    dev = layer.device
-    h, s = layer.kv_heads, layer.length
-    stored = cold.keys[:, : cold.length]
-    if dev.type == "cpu":  # one C call: hashes, counts and shares (dsv41_cold_counts)
-        got = cache_ops.cold_counts(layer.read_keys(), stored, planes, COUNT_TABLES, COUNT_BITS)
-        if got is not None:
-            return got
-    hot = _buckets(layer.read_keys(), planes)
-    held = _buckets(stored.to(dev, non_blocking=cold.pinned), planes)
-    slots = COUNT_TABLES << COUNT_BITS
-    heads = torch.arange(h, device=dev)[:, None] * slots  # one count over every head's buckets
-
-    def sizes(buckets):
-        return torch.bincount((buckets + heads).view(-1), minlength=h * slots).view(h, slots).float()
-
-    shared = torch.gather(sizes(held), 1, hot) / torch.gather(sizes(hot), 1, hot)
-    return shared.view(h, s, COUNT_TABLES).mean(dim=-1).log1p_()
 
 
 def recall_size(budget: int) -> int:

@@ -37,7 +37,8 @@ import torch
 from ..paths import cold_dir
 from . import attention, csa2, policies
 from .budget import budget_for, explain_ratio, plan_compactions
-from .cold import ColdLayer, cold_counts, count_planes, recall_layer, recall_size
+from .cold import ColdLayer, recall_layer, recall_size
+from .counts import cold_counts, count_planes
 from .merge import merge_into_kept
 from .policies import PROBE, QUESTION, STREAM
 from .policies.ced import SPAN_TOKENS
@@ -71,7 +72,7 @@ REPLY_RECALLED = 256
 # follow-up's reserve reallocated and copied every layer (at 8k, 512 entries a head: ~12 MB of the default
 # model's memory kept between turns instead).
 SPARE_TOKENS = 256
-# A follow-up's reply attends with each hot entry standing for the cold entries like it (cold.cold_counts, from the
+# A follow-up's reply attends with each hot entry standing for the cold entries like it (counts.cold_counts, from the
 # reply's first decode step to the end of the turn); False: the hot set alone, as if nothing were cold
 COUNT_COLD = True
 
@@ -472,7 +473,7 @@ class DSV41Cache:
     @torch.inference_mode()
     def count_cold(self) -> None:
         """Before a follow-up's reply: every hot entry's logit gets log(1 + the cold entries it stands for)
-        (cold.cold_counts), so the reply's attention gives the hot set about the share the whole conversation
+        (counts.cold_counts), so the reply's attention gives the hot set about the share the whole conversation
         would have, instead of the recent turns taking what the cold entries would have drawn. Measured in
         docs/design.md ("What the reply counts"). Undone by uncount_cold when the turn ends."""
         if self.cold is None or any(layer.merged_any for layer in self.layers):

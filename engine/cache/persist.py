@@ -108,6 +108,7 @@ def load_state(cache, tensors: dict[str, torch.Tensor], facts: dict) -> None:
         for name, t in rows.items():
             getattr(cold, name)[:, :n] = t
         cold.length = n
+        cold.forget_buckets()  # other entries than the sizes counted (rebuilt by the next counts)
     cache.seen, cache.compactions = int(facts["seen"]), int(facts["compactions"])
     cache.decode_steps = int(facts["decode_steps"])
     cache.fit_sparse()

@@ -1,6 +1,7 @@
 """The cache's per-layer operations in C (cpu_kernels.c): rows moved (dsv41_rows_take, dsv41_rows_keep,
 dsv41_rows_insert, dsv41_cold_add, and a recall's take and insert at once, dsv41_recall_move), the recall's
-softmax (dsv41_recall_softmax), and the reply's counts of the cold tier (dsv41_cold_counts).
+softmax (dsv41_recall_softmax), and the reply's counts of the cold tier (dsv41_cold_counts, with the bucket sizes
+the cold tier keeps through dsv41_lsh_tally).
 
 A layer (the hot set's LayerKV, the cold tier's ColdLayer) keeps several tensors laid out [heads, capacity, ...]
 with one capacity for all. A question's recall takes a few rows per head out of the cold tier and inserts them in
@@ -294,25 +295,60 @@ def recall_select(mass: torch.Tensor, positions: torch.Tensor, span: int, take: 
     return out if status == 0 else None
 
 
-def cold_counts(hot_keys: torch.Tensor, cold_keys: torch.Tensor, planes: torch.Tensor, tables: int,
-                bits: int) -> torch.Tensor | None:
-    """cold.cold_counts in one C call (dsv41_cold_counts): log(1 + c) [h, S] float32 for the hot keys [h, S, d], c
+def cold_counts(hot_keys: torch.Tensor, cold_keys: torch.Tensor | None, planes: torch.Tensor, tables: int,
+                bits: int, cold_sizes: torch.Tensor | None = None) -> torch.Tensor | None:
+    """counts.cold_counts in one C call (dsv41_cold_counts): log(1 + c) [h, S] float32 for the hot keys [h, S, d], c
     the mean over the tables of their bucket's cold keys [h, C, d] over its hot ones. Keys float32 or bf16 (rounded
     to int8 as quantize_int8 rounds them) or int8 (as stored), views whose entries are contiguous rows; planes int8
-    [tables * bits, d]. The buckets are the torch path's integers (exact products). None where the kernels do not
-    apply."""
+    [tables * bits, d]. `cold_sizes` [h, tables << bits] int16 (read as unsigned): the cold keys' bucket sizes as
+    lsh_tally keeps them, in place of hashing cold_keys (then None). The buckets are the torch path's integers
+    (exact products). None where the kernels do not apply."""
     lib = load()
     h, s, d = hot_keys.shape
-    if (lib is None or hot_keys.dtype not in _KEY_TYPES or cold_keys.dtype not in _KEY_TYPES
-            or not _rows_of(hot_keys, d) or not _rows_of(cold_keys, d) or cold_keys.shape[0] != h
+    given = cold_sizes is not None
+    if (lib is None or hot_keys.dtype not in _KEY_TYPES or not _rows_of(hot_keys, d)
             or planes.dtype != torch.int8 or planes.device.type != "cpu" or not planes.is_contiguous()
             or planes.shape != (tables * bits, d)):
         return None
+    if given:
+        if (cold_sizes.dtype != torch.int16 or cold_sizes.device.type != "cpu" or not cold_sizes.is_contiguous()
+                or cold_sizes.shape != (h, tables << bits)):
+            return None
+    elif (cold_keys is None or cold_keys.dtype not in _KEY_TYPES or not _rows_of(cold_keys, d)
+          or cold_keys.shape[0] != h):
+        return None
     out = torch.empty(h, s, dtype=torch.float32)
     status = lib.lib.dsv41_cold_counts(h, d, s, hot_keys.data_ptr(), _KEY_TYPES[hot_keys.dtype],
-                                       hot_keys.stride(0) if h else 0, cold_keys.shape[1], cold_keys.data_ptr(),
-                                       _KEY_TYPES[cold_keys.dtype], cold_keys.stride(0) if h else 0, planes.data_ptr(),
+                                       hot_keys.stride(0) if h else 0, 0 if given else cold_keys.shape[1],
+                                       None if given else cold_keys.data_ptr(),
+                                       0 if given else _KEY_TYPES[cold_keys.dtype],
+                                       0 if given or not h else cold_keys.stride(0),
+                                       cold_sizes.data_ptr() if given else None, planes.data_ptr(),
                                        tables, bits, out.data_ptr(), torch.get_num_threads())
     if status == -2:
         raise MemoryError("the reply's counts could not allocate their buffers")
     return out if status == 0 else None
+
+
+def lsh_tally(keys: torch.Tensor, n: int, index: torch.Tensor, planes: torch.Tensor, tables: int, bits: int,
+              sizes: torch.Tensor, sign: int) -> bool:
+    """Add `sign` (+1 / -1) to the bucket sizes `sizes` [h, tables << bits] (int16, read as unsigned) for the keys at
+    rows `index` [h, m] (< n) of `keys` [h, rows, d] (float32, bf16 or int8 as stored; a view whose entries are
+    contiguous rows), hashed as cold_counts hashes them (dsv41_lsh_tally). False, and nothing changed, where the
+    kernels do not apply or a size would leave 0..65535."""
+    lib = load()
+    h, _, d = keys.shape
+    if (lib is None or keys.dtype not in _KEY_TYPES or not _rows_of(keys, d) or planes.dtype != torch.int8
+            or planes.device.type != "cpu" or not planes.is_contiguous() or planes.shape != (tables * bits, d)
+            or sizes.dtype != torch.int16 or not sizes.is_contiguous() or sizes.shape != (h, tables << bits)
+            or index.shape[0] != h or index.device.type != "cpu"):
+        return False
+    index = index.to(torch.int64).contiguous()
+    status = lib.lib.dsv41_lsh_tally(h, d, n, index.shape[1], index.data_ptr(), keys.data_ptr(), _KEY_TYPES[keys.dtype],
+                                     keys.stride(0) if h else 0, planes.data_ptr(), tables, bits, sign,
+                                     sizes.data_ptr(), torch.get_num_threads())
+    if status == -2:
+        raise MemoryError("the cold tier's bucket sizes could not allocate their buffers")
+    if status == -1:
+        raise ValueError("tallying the cold tier's buckets failed: an index or size out of range")
+    return status == 0

@@ -2636,15 +2636,17 @@ static void lsh_codes(const LshPlanes *lp, const void *keys, int key_type, int64
 /* cold.cold_counts in one call: out [heads, s] float32, log(1 + c) for each of the s hot keys, c the mean over the
  * tables of its bucket's cold keys over its bucket's hot keys (every bucket of a head counted over that head's keys).
  * hot / cold keys: heads of s / c rows of d, `hot_stride` / `cold_stride` elements apart, of key type 0
- * float32, 1 bf16, 2 int8. Returns 0, -1
+ * float32, 1 bf16, 2 int8. cold_given [heads, tables << bits]: the cold keys' bucket sizes as dsv41_lsh_tally keeps
+ * them (then the cold keys are not read, c and cold may be 0 / NULL); NULL: hashed here. Returns 0, -1
  * (sizes out of range), -2 (no memory). */
 int dsv41_cold_counts(int64_t heads, int64_t d, int64_t s, const void *hot, int hot_type, int64_t hot_stride,
-                      int64_t c, const void *cold, int cold_type, int64_t cold_stride, const int8_t *planes,
-                      int64_t tables, int64_t bits, float *out, int threads) {
+                      int64_t c, const void *cold, int cold_type, int64_t cold_stride, const uint16_t *cold_given,
+                      const int8_t *planes, int64_t tables, int64_t bits, float *out, int threads) {
     LshPlanes lp;
     int status = lsh_prepare(&lp, planes, d, tables, bits);
     if (status == 0 && (hot_type < 0 || hot_type > 2 || cold_type < 0 || cold_type > 2 || s < 0 || c < 0))
         status = -1;
+    if (cold_given) c = 0;
     const int64_t slots = tables << bits, total = heads * (s + c);
     int32_t *codes = status ? NULL : malloc((size_t)(total * tables + 1) * sizeof(int32_t));
     int32_t *sizes = status ? NULL : malloc((size_t)(2 * heads * slots + 1) * sizeof(int32_t));  /* [hot, cold][h][slot] */
@@ -2669,7 +2671,10 @@ int dsv41_cold_counts(int64_t heads, int64_t d, int64_t s, const void *hot, int 
             const int64_t h = ht / tables, t = ht % tables, width = (int64_t)1 << bits;
             int32_t *hot_sizes = sizes + h * slots, *cold_sizes = sizes + (heads + h) * slots;
             memset(hot_sizes + t * width, 0, (size_t)width * sizeof(int32_t));
-            memset(cold_sizes + t * width, 0, (size_t)width * sizeof(int32_t));
+            if (cold_given)
+                for (int64_t k = t * width; k < (t + 1) * width; k++) cold_sizes[k] = cold_given[h * slots + k];
+            else
+                memset(cold_sizes + t * width, 0, (size_t)width * sizeof(int32_t));
             for (int64_t i = h * s; i < (h + 1) * s; i++) hot_sizes[codes[i * tables + t]]++;
             const int32_t *held = codes + heads * s * tables;
             for (int64_t i = h * c; i < (h + 1) * c; i++) cold_sizes[held[i * tables + t]]++;
@@ -2685,4 +2690,44 @@ int dsv41_cold_counts(int64_t heads, int64_t d, int64_t s, const void *hot, int 
     }
     free(codes), free(sizes), lsh_free(&lp);
     return 0;
+}
+
+/* Keep a cold layer's bucket sizes as its entries come and go (cold.ColdLayer.bucket_sizes): hash the m keys at
+ * rows index[h * m + j] of each head h (keys [heads, rows of d], `stride` elements a head, key type as above) and
+ * (each < n) add `sign` (+1 or -1) to sizes [heads, tables << bits] (uint16, as dsv41_cold_counts takes them). Returns 0, -1
+ * (sizes out of range), -2 (no memory), -3 (a size would leave 0..65535: nothing changed). */
+int dsv41_lsh_tally(int64_t heads, int64_t d, int64_t n, int64_t m, const int64_t *index, const void *keys, int key_type,
+                    int64_t stride, const int8_t *planes, int64_t tables, int64_t bits, int sign, uint16_t *sizes,
+                    int threads) {
+    LshPlanes lp;
+    int status = lsh_prepare(&lp, planes, d, tables, bits);
+    if (status == 0 && (key_type < 0 || key_type > 2 || m < 0 || (sign != 1 && sign != -1))) status = -1;
+    for (int64_t i = 0; status == 0 && i < heads * m; i++)
+        if (index[i] < 0 || index[i] >= n) status = -1;
+    const int64_t slots = tables << bits, total = heads * m;
+    int32_t *codes = status ? NULL : malloc((size_t)(total * tables + 1) * sizeof(int32_t));
+    if (status == 0 && !codes) status = -2;
+    if (status != 0) {
+        free(codes), lsh_free(&lp);
+        return status;
+    }
+    const int nt = threads > 0 ? threads : 1;
+#pragma omp parallel for schedule(static) num_threads(nt)
+    for (int64_t e = 0; e < total; e++)
+        lsh_codes(&lp, keys, key_type, (e / m) * stride + index[e] * d, codes + e * tables);
+    /* all or nothing: the (key, table) pairs in order; if one would leave 0..65535, the ones before are undone */
+    int64_t applied = 0;
+    for (; applied < total * tables; applied++) {
+        const int64_t k = (applied / tables / m) * slots + codes[applied];
+        const int32_t next = (int32_t)sizes[k] + sign;
+        if (next < 0 || next > 65535) { status = -3; break; }
+        sizes[k] = (uint16_t)next;
+    }
+    if (status == -3)
+        for (int64_t i = 0; i < applied; i++) {
+            const int64_t k = (i / tables / m) * slots + codes[i];
+            sizes[k] = (uint16_t)((int32_t)sizes[k] - sign);
+        }
+    free(codes), lsh_free(&lp);
+    return status;
 }

@@ -162,8 +162,11 @@ def build(extra_flags: tuple[str, ...] = ()) -> KernelLibrary:
     lib.dsv41_question_attention.restype = cint
     lib.dsv41_recall_select.argtypes = [i64, i64, ptr, i64, ptr, i64, i64, ptr]
     lib.dsv41_recall_select.restype = cint
-    lib.dsv41_cold_counts.argtypes = [i64, i64, i64, ptr, cint, i64, i64, ptr, cint, i64, ptr, i64, i64, ptr, cint]
+    lib.dsv41_cold_counts.argtypes = [i64, i64, i64, ptr, cint, i64, i64, ptr, cint, i64, ptr, ptr, i64, i64, ptr,
+                                      cint]
     lib.dsv41_cold_counts.restype = cint
+    lib.dsv41_lsh_tally.argtypes = [i64, i64, i64, i64, ptr, ptr, cint, i64, ptr, i64, i64, cint, ptr, cint]
+    lib.dsv41_lsh_tally.restype = cint
     if os.environ.get("DSV41_GGUF_INT8_X") == "1":  # Q4 products on int8-rounded x (gguf_blocks.int8_activations)
         lib.dsv41_gguf_int8_x(1)
     _bind_step(lib)

@@ -1,5 +1,5 @@
 """A follow-up's reply counts what is cold: each hot entry's logit gets log(1 + the cold entries it stands for)
-(engine.cache.cold.cold_counts, DSV41Cache.count_cold), from the reply's first step to the end of the turn."""
+(engine.cache.counts.cold_counts, DSV41Cache.count_cold), from the reply's first step to the end of the turn."""
 
 import dataclasses
 
@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from engine.cache import CacheSettings, DSV41Cache, kv_cache, persist
-from engine.cache import cold as cold_module
-from engine.cache.cold import COUNT_BITS, COUNT_TABLES, ColdLayer, cold_counts, count_planes
+from engine.cache import counts as counts_module
+from engine.cache.cold import ColdLayer
+from engine.cache.counts import COUNT_BITS, COUNT_TABLES, cold_counts, count_planes
 from engine.cache.storage import LayerKV
 from engine.kernels import cache_ops
 from engine.kernels.quant import quantize_int8
@@ -85,8 +86,8 @@ def test_a_key_hashes_alone_as_among_others():
     g = torch.Generator().manual_seed(2)
     keys = torch.randn(3, 300, 64, generator=g)[:, :257]
     planes = count_planes(64, "cpu")
-    whole = cold_module._buckets(keys, planes)
-    assert torch.equal(cold_module._buckets(keys[:, 100:130], planes), whole[:, 100 * COUNT_TABLES:130 * COUNT_TABLES])
+    whole = counts_module._buckets(keys, planes)
+    assert torch.equal(counts_module._buckets(keys[:, 100:130], planes), whole[:, 100 * COUNT_TABLES:130 * COUNT_TABLES])
     tables = whole.view(3, 257, COUNT_TABLES) >> COUNT_BITS
     assert torch.equal(tables, torch.arange(COUNT_TABLES).expand(3, 257, -1))
 
@@ -228,3 +229,111 @@ def test_on_a_gpu_the_counts_are_the_cpu_ones(dtype):
     on_gpu = cold_counts(gpu, cold_layer, count_planes(64, "cuda"))
     assert on_gpu.device.type == "cuda"
     assert torch.allclose(on_gpu.cpu(), cold_counts(layer, cold_layer, count_planes(64, "cpu")), atol=1e-6)
+
+
+def _rebuilt(cold):
+    """The cold tier's bucket sizes hashed afresh from every entry it holds."""
+    kept = cold.bucket_sizes
+    cold.forget_buckets()
+    fresh = cold.buckets()
+    cold.bucket_sizes = kept
+    return fresh
+
+
+@pytest.mark.parametrize("hot_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("int8", [True, False])
+def test_the_kept_bucket_sizes_follow_the_entries_that_come_and_go(hot_dtype, int8, monkeypatch):
+    """The cold tier keeps its keys' bucket sizes between turns (ColdLayer.bucket_sizes) so the reply's counts
+    hash only the hot set: after entries go cold (the C add and torch's), come back (a recall's move and a take)
+    the kept sizes equal sizes hashed afresh, and the counts from them equal the counts that hash the cold keys."""
+    monkeypatch.setattr(counts_module, "BUCKET_SIZES_SHARE", 0)  # kept whatever the tier's size
+    g = torch.Generator().manual_seed(6)
+    h, d = 3, 64
+    hot = torch.randn(h, 90, d, generator=g)
+    near = hot[:, :30].repeat(1, 4, 1) + 0.1 * torch.randn(h, 120, d, generator=g)
+    first = LayerKV(h, d, hot_dtype, "cpu", initial_capacity=120)
+    first.append(near.to(hot_dtype), torch.randn(h, 120, d).to(hot_dtype), torch.arange(90, 210).expand(h, -1).contiguous())
+    cold = ColdLayer(h, d, hot_dtype, "cpu", int8=int8)  # int8, or lossless in the hot set's dtype
+    cold.add(first, torch.arange(120).expand(h, -1).contiguous())
+    if cold.buckets() is None:
+        pytest.skip("the C kernels are not available here")
+    source = LayerKV(h, d, hot_dtype, "cpu", initial_capacity=200)
+    source.append(torch.randn(h, 200, d, generator=g).to(hot_dtype), torch.randn(h, 200, d).to(hot_dtype),
+                  torch.arange(500, 700).expand(h, -1).contiguous())
+    layer = LayerKV(h, d, hot_dtype, "cpu", initial_capacity=90)
+    layer.append(hot.to(hot_dtype), torch.randn(h, 90, d).to(hot_dtype), torch.arange(90).expand(h, -1).contiguous())
+    planes = count_planes(d, "cpu")
+
+    def check():
+        assert cold.bucket_sizes is not None
+        assert torch.equal(cold.bucket_sizes, _rebuilt(cold))
+        assert int(cold.bucket_sizes.view(torch.int16).long().sum()) == h * COUNT_TABLES * cold.length
+        with_sizes = cold_counts(layer, cold, planes)
+        kept = cold.bucket_sizes
+        monkeypatch.setattr(ColdLayer, "buckets", lambda self: None)
+        hashed = cold_counts(layer, cold, planes)
+        monkeypatch.undo()
+        monkeypatch.setattr(counts_module, "BUCKET_SIZES_SHARE", 0)
+        cold.bucket_sizes = kept
+        assert torch.equal(with_sizes, hashed)
+
+    check()
+    cold.add(source, torch.randint(0, 200, (h, 40), generator=g).unique(dim=1)[:, :20].sort().values)  # the C add
+    check()
+    with monkeypatch.context() as m:  # torch's add (a GPU hot set, or no kernels for this layout)
+        m.setattr(cache_ops, "cold_add", lambda *args: False)
+        cold.add(source, torch.arange(100, 130).expand(h, -1).contiguous())
+    check()
+    recall = torch.stack([torch.randperm(cold.length, generator=g)[:25] for _ in range(h)])
+    assert cold.move_into(layer, recall)  # a question's recall
+    check()
+    cold.take(torch.stack([torch.randperm(cold.length, generator=g)[:10] for _ in range(h)]))
+    check()
+    with pytest.raises(ValueError):  # a bad index changes nothing, and the sizes still match
+        cold.take(torch.full((h, 2), cold.length + 5))
+    assert cold.bucket_sizes is None or torch.equal(cold.bucket_sizes, _rebuilt(cold))
+    cold.take(torch.arange(cold.length).expand(h, -1))  # everything back: nothing left to count
+    assert cold.length == 0 and cold.bucket_sizes is None
+
+
+def test_bucket_sizes_are_kept_only_where_they_pay():
+    """At most 1 / BUCKET_SIZES_SHARE of the cold entries' bytes: a small tier hashes its keys at each count, a large
+    one keeps the sizes, and counts them in its bytes (the memory panel's cold line)."""
+    h, d = 3, 64
+    per_head = COUNT_TABLES << COUNT_BITS
+    small = _layers(torch.randn(h, 10, d), torch.randn(h, 500, d), int8=True)[1]
+    assert small.buckets() is None and small.bucket_sizes is None
+    entries = -(-counts_module.BUCKET_SIZES_SHARE * h * per_head * 2 // small._bytes_per_entry())  # the smallest that pays
+    layer, large = _layers(torch.randn(h, 10, d), torch.randn(h, entries, d), int8=True)
+    if large.buckets() is None:
+        pytest.skip("the C kernels are not available here")
+    plain = sum(getattr(large, n)[:, : large.length].numel() * getattr(large, n).element_size() for n in large._names())
+    assert large.nbytes() == plain + h * per_head * 2
+    assert large.nbytes() <= plain * (1 + 1 / counts_module.BUCKET_SIZES_SHARE)
+    large.move_into(layer, torch.arange(5).expand(h, -1).contiguous())  # below the line now: dropped at the next count
+    assert large.bucket_sizes is not None and large.buckets() is None and large.bucket_sizes is None
+    assert large.nbytes() == plain - 5 * large._bytes_per_entry()
+
+
+def test_a_saved_state_loads_without_the_sizes_it_was_counted_with(monkeypatch):
+    """The sizes are not part of a saved state: a state loaded into a cache whose tier kept sizes for other entries
+    drops them, and its next counts are those of the saved entries."""
+    monkeypatch.setattr(counts_module, "BUCKET_SIZES_SHARE", 0)
+    cache = _cache()
+    _first_turn_then_question(cache)
+    cache.finish_prefill(answer_follows=True)
+    assert all(cold.bucket_sizes is not None for cold in cache.cold)
+    cache.finish_turn()
+    tensors, facts = persist.save_state(cache)
+    other = _cache()
+    _first_turn_then_question(other)
+    other.finish_prefill(answer_follows=True)
+    other.finish_turn()
+    other.cold[0].add(other.layers[0], torch.arange(3).expand(2, -1).contiguous())
+    assert other.cold[0].bucket_sizes is not None
+    persist.load_state(other, tensors, facts)
+    assert all(cold.bucket_sizes is None for cold in other.cold)
+    planes = count_planes(8, "cpu")
+    for mine, theirs in zip(cache.layers, other.layers, strict=True):
+        assert torch.equal(cold_counts(mine, cache.cold[cache.layers.index(mine)], planes),
+                           cold_counts(theirs, other.cold[other.layers.index(theirs)], planes))
