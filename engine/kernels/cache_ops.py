@@ -79,7 +79,7 @@ def keep_rows(tensors: list[torch.Tensor], index: torch.Tensor, n: int) -> bool:
     lib, capacity, sizes, index = prepared
     heads, k = index.shape
     status = lib.lib.dsv41_rows_keep(heads, capacity, n, k, index.data_ptr(), len(tensors), _pointers(tensors),
-                                     (ctypes.c_int64 * len(sizes))(*sizes))
+                                     (ctypes.c_int64 * len(sizes))(*sizes), torch.get_num_threads())
     if status != 0:
         raise ValueError(f"keeping rows failed ({status}): an index out of range or not ascending")
     return True
@@ -104,7 +104,8 @@ def cold_add(hot: list[torch.Tensor], cold: list[torch.Tensor | None], index: to
     ptr = [None if t is None else t.data_ptr() for t in cold]
     status = lib.lib.dsv41_cold_add(heads, keys.shape[2], keys.shape[1], n, m, index.data_ptr(), keys.data_ptr(),
                                     values.data_ptr(), positions.data_ptr(), scores.data_ptr(),
-                                    int(keys.dtype == torch.bfloat16), cold[0].shape[1], start, *ptr, int(int8))
+                                    int(keys.dtype == torch.bfloat16), cold[0].shape[1], start, *ptr, int(int8),
+                                    torch.get_num_threads())
     if status != 0:
         raise ValueError(f"adding rows to the cold tier failed ({status}): an index or size out of range")
     return True

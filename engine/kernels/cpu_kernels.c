@@ -1759,20 +1759,24 @@ int dsv41_rows_take(int64_t heads, int64_t capacity, int64_t n, int64_t m, const
  * in place to rows 0..k-1 in that order (a compaction: row j takes row index[j] >= j, so a forward copy never
  * overwrites a row still to be read). Returns 0, or -1 (bad sizes or index) before anything is written. */
 int dsv41_rows_keep(int64_t heads, int64_t capacity, int64_t n, int64_t k, const int64_t *index, int count,
-                    char *const *bases, const int64_t *row_bytes) {
+                    char *const *bases, const int64_t *row_bytes, int threads) {
     if (k < 0 || k > n || n > capacity) return -1;
     for (int64_t h = 0; h < heads; h++)
         for (int64_t j = 0; j < k; j++) {
             const int64_t i = index[h * k + j];
             if (i >= n || (j ? i <= index[h * k + j - 1] : i < 0)) return -1;
         }
-    for (int t = 0; t < count; t++) {
-        const int64_t rb = row_bytes[t];
-        for (int64_t h = 0; h < heads; h++) {
-            char *base = bases[t] + h * capacity * rb;
-            const int64_t *ix = index + h * k;
-            for (int64_t j = 0; j < k; j++)
-                if (ix[j] != j) memcpy(base + j * rb, base + ix[j] * rb, (size_t)rb);
+    /* each (tensor, head) on its own; a run of consecutive kept rows moves in one memmove (rows only move down) */
+#pragma omp parallel for schedule(dynamic) num_threads(threads > 0 ? threads : 1)
+    for (int64_t th = 0; th < (int64_t)count * heads; th++) {
+        const int64_t t = th / heads, h = th % heads, rb = row_bytes[t];
+        char *base = bases[t] + h * capacity * rb;
+        const int64_t *ix = index + h * k;
+        for (int64_t j = 0; j < k;) {
+            int64_t run = 1;
+            while (j + run < k && ix[j + run] == ix[j] + run) run++;
+            if (ix[j] != j) memmove(base + j * rb, base + ix[j] * rb, (size_t)(run * rb));
+            j += run;
         }
     }
     return 0;
@@ -1806,13 +1810,15 @@ static float row_to_int8(const void *row, int bf16, int64_t d, int8_t *q) {
 int dsv41_cold_add(int64_t heads, int64_t d, int64_t hot_capacity, int64_t n, int64_t m, const int64_t *index,
                    const void *hot_keys, const void *hot_values, const int32_t *hot_positions, const float *hot_scores,
                    int hot_bf16, int64_t cold_capacity, int64_t start, void *cold_keys, void *cold_values,
-                   float *key_scales, float *value_scales, int32_t *cold_positions, float *cold_scores, int int8) {
+                   float *key_scales, float *value_scales, int32_t *cold_positions, float *cold_scores, int int8,
+                   int threads) {
     if (m < 0 || n > hot_capacity || start < 0 || start + m > cold_capacity || d > MAX_HEAD_DIM) return -1;
     for (int64_t i = 0; i < heads * m; i++)
         if (index[i] < 0 || index[i] >= n) return -1;
     const int64_t esize = hot_bf16 ? 2 : 4;
-    for (int64_t g = 0; g < heads; g++)
-        for (int64_t j = 0; j < m; j++) {
+#pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
+    for (int64_t gj = 0; gj < heads * m; gj++) {
+            const int64_t g = gj / m, j = gj % m;
             const int64_t src = g * hot_capacity + index[g * m + j], dst = g * cold_capacity + start + j;
             cold_positions[dst] = hot_positions[src];
             cold_scores[dst] = hot_scores[src];
@@ -1825,7 +1831,7 @@ int dsv41_cold_add(int64_t heads, int64_t d, int64_t hot_capacity, int64_t n, in
                 }
                 (kv ? value_scales : key_scales)[dst] = row_to_int8(row, hot_bf16, d, (int8_t *)out + dst * d);
             }
-        }
+    }
     return 0;
 }
 
@@ -2717,17 +2723,16 @@ int dsv41_lsh_tally(int64_t heads, int64_t d, int64_t n, int64_t m, const int64_
         lsh_codes(&lp, keys, key_type, (e / m) * stride + index[e] * d, codes + e * tables);
     /* all or nothing: the (key, table) pairs in order; if one would leave 0..65535, the ones before are undone */
     int64_t applied = 0;
-    for (; applied < total * tables; applied++) {
-        const int64_t k = (applied / tables / m) * slots + codes[applied];
-        const int32_t next = (int32_t)sizes[k] + sign;
-        if (next < 0 || next > 65535) { status = -3; break; }
-        sizes[k] = (uint16_t)next;
-    }
-    if (status == -3)
-        for (int64_t i = 0; i < applied; i++) {
-            const int64_t k = (i / tables / m) * slots + codes[i];
-            sizes[k] = (uint16_t)((int32_t)sizes[k] - sign);
+    for (int64_t e = 0; e < total && status == 0; e++) {
+        uint16_t *head = sizes + (e / m) * slots;
+        for (int64_t t = 0; t < tables; t++, applied++) {
+            const int32_t next = (int32_t)head[codes[e * tables + t]] + sign;
+            if (next < 0 || next > 65535) { status = -3; break; }
+            head[codes[e * tables + t]] = (uint16_t)next;
         }
+    }
+    for (int64_t i = 0; status == -3 && i < applied; i++)
+        sizes[(i / tables / m) * slots + codes[i]] -= (uint16_t)sign;  /* undone (rare: the sizes are dropped after) */
     free(codes), lsh_free(&lp);
     return status;
 }

@@ -143,10 +143,10 @@ def build(extra_flags: tuple[str, ...] = ()) -> KernelLibrary:
     lib.dsv41_gguf_int8_x.restype = cint
     lib.dsv41_rows_take.argtypes = [i64, i64, i64, i64, ptr, cint, ptr, ptr, ptr]
     lib.dsv41_rows_take.restype = cint
-    lib.dsv41_rows_keep.argtypes = [i64, i64, i64, i64, ptr, cint, ptr, ptr]
+    lib.dsv41_rows_keep.argtypes = [i64, i64, i64, i64, ptr, cint, ptr, ptr, cint]
     lib.dsv41_rows_keep.restype = cint
     lib.dsv41_cold_add.argtypes = [i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, cint, i64, i64, ptr, ptr, ptr,
-                                   ptr, ptr, ptr, cint]
+                                   ptr, ptr, ptr, cint, cint]
     lib.dsv41_cold_add.restype = cint
     lib.dsv41_rows_insert.argtypes = [i64, i64, i64, i64, ptr, ptr, cint, ptr, ptr, ptr]
     lib.dsv41_rows_insert.restype = cint
