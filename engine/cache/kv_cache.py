@@ -75,6 +75,12 @@ SPARE_TOKENS = 256
 # A follow-up's reply attends with each hot entry standing for the cold entries like it (counts.cold_counts, from the
 # reply's first decode step to the end of the turn); False: the hot set alone, as if nothing were cold
 COUNT_COLD = True
+# ... where the cold tier holds at least this many entries per hot one: where most of the conversation is hot, the
+# hot set's softmax is near the whole conversation's already, and the hashing's noise cost more than the counts
+# restored (benchmarks/followups.py, 943 tokens at 0.3, hot ~570 and cold ~430 entries a head at the count: 31 of
+# 36 follow-ups without the counts, 27 / 27 / 30 with them over three hash seeds; at 1,781 tokens at 0.3, hot ~810
+# and cold ~1,000, 20 without and 24 with, docs/design.md "What the reply counts")
+COUNT_COLD_OVER_HOT = 1.0
 
 
 @dataclass
@@ -479,8 +485,8 @@ class DSV41Cache:
         if self.cold is None or any(layer.merged_any for layer in self.layers):
             return  # merge counts of their own (a merge-mode cache): left as they are
         for layer, cold in zip(self.layers, self.cold, strict=True):
-            if not cold.length or not layer.length:
-                continue
+            if not layer.length or cold.length < COUNT_COLD_OVER_HOT * layer.length:
+                continue  # most of the conversation is hot: its softmax is close to the whole one's already
             planes = self._planes.get(layer.device)
             if planes is None:
                 planes = self._planes[layer.device] = count_planes(self.head_dim, layer.device)

@@ -337,3 +337,19 @@ def test_a_saved_state_loads_without_the_sizes_it_was_counted_with(monkeypatch):
     for mine, theirs in zip(cache.layers, other.layers, strict=True):
         assert torch.equal(cold_counts(mine, cache.cold[cache.layers.index(mine)], planes),
                            cold_counts(theirs, other.cold[other.layers.index(theirs)], planes))
+
+
+@pytest.mark.parametrize("ratio", [0.25, 0.6])
+def test_a_layer_counts_its_cold_tier_only_where_it_holds_more_than_the_hot_set(ratio):
+    """Where most of the conversation is hot, the reply attends to the hot set alone (COUNT_COLD_OVER_HOT): at 0.25
+    these caches count, at 0.6 they do not, and each layer's choice follows its own sizes."""
+    cache = _cache(kv_cache_ratio=ratio)
+    _first_turn_then_question(cache)
+    cache.finish_prefill(answer_follows=True)
+    counted = [cold.length >= kv_cache.COUNT_COLD_OVER_HOT * layer.length
+               for layer, cold in zip(cache.layers, cache.cold, strict=True)]
+    assert counted == [layer.merged_any for layer in cache.layers]
+    assert all(counted) if ratio == 0.25 else not any(counted)
+    assert cache.counting == any(counted)
+    for layer, was in zip(cache.layers, counted, strict=True):
+        assert bool(layer.log_counts[:, : layer.length].any()) == was
