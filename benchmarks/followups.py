@@ -13,7 +13,7 @@ machine whose speed drifts during the run slows them alike (their TTFT ratios ar
 
 Usage: python -m benchmarks.followups [--words 640] [--ratios 0.5,0.3,0.2,0.1] [--out results/followups]
        [--no-reference] [--mode chat|requests] [--documents 2010-Obama-1,...] [--cold-dtype int8|auto]
-       [--recall-min 256] [--no-cold-counts] [--count-tables 16] [--count-seed 0] [--count-cold-over-hot 1]
+       [--recall-min 256] [--no-cold-counts] [--count-tables 16] [--count-seed 0] [--count-cold-min 512]
        [--no-content]
 """
 
@@ -113,8 +113,8 @@ def table(payload: dict) -> str:
              + ("; a follow-up's reply attends to the hot set alone (--no-cold-counts)"
                 if payload.get("cold_counts") is False else "")
              + (f"; a follow-up's reply counts the cold tier ({payload['count_tables']} hash tables, seed "
-                f"{payload['count_seed']}" + (f"; in layers with at least {payload['count_cold_over_hot']:g} cold entries"
-                                              " per hot one" if payload.get("count_cold_over_hot") else "") + ")"
+                f"{payload['count_seed']}" + (f"; in layers with at least {payload['count_cold_min']} cold entries a"
+                                              " head" if payload.get("count_cold_min") else "") + ")"
                 if payload.get("cold_counts") and "count_tables" in payload else "")
              + ("; each follow-up asked alone on a fork of the chat after its first turn (--mode requests)"
                 if payload.get("mode") == "requests" else ""), "",
@@ -189,9 +189,9 @@ def main(argv=None) -> int:
                         help="hash tables of the reply's counts of the cold tier (engine.cache.counts.COUNT_TABLES)")
     parser.add_argument("--count-seed", type=int, default=None,
                         help="seed of their random hyperplanes (engine.cache.counts.COUNT_SEED)")
-    parser.add_argument("--count-cold-over-hot", type=float, default=None,
-                        help="a layer's reply counts its cold tier where it holds at least this many entries per hot "
-                             "one (engine.cache.kv_cache.COUNT_COLD_OVER_HOT; 0: wherever anything is cold)")
+    parser.add_argument("--count-cold-min", type=int, default=None,
+                        help="a layer's reply counts its cold tier where it holds at least this many entries a head "
+                             "(engine.cache.kv_cache.COUNT_COLD_MIN; 0: wherever anything is cold)")
     parser.add_argument("--no-content", action="store_true",
                         help="skip the two questions about the speech itself asked after the planted facts")
     parser.add_argument("--repetition-penalty", type=float, default=REPETITION_PENALTY,
@@ -207,8 +207,8 @@ def main(argv=None) -> int:
         counts.COUNT_TABLES = args.count_tables
     if args.count_seed is not None:
         counts.COUNT_SEED = args.count_seed
-    if args.count_cold_over_hot is not None:
-        kv_cache.COUNT_COLD_OVER_HOT = args.count_cold_over_hot
+    if args.count_cold_min is not None:
+        kv_cache.COUNT_COLD_MIN = args.count_cold_min
     started = time.time()
     # conversation_cache_mb=0: every chat here is new, nothing is reopened, so saving each turn's cache would only
     # fill the user's cache folder (benchmarks/reopen.py measures the saved caches)
@@ -239,7 +239,7 @@ def main(argv=None) -> int:
         rows += run_configs(model, [c for c in configs if c["kv_cache_ratio"] == ratio], cases, args.mode)
         print(table({"words": args.words, "tokens": rows[0]["turns"][0]["seen"], "alone_right": sum(alone),
                      "alone_total": len(alone), "rows": rows[-1:]}).splitlines()[-1], flush=True)
-    payload = {"machine": machine(), "mode": args.mode, "recall_min": cold.RECALL_MIN, "reply_recalled": kv_cache.REPLY_RECALLED, "cold_counts": kv_cache.COUNT_COLD, "count_tables": counts.COUNT_TABLES, "count_seed": counts.COUNT_SEED, "count_cold_over_hot": kv_cache.COUNT_COLD_OVER_HOT, "documents": sorted(wanted), "words": args.words, "repetition_penalty": args.repetition_penalty, "tokens": rows[0]["turns"][0]["seen"],
+    payload = {"machine": machine(), "mode": args.mode, "recall_min": cold.RECALL_MIN, "reply_recalled": kv_cache.REPLY_RECALLED, "cold_counts": kv_cache.COUNT_COLD, "count_tables": counts.COUNT_TABLES, "count_seed": counts.COUNT_SEED, "count_cold_min": kv_cache.COUNT_COLD_MIN, "documents": sorted(wanted), "words": args.words, "repetition_penalty": args.repetition_penalty, "tokens": rows[0]["turns"][0]["seen"],
                "alone_right": sum(alone), "alone_total": len(alone), "alone_content_right": sum(alone_content),
                "alone_content_total": len(alone_content), "rows": rows, "elapsed_s": time.time() - started}
     out = Path(args.out)

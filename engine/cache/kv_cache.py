@@ -75,12 +75,13 @@ SPARE_TOKENS = 256
 # A follow-up's reply attends with each hot entry standing for the cold entries like it (counts.cold_counts, from the
 # reply's first decode step to the end of the turn); False: the hot set alone, as if nothing were cold
 COUNT_COLD = True
-# ... where the cold tier holds at least this many entries per hot one: where most of the conversation is hot, the
-# hot set's softmax is near the whole conversation's already, and the hashing's noise cost more than the counts
-# restored (benchmarks/followups.py, 943 tokens at 0.3, hot ~570 and cold ~430 entries a head at the count: 31 of
-# 36 follow-ups without the counts, 27 / 27 / 30 with them over three hash seeds; at 1,781 tokens at 0.3, hot ~810
-# and cold ~1,000, 20 without and 24 with, docs/design.md "What the reply counts")
-COUNT_COLD_OVER_HOT = 1.0
+# ... in the layers whose cold tier holds at least this many entries a head: the counts are estimated from how the
+# cold keys fall into the hash buckets, and over a few hundred entries that is mostly chance. Measured
+# (benchmarks/followups.py, follow-ups of 36 without -> with the counts, cold entries a head at the count): 943
+# tokens 30 -> 30 (230 cold, ratio 0.5), 31 -> 27 (430, 0.3; 27 / 27 / 30 over three hash seeds), 30 -> 29 (520,
+# 0.2), 28 -> 30 (600, 0.1); 1,781 tokens 20 -> 23 (650, 0.5), 20 -> 24 (1,000, 0.3), 21 -> 24, 22 -> 24; more
+# at 3,752 and 7,429 tokens (docs/design.md, "What the reply counts")
+COUNT_COLD_MIN = 512
 
 
 @dataclass
@@ -485,8 +486,8 @@ class DSV41Cache:
         if self.cold is None or any(layer.merged_any for layer in self.layers):
             return  # merge counts of their own (a merge-mode cache): left as they are
         for layer, cold in zip(self.layers, self.cold, strict=True):
-            if not layer.length or cold.length < COUNT_COLD_OVER_HOT * layer.length:
-                continue  # most of the conversation is hot: its softmax is close to the whole one's already
+            if not layer.length or cold.length < COUNT_COLD_MIN:
+                continue  # too few cold entries for their bucket sizes to say much (COUNT_COLD_MIN)
             planes = self._planes.get(layer.device)
             if planes is None:
                 planes = self._planes[layer.device] = count_planes(self.head_dim, layer.device)

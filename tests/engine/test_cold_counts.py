@@ -113,11 +113,12 @@ def _forward(cache, tokens, *, seed, question=False):
 @pytest.fixture(autouse=True)
 def _small_recall(monkeypatch):
     """A question of these small caches recalls a few entries and its reply keeps fewer (the defaults would bring
-    the whole cold tier back)."""
+    the whole cold tier back), and its reply counts their small cold tiers."""
     from engine.cache import cold
 
     monkeypatch.setattr(cold, "RECALL_MIN", 8)
     monkeypatch.setattr(kv_cache, "REPLY_RECALLED", 4)
+    monkeypatch.setattr(kv_cache, "COUNT_COLD_MIN", 1)  # their cold tiers are a few dozen entries
 
 
 def _first_turn_then_question(cache):
@@ -339,17 +340,24 @@ def test_a_saved_state_loads_without_the_sizes_it_was_counted_with(monkeypatch):
                            cold_counts(theirs, other.cold[other.layers.index(theirs)], planes))
 
 
-@pytest.mark.parametrize("ratio", [0.25, 0.6])
-def test_a_layer_counts_its_cold_tier_only_where_it_holds_more_than_the_hot_set(ratio):
-    """Where most of the conversation is hot, the reply attends to the hot set alone (COUNT_COLD_OVER_HOT): at 0.25
-    these caches count, at 0.6 they do not, and each layer's choice follows its own sizes."""
-    cache = _cache(kv_cache_ratio=ratio)
+@pytest.mark.parametrize("least", [0, 10**6, "between"])
+def test_a_layer_counts_its_cold_tier_only_where_it_holds_enough_entries(least, monkeypatch):
+    """Over a few cold entries the bucket sizes say little (COUNT_COLD_MIN): a layer whose cold tier holds fewer
+    attends to its hot set alone, each layer by its own tier."""
+    cache = _cache()
     _first_turn_then_question(cache)
-    cache.finish_prefill(answer_follows=True)
-    counted = [cold.length >= kv_cache.COUNT_COLD_OVER_HOT * layer.length
-               for layer, cold in zip(cache.layers, cache.cold, strict=True)]
+    monkeypatch.setattr(kv_cache, "COUNT_COLD", False)
+    cache.finish_prefill(answer_follows=True)  # the reply's compaction, without the counts
+    assert not cache.counting
+    if least == "between":  # a threshold the second layer's tier reaches and the first's does not
+        cache.cold[0].take(torch.arange(3).expand(cache.kv_heads, -1).contiguous())
+        least = cache.cold[1].length
+        assert cache.cold[0].length < least
+    monkeypatch.setattr(kv_cache, "COUNT_COLD_MIN", least)
+    cache.count_cold()
+    counted = [cold.length >= least for cold in cache.cold]
     assert counted == [layer.merged_any for layer in cache.layers]
-    assert all(counted) if ratio == 0.25 else not any(counted)
     assert cache.counting == any(counted)
+    assert counted == ([True, True] if least == 0 else [False, False] if least == 10**6 else [False, True])
     for layer, was in zip(cache.layers, counted, strict=True):
         assert bool(layer.log_counts[:, : layer.length].any()) == was
