@@ -361,3 +361,45 @@ def test_a_layer_counts_its_cold_tier_only_where_it_holds_enough_entries(least, 
     assert counted == ([True, True] if least == 0 else [False, False] if least == 10**6 else [False, True])
     for layer, was in zip(cache.layers, counted, strict=True):
         assert bool(layer.log_counts[:, : layer.length].any()) == was
+
+
+def test_a_chat_answers_the_same_with_the_kept_sizes_as_hashing_the_cold_tier(tiny_folder, monkeypatch):
+    """Through real turns (a tiny model, the real tokenizer): a chat whose cold tier keeps its bucket sizes from its
+    first count on (kept whatever the tier's size here) gives every follow-up the same counts and the same reply as
+    a chat that hashes the cold tier at each count."""
+    from engine import DSV41Config, DSV41Model
+    from engine.cache import cold as cold_module
+    from engine.events import TokenText
+
+    monkeypatch.setattr(cold_module, "RECALL_MIN", 16)  # the tiny chat's cold tier would come back whole
+    monkeypatch.setattr(kv_cache, "COUNT_COLD_MIN", 1)
+    model = DSV41Model.from_pretrained(DSV41Config(model_path=str(tiny_folder), max_seq_len=4096, kv_cache_ratio=0.2,
+                                                   cold_tier="ram", csa2_topk=0))
+    document = " ".join(f"Line {i}: the value of item {i} is {i * 7}." for i in range(45))
+    questions = [document + "\n\nWhat is the value of item 3?", "And item 40?", "And item 25?", "And item 12?"]
+
+    def chat(share):
+        monkeypatch.setattr(counts_module, "BUCKET_SIZES_SHARE", share)
+        seen, original = [], DSV41Cache.count_cold
+
+        def count_cold(self):
+            original(self)
+            seen.append([layer.log_counts[:, : layer.length].clone() for layer in self.layers])
+            seen[-1].append([cold.bucket_sizes is not None for cold in self.cold])
+
+        monkeypatch.setattr(DSV41Cache, "count_cold", count_cold)
+        session = model.chat_session()
+        replies = ["".join(e.text for e in session.send(q, max_new_tokens=6, greedy=True) if isinstance(e, TokenText))
+                   for q in questions]
+        monkeypatch.setattr(DSV41Cache, "count_cold", original)
+        return replies, seen
+
+    kept_replies, kept = chat(0)
+    hashed_replies, hashed = chat(10**9)
+    if not any(kept[0][-1]):
+        pytest.skip("the C kernels are not available here")
+    assert len(kept) == len(hashed) == len(questions) - 1  # every follow-up counted
+    assert all(all(k[-1]) for k in kept) and not any(any(h[-1]) for h in hashed)
+    for k, h in zip(kept, hashed, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(k[:-1], h[:-1], strict=True))
+    assert kept_replies == hashed_replies
