@@ -242,15 +242,16 @@ class ColdLayer:
 
     def reserved_bytes(self) -> int:
         """Bytes allocated (with spare capacity): what the RAM cap counts."""
-        return self.capacity * self._bytes_per_entry() + self._sizes_bytes()
+        return self.capacity * self._bytes_per_entry() + self.sizes_bytes()
 
     def nbytes(self) -> int:
         """Bytes the cold entries occupy (without spare capacity), with their bucket sizes when kept."""
         return sum(getattr(self, n).element_size() * getattr(self, n)[:, :1].numel() * self.length
-                   for n in self._names()) + self._sizes_bytes()
+                   for n in self._names()) + self.sizes_bytes()
 
     # ---------------------------------------------------------------- the bucket sizes of the reply's counts
-    def _sizes_bytes(self) -> int:
+    def sizes_bytes(self) -> int:
+        """Bytes of the kept bucket sizes (in RAM, even when the entries are on disk)."""
         return 0 if self.bucket_sizes is None else self.bucket_sizes.numel() * self.bucket_sizes.element_size()
 
     def buckets_pay(self) -> bool:

@@ -643,15 +643,18 @@ class DSV41Cache:
         return sum(layer.used_bytes() for layer in self.layers)
 
     def cold_bytes(self, where: str | None = None) -> int:
-        """Bytes the cold tier holds (0 when it is off); `where` = "ram" or "disk" counts only those layers."""
-        return sum(cold.nbytes() for cold in self.cold or ()
-                   if where is None or cold.on_disk == (where == "disk"))
+        """Bytes the cold tier holds (0 when it is off); `where` = "ram" or "disk" counts only what is there (the
+        entries of a layer on disk are there, its kept bucket sizes in RAM)."""
+        if where is None:
+            return sum(cold.nbytes() for cold in self.cold or ())
+        disk = sum(cold.nbytes() - cold.sizes_bytes() for cold in self.cold or () if cold.on_disk)
+        return disk if where == "disk" else self.cold_bytes() - disk
 
     def _spill(self, extra_bytes: int) -> Path | None:
         """Where a cold layer's next allocation of `extra_bytes` goes: a file (cold_tier 'disk', or 'ram' past
         its cap, cold_tier_ram_mb) or RAM (None)."""
         s = self.settings
-        in_ram = sum(cold.reserved_bytes() for cold in self.cold or () if not cold.on_disk)
+        in_ram = sum(cold.reserved_bytes() if not cold.on_disk else cold.sizes_bytes() for cold in self.cold or ())
         if s.cold_tier == "disk" or in_ram + extra_bytes > s.cold_tier_ram_mb * 2**20:
             return cold_dir()
         return None

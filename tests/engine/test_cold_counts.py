@@ -403,3 +403,20 @@ def test_a_chat_answers_the_same_with_the_kept_sizes_as_hashing_the_cold_tier(ti
     for k, h in zip(kept, hashed, strict=True):
         assert all(torch.equal(a, b) for a, b in zip(k[:-1], h[:-1], strict=True))
     assert kept_replies == hashed_replies
+
+
+def test_kept_sizes_are_counted_in_ram_when_the_tier_is_on_disk(monkeypatch, tmp_path):
+    """The memory report's cold lines: a tier spilled to a file holds its entries there and its bucket sizes in RAM."""
+    from engine.cache import kv_cache as kv
+
+    monkeypatch.setattr(kv, "cold_dir", lambda: tmp_path)
+    monkeypatch.setattr(counts_module, "BUCKET_SIZES_SHARE", 0)
+    cache = _cache(cold_tier="disk")
+    _first_turn_then_question(cache)
+    cache.finish_prefill(answer_follows=True)
+    if not all(cold.on_disk and cold.bucket_sizes is not None for cold in cache.cold):
+        pytest.skip("the C kernels (or a mapped file) are not available here")
+    sizes = sum(cold.sizes_bytes() for cold in cache.cold)
+    assert sizes == cache.num_layers * cache.kv_heads * (COUNT_TABLES << COUNT_BITS) * 2
+    assert cache.cold_bytes("ram") == sizes
+    assert cache.cold_bytes("disk") == cache.cold_bytes() - sizes > 0
