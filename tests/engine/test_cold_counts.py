@@ -420,3 +420,39 @@ def test_kept_sizes_are_counted_in_ram_when_the_tier_is_on_disk(monkeypatch, tmp
     assert sizes == cache.num_layers * cache.kv_heads * (COUNT_TABLES << COUNT_BITS) * 2
     assert cache.cold_bytes("ram") == sizes
     assert cache.cold_bytes("disk") == cache.cold_bytes() - sizes > 0
+
+
+def test_the_hashing_without_avx512_is_the_same(monkeypatch):
+    """Without AVX-512 VNNI (an AVX2 machine) the C hashing takes its scalar integer products: the same buckets, so
+    the same counts and the same kept bucket sizes as the vpdpbusd path."""
+    from engine.kernels import library
+
+    default = cache_ops.load()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            flags = info.read()
+    except OSError:
+        flags = ""
+    if default is None or default.isa != 512 or " avx512_vnni" not in flags:
+        pytest.skip("needs the kernels on an AVX-512 VNNI CPU (to compare its path with the scalar one)")
+    scalar = library.build(("-mno-avx512f",))
+    g = torch.Generator().manual_seed(7)
+    hot = torch.randn(3, 90, 64, generator=g).to(torch.bfloat16)
+    near = hot[:, :30].float().repeat(1, 4, 1) + 0.1 * torch.randn(3, 120, 64, generator=g)
+    _, cold = _layers(hot.float(), near, int8=True)
+    planes = count_planes(64, "cpu")
+    index = torch.arange(cold.length).expand(3, -1).contiguous()
+
+    def hashed():
+        sizes = torch.zeros(3, COUNT_TABLES << COUNT_BITS, dtype=torch.int16)
+        assert cache_ops.lsh_tally(cold.keys, cold.length, index, planes, COUNT_TABLES, COUNT_BITS, sizes, +1)
+        stored = cold.keys[:, : cold.length]
+        return (sizes, cache_ops.cold_counts(hot, stored, planes, COUNT_TABLES, COUNT_BITS),
+                cache_ops.cold_counts(hot, None, planes, COUNT_TABLES, COUNT_BITS, sizes))
+
+    vnni = hashed()
+    monkeypatch.setattr(cache_ops, "load", lambda: scalar)
+    plain = hashed()
+    assert all(torch.equal(a, b) for a, b in zip(vnni, plain, strict=True))
+    assert torch.equal(vnni[1], vnni[2])  # from the kept sizes as from hashing the cold keys
+    assert vnni[1][:, :30].mean() > 2 * vnni[1][:, 30:].mean()
