@@ -7,7 +7,9 @@ model, greedy). Three parts:
   cold, mass), the choice (cache_ops.recall_select: span ranking, the best, in position order), moving the
   recalled entries in (ColdLayer.move_into), the whole recall (DSV41Cache._recall_layer), the question's
   attention that follows (cache_ops.question_attention, with the hot logits the recall computed), the TTFT, and
-  the reply's counts of the cold tier (DSV41Cache.count_cold, once the first reply token is out: not in the TTFT);
+  the reply's counts of the cold tier (DSV41Cache.count_cold, once the first reply token is out: not in the TTFT),
+  and all the work between the first reply token and the second (DSV41Cache.finish_prefill with a reply to follow:
+  the reply's compaction, the counts, CSA2's fit);
 - one layer's scoring on the shapes the last recall of the run had: the C call against torch's path (the cold
   int8 keys widened to float32, then cold.recall_mass: two products and the softmax pass), with how far their
   masses are apart and whether they recall the same entries;

@@ -289,8 +289,10 @@ class ColdLayer:
         out (-1, before they move); dropped where that cannot be done."""
         if self.bucket_sizes is None or index.shape[1] == 0:
             return
-        if self._sizes_key != counts.hashing() or not cache_ops.lsh_tally(self.keys, self.length, index.cpu(), counts.count_planes(self.head_dim, "cpu"),
-                                   counts.COUNT_TABLES, counts.COUNT_BITS, self.bucket_sizes, sign):
+        planes = counts.count_planes(self.head_dim, "cpu")
+        if self._sizes_key != counts.hashing() or not cache_ops.lsh_tally(
+                self.keys, self.length, index.cpu(), planes, counts.COUNT_TABLES, counts.COUNT_BITS,
+                self.bucket_sizes, sign):
             self.bucket_sizes = None
 
 

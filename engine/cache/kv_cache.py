@@ -144,7 +144,6 @@ class DSV41Cache:
         self.answer_limit: int | None = None
         self.question_tokens = 0  # the current turn's question, its last tokens (start_prefill)
         self.counting = False  # the hot set's log counts stand for the cold tier (count_cold) until the turn ends
-        self._planes: dict[torch.device, torch.Tensor] = {}  # count_cold's hyperplanes on each layer's device
 
     @property
     def policy(self) -> policies.Policy:
@@ -488,9 +487,7 @@ class DSV41Cache:
         for layer, cold in zip(self.layers, self.cold, strict=True):
             if not layer.length or cold.length < COUNT_COLD_MIN:
                 continue  # too few cold entries for their bucket sizes to say much (COUNT_COLD_MIN)
-            planes = self._planes.get(layer.device)
-            if planes is None:
-                planes = self._planes[layer.device] = count_planes(self.head_dim, layer.device)
+            planes = count_planes(self.head_dim, layer.device)  # built once per device (cached)
             layer.log_counts[:, : layer.length] = cold_counts(layer, cold, planes)
             layer.merged_any = True
             self.counting = True

@@ -296,6 +296,19 @@ def recall_select(mass: torch.Tensor, positions: torch.Tensor, span: int, take: 
     return out if status == 0 else None
 
 
+def _hashable(keys: torch.Tensor, planes: torch.Tensor, tables: int, bits: int) -> bool:
+    """Whether the C hashing takes `keys` [h, n, d] (a key type it reads, contiguous rows on the CPU) with `planes`."""
+    d = keys.shape[2]
+    return (keys.dtype in _KEY_TYPES and _rows_of(keys, d) and planes.dtype == torch.int8
+            and planes.device.type == "cpu" and planes.is_contiguous() and planes.shape == (tables * bits, d))
+
+
+def _sizes_fit(sizes: torch.Tensor, heads: int, tables: int, bits: int) -> bool:
+    """Whether `sizes` is a [heads, tables << bits] int16 CPU table the C calls read and write as uint16."""
+    return (sizes.dtype == torch.int16 and sizes.device.type == "cpu" and sizes.is_contiguous()
+            and sizes.shape == (heads, tables << bits))
+
+
 def cold_counts(hot_keys: torch.Tensor, cold_keys: torch.Tensor | None, planes: torch.Tensor, tables: int,
                 bits: int, cold_sizes: torch.Tensor | None = None) -> torch.Tensor | None:
     """counts.cold_counts in one C call (dsv41_cold_counts): log(1 + c) [h, S] float32 for the hot keys [h, S, d], c
@@ -307,16 +320,9 @@ def cold_counts(hot_keys: torch.Tensor, cold_keys: torch.Tensor | None, planes: 
     lib = load()
     h, s, d = hot_keys.shape
     given = cold_sizes is not None
-    if (lib is None or hot_keys.dtype not in _KEY_TYPES or not _rows_of(hot_keys, d)
-            or planes.dtype != torch.int8 or planes.device.type != "cpu" or not planes.is_contiguous()
-            or planes.shape != (tables * bits, d)):
-        return None
-    if given:
-        if (cold_sizes.dtype != torch.int16 or cold_sizes.device.type != "cpu" or not cold_sizes.is_contiguous()
-                or cold_sizes.shape != (h, tables << bits)):
-            return None
-    elif (cold_keys is None or cold_keys.dtype not in _KEY_TYPES or not _rows_of(cold_keys, d)
-          or cold_keys.shape[0] != h):
+    if lib is None or not _hashable(hot_keys, planes, tables, bits) or (
+            not _sizes_fit(cold_sizes, h, tables, bits) if given else
+            cold_keys is None or not _hashable(cold_keys, planes, tables, bits) or cold_keys.shape[0] != h):
         return None
     out = torch.empty(h, s, dtype=torch.float32)
     status = lib.lib.dsv41_cold_counts(h, d, s, hot_keys.data_ptr(), _KEY_TYPES[hot_keys.dtype],
@@ -339,9 +345,7 @@ def lsh_tally(keys: torch.Tensor, n: int, index: torch.Tensor, planes: torch.Ten
     kernels do not apply or a size would leave 0..65535."""
     lib = load()
     h, _, d = keys.shape
-    if (lib is None or keys.dtype not in _KEY_TYPES or not _rows_of(keys, d) or planes.dtype != torch.int8
-            or planes.device.type != "cpu" or not planes.is_contiguous() or planes.shape != (tables * bits, d)
-            or sizes.dtype != torch.int16 or not sizes.is_contiguous() or sizes.shape != (h, tables << bits)
+    if (lib is None or not _hashable(keys, planes, tables, bits) or not _sizes_fit(sizes, h, tables, bits)
             or index.shape[0] != h or index.device.type != "cpu"):
         return False
     index = index.to(torch.int64).contiguous()

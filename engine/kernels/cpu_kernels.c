@@ -1782,13 +1782,6 @@ int dsv41_rows_keep(int64_t heads, int64_t capacity, int64_t n, int64_t k, const
     return 0;
 }
 
-/* A compaction's dropped rows into the cold tier (engine/cache/cold.py ColdLayer.add): rows index [heads, m] (< n)
- * of the hot layer's keys and values [heads, hot_capacity, d] (float32, or bf16 when hot_bf16), positions and
- * scores [heads, hot_capacity], appended at rows start.. of the cold layer's, per head in index order. int8: the
- * cold keys and values are int8 with one float32 scale per row, as engine/kernels/quant.py quantize_int8 rounds
- * them (scale = max(max |x|, 1e-8) / 127, q = x / scale rounded half to even, clamped to +-127: the same float32
- * operations, so bit-equal); else they are the hot rows' bytes. Returns 0, or -1 (bad sizes or index) before
- * anything is written. */
 /* A float32 (bf16: 1) row of d rounded to int8 as quantize_int8 rounds it: q = round(x / scale), |q| <= 127, scale =
  * max |x| / 127 (at least 1e-8 / 127); returns the scale. The cold tier stores its rows so, and the reply's counts
  * hash every key so (dsv41_cold_counts). */
@@ -1807,6 +1800,13 @@ static float row_to_int8(const void *row, int bf16, int64_t d, int8_t *q) {
     return scale;
 }
 
+/* A compaction's dropped rows into the cold tier (engine/cache/cold.py ColdLayer.add): rows index [heads, m] (< n)
+ * of the hot layer's keys and values [heads, hot_capacity, d] (float32, or bf16 when hot_bf16), positions and
+ * scores [heads, hot_capacity], appended at rows start.. of the cold layer's, per head in index order. int8: the
+ * cold keys and values are int8 with one float32 scale per row, as engine/kernels/quant.py quantize_int8 rounds
+ * them (scale = max(max |x|, 1e-8) / 127, q = x / scale rounded half to even, clamped to +-127: the same float32
+ * operations, so bit-equal); else they are the hot rows' bytes. Returns 0, or -1 (bad sizes or index) before
+ * anything is written. */
 int dsv41_cold_add(int64_t heads, int64_t d, int64_t hot_capacity, int64_t n, int64_t m, const int64_t *index,
                    const void *hot_keys, const void *hot_values, const int32_t *hot_positions, const float *hot_scores,
                    int hot_bf16, int64_t cold_capacity, int64_t start, void *cold_keys, void *cold_values,
@@ -1818,19 +1818,19 @@ int dsv41_cold_add(int64_t heads, int64_t d, int64_t hot_capacity, int64_t n, in
     const int64_t esize = hot_bf16 ? 2 : 4;
 #pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
     for (int64_t gj = 0; gj < heads * m; gj++) {
-            const int64_t g = gj / m, j = gj % m;
-            const int64_t src = g * hot_capacity + index[g * m + j], dst = g * cold_capacity + start + j;
-            cold_positions[dst] = hot_positions[src];
-            cold_scores[dst] = hot_scores[src];
-            for (int kv = 0; kv < 2; kv++) {
-                const char *row = (const char *)(kv ? hot_values : hot_keys) + src * d * esize;
-                void *out = kv ? cold_values : cold_keys;
-                if (!int8) {
-                    memcpy((char *)out + dst * d * esize, row, (size_t)(d * esize));
-                    continue;
-                }
-                (kv ? value_scales : key_scales)[dst] = row_to_int8(row, hot_bf16, d, (int8_t *)out + dst * d);
+        const int64_t g = gj / m, j = gj % m;
+        const int64_t src = g * hot_capacity + index[g * m + j], dst = g * cold_capacity + start + j;
+        cold_positions[dst] = hot_positions[src];
+        cold_scores[dst] = hot_scores[src];
+        for (int kv = 0; kv < 2; kv++) {
+            const char *row = (const char *)(kv ? hot_values : hot_keys) + src * d * esize;
+            void *out = kv ? cold_values : cold_keys;
+            if (!int8) {
+                memcpy((char *)out + dst * d * esize, row, (size_t)(d * esize));
+                continue;
             }
+            (kv ? value_scales : key_scales)[dst] = row_to_int8(row, hot_bf16, d, (int8_t *)out + dst * d);
+        }
     }
     return 0;
 }
@@ -2547,7 +2547,7 @@ int dsv41_recall_select(int64_t heads, int64_t c, const int32_t *positions, int6
     return 0;
 }
 
-/* The reply's counts of the cold tier (cold.cold_counts): locality-sensitive hashing by random hyperplanes. Each
+/* The reply's counts of the cold tier (counts.cold_counts): locality-sensitive hashing by random hyperplanes. Each
  * key [d] (key type 0 float32, 1 bf16, both rounded to int8 first exactly as quantize_int8 and dsv41_cold_add round
  * them; 2 int8, as the cold tier stores it) is multiplied by the int8 hyperplanes planes [tables * bits, d] in
  * integers (exact: no float order can flip a sign), and table t's bucket is t << bits | sum over b < bits of
@@ -2639,7 +2639,7 @@ static void lsh_codes(const LshPlanes *lp, const void *keys, int key_type, int64
     }
 }
 
-/* cold.cold_counts in one call: out [heads, s] float32, log(1 + c) for each of the s hot keys, c the mean over the
+/* counts.cold_counts in one call: out [heads, s] float32, log(1 + c) for each of the s hot keys, c the mean over the
  * tables of its bucket's cold keys over its bucket's hot keys (every bucket of a head counted over that head's keys).
  * hot / cold keys: heads of s / c rows of d, `hot_stride` / `cold_stride` elements apart, of key type 0
  * float32, 1 bf16, 2 int8. cold_given [heads, tables << bits]: the cold keys' bucket sizes as dsv41_lsh_tally keeps
@@ -2699,9 +2699,9 @@ int dsv41_cold_counts(int64_t heads, int64_t d, int64_t s, const void *hot, int 
 }
 
 /* Keep a cold layer's bucket sizes as its entries come and go (cold.ColdLayer.bucket_sizes): hash the m keys at
- * rows index[h * m + j] of each head h (keys [heads, rows of d], `stride` elements a head, key type as above) and
- * (each < n) add `sign` (+1 or -1) to sizes [heads, tables << bits] (uint16, as dsv41_cold_counts takes them). Returns 0, -1
- * (sizes out of range), -2 (no memory), -3 (a size would leave 0..65535: nothing changed). */
+ * rows index[h * m + j] (each < n) of each head h (keys [heads, rows of d], `stride` elements a head, key type as
+ * above) and add `sign` (+1 or -1) to sizes [heads, tables << bits] (uint16, as dsv41_cold_counts takes them).
+ * Returns 0, -1 (sizes out of range), -2 (no memory), -3 (a size would leave 0..65535: nothing changed). */
 int dsv41_lsh_tally(int64_t heads, int64_t d, int64_t n, int64_t m, const int64_t *index, const void *keys, int key_type,
                     int64_t stride, const int8_t *planes, int64_t tables, int64_t bits, int sign, uint16_t *sizes,
                     int threads) {
