@@ -77,7 +77,8 @@ SPARE_TOKENS = 256
 COUNT_COLD = True
 # ... in the layers whose cold tier holds at least this many entries a head: the counts are estimated from how the
 # cold keys fall into the hash buckets, and over a few hundred entries that is mostly chance. Measured
-# (benchmarks/followups.py, follow-ups of 36 without -> with the counts, cold entries a head at the count): 943
+# (benchmarks/followups.py, follow-ups of 36 without -> with the counts; cold entries a head at the count read by
+# hand with a probe on count_cold): 943
 # tokens 30 -> 30 (230 cold, ratio 0.5), 31 -> 27 (430, 0.3; 27 / 27 / 30 over three hash seeds), 30 -> 29 (520,
 # 0.2), 28 -> 30 (600, 0.1); 1,781 tokens 20 -> 23 (650, 0.5), 20 -> 24 (1,000, 0.3), 21 -> 24, 22 -> 24; more
 # at 3,752 and 7,429 tokens (docs/design.md, "What the reply counts")
