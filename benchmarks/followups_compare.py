@@ -4,12 +4,13 @@ Reads what benchmarks/followups.py and benchmarks/kvpress_peer.py wrote for one 
 speeches, facts, questions, orders and answer keys; torch-free, so any python runs it) and writes one table and one
 plot. Both protocols ask every follow-up without the earlier follow-ups in view: kvpress asks each question alone
 on the context it compressed once; `followups.py --mode requests` asks each follow-up on a fork of the chat as it
-stood after its first turn (the first question and its answer are in the chat, as a user's first turn is). The
-two uncompressed rows differ (float32 transformers against our default load; a first turn in the chat or not),
+stood after its first turn (the first question and its answer are in the chat, as a user's first turn is).
+`kvpress_peer.py --history` asks each follow-up after the first question and the press's own answer to it, the
+token sequence of our requests mode (its --check-prompt --history checks that). The two uncompressed rows differ (float32 transformers against our default load; a first turn in the chat or not),
 so each row is also given against its own uncompressed figure: the share of its own uncompressed answers it keeps.
 
 Usage: python -m benchmarks.followups_compare --ours results/followups-requests/1k
-           --peer results/followups-kvpress --out results/followups-compare/1k
+           --peer results/followups-kvpress [--peer another run] --out results/followups-compare/1k
 """
 
 from __future__ import annotations
@@ -31,20 +32,28 @@ def _ours(folder: Path) -> tuple[dict, dict]:
     return payload, rows
 
 
-def _peer(folder: Path) -> tuple[dict, dict[str, dict]]:
-    payload = json.loads((folder / "followups_kvpress.json").read_text())
+def _peer(folders: list[Path]) -> tuple[dict, dict[str, dict]]:
+    """One kvpress run, or several runs of the same documents and protocol (other presses or ratios) merged."""
+    payloads = [json.loads((folder / "followups_kvpress.json").read_text()) for folder in folders]
+    payload = payloads[0]
+    for other, folder in zip(payloads[1:], folders[1:], strict=True):
+        if (other["words"], bool(other.get("history"))) != (payload["words"], bool(payload.get("history"))):
+            raise SystemExit(f"{folder} is another kvpress run ({other['words']} words, history "
+                             f"{bool(other.get('history'))}) than {folders[0]}")
     presses: dict[str, dict] = {}
-    for row in payload["rows"]:
+    for row in (row for p in payloads for row in p["rows"]):
         if row["press"] == "none":
             presses.setdefault("uncompressed", {})[1.0] = row
         else:
             presses.setdefault(row["press"].removesuffix("Press"), {})[row["kept_ratio"]] = row
+    if "uncompressed" not in presses:
+        raise SystemExit("no kvpress run among " + ", ".join(map(str, folders)) + " has the no-press row")
     return payload, presses
 
 
-def compare(ours_dir: Path, peer_dir: Path) -> dict:
+def compare(ours_dir: Path, peer_dirs: list[Path]) -> dict:
     ours_payload, ours = _ours(ours_dir)
-    peer_payload, peer = _peer(peer_dir)
+    peer_payload, peer = _peer(peer_dirs)
     if ours_payload.get("mode") != "requests":
         raise SystemExit(f"{ours_dir} was run with --mode {ours_payload.get('mode', 'chat')}: the comparison needs "
                          "--mode requests (each follow-up without the earlier follow-ups, as kvpress asks them)")
@@ -76,15 +85,19 @@ def compare(ours_dir: Path, peer_dir: Path) -> dict:
             "presses": [p for p in peer if p != "uncompressed"], "rows": lines,
             "ours_machine": ours_payload["machine"], "peer_machine": peer_payload["machine"],
             "peer_prefill_uncompressed_s": peer["uncompressed"][1.0].get("prefill_s"),
-            "sources": {"ours": str(ours_dir), "peer": str(peer_dir)}}
+            "peer_history": bool(peer_payload.get("history")),
+            "sources": {"ours": str(ours_dir), "peer": [str(d) for d in peer_dirs]}}
 
 
 def table(result: dict) -> str:
     presses = result["presses"]
     total = result["followups_total"]
     head = ["hot / kept ratio", "ours: tiered CED"] + [f"kvpress {p}" for p in presses]
+    protocol = ("after the first question and the answer each one gave it (the same token sequence)"
+                if result.get("peer_history") else
+                "ours after the first question and its answer, kvpress alone on the compressed document")
     lines = [f"Follow-ups right (of {total}) on {result['tokens']}-token documents, each follow-up asked without the "
-             f"earlier follow-ups; in brackets, short of each one's own uncompressed figure (ours "
+             f"earlier follow-ups, {protocol}; in brackets, short of each one's own uncompressed figure (ours "
              f"{result['ours_uncompressed']}/{total}, kvpress {result['peer_uncompressed']}/{total})", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in result["rows"]:
@@ -111,7 +124,8 @@ def plot(result: dict, out: Path) -> None:
     ax.axhline(1.0, color="gray", linestyle=":", label="each one's uncompressed")
     ax.set_xlabel("hot / kept ratio")
     ax.set_ylabel("follow-ups right / own uncompressed")
-    ax.set_title(f"Follow-up questions, {result['tokens']}-token documents")
+    ax.set_title(f"Follow-up questions, {result['tokens']}-token documents"
+                 + (", kvpress after the first exchange" if result.get("peer_history") else ""))
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "followups_compare.png", dpi=110)
@@ -121,10 +135,12 @@ def plot(result: dict, out: Path) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.followups_compare")
     parser.add_argument("--ours", required=True, help="a folder of `followups.py --mode requests`")
-    parser.add_argument("--peer", required=True, help="a folder of benchmarks/kvpress_peer.py, same --words")
+    parser.add_argument("--peer", required=True, action="append",
+                        help="a folder of benchmarks/kvpress_peer.py, same --words; repeat it to merge runs of the "
+                             "same protocol (other presses or ratios)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
-    result = compare(Path(args.ours), Path(args.peer))
+    result = compare(Path(args.ours), [Path(p) for p in args.peer])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "followups_compare.json").write_text(json.dumps(result, indent=2))

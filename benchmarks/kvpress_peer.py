@@ -216,22 +216,110 @@ def ask(pipe, model, press, context: str, questions: list[str]) -> dict:
             "answer_s": [end - start for start, end in marks], "kept_slots": kept}
 
 
-def run_config(pipe, model, name: str, kept: float, cases, context_tokens: dict) -> dict:
+def template_pieces(tokenizer) -> tuple[str, str]:
+    """The chat template's text after a user message up to the reply (the question suffix the pipeline appends),
+    and the text between a reply and the next user message (the end of the assistant turn, the next user header)."""
+    mark = ["\x00U1\x00", "\x00A1\x00", "\x00U2\x00"]
+    text = tokenizer.apply_chat_template([{"role": "user", "content": mark[0]}, {"role": "assistant",
+                                          "content": mark[1]}, {"role": "user", "content": mark[2]}],
+                                         add_generation_prompt=True, tokenize=False)
+    return text.split(mark[2], 1)[1], text.split(mark[1], 1)[1].split(mark[2], 1)[0]
+
+
+def ask_history(pipe, model, press, context: str, sequences: list[list[str]]) -> dict:
+    """Compress `context` once (without any question, as the pipeline does); per sequence, answer its first
+    question, then each later question after that first exchange: the first question, the press's own reply to it
+    (the tokens it generated, without its end-of-turn token), the template's end of turn, the next user turn.
+    That is the token sequence of our chat's requests mode (benchmarks/followups.py --mode requests: each
+    follow-up on a fork of the chat after its first turn). Each answer is cut from the cache before the next
+    question, as in KVPressTextGenerationPipeline._forward, whose steps this repeats."""
+    import contextlib
+
+    import torch
+    from transformers import DynamicCache
+
+    suffix, between = template_pieces(pipe.tokenizer)
+    tensors = pipe.preprocess(context, questions=[s[0] for s in sequences], answer_prefix="",
+                              max_context_length=int(1e10))
+    context_ids = tensors["context_ids"]
+    cache = DynamicCache()
+    generated: list[list[int]] = []
+    original = pipe.tokenizer.decode
+
+    def decode(ids, *args, **kwargs):  # generate_answer decodes its generated ids once, at the end
+        generated.append([int(i) for i in ids])
+        return original(ids, *args, **kwargs)
+
+    def answer(question_ids) -> tuple[str, list[int], float]:
+        lengths = [cache.get_seq_length(layer) for layer in range(len(cache))]
+        start = time.perf_counter()
+        text = pipe.generate_answer(question_ids=question_ids, cache=cache, context_length=context_ids.shape[1],
+                                    max_new_tokens=MAX_NEW_TOKENS)
+        seconds = time.perf_counter() - start
+        pipe._remove_answer_from_cache(cache, lengths)
+        return text, generated[-1], seconds
+
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos])
+    started = time.perf_counter()
+    with press(model) if press is not None else contextlib.nullcontext():
+        model.model(input_ids=context_ids, past_key_values=cache)
+    prefill_s = time.perf_counter() - started
+    answers, seconds, asked = [], [], []
+    pipe.tokenizer.decode = decode
+    try:
+        for sequence, first_ids in zip(sequences, tensors["questions_ids"], strict=True):
+            first, first_reply, took = answer(first_ids)
+            reply = torch.tensor([[i for i in first_reply if i not in eos]])
+            row, times, fed = [first], [took], [len(first_ids[0])]
+            for question in sequence[1:]:
+                rest = pipe.tokenizer.encode(between + question + suffix, return_tensors="pt",
+                                             add_special_tokens=False)
+                ids = torch.cat([first_ids, reply, rest], dim=1)
+                text, _, took = answer(ids)
+                row.append(text)
+                times.append(took)
+                fed.append(int(ids.shape[1]))
+            answers.append(row)
+            seconds.append(times)
+            asked.append(fed)
+    finally:
+        del pipe.tokenizer.decode
+    kept = kv_kept(model, cache)
+    for layer in model.model.layers:
+        layer.self_attn.masked_key_indices = None
+    return {"answers": answers, "prefill_s": prefill_s, "answer_s": seconds, "question_tokens": asked,
+            "kept_slots": kept}
+
+
+def run_config(pipe, model, name: str, kept: float, cases, context_tokens: dict, history: bool = False) -> dict:
     turns, calls = [], []
     config = model.config
     slot_bytes = 2 * config.head_dim * next(model.parameters()).element_size()  # a key and a value
-    for path, facts, order in cases:
-        questions = [facts[f][1] for f in order]
-        result = ask(pipe, model, make_press(name, kept), pipeline_context(path), questions)
+
+    def record(path, facts, order, answers, seconds, result):
         full = config.num_hidden_layers * config.num_key_value_heads * context_tokens[path.name]
         calls.append({"document": path.name, "order": order, "prefill_s": result["prefill_s"],
                       "kept_slots": result["kept_slots"], "context_slots": full,
                       "kv_bytes": result["kept_slots"] * slot_bytes, "uncompressed_kv_bytes": full * slot_bytes})
-        for index, (fact, answer, seconds) in enumerate(zip(order, result["answers"], result["answer_s"],
-                                                            strict=True)):
+        for index, (fact, answer, took) in enumerate(zip(order, answers, seconds, strict=True)):
             _, question, key = facts[fact]
             turns.append({"document": path.name, "turn": index, "fact": fact, "question": question,
-                          "answer": answer, "right": key in answer.lower(), "answer_s": seconds})
+                          "answer": answer, "right": key in answer.lower(), "answer_s": took})
+
+    if history:  # one compression per document serves both orders
+        by_document: dict[str, list] = {}
+        for path, facts, order in cases:
+            by_document.setdefault(path.name, [path, facts, []])[2].append(order)
+        for path, facts, order_list in by_document.values():
+            result = ask_history(pipe, model, make_press(name, kept), pipeline_context(path),
+                                 [[facts[f][1] for f in order] for order in order_list])
+            for order, answers, seconds in zip(order_list, result["answers"], result["answer_s"], strict=True):
+                record(path, facts, order, answers, seconds, result)
+    else:
+        for path, facts, order in cases:
+            result = ask(pipe, model, make_press(name, kept), pipeline_context(path), [facts[f][1] for f in order])
+            record(path, facts, order, result["answers"], result["answer_s"], result)
     per_turn = {}
     for t in turns:
         right, total = per_turn.get(str(t["turn"]), (0, 0))
@@ -276,18 +364,23 @@ def row_line(row: dict) -> str:
 
 def table(payload: dict) -> str:
     m = payload["machine"]
+    protocol = ("The context is compressed once, without any question; the first question is asked on that "
+                "compressed cache, and each follow-up after the first question and the press's own answer to it "
+                "(--history: the token sequence of benchmarks/followups.py --mode requests), so no question was "
+                "seen by the compression and every follow-up sees the first exchange." if payload.get("history")
+                else "The context is compressed once, without any question; every question (the first, and the "
+                "follow-ups 1-3) is then asked alone on that compressed cache, so no question was seen by the "
+                "compression and no turn sees an earlier answer.")
     lines = [f"kvpress {m['kvpress']} on the follow-up questions benchmark: one {payload['words']}-word document "
-             f"({payload['tokens']} context tokens), {payload['fact_sets']} fact sets x 2 orders. The context is "
-             "compressed once, without any question; every question (the first, and the follow-ups 1-3) is then "
-             "asked alone on that compressed cache, so no question was seen by the compression and no turn sees "
-             "an earlier answer.", "",
+             f"({payload['tokens']} context tokens), {payload['fact_sets']} fact sets x 2 orders. {protocol}", "",
              f"{m['cpu']}, {m['torch_threads']} torch threads; torch {m['torch']}, transformers "
              f"{m['transformers']}; float32. Prefill s: median pipeline call up to the first answer (prefill + "
              "compression); answer s: median per question (its prefill + up to 24 greedy tokens). KV kept: "
              "float32 key/value slots kept per document (share of the uncompressed context). Per fact: the "
-             "planted facts at 20, 45, 70 and 95 % of the document; since every question is asked alone on the "
-             "same compressed cache, a fact gets the same answer at any turn, and turn 0 and 3 hold the first and "
-             "last fact (asked in order and reversed), turns 1 and 2 the middle ones. Decoding is kvpress's plain "
+             "planted facts at 20, 45, 70 and 95 % of the document; turn 0 and 3 hold the first and last fact (asked "
+             "in order and reversed), turns 1 and 2 the middle ones" + ("" if payload.get("history") else
+             "; since every question is asked alone on the same compressed cache, a fact gets the same answer at "
+             "any turn") + ". Decoding is kvpress's plain "
              "argmax, as benchmarks/followups.py decodes (repetition_penalty 1.0; the chat's default is 1.1).", "",
              "| press | kept ratio | first question | follow-ups | per turn 0 1 2 3 | per fact 20 45 70 95 % | "
              "prefill s | answer s | KV kept |",
@@ -311,7 +404,8 @@ def plot(payload: dict, out: Path) -> None:
     ax.axhline(base["followups_right"], color="gray", linestyle=":", label="no press (uncompressed)")
     ax.set_xlabel("kept ratio (1 - kvpress compression_ratio)")
     ax.set_ylabel(f"follow-ups right (of {base['followups_total']})")
-    ax.set_title(f"kvpress: questions on a cache compressed without them, {payload['tokens']}-token documents",
+    ax.set_title(f"kvpress: questions on a cache compressed without them{', after the first exchange' if payload.get('history') else ''}, "
+                 f"{payload['tokens']}-token documents",
                  fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -371,12 +465,13 @@ def run(args) -> int:
         for name in args.presses.split(","):
             for kept in ([1.0] if name == "none" else [float(r) for r in args.ratios.split(",")]):
                 begun = time.time()
-                rows.append(run_config(pipe, model, name, kept, cases, context_tokens))
+                rows.append(run_config(pipe, model, name, kept, cases, context_tokens, args.history))
                 rows[-1]["elapsed_s"] = time.time() - begun
                 print(row_line(rows[-1]), f"({rows[-1]['elapsed_s']:.0f} s)", flush=True)
     tokens = sorted(context_tokens.values())
     payload = {"machine": machine(), "model": str(folder), "words": args.words, "tokens": tokens[len(tokens) // 2],
                "context_tokens": context_tokens, "fact_sets": len(FACT_SETS), "max_new_tokens": MAX_NEW_TOKENS,
+               "history": args.history,
                "rows": rows, "elapsed_s": time.time() - started}
     (out / "followups_kvpress.json").write_text(json.dumps(payload, indent=2))
     (out / "followups_kvpress.md").write_text(table(payload))
@@ -416,8 +511,45 @@ def check_prompt(args) -> int:
             same = head == peer["context_ids"] and tail == question_ids
             bad += not same
             print(f"{path.name} {question!r}: {'same' if same else 'DIFFERENT'} ({len(head)} + {len(tail)} tokens)")
+    if args.history:
+        bad += check_history(tokenizer, fed, args)
     print("the kvpress prompt is our first turn, token for token" if not bad else f"{bad} prompts differ")
     return 1 if bad else 0
+
+
+def check_history(tokenizer, fed: dict, args) -> int:
+    """--history: per document, our chat (uncompressed) answers the first question; a fork's next turn (a later
+    question) is prepared, and what it would feed after the first turn must equal what ask_history feeds a press
+    after the same first reply: the first question's ids, the reply's generated ids, then the template's end of
+    turn and the next user turn."""
+    from engine import DSV41Config, DSV41Model
+    from engine.documents import load_document
+
+    from .followup_cases import FACT_SETS, document
+
+    model = DSV41Model.from_pretrained(DSV41Config(max_seq_len=8192, kv_cache_ratio=1.0, conversation_cache_mb=0))
+    suffix, between = template_pieces(tokenizer)
+    bad = 0
+    for name, facts in FACT_SETS:
+        path = document(name, facts, args.words)
+        peer = fed[path.name]
+        first = model.chat_session()
+        done = None
+        for event in first.send(facts[0][1], [load_document(str(path))], max_new_tokens=MAX_NEW_TOKENS, greedy=True,
+                                repetition_penalty=1.0):
+            done = event
+        fork = first.fork()
+        ours = fork.transcript_ids + fork.prepare(facts[1][1]).new_ids
+        reply = [i for i in done.token_ids if i not in first.stop_ids]
+        theirs = (peer["context_ids"] + peer["question_ids"][0] + reply
+                  + tokenizer.encode(between + facts[1][1] + suffix, add_special_tokens=False))
+        same = ours == theirs
+        bad += not same
+        where = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b), min(len(ours),
+                                                                                                    len(theirs)))
+        print(f"{path.name} follow-up {facts[1][1]!r}: {'same' if same else f'DIFFERENT from token {where}'} "
+              f"({len(ours)} tokens)")
+    return bad
 
 
 def main(argv=None) -> int:
@@ -425,12 +557,16 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.kvpress_peer", description=__doc__.split("\n\n")[0])
     parser.add_argument("--setup", action="store_true", help=f"create the peer venv at {PEER} and install the pins")
     parser.add_argument("--check-prompt", action="store_true",
-                        help="with our venv's python: compare the last run's prompts with engine/'s rendering")
+                        help="with our venv's python: compare the last run's prompts with engine/'s rendering "
+                             "(with --history also a follow-up after our chat's first turn)")
     parser.add_argument("--words", type=int, default=640, help="words of speech per document (as followups.py)")
     parser.add_argument("--ratios", default="0.5,0.3,0.2,0.1", help="kept ratios (kvpress removes 1 - ratio)")
     parser.add_argument("--presses", default=",".join(PRESSES))
     parser.add_argument("--model", default=None, help=f"HuggingFace folder (default {MODEL})")
     parser.add_argument("--out", default=str(OUT))
+    parser.add_argument("--history", action="store_true",
+                        help="ask each follow-up after the first question and the press's own answer to it (our "
+                             "requests mode's token sequence) instead of alone on the compressed context")
     parser.add_argument("--report", action="store_true", help="only rewrite the .md and .png from the .json")
     args = parser.parse_args(argv)
     if args.setup:

@@ -46,3 +46,46 @@ def test_followups_answers_lists_every_answer_two_runs_gave_differently(tmp_path
     assert [(m["turn"], m["this"], m["before"]) for m in row["answers_differing"]] == [
         (1, "Maria Lopez", "Lopez"), (2, "no idea", "March 14")]
     assert "| ced 0.3 cold ram | 1 / 1 | 1 / 2 of 2 | 2 of 3 |" in table(result)
+
+
+def test_followups_compare_merges_kvpress_runs_of_one_protocol(tmp_path):
+    """benchmarks/followups_compare.py: several kvpress runs (other presses or ratios) merge into one table, each
+    against the no-press row; runs of another protocol (--history or not) or length are refused; the table says
+    which protocol the peer ran."""
+    import json
+
+    import pytest
+
+    from benchmarks.followups_compare import compare, table
+
+    ours = tmp_path / "ours"
+    ours.mkdir()
+    row = {"followups_right": 25, "followups_total": 36}
+    (ours / "followups.json").write_text(json.dumps({"mode": "requests", "words": 1280, "tokens": 1781, "machine": {},
+        "rows": [dict(row, knobs={"kv_cache_ratio": 1.0, "cold_tier": "off", "ced_policy": "ced"},
+                      followups_right=23),
+                 dict(row, knobs={"kv_cache_ratio": 0.3, "cold_tier": "ram", "ced_policy": "ced"})]}))
+
+    def peer(name, rows, history=True, words=1280):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "followups_kvpress.json").write_text(json.dumps({"words": words, "history": history,
+                                                                   "machine": {}, "rows": rows}))
+        return folder
+
+    def press(name, kept, right):
+        return {"press": name, "kept_ratio": kept, "followups_right": right, "followups_total": 36, "prefill_s": 1.0}
+
+    a = peer("a", [press("none", 1.0, 21), press("KVzipPress", 0.3, 24)])
+    b = peer("b", [press("KVzipPress", 0.5, 27), press("SnapKVPress", 0.3, 9)])
+    result = compare(ours, [a, b])
+    by_ratio = {r["ratio"]: r for r in result["rows"]}
+    assert result["peer_uncompressed"] == 21 and result["peer_history"]
+    assert by_ratio[0.3]["KVzip"]["right"] == 24 and by_ratio[0.3]["SnapKV"]["short_of_uncompressed"] == 12
+    assert by_ratio[0.5]["KVzip"]["right"] == 27 and by_ratio[0.5]["ours"] is None
+    assert "after the first question and the answer each one gave it" in table(result)
+    assert "| 0.3 | 25 (+2) | 24 (+3) | 9 (-12) |" in table(result)
+    with pytest.raises(SystemExit, match="another kvpress run"):
+        compare(ours, [a, peer("alone", [press("KVzipPress", 0.2, 29)], history=False)])
+    with pytest.raises(SystemExit, match="no-press row"):
+        compare(ours, [b])
