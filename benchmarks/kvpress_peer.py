@@ -396,14 +396,15 @@ def plot(payload: dict, out: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = payload["rows"]
-    base = next(r for r in rows if r["press"] == "none")
+    base = next((r for r in rows if r["press"] == "none"), None)  # a run of some presses only has none
     fig, ax = plt.subplots(figsize=(6.4, 3.8))
     for name in dict.fromkeys(r["press"] for r in rows if r["press"] != "none"):
         points = sorted((r["kept_ratio"], r["followups_right"]) for r in rows if r["press"] == name)
         ax.plot(*zip(*points, strict=True), "o-" if name == "KVzipPress" else "s--", label=name)
-    ax.axhline(base["followups_right"], color="gray", linestyle=":", label="no press (uncompressed)")
+    if base is not None:
+        ax.axhline(base["followups_right"], color="gray", linestyle=":", label="no press (uncompressed)")
     ax.set_xlabel("kept ratio (1 - kvpress compression_ratio)")
-    ax.set_ylabel(f"follow-ups right (of {base['followups_total']})")
+    ax.set_ylabel(f"follow-ups right (of {rows[0]['followups_total']})")
     ax.set_title(f"kvpress: questions on a cache compressed without them{', after the first exchange' if payload.get('history') else ''}, "
                  f"{payload['tokens']}-token documents",
                  fontsize=10)
