@@ -97,6 +97,8 @@ def cold_add(hot: list[torch.Tensor], cold: list[torch.Tensor | None], index: to
             or _layout(hot, keys.shape[1]) is None
             or _layout([t for t in cold if t is not None], cold[0].shape[1]) is None
             or cold[0].dtype != (torch.int8 if int8 else keys.dtype) or positions.dtype != torch.int32
+            or cold[0].shape[0] != keys.shape[0] or index.shape[0] != keys.shape[0]
+            or cold[0].shape[2:] != keys.shape[2:] or cold[1].shape[2:] != values.shape[2:]
             or scores.dtype != torch.float32 or cold[4].dtype != torch.int32 or cold[5].dtype != torch.float32):
         return False
     heads, m = index.shape
@@ -150,8 +152,10 @@ def recall_move(cold: list[torch.Tensor], cold_int8: bool, n_cold: int, hot: lis
     keys = hot[0]
     if (hot_sizes is None or keys.dtype not in (torch.float32, torch.bfloat16) or hot[2].dtype != torch.int32
             or hot[3].dtype != torch.float32 or cold[2].dtype != torch.int32 or cold[3].dtype != torch.float32
-            or cold[0].dtype != (torch.int8 if cold_int8 else keys.dtype)):
-        return False
+            or cold[0].dtype != (torch.int8 if cold_int8 else keys.dtype) or cold[0].shape[0] != keys.shape[0]
+            or index.shape[0] != keys.shape[0] or cold[0].shape[2:] != keys.shape[2:]
+            or cold[1].shape[2:] != hot[1].shape[2:]):
+        return False  # (a cold layer of another shape than the hot one: the call would write past its rows)
     heads, m = index.shape
     status = lib.lib.dsv41_recall_move(heads, keys.shape[2], cold_capacity, n_cold, m, index.data_ptr(),
                                        _pointers(cold), int(cold_int8), keys.shape[1], n_hot, len(hot), _pointers(hot),

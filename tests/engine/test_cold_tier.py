@@ -604,20 +604,24 @@ def test_on_a_gpu_the_cold_tier_is_pinned_and_its_keys_reach_the_device_as_store
 @pytest.mark.skipif(kernels.load() is None, reason=f"CPU kernels: {kernels.unavailable_reason()}")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("int8", [False, True])
-def test_a_compactions_rows_go_cold_through_one_c_call_exactly_as_through_torch(monkeypatch, dtype, int8):
+@pytest.mark.parametrize("d", [8, 64, 72])
+def test_a_compactions_rows_go_cold_through_one_c_call_exactly_as_through_torch(monkeypatch, dtype, int8, d):
     """ColdLayer.add moves a compaction's dropped rows (gathered, quantized to int8 or kept in the hot dtype) in one
-    C call (cache_ops.cold_add): every cold tensor bit-equal to the torch path's, across a growth of the tier; an
-    index out of range is refused before anything is written."""
+    C call (cache_ops.cold_add): every cold tensor bit-equal to the torch path's, across a growth of the tier, for
+    head dims below, at and past a vector's 16 lanes; an index out of range is refused before anything is
+    written."""
     from engine.kernels import cache_ops
 
     @torch.inference_mode()
     def run():
         g = torch.Generator().manual_seed(7)
-        hot = LayerKV(3, 8, dtype, "cpu")
-        hot.append(torch.randn(3, 300, 8, generator=g) * 3, torch.randn(3, 300, 8, generator=g), torch.arange(300))
+        hot = LayerKV(3, d, dtype, "cpu")
+        hot.append(torch.randn(3, 300, d, generator=g) * 3, torch.randn(3, 300, d, generator=g), torch.arange(300))
         hot.keys[1, 5] = 0  # an all-zero row: scale from the 1e-8 floor, zeros back
+        ties = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -2.5, 3.5, -126.5])  # scale 1: halves round to even
+        hot.keys[2, 9] = ties.repeat(d // 8 + 1)[:d]
         hot.scores[:, :300] = torch.rand(3, 300, generator=g)
-        cold = ColdLayer(3, 8, dtype, "cpu", int8=int8)
+        cold = ColdLayer(3, d, dtype, "cpu", int8=int8)
         for taken in (40, 250):  # the second add grows the tier past its first block
             cold.add(hot, torch.stack([torch.randperm(300, generator=g)[:taken] for _ in range(3)]))
         return cold
@@ -633,12 +637,21 @@ def test_a_compactions_rows_go_cold_through_one_c_call_exactly_as_through_torch(
     assert fast.length == slow.length == 290
     for name in fast._names():
         assert torch.equal(getattr(fast, name)[:, :290], getattr(slow, name)[:, :290]), name
-    hot = LayerKV(3, 8, dtype, "cpu")
-    hot.append(torch.randn(3, 10, 8), torch.randn(3, 10, 8), torch.arange(10))
+    if int8:  # the tie row itself, against round-half-to-even
+        row = int((fast.positions[2, :290] == 9).nonzero()[0])  # (both adds may have taken it)
+        assert fast.keys[2, row].tolist() == torch.tensor([127, 0, 2, 2, 0, -2, 4, -126]).repeat(d // 8 + 1)[:d].tolist()
+    hot = LayerKV(3, d, dtype, "cpu")
+    hot.append(torch.randn(3, 10, d), torch.randn(3, 10, d), torch.arange(10))
     before = {name: getattr(fast, name)[:, :290].clone() for name in fast._names()}
     with pytest.raises(ValueError, match="out of range"):
         fast.add(hot, torch.full((3, 2), 10))
     assert fast.length == 290 and all(torch.equal(getattr(fast, n)[:, :290], b) for n, b in before.items())
+    # a hot layer of another head dim is not this tier's: refused by the C call's checks, never written past a row
+    other = LayerKV(3, d + 8, dtype, "cpu")
+    other.append(torch.randn(3, 10, d + 8), torch.randn(3, 10, d + 8), torch.arange(10))
+    cold = [fast.keys, fast.values, fast.key_scales, fast.value_scales, fast.positions, fast.scores]
+    assert not cache_ops.cold_add([other.keys, other.values, other.positions, other.scores], cold,
+                                  torch.zeros(3, 2, dtype=torch.int64), 10, fast.length, int8)
 
 
 @pytest.mark.parametrize("tier", ["off", "ram"])
@@ -743,3 +756,11 @@ def test_a_recall_moved_in_one_c_call_is_bit_equal_to_take_then_insert(dtype, in
     with pytest.raises(ValueError):
         cold.move_into(hot, torch.tensor([[0, 0]] * 3))
     assert cold.length == 4 and hot.length == 10
+    from engine.kernels import cache_ops  # a hot layer of another head dim: refused, never written past a row
+
+    wide = LayerKV(3, 16, dtype, "cpu")
+    wide.append(torch.randn(3, 10, 16), torch.randn(3, 10, 16), torch.arange(10))
+    names = ["keys", "values", "positions", "scores"] + (["key_scales", "value_scales"] if int8 else [])
+    assert not cache_ops.recall_move([getattr(cold, n) for n in names], int8, cold.length,
+                                     [wide.keys, wide.values, wide.positions, wide.scores], wide.length,
+                                     torch.zeros(3, 1, dtype=torch.int64))
