@@ -1786,6 +1786,30 @@ int dsv41_rows_keep(int64_t heads, int64_t capacity, int64_t n, int64_t k, const
  * max |x| / 127 (at least 1e-8 / 127); returns the scale. The cold tier stores its rows so, and the reply's counts
  * hash every key so (dsv41_cold_counts). */
 static float row_to_int8(const void *row, int bf16, int64_t d, int8_t *q) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    {   /* the same float32 operations lane by lane, the row held in registers: max of |x| (NaN-free, so in any
+         * order), an IEEE division, the rounding of the current mode (nearbyintf's), the clamp */
+        __m512 x[MAX_HEAD_DIM / 16], top = _mm512_setzero_ps();
+        __mmask16 keep[MAX_HEAD_DIM / 16];
+        const int64_t n = (d + 15) / 16;
+        for (int64_t v = 0; v < n; v++) {
+            const int64_t left = d - v * 16;
+            keep[v] = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+            x[v] = bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(
+                              keep[v], (const uint16_t *)row + v * 16)), 16))
+                        : _mm512_maskz_loadu_ps(keep[v], (const float *)row + v * 16);
+            top = _mm512_max_ps(_mm512_abs_ps(x[v]), top);  /* a NaN lane keeps top, as the scalar a > top does */
+        }
+        const float most = _mm512_reduce_max_ps(top), scale = (most > 1e-8f ? most : 1e-8f) / 127.0f;
+        const __m512 by = _mm512_set1_ps(scale), hi = _mm512_set1_ps(127.f), lo = _mm512_set1_ps(-127.f);
+        for (int64_t v = 0; v < n; v++) {
+            __m512 r = _mm512_roundscale_ps(_mm512_div_ps(x[v], by), _MM_FROUND_CUR_DIRECTION | _MM_FROUND_NO_EXC);
+            r = _mm512_min_ps(_mm512_max_ps(r, lo), hi);
+            _mm_mask_storeu_epi8(q + v * 16, keep[v], _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(r)));
+        }
+        return scale;
+    }
+#endif
     float x[MAX_HEAD_DIM], top = 0.f;
     for (int64_t i = 0; i < d; i++) {
         x[i] = bf16 ? bf16_to_f32(((const uint16_t *)row)[i]) : ((const float *)row)[i];
