@@ -47,8 +47,8 @@ def _rows_call(tensors: list[torch.Tensor], index: torch.Tensor):
     lib = load()
     capacity = tensors[0].shape[1]
     sizes = _layout(tensors, capacity) if lib is not None else None
-    if sizes is None or index.device.type != "cpu":
-        return None
+    if sizes is None or index.device.type != "cpu" or index.dim() != 2 or index.shape[0] != tensors[0].shape[0]:
+        return None  # (an index of more heads than the tensors: the call would write past them)
     return lib, capacity, sizes, index.to(torch.int64).contiguous()
 
 
@@ -178,6 +178,8 @@ def recall_softmax(hot: torch.Tensor, cold: torch.Tensor, hot_log_counts: torch.
         return None
     heads, rows, s = hot.shape
     c = cold.shape[2]
+    if cold.shape[:2] != (heads, rows) or (hot_log_counts is not None and hot_log_counts.shape != (heads, s)):
+        return None
     mass = torch.empty(heads, c, dtype=torch.float32)
     status = lib.lib.dsv41_recall_softmax(heads, rows, tq, s, c, hot.data_ptr(),
                                           None if hot_log_counts is None else hot_log_counts.data_ptr(),
@@ -209,11 +211,14 @@ def recall_mass(query: torch.Tensor, hot_keys: torch.Tensor, cold_keys: torch.Te
     c = cold_keys.shape[1]
     if (lib is None or hot_keys.dtype not in (torch.float32, torch.bfloat16) or cold_keys.dtype not in _KEY_TYPES
             or (cold_keys.dtype == torch.int8) != (cold_scales is not None) or not _rows_of(hot_keys, d)
-            or not _rows_of(cold_keys, d) or cold_keys.shape[0] != h or query.device.type != "cpu"):
+            or not _rows_of(cold_keys, d) or cold_keys.shape[0] != h or query.device.type != "cpu"
+            or query.dim() != 3 or query.shape[2] != d or query.shape[0] % h):
         return None
-    if cold_scales is not None and (cold_scales.dtype != torch.float32 or not _rows_of(cold_scales, 1)):
+    if cold_scales is not None and (cold_scales.dtype != torch.float32 or not _rows_of(cold_scales, 1)
+                                    or cold_scales.shape[:2] != (h, c)):
         return None
-    if hot_log_counts is not None and (hot_log_counts.dtype != torch.float32 or not _rows_of(hot_log_counts, 1)):
+    if hot_log_counts is not None and (hot_log_counts.dtype != torch.float32 or not _rows_of(hot_log_counts, 1)
+                                       or hot_log_counts.shape[:2] != (h, s)):
         return None
     tq = query.shape[1]
     q = (query.float().reshape(h, -1, d) * scaling).contiguous()
@@ -258,9 +263,11 @@ def question_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Te
     big_h, t, _ = query.shape
     if (lib is None or keys.dtype not in (torch.float32, torch.bfloat16) or values.dtype != keys.dtype
             or not _rows_of(keys, d) or not _rows_of(values, d) or values.shape != keys.shape
-            or keys.stride(0) != values.stride(0) or query.device.type != "cpu" or big_h % h):
+            or keys.stride(0) != values.stride(0) or query.device.type != "cpu" or big_h % h
+            or query.shape[2] != d):
         return None
-    if log_counts is not None and (log_counts.dtype != torch.float32 or not _rows_of(log_counts, 1)):
+    if log_counts is not None and (log_counts.dtype != torch.float32 or not _rows_of(log_counts, 1)
+                                   or log_counts.shape[:2] != (h, s)):
         return None
     groups = big_h // h
     if shared is not None and (log_counts is not None or shared.rows != groups * t
@@ -350,7 +357,7 @@ def lsh_tally(keys: torch.Tensor, n: int, index: torch.Tensor, planes: torch.Ten
     lib = load()
     h, _, d = keys.shape
     if (lib is None or not _hashable(keys, planes, tables, bits) or not _sizes_fit(sizes, h, tables, bits)
-            or index.shape[0] != h or index.device.type != "cpu"):
+            or index.dim() != 2 or index.shape[0] != h or index.device.type != "cpu" or not 0 <= n <= keys.shape[1]):
         return False
     index = index.to(torch.int64).contiguous()
     status = lib.lib.dsv41_lsh_tally(h, d, n, index.shape[1], index.data_ptr(), keys.data_ptr(), _KEY_TYPES[keys.dtype],

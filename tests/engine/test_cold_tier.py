@@ -764,3 +764,45 @@ def test_a_recall_moved_in_one_c_call_is_bit_equal_to_take_then_insert(dtype, in
     assert not cache_ops.recall_move([getattr(cold, n) for n in names], int8, cold.length,
                                      [wide.keys, wide.values, wide.positions, wide.scores], wide.length,
                                      torch.zeros(3, 1, dtype=torch.int64))
+
+
+@pytest.mark.skipif(kernels.load() is None, reason=f"CPU kernels: {kernels.unavailable_reason()}")
+def test_the_c_calls_refuse_shapes_they_would_read_or_write_past():
+    """Every cache_ops wrapper checks the shapes its C call relies on: an index of more heads than the tensors, a
+    cold tier of other heads or rows, a log-count or scale table shorter than its keys, a query of another head dim
+    or a count past the keys are refused (None / False: the torch path runs), never passed on to write or read past
+    a tensor."""
+    from engine.kernels import cache_ops
+
+    h, s, c, d = 3, 40, 30, 32
+    keys, values = torch.randn(h, s, d), torch.randn(h, s, d)
+    positions = torch.arange(s, dtype=torch.int32).expand(h, -1).contiguous()
+    scores = torch.rand(h, s)
+    rows = [keys, values, positions, scores]
+    assert cache_ops.take_rows(rows, torch.zeros(h + 1, 2, dtype=torch.int64), s) is None
+    assert not cache_ops.keep_rows(rows, torch.arange(4).expand(h + 1, -1).contiguous(), s)
+    assert cache_ops.take_rows(rows, torch.tensor([[0, 1]] * h), s) is not None  # the right shape still runs
+    query = torch.randn(2 * h, 5, d)
+    cold = torch.randn(h, c, d)
+    assert cache_ops.recall_mass(torch.randn(2 * h, 5, 2 * d), keys, cold, None, None, 0.3) is None
+    assert cache_ops.recall_mass(query, keys, cold, None, torch.zeros(h, s - 1), 0.3) is None
+    cold8 = (cold * 20).to(torch.int8)
+    assert cache_ops.recall_mass(query, keys, cold8, torch.ones(h, c - 1, 1), None, 0.3) is None
+    assert cache_ops.recall_mass(query, keys, cold8, torch.ones(h, c, 1), None, 0.3) is not None
+    assert cache_ops.question_attention(torch.randn(2 * h, 5, 2 * d), keys, values, None, 0.3, 5) is None
+    assert cache_ops.question_attention(query, keys, values, torch.zeros(h, s - 1), 0.3, 5) is None
+    assert cache_ops.question_attention(query, keys, values, torch.zeros(h, s), 0.3, 5) is not None
+    hot_logits = torch.randn(h, 10, s)
+    assert cache_ops.recall_softmax(hot_logits, torch.randn(h, 9, c), None, 5) is None
+    assert cache_ops.recall_softmax(hot_logits, torch.randn(h, 10, c), torch.zeros(h, s - 1), 5) is None
+    assert cache_ops.recall_softmax(hot_logits, torch.randn(h, 10, c), torch.zeros(h, s), 5) is not None
+    from engine.cache.counts import COUNT_BITS, COUNT_TABLES, count_planes
+
+    planes = count_planes(d, "cpu")
+    sizes = torch.zeros(h, COUNT_TABLES << COUNT_BITS, dtype=torch.int16)
+    index = torch.arange(4).expand(h, -1).contiguous()
+    assert not cache_ops.lsh_tally(cold8, c + 1, index, planes, COUNT_TABLES, COUNT_BITS, sizes, +1)
+    assert not cache_ops.lsh_tally(cold8, c, torch.arange(4).expand(h + 1, -1).contiguous(), planes, COUNT_TABLES,
+                                   COUNT_BITS, sizes, +1)
+    assert not sizes.any()  # nothing was counted by the refused calls
+    assert cache_ops.lsh_tally(cold8, c, index, planes, COUNT_TABLES, COUNT_BITS, sizes, +1)
