@@ -128,6 +128,8 @@ class FusedDecodeStep:
         model = _StepModel(hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=d, inter=inter, vocab=vocab,
                            layers=len(layers), eps=float(w.eps), scaling=float(w.scaling))
         model.final_norm = vec(w.final_norm, hidden)
+        if model.final_norm is None:
+            raise _NotFusable("missing final norm")
         model.lm_head = matrix(w.lm_head, vocab, hidden)
         model.lm_head_bias = vec(w.lm_head_bias, vocab)
         self._model = model
@@ -153,6 +155,16 @@ class FusedDecodeStep:
 
     def _refresh(self, index: int, layer) -> None:
         """Point descriptor `index` at a LayerKV's storage (again, after it was reallocated)."""
+        m = self._model
+        shape = (m.kv_heads, layer.capacity, m.head_dim)
+        if (layer.int8 or layer.keys.shape != shape or layer.values.shape != shape
+                or layer.keys.dtype not in (torch.float32, torch.bfloat16) or layer.values.dtype != layer.keys.dtype
+                or layer.keys.dtype != (torch.bfloat16 if m.kv_bf16 else torch.float32)
+                or layer.positions.dtype != torch.int32 or layer.scores.dtype != torch.float32
+                or any(t.device.type != "cpu" or not t.is_contiguous() or t.shape[:2] != shape[:2]
+                       for t in (layer.keys, layer.values, layer.positions, layer.scores, layer.log_counts))):
+            # the C step writes the token's entry at (head, length) of [kv_heads, capacity, head_dim] storage
+            raise ValueError(f"layer {index}'s cache storage is not what the fused step writes into")
         spec = self._caches[index]
         spec.keys, spec.values = layer.keys.data_ptr(), layer.values.data_ptr()
         spec.positions, spec.scores = layer.positions.data_ptr(), layer.scores.data_ptr()
@@ -167,7 +179,16 @@ class FusedDecodeStep:
         by its own `attend` (called back from C), the others here (float32 or bf16 storage, each with room for
         one more entry; see DSV41Cache.fused_plan). Every layer gains the token; returns logits [vocab] float32."""
         layers = cache.layers
-        self._model.kv_bf16 = int(layers[0].dtype == torch.bfloat16)
+        if len(layers) != len(self._cache_key) or len(by_python) != len(layers):
+            raise ValueError(f"the fused step has {len(self._cache_key)} layers; the cache {len(layers)}")
+        if (any(t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu" for t in (x, cos, sin))
+                or x.numel() != self.hidden or min(cos.numel(), sin.numel()) < self._model.head_dim // 2):
+            raise ValueError(f"the fused step takes float32 CPU vectors x [{self.hidden}] and cos / sin "
+                             f"[{self._model.head_dim}]")
+        kv_bf16 = int(layers[0].dtype == torch.bfloat16)
+        if kv_bf16 != self._model.kv_bf16:  # every descriptor is pointed again with the new storage type
+            self._cache_key = [None] * len(layers)
+        self._model.kv_bf16 = kv_bf16
         most = 0
         for index, layer in enumerate(layers):
             spec = self._caches[index]

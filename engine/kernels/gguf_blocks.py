@@ -100,6 +100,8 @@ class GGUFMatrix:
         if self.cols % per or self.data.dtype != torch.uint8 or self.data.dim() != 2 or \
                 self.data.shape[1] != self.cols // per * size:
             raise ValueError(f"{self.format}: {tuple(self.data.shape)} bytes do not hold rows of {self.cols} weights")
+        if self.data.device.type != "cpu":
+            raise ValueError(f"{self.format} blocks are multiplied on the CPU; these are on {self.data.device}")
         if self.split and self.type_id not in SPLITTABLE:
             raise ValueError(f"{self.format} has no split layout")
         self.data = self.data.contiguous()
@@ -167,8 +169,8 @@ class GGUFMatrix:
         if out is None:
             out = torch.empty(self.rows, self.cols, dtype=torch.float32)
         elif out.dtype not in (torch.float32, torch.bfloat16) or out.shape != (self.rows, self.cols) \
-                or not out.is_contiguous():
-            raise ValueError(f"out must be a contiguous float32 or bfloat16 [{self.rows}, {self.cols}]")
+                or not out.is_contiguous() or out.device.type != "cpu":
+            raise ValueError(f"out must be a contiguous float32 or bfloat16 [{self.rows}, {self.cols}] on the CPU")
         _, per, _ = BY_TYPE[self.type_id]
         lib = self._lib(library)
         write = lib.dsv41_gguf_dequant if out.dtype == torch.float32 else lib.dsv41_gguf_dequant_bf16
@@ -182,12 +184,13 @@ class GGUFMatrix:
         """x [m, cols] (bf16) times the matrix's values rounded to bf16, accumulated in float32: [m, rows] float32
         (into `out`, which may be a column slice of a wider row-major tensor). For a few rows (a short prefill
         chunk): the blocks are dequantised a tile at a time into cache, never to memory."""
-        if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != self.cols or x.stride(1) != 1:
-            raise ValueError(f"x must be bf16 [m, {self.cols}] with contiguous rows")
+        if (x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != self.cols or x.stride(1) != 1
+                or x.device.type != "cpu"):
+            raise ValueError(f"x must be bf16 [m, {self.cols}] with contiguous rows, on the CPU")
         m = x.shape[0]
         out = torch.empty(m, self.rows, dtype=torch.float32) if out is None else out
-        if out.dtype != torch.float32 or out.shape != (m, self.rows) or out.stride(1) != 1:
-            raise ValueError(f"out must be float32 [{m}, {self.rows}] with contiguous rows")
+        if out.dtype != torch.float32 or out.shape != (m, self.rows) or out.stride(1) != 1 or out.device.type != "cpu":
+            raise ValueError(f"out must be float32 [{m}, {self.rows}] with contiguous rows, on the CPU")
         status = self._lib(library).dsv41_gguf_mm_bf16(self.kernel_type, self.data.data_ptr(), self.rows, self.cols,
                                                        x.data_ptr(), m, x.stride(0), out.data_ptr(), out.stride(0),
                                                        torch.get_num_threads())
@@ -213,10 +216,13 @@ class GGUFMatrix:
     def matvec(self, x: torch.Tensor, out: torch.Tensor | None = None, accumulate: bool = False,
                library=None) -> torch.Tensor:
         """W x for a float32 vector x [cols] (into `out`, added to it when `accumulate`)."""
-        if x.dtype != torch.float32 or x.numel() != self.cols:
-            raise ValueError(f"x must be float32 [{self.cols}]")
+        if x.dtype != torch.float32 or x.numel() != self.cols or x.device.type != "cpu":
+            raise ValueError(f"x must be float32 [{self.cols}] on the CPU")
         x = x.contiguous()
         out = torch.empty(self.rows, dtype=torch.float32) if out is None else out
+        if (out.dtype != torch.float32 or out.numel() != self.rows or not out.is_contiguous()
+                or out.device.type != "cpu"):  # the C product writes rows float32s
+            raise ValueError(f"out must be float32 contiguous [{self.rows}] on the CPU")
         status = self._lib(library).dsv41_mv_gguf(self.kernel_type, self.data.data_ptr(), x.data_ptr(), out.data_ptr(),
                                            self.rows, self.cols, int(accumulate), torch.get_num_threads())
         if status != 0:
@@ -266,6 +272,8 @@ class GGUFWeight(KernelMatrix):
 
     def matvec(self, x: torch.Tensor, out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
         out = torch.empty(self.shape[0], dtype=torch.float32) if out is None else out
+        if out.shape != (self.shape[0],):  # a shorter out would give each run a clamped slice to write past
+            raise ValueError(f"out must be [{self.shape[0]}], not {tuple(out.shape)}")
         row = 0
         for run in self.runs:
             run.matvec(x, out[row:row + run.rows], accumulate)

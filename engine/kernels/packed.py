@@ -7,6 +7,11 @@ import torch
 from .library import KernelLibrary, load, unavailable_reason
 
 
+def _cpu_vector(t: torch.Tensor, n: int) -> bool:
+    """Whether `t` is what a C product reads or writes as n float32s: contiguous, on the CPU."""
+    return t.dtype == torch.float32 and t.numel() == n and t.is_contiguous() and t.device.type == "cpu"
+
+
 class KernelMatrix:
     """A weight matrix [out, in] our CPU kernels multiply as stored (PackedMatrix; gguf_blocks.GGUFWeight).
 
@@ -70,7 +75,8 @@ class PackedMatrix(KernelMatrix):
             raise ValueError("PackedMatrix needs a contiguous 2-D CPU tensor")
         if scale is None and data.dtype != torch.bfloat16:
             raise ValueError("PackedMatrix stores bf16, or int8 with a scale per row")
-        if scale is not None and (data.dtype != torch.int8 or scale.shape != (data.shape[0],)):
+        if scale is not None and (data.dtype != torch.int8 or scale.shape != (data.shape[0],)
+                                  or scale.device.type != "cpu"):
             raise ValueError("an int8 PackedMatrix needs one float32 scale per row")
         self.data = data
         self.scale = scale.float().contiguous() if scale is not None else None
@@ -102,6 +108,8 @@ class PackedMatrix(KernelMatrix):
         rows, cols = self.shape
         if out is None:
             out = torch.empty(rows, dtype=torch.float32)
+        if not (_cpu_vector(x, cols) and _cpu_vector(out, rows)):  # the C product reads cols, writes rows floats
+            raise ValueError(f"matvec takes float32 contiguous CPU vectors x [{cols}] and out [{rows}]")
         threads = torch.get_num_threads()
         if self.scale is None:
             self._lib.dsv41_mv_bf16(self.data.data_ptr(), x.data_ptr(), out.data_ptr(), rows, cols, int(accumulate),

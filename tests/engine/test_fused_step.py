@@ -451,6 +451,47 @@ def test_a_new_cache_is_never_mistaken_for_a_freed_one(tiny_model):
 
 
 @needs_kernels
+def test_the_fused_step_and_the_packed_products_refuse_what_they_would_write_past(tiny_model):
+    """The C step writes each layer's entry into the cache's storage and the products write `rows` floats: a cache
+    of another layer count or storage, an input vector of another size, or an out too short is refused with a
+    ValueError before any C call, never written past."""
+    model = _packed(tiny_model, "llama")
+    fused = adapter.runtime(model).decoder.fused
+    cache = make_cache(model, kv_cache_ratio=1.0, csa2_topk=0)
+    ids = torch.randint(0, 256, (1, 12))
+    adapter.forward(model, ids[:, :10], cache, prefill=True)
+    d = fused._model.head_dim
+    x, cos, sin = torch.zeros(fused.hidden), torch.ones(d), torch.zeros(d)
+    layers = cache.layers
+    with pytest.raises(ValueError, match="layers"):
+        fused.step(x, 10, cos, sin, type("Short", (), {"layers": layers[:-1]})(), [False] * (len(layers) - 1),
+                   score=False, decay=1.0)
+    with pytest.raises(ValueError, match="float32 CPU vectors"):
+        fused.step(x[:-1], 10, cos, sin, cache, [False] * len(layers), score=False, decay=1.0)
+    with pytest.raises(ValueError, match="float32 CPU vectors"):
+        fused.step(x, 10, cos.double(), sin, cache, [False] * len(layers), score=False, decay=1.0)
+    lengths = [layer.length for layer in layers]
+    fused._cache_key[0] = None  # the next step points layer 0 again: at storage of the wrong head dim
+    real = layers[0].keys
+    layers[0].keys = torch.zeros(real.shape[0], real.shape[1], d // 2, dtype=real.dtype)
+    try:
+        with pytest.raises(ValueError, match="storage"):
+            fused.step(x, 10, cos, sin, cache, [False] * len(layers), score=False, decay=1.0)
+    finally:
+        layers[0].keys = real
+        fused._cache_key[0] = None
+    assert [layer.length for layer in layers] == lengths  # nothing was appended by the refused steps
+    adapter.forward(model, ids[:, 10:11], cache, prefill=False)  # the right cache still decodes
+    assert [layer.length for layer in layers] == [n + 1 for n in lengths]
+    matrix = cpu_kernels.PackedMatrix(torch.randn(16, 32).to(torch.bfloat16))
+    guard = torch.zeros(20)
+    for vec, out in ((torch.zeros(32), guard[:4]), (torch.zeros(4), guard[:16]), (torch.zeros(32).double(), None)):
+        with pytest.raises(ValueError, match="matvec takes"):
+            matrix.matvec(vec, out)
+    assert not guard.any()
+
+
+@needs_kernels
 @pytest.mark.parametrize("mode", ["evict", "merge"])
 def test_the_default_models_bf16_cache_decodes_alike_fused_and_per_op(default_model, mode):
     """The default load stores bf16 keys and values (DSV41Model.kv_dtype) under float32 activations. The fused

@@ -148,6 +148,16 @@ def test_shapes_and_types_that_are_not_held_are_refused():
     matrix = GGUFMatrix(3, torch.from_numpy(blocks_of("Q4_1", 2, 64)), 64)
     with pytest.raises(ValueError, match="float32"):
         matrix.matvec(torch.zeros(32))
+    # an out the product would write past (too short, bf16, strided) is refused before the C call
+    guard = torch.zeros(8)
+    for out in (guard[:1], torch.zeros(2, dtype=torch.bfloat16), torch.zeros(4)[::2]):
+        with pytest.raises(ValueError, match="out must be"):
+            matrix.matvec(torch.zeros(64), out)
+    assert not guard.any()
+    weight = gguf_blocks.GGUFWeight([matrix, GGUFMatrix(3, torch.from_numpy(blocks_of("Q4_1", 2, 64, seed=1)), 64)])
+    with pytest.raises(ValueError, match="out must be"):
+        weight.matvec(torch.zeros(64), guard[:2])
+    assert not guard.any() and weight.matvec(torch.zeros(64), guard[:4]).shape == (4,)
 
 
 @pytest.mark.parametrize("isa", ["native", "avx2"])
