@@ -2581,6 +2581,7 @@ int dsv41_recall_select(int64_t heads, int64_t c, const int32_t *positions, int6
  * their rounding. */
 #define LSH_MAX_PLANES 512
 #define LSH_CHUNK 5  /* groups of 16 planes summed at once: independent chains for the 4-byte steps */
+#define LSH_TABLE_GROUP 4  /* tables counted by one task of the counts */
 
 typedef struct {
     const int8_t *planes;
@@ -2680,9 +2681,10 @@ int dsv41_cold_counts(int64_t heads, int64_t d, int64_t s, const void *hot, int 
     const int64_t slots = tables << bits, total = heads * (s + c);
     int32_t *codes = status ? NULL : malloc((size_t)(total * tables + 1) * sizeof(int32_t));
     int32_t *sizes = status ? NULL : malloc((size_t)(2 * heads * slots + 1) * sizeof(int32_t));  /* [hot, cold][h][slot] */
-    if (status == 0 && (!codes || !sizes)) status = -2;
+    float *ratio = status ? NULL : malloc((size_t)(heads * slots + 1) * sizeof(float));  /* [h][slot], where hot > 0 */
+    if (status == 0 && (!codes || !sizes || !ratio)) status = -2;
     if (status != 0) {
-        free(codes), free(sizes), lsh_free(&lp);
+        free(codes), free(sizes), free(ratio), lsh_free(&lp);
         return status;
     }
     const int nt = threads > 0 ? threads : 1;
@@ -2695,30 +2697,40 @@ int dsv41_cold_counts(int64_t heads, int64_t d, int64_t s, const void *hot, int 
             lsh_codes(&lp, is_cold ? cold : hot, is_cold ? cold_type : hot_type,
                       (r / n) * (is_cold ? cold_stride : hot_stride) + (r % n) * d, codes + e * tables);
         }
-        /* each (head, table) its own slice of the bucket sizes: no two threads write one */
+        /* each (head, group of LSH_TABLE_GROUP tables) its own slice of the bucket sizes: no two threads write
+         * one; a key's codes are one row, so a group reads each row once for all its tables */
+        const int64_t groups = (tables + LSH_TABLE_GROUP - 1) / LSH_TABLE_GROUP, width = (int64_t)1 << bits;
 #pragma omp for schedule(static)
-        for (int64_t ht = 0; ht < heads * tables; ht++) {
-            const int64_t h = ht / tables, t = ht % tables, width = (int64_t)1 << bits;
+        for (int64_t hg = 0; hg < heads * groups; hg++) {
+            const int64_t h = hg / groups, t0 = (hg % groups) * LSH_TABLE_GROUP;
+            const int64_t t1 = t0 + LSH_TABLE_GROUP < tables ? t0 + LSH_TABLE_GROUP : tables;
             int32_t *hot_sizes = sizes + h * slots, *cold_sizes = sizes + (heads + h) * slots;
-            memset(hot_sizes + t * width, 0, (size_t)width * sizeof(int32_t));
+            float *share = ratio + h * slots;
+            memset(hot_sizes + t0 * width, 0, (size_t)((t1 - t0) * width) * sizeof(int32_t));
             if (cold_given)
-                for (int64_t k = t * width; k < (t + 1) * width; k++) cold_sizes[k] = cold_given[h * slots + k];
+                for (int64_t k = t0 * width; k < t1 * width; k++) cold_sizes[k] = cold_given[h * slots + k];
             else
-                memset(cold_sizes + t * width, 0, (size_t)width * sizeof(int32_t));
-            for (int64_t i = h * s; i < (h + 1) * s; i++) hot_sizes[codes[i * tables + t]]++;
+                memset(cold_sizes + t0 * width, 0, (size_t)((t1 - t0) * width) * sizeof(int32_t));
+            for (int64_t i = h * s; i < (h + 1) * s; i++)
+                for (int64_t t = t0; t < t1; t++) hot_sizes[codes[i * tables + t]]++;
             const int32_t *held = codes + heads * s * tables;
-            for (int64_t i = h * c; i < (h + 1) * c; i++) cold_sizes[held[i * tables + t]]++;
+            for (int64_t i = h * c; i < (h + 1) * c; i++)
+                for (int64_t t = t0; t < t1; t++) cold_sizes[held[i * tables + t]]++;
+            /* a bucket's share, once: the division each of its hot keys made */
+            for (int64_t k = t0 * width; k < t1 * width; k++)
+                if (hot_sizes[k]) share[k] = (float)cold_sizes[k] / (float)hot_sizes[k];
         }
 #pragma omp for schedule(static)
         for (int64_t e = 0; e < heads * s; e++) {
             const int64_t h = e / s;
-            const int32_t *b = codes + e * tables, *hot_sizes = sizes + h * slots, *cold_sizes = sizes + (heads + h) * slots;
+            const int32_t *b = codes + e * tables;
+            const float *share = ratio + h * slots;
             float sum = 0.f;
-            for (int64_t t = 0; t < tables; t++) sum += (float)cold_sizes[b[t]] / (float)hot_sizes[b[t]];
+            for (int64_t t = 0; t < tables; t++) sum += share[b[t]];  /* in table order, as before */
             out[e] = log1pf(sum / (float)tables);
         }
     }
-    free(codes), free(sizes), lsh_free(&lp);
+    free(codes), free(sizes), free(ratio), lsh_free(&lp);
     return 0;
 }
 
