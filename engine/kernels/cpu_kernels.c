@@ -1787,29 +1787,28 @@ int dsv41_rows_keep(int64_t heads, int64_t capacity, int64_t n, int64_t k, const
  * hash every key so (dsv41_cold_counts). */
 static float row_to_int8(const void *row, int bf16, int64_t d, int8_t *q) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-    {   /* the same float32 operations lane by lane, the row held in registers: max of |x| (NaN-free, so in any
-         * order), an IEEE division, the rounding of the current mode (nearbyintf's), the clamp */
-        __m512 x[MAX_HEAD_DIM / 16], top = _mm512_setzero_ps();
-        __mmask16 keep[MAX_HEAD_DIM / 16];
-        const int64_t n = (d + 15) / 16;
-        for (int64_t v = 0; v < n; v++) {
-            const int64_t left = d - v * 16;
-            keep[v] = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
-            x[v] = bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(
-                              keep[v], (const uint16_t *)row + v * 16)), 16))
-                        : _mm512_maskz_loadu_ps(keep[v], (const float *)row + v * 16);
-            top = _mm512_max_ps(_mm512_abs_ps(x[v]), top);  /* a NaN lane keeps top, as the scalar a > top does */
-        }
-        const float most = _mm512_reduce_max_ps(top), scale = (most > 1e-8f ? most : 1e-8f) / 127.0f;
-        const __m512 by = _mm512_set1_ps(scale), hi = _mm512_set1_ps(127.f), lo = _mm512_set1_ps(-127.f);
-        for (int64_t v = 0; v < n; v++) {
-            __m512 r = _mm512_roundscale_ps(_mm512_div_ps(x[v], by), _MM_FROUND_CUR_DIRECTION | _MM_FROUND_NO_EXC);
-            r = _mm512_min_ps(_mm512_max_ps(r, lo), hi);
-            _mm_mask_storeu_epi8(q + v * 16, keep[v], _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(r)));
-        }
-        return scale;
+    /* the same float32 operations lane by lane as the scalar loops (#else), the row held in registers: max of |x|
+     * (NaN-free, so in any order), an IEEE division, the rounding of the current mode (nearbyintf's), the clamp */
+    __m512 x[MAX_HEAD_DIM / 16], top = _mm512_setzero_ps();
+    __mmask16 keep[MAX_HEAD_DIM / 16];
+    const int64_t n = (d + 15) / 16;
+    for (int64_t v = 0; v < n; v++) {
+        const int64_t left = d - v * 16;
+        keep[v] = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+        x[v] = bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(
+                          keep[v], (const uint16_t *)row + v * 16)), 16))
+                    : _mm512_maskz_loadu_ps(keep[v], (const float *)row + v * 16);
+        top = _mm512_max_ps(_mm512_abs_ps(x[v]), top);  /* a NaN lane keeps top, as the scalar a > top does */
     }
-#endif
+    const float most = _mm512_reduce_max_ps(top), scale = (most > 1e-8f ? most : 1e-8f) / 127.0f;
+    const __m512 by = _mm512_set1_ps(scale), hi = _mm512_set1_ps(127.f), lo = _mm512_set1_ps(-127.f);
+    for (int64_t v = 0; v < n; v++) {
+        __m512 r = _mm512_roundscale_ps(_mm512_div_ps(x[v], by), _MM_FROUND_CUR_DIRECTION | _MM_FROUND_NO_EXC);
+        r = _mm512_min_ps(_mm512_max_ps(r, lo), hi);
+        _mm_mask_storeu_epi8(q + v * 16, keep[v], _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(r)));
+    }
+    return scale;
+#else
     float x[MAX_HEAD_DIM], top = 0.f;
     for (int64_t i = 0; i < d; i++) {
         x[i] = bf16 ? bf16_to_f32(((const uint16_t *)row)[i]) : ((const float *)row)[i];
@@ -1822,6 +1821,7 @@ static float row_to_int8(const void *row, int bf16, int64_t d, int8_t *q) {
         q[i] = (int8_t)(r > 127.f ? 127.f : (r < -127.f ? -127.f : r));
     }
     return scale;
+#endif
 }
 
 /* A compaction's dropped rows into the cold tier (engine/cache/cold.py ColdLayer.add): rows index [heads, m] (< n)
@@ -2681,10 +2681,10 @@ int dsv41_cold_counts(int64_t heads, int64_t d, int64_t s, const void *hot, int 
     const int64_t slots = tables << bits, total = heads * (s + c);
     int32_t *codes = status ? NULL : malloc((size_t)(total * tables + 1) * sizeof(int32_t));
     int32_t *sizes = status ? NULL : malloc((size_t)(2 * heads * slots + 1) * sizeof(int32_t));  /* [hot, cold][h][slot] */
-    float *ratio = status ? NULL : malloc((size_t)(heads * slots + 1) * sizeof(float));  /* [h][slot], where hot > 0 */
-    if (status == 0 && (!codes || !sizes || !ratio)) status = -2;
+    float *shares = status ? NULL : malloc((size_t)(heads * slots + 1) * sizeof(float));  /* [h][slot], where hot > 0 */
+    if (status == 0 && (!codes || !sizes || !shares)) status = -2;
     if (status != 0) {
-        free(codes), free(sizes), free(ratio), lsh_free(&lp);
+        free(codes), free(sizes), free(shares), lsh_free(&lp);
         return status;
     }
     const int nt = threads > 0 ? threads : 1;
@@ -2705,7 +2705,7 @@ int dsv41_cold_counts(int64_t heads, int64_t d, int64_t s, const void *hot, int 
             const int64_t h = hg / groups, t0 = (hg % groups) * LSH_TABLE_GROUP;
             const int64_t t1 = t0 + LSH_TABLE_GROUP < tables ? t0 + LSH_TABLE_GROUP : tables;
             int32_t *hot_sizes = sizes + h * slots, *cold_sizes = sizes + (heads + h) * slots;
-            float *share = ratio + h * slots;
+            float *share = shares + h * slots;
             memset(hot_sizes + t0 * width, 0, (size_t)((t1 - t0) * width) * sizeof(int32_t));
             if (cold_given)
                 for (int64_t k = t0 * width; k < t1 * width; k++) cold_sizes[k] = cold_given[h * slots + k];
@@ -2724,13 +2724,13 @@ int dsv41_cold_counts(int64_t heads, int64_t d, int64_t s, const void *hot, int 
         for (int64_t e = 0; e < heads * s; e++) {
             const int64_t h = e / s;
             const int32_t *b = codes + e * tables;
-            const float *share = ratio + h * slots;
+            const float *share = shares + h * slots;
             float sum = 0.f;
             for (int64_t t = 0; t < tables; t++) sum += share[b[t]];  /* in table order, as before */
             out[e] = log1pf(sum / (float)tables);
         }
     }
-    free(codes), free(sizes), free(ratio), lsh_free(&lp);
+    free(codes), free(sizes), free(shares), lsh_free(&lp);
     return 0;
 }
 

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from .library import load
-from .packed import KernelMatrix
+from .packed import KernelMatrix, cpu_vector
 
 # ggml's type ids, the block's weights and bytes
 FORMATS = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q8_0": (8, 32, 34), "Q4_K": (12, 256, 144),
@@ -220,8 +220,7 @@ class GGUFMatrix:
             raise ValueError(f"x must be float32 [{self.cols}] on the CPU")
         x = x.contiguous()
         out = torch.empty(self.rows, dtype=torch.float32) if out is None else out
-        if (out.dtype != torch.float32 or out.numel() != self.rows or not out.is_contiguous()
-                or out.device.type != "cpu"):  # the C product writes rows float32s
+        if not cpu_vector(out, self.rows):  # the C product writes rows float32s
             raise ValueError(f"out must be float32 contiguous [{self.rows}] on the CPU")
         status = self._lib(library).dsv41_mv_gguf(self.kernel_type, self.data.data_ptr(), x.data_ptr(), out.data_ptr(),
                                            self.rows, self.cols, int(accumulate), torch.get_num_threads())

@@ -7,7 +7,7 @@ import torch
 from .library import KernelLibrary, load, unavailable_reason
 
 
-def _cpu_vector(t: torch.Tensor, n: int) -> bool:
+def cpu_vector(t: torch.Tensor, n: int) -> bool:
     """Whether `t` is what a C product reads or writes as n float32s: contiguous, on the CPU."""
     return t.dtype == torch.float32 and t.numel() == n and t.is_contiguous() and t.device.type == "cpu"
 
@@ -108,7 +108,7 @@ class PackedMatrix(KernelMatrix):
         rows, cols = self.shape
         if out is None:
             out = torch.empty(rows, dtype=torch.float32)
-        if not (_cpu_vector(x, cols) and _cpu_vector(out, rows)):  # the C product reads cols, writes rows floats
+        if not (cpu_vector(x, cols) and cpu_vector(out, rows)):  # the C product reads cols, writes rows floats
             raise ValueError(f"matvec takes float32 contiguous CPU vectors x [{cols}] and out [{rows}]")
         threads = torch.get_num_threads()
         if self.scale is None:
