@@ -331,12 +331,13 @@ int dsv41_kernels_isa(void) {
 #endif
 }
 
-/* y[rows] = W[rows, cols] x (+ y when acc); W as bf16 bits. threads: OpenMP team size. */
-void dsv41_mv_bf16(const uint16_t *w, const float *x, float *y, int64_t rows, int64_t cols, int acc, int threads) {
+/* y[rows] = W[rows, cols] x (+ y when acc); W as bf16 bits. threads: OpenMP team size. Returns 0, or -2 (y not
+ * written) when a row of more than 8,192 columns found no memory for x's even / odd halves. */
+int dsv41_mv_bf16(const uint16_t *w, const float *x, float *y, int64_t rows, int64_t cols, int acc, int threads) {
     int64_t half = (cols + 1) / 2;
     float stack[2 * 4096];
     float *buf = cols <= 8192 ? stack : (float *)malloc(sizeof(float) * 2 * (size_t)half);
-    if (!buf) return;
+    if (!buf) return -2;
     float *xe = buf, *xo = buf + half;
     for (int64_t k = 0; k < cols; k++) {
         if (k & 1) xo[k / 2] = x[k];
@@ -349,6 +350,7 @@ void dsv41_mv_bf16(const uint16_t *w, const float *x, float *y, int64_t rows, in
         rows_bf16(w, xe, xo, y, r0, r1, cols, acc);
     }
     if (buf != stack) free(buf);
+    return 0;
 }
 
 /* y[rows] = W[rows, cols] x (+ y when acc); W as float32. */
@@ -1254,16 +1256,20 @@ static inline const float *kv_row(const void *base, int64_t j, int64_t d, int bf
     return buf;
 }
 
-/* y = M x (+ y when acc), part by part: each part's rows are the next rows of y. */
-static void mv(const Mat *m, const float *x, float *y, int64_t cols, int acc, int threads) {
+/* y = M x (+ y when acc), part by part: each part's rows are the next rows of y. Returns 0, or the first part's
+ * failure (-2: no memory for a wide row's scratch; the parts after it are not multiplied). */
+static int mv(const Mat *m, const float *x, float *y, int64_t cols, int acc, int threads) {
     for (int64_t i = 0; i < m->parts; i++) {
         const MatPart *p = m->part + i;
+        int status = 0;
         if (p->format == MAT_INT8) dsv41_mv_int8((const int8_t *)p->data, p->scale, x, y, p->rows, cols, acc, threads);
         else if (p->format == MAT_F32) dsv41_mv_f32((const float *)p->data, x, y, p->rows, cols, acc, threads);
-        else if (p->format == MAT_GGUF) dsv41_mv_gguf(p->gguf_type, p->data, x, y, p->rows, cols, acc, threads);
-        else dsv41_mv_bf16((const uint16_t *)p->data, x, y, p->rows, cols, acc, threads);
+        else if (p->format == MAT_GGUF) status = dsv41_mv_gguf(p->gguf_type, p->data, x, y, p->rows, cols, acc, threads);
+        else status = dsv41_mv_bf16((const uint16_t *)p->data, x, y, p->rows, cols, acc, threads);
+        if (status != 0) return status;
         y += p->rows;
     }
+    return 0;
 }
 
 /* exp for float32, vectorisable (no libm call): 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], Cephes'
@@ -1607,7 +1613,8 @@ int64_t dsv41_step_work_floats(const StepModel *m, int64_t max_entries) {
  * cache does) calls `callback` instead of appending and attending here; q, k, v (after RoPE) are then at
  * work[2 * hidden ...] ([heads + 2 * kv_heads, head_dim]) and the output is expected right after them
  * ([heads, head_dim]). Returns 0; -1 if a layer lacks room for its entry or `work` is too small; -2 for
- * head geometry beyond the limits; -3 if the callback failed. */
+ * head geometry beyond the limits; -3 if the callback failed; -4 if a product found no memory for its scratch
+ * (the step stops there: no layer's length is raised, the caller drops what was written past it). */
 int dsv41_decode_step(const StepModel *m, const StepLayer *layers, StepCache *caches, const float *x_in,
                       int32_t position, const float *cs, const float *sn, int score, float decay, float *logits,
                       float *work, int64_t work_floats, AttendCallback callback, int threads) {
@@ -1631,7 +1638,7 @@ int dsv41_decode_step(const StepModel *m, const StepLayer *layers, StepCache *ca
         const StepLayer *L = layers + l;
         StepCache *c = caches + l;
         rms_norm(x, L->input_norm, hbuf, D, m->eps);
-        mv(&L->qkv, hbuf, qkv, D, 0, threads);
+        if (mv(&L->qkv, hbuf, qkv, D, 0, threads) != 0) return -4;
         if (L->qkv_bias)
             for (int64_t i = 0; i < (H + 2 * h) * d; i++) qkv[i] += L->qkv_bias[i];
         for (int64_t hd = 0; hd < H + h; hd++) {
@@ -1662,16 +1669,16 @@ int dsv41_decode_step(const StepModel *m, const StepLayer *layers, StepCache *ca
             view.length = n + 1;
             attend(m, &view, qkv, attn, probs, stats, partial, score, decay, threads);
         }
-        mv(&L->o, attn, x, H * d, 1, threads);
+        if (mv(&L->o, attn, x, H * d, 1, threads) != 0) return -4;
         if (L->o_bias)
             for (int64_t i = 0; i < D; i++) x[i] += L->o_bias[i];
         rms_norm(x, L->post_norm, hbuf, D, m->eps);
-        mv(&L->gate_up, hbuf, gu, D, 0, threads);
+        if (mv(&L->gate_up, hbuf, gu, D, 0, threads) != 0) return -4;
         silu_mul(gu, gu + I, act, I);
-        mv(&L->down, act, x, I, 1, threads);
+        if (mv(&L->down, act, x, I, 1, threads) != 0) return -4;
     }
     rms_norm(x, m->final_norm, hbuf, D, m->eps);
-    mv(&m->lm_head, hbuf, logits, D, 0, threads);
+    if (mv(&m->lm_head, hbuf, logits, D, 0, threads) != 0) return -4;
     if (m->lm_head_bias)
         for (int64_t i = 0; i < m->vocab; i++) logits[i] += m->lm_head_bias[i];
     return 0;
@@ -1680,19 +1687,20 @@ int dsv41_decode_step(const StepModel *m, const StepLayer *layers, StepCache *ca
 /* Every matrix-vector product of one decode step (each layer's four, then the head) and nothing else, on
  * whatever `work` holds: the ceiling of any decode step built on these kernels (the benchmark's "kernel
  * ceiling", measured without Python between the products). work: dsv41_step_work_floats(m, 1) floats;
- * logits: vocab floats. */
-void dsv41_step_matrices(const StepModel *m, const StepLayer *layers, float *logits, float *work, int threads) {
+ * logits: vocab floats. Returns 0, or -4 as dsv41_decode_step. */
+int dsv41_step_matrices(const StepModel *m, const StepLayer *layers, float *logits, float *work, int threads) {
     const int64_t D = m->hidden, H = m->heads, h = m->kv_heads, d = m->head_dim, I = m->inter;
     float *x = work, *hbuf = x + D, *qkv = hbuf + D, *attn = qkv + (H + 2 * h) * d, *gu = attn + H * d,
           *act = gu + 2 * I;
     for (int64_t l = 0; l < m->layers; l++) {
         const StepLayer *L = layers + l;
-        mv(&L->qkv, hbuf, qkv, D, 0, threads);
-        mv(&L->o, attn, x, H * d, 1, threads);
-        mv(&L->gate_up, hbuf, gu, D, 0, threads);
-        mv(&L->down, act, x, I, 1, threads);
+        if (mv(&L->qkv, hbuf, qkv, D, 0, threads) != 0) return -4;
+        if (mv(&L->o, attn, x, H * d, 1, threads) != 0) return -4;
+        if (mv(&L->gate_up, hbuf, gu, D, 0, threads) != 0) return -4;
+        if (mv(&L->down, act, x, I, 1, threads) != 0) return -4;
     }
-    mv(&m->lm_head, hbuf, logits, D, 0, threads);
+    if (mv(&m->lm_head, hbuf, logits, D, 0, threads) != 0) return -4;
+    return 0;
 }
 
 /* ---------------------------------------------------------------------------------------------------------

@@ -218,6 +218,9 @@ class FusedDecodeStep:
                     layer.scores[:, layer.length] = 0.0
             if error is not None:
                 raise error
+            if status == -4:
+                raise MemoryError("out of memory in the decode step: a product found no memory for its scratch; "
+                                  "close other programs or load a smaller model")
             raise RuntimeError(f"fused decode step failed ({status}): a layer had no room for its entry")
         for index, layer in enumerate(layers):
             if not by_python[index]:
@@ -232,7 +235,8 @@ class FusedDecodeStep:
         work = torch.full((self._lib.dsv41_step_work_floats(ctypes.byref(self._model), 1),), 0.01)
         logits = torch.empty(self.vocab)
         args = (ctypes.byref(self._model), self._layers, logits.data_ptr(), work.data_ptr(), torch.get_num_threads())
-        self._lib.dsv41_step_matrices(*args)
+        if self._lib.dsv41_step_matrices(*args) != 0:
+            raise MemoryError("the step's products found no memory for their scratch")
         times = []
         for _ in range(reps):
             started = time.perf_counter()

@@ -224,6 +224,8 @@ class GGUFMatrix:
             raise ValueError(f"out must be float32 contiguous [{self.rows}] on the CPU")
         status = self._lib(library).dsv41_mv_gguf(self.kernel_type, self.data.data_ptr(), x.data_ptr(), out.data_ptr(),
                                            self.rows, self.cols, int(accumulate), torch.get_num_threads())
+        if status == -2:  # no memory for a wide row's scratch: out not written
+            raise MemoryError(f"out of memory for a [{self.rows}, {self.cols}] {self.format} product's scratch")
         if status != 0:
             raise RuntimeError(f"the {self.format} product failed ({status})")
         return out

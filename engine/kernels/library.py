@@ -124,7 +124,7 @@ def build(extra_flags: tuple[str, ...] = ()) -> KernelLibrary:
     ptr, i64, cint = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.dsv41_kernels_isa.restype = cint
     lib.dsv41_mv_bf16.argtypes = [ptr, ptr, ptr, i64, i64, cint, cint]
-    lib.dsv41_mv_bf16.restype = None
+    lib.dsv41_mv_bf16.restype = cint
     lib.dsv41_mv_int8.argtypes = [ptr, ptr, ptr, ptr, i64, i64, cint, cint]
     lib.dsv41_mv_f32.argtypes = [ptr, ptr, ptr, i64, i64, cint, cint]
     lib.dsv41_mv_f32.restype = None
@@ -188,4 +188,4 @@ def _bind_step(lib: ctypes.CDLL) -> None:
                                       ATTEND_CALLBACK, cint]
     lib.dsv41_decode_step.restype = cint
     lib.dsv41_step_matrices.argtypes = [ptr, ptr, ptr, ptr, cint]
-    lib.dsv41_step_matrices.restype = None
+    lib.dsv41_step_matrices.restype = cint

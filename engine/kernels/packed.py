@@ -112,8 +112,10 @@ class PackedMatrix(KernelMatrix):
             raise ValueError(f"matvec takes float32 contiguous CPU vectors x [{cols}] and out [{rows}]")
         threads = torch.get_num_threads()
         if self.scale is None:
-            self._lib.dsv41_mv_bf16(self.data.data_ptr(), x.data_ptr(), out.data_ptr(), rows, cols, int(accumulate),
-                                    threads)
+            status = self._lib.dsv41_mv_bf16(self.data.data_ptr(), x.data_ptr(), out.data_ptr(), rows, cols,
+                                             int(accumulate), threads)
+            if status != 0:  # -2: no memory for a wide row's scratch, out not written
+                raise MemoryError(f"out of memory for a [{rows}, {cols}] product's scratch ({cols * 4} bytes)")
         else:
             self._lib.dsv41_mv_int8(self.data.data_ptr(), self.scale.data_ptr(), x.data_ptr(), out.data_ptr(), rows,
                                     cols, int(accumulate), threads)

@@ -5,6 +5,11 @@ tokens through both and compare the logits and everything the step leaves in the
 positions, CED scores, lengths, merged entries' counts, across block reallocations and compactions.
 """
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -534,3 +539,90 @@ def test_the_default_models_bf16_cache_decodes_alike_fused_and_per_op(default_mo
         assert la.length == lb.length
         a, b = la.keys[:, : la.length].float(), lb.keys[:, : lb.length].float()
         assert (a - b).abs().max() <= 0.03 * b.abs().max()  # bf16 roundings apart, not different entries
+
+
+# Run in a process of its own: the products' scratch for rows wider than their stack buffers is malloc'd, and a
+# failed malloc used to leave the output unwritten without a word. glibc is told to mmap every block over 64 KiB
+# (no reuse of a freed heap top), and the address space is capped just above what the process holds once every
+# buffer of the call exists, so only the scratch's malloc fails.
+_NO_MEMORY_SCRIPT = r'''
+import resource, sys, torch
+torch.set_num_threads(1)
+
+def cap(extra):
+    size = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmSize:"))
+    resource.setrlimit(resource.RLIMIT_AS, (size + extra, resource.getrlimit(resource.RLIMIT_AS)[1]))
+
+def uncap():
+    hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+    resource.setrlimit(resource.RLIMIT_AS, (hard, hard))
+
+case = sys.argv[1]
+if case in ("bf16", "gguf"):
+    from engine.kernels import PackedMatrix
+    from engine.kernels.gguf_blocks import GGUFMatrix
+    cols = 1 << 21
+    if case == "bf16":
+        matrix = PackedMatrix(torch.randn(2, cols).to(torch.bfloat16))
+    else:  # Q4_0 blocks (d = 1.0, every nibble 9): each row is sum(x); its scratch is x's block sums
+        blocks = torch.full((2, cols // 32, 18), 0x99, dtype=torch.uint8)
+        blocks[:, :, 0], blocks[:, :, 1] = 0x00, 0x3C
+        matrix = GGUFMatrix(2, blocks.reshape(2, -1), cols)
+    x = torch.randn(cols)
+    out = torch.full((2,), float("nan"))
+    matrix.matvec(x, out)
+    assert torch.isfinite(out).all()
+    out.fill_(float("nan"))
+    cap(1 << 16)
+    try:
+        matrix.matvec(x, out)
+    except MemoryError:
+        uncap()
+        print("MemoryError", "unwritten" if torch.isnan(out).all() else "written")
+    else:
+        uncap()
+        print("returned", "unwritten" if torch.isnan(out).all() else "written")
+else:  # the fused step, whose down product reads rows of 65,536 columns
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from engine.models import adapter
+    from tests.engine.test_cache import make_cache
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=1 << 16,
+                                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2))
+    adapter.install(model, pack_rounding=True, pack_format="bf16")
+    assert adapter.runtime(model).decoder.fused is not None
+    cache = make_cache(model, kv_cache_ratio=1.0, csa2_topk=0)
+    ids = torch.randint(0, 256, (1, 12))
+    adapter.forward(model, ids[:, :10], cache, prefill=True)
+    with torch.no_grad():
+        adapter.forward(model, ids[:, 10:11], cache, prefill=False)  # every buffer of a step exists
+    length = cache.layers[0].length
+    cap(1 << 17)
+    try:
+        with torch.no_grad():
+            adapter.forward(model, ids[:, 11:12], cache, prefill=False)
+    except MemoryError:
+        uncap()
+        kept = cache.layers[0].length == length
+        with torch.no_grad():
+            logits = adapter.forward(model, ids[:, 11:12], cache, prefill=False)
+        print("MemoryError", "kept" if kept else "appended", "decodes" if torch.isfinite(logits).all() else "broken")
+    else:
+        uncap()
+        print("returned")
+'''
+
+
+@needs_kernels
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="caps the address space through /proc and glibc")
+@pytest.mark.parametrize("case, expected", [("bf16", "MemoryError unwritten"), ("gguf", "MemoryError unwritten"),
+                                            ("fused", "MemoryError kept decodes")])
+def test_a_product_without_memory_for_its_scratch_raises_memory_error(case, expected, tmp_path):
+    """A wide row's scratch that cannot be allocated is a MemoryError (which a turn reports as out of memory),
+    never an output left unwritten; the fused step stops without appending and the next step decodes."""
+    script = tmp_path / "no_memory.py"
+    script.write_text(_NO_MEMORY_SCRIPT)
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    done = subprocess.run([sys.executable, str(script), case], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == expected
