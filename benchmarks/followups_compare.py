@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 
@@ -51,6 +52,31 @@ def _peer(folders: list[Path]) -> tuple[dict, dict[str, dict]]:
     return payload, presses
 
 
+def _cases(turns: list[dict]) -> dict[tuple, bool]:
+    """Each follow-up about a planted fact (turn >= 1), keyed by its document, the fact its chat asked first and
+    its own fact (the same key in both scripts' records), to whether it was answered right."""
+    cases, first = {}, None
+    for turn in turns:
+        if turn["turn"] == 0:
+            first = turn["fact"]
+        elif turn.get("kind", "fact") == "fact":
+            cases[(turn["document"], first, turn["fact"])] = bool(turn["right"])
+    return cases
+
+
+def paired(ours: dict[tuple, bool], peer: dict[tuple, bool]) -> dict:
+    """The same follow-ups compared case by case: how many only ours / only the peer answered, and the exact
+    two-sided McNemar p (a sign test on those discordant cases): the chance of a split at least that uneven if
+    neither were better."""
+    if ours.keys() != peer.keys():
+        raise SystemExit(f"the runs asked different follow-ups ({len(ours)} against {len(peer)} cases)")
+    only_ours = sum(ours[k] and not peer[k] for k in ours)
+    only_peer = sum(peer[k] and not ours[k] for k in ours)
+    n, low = only_ours + only_peer, min(only_ours, only_peer)
+    p = min(1.0, 2 * sum(math.comb(n, k) for k in range(low + 1)) / 2 ** n) if n else 1.0
+    return {"only_ours": only_ours, "only_peer": only_peer, "p": p}
+
+
 def compare(ours_dir: Path, peer_dirs: list[Path]) -> dict:
     ours_payload, ours = _ours(ours_dir)
     peer_payload, peer = _peer(peer_dirs)
@@ -79,6 +105,10 @@ def compare(ours_dir: Path, peer_dirs: list[Path]) -> dict:
         for press, rows in peer.items():
             if press != "uncompressed":
                 entry[press] = cell(rows.get(ratio), base_peer)
+                if entry[press] is not None and entry["ours"] is not None and "turns" in rows[ratio]:
+                    # case by case against ours
+                    entry[press]["against_ours"] = paired(_cases(ours[ratio]["turns"]),
+                                                          _cases(rows[ratio]["turns"]))
         lines.append(entry)
     return {"words": ours_payload["words"], "tokens": ours_payload["tokens"], "followups_total": total,
             "ours_uncompressed": base_ours, "peer_uncompressed": base_peer,
@@ -105,6 +135,16 @@ def table(result: dict) -> str:
         for name in ["ours", *presses]:
             c = row.get(name)
             cells.append("" if c is None else f"{c['right']} ({-c['short_of_uncompressed']:+d})")
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "Case by case against ours: follow-ups only ours answered / only the press answered, and the exact "
+              "two-sided McNemar p (the chance of a split at least that uneven if neither were better)", "",
+              "| hot / kept ratio | " + " | ".join(f"kvpress {p}" for p in presses) + " |",
+              "|" + "---|" * (len(presses) + 1)]
+    for row in result["rows"]:
+        cells = [f"{row['ratio']}"]
+        for name in presses:
+            pair = (row.get(name) or {}).get("against_ours")
+            cells.append("" if pair is None else f"{pair['only_ours']} / {pair['only_peer']}, p = {pair['p']:.2g}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -89,3 +89,31 @@ def test_followups_compare_merges_kvpress_runs_of_one_protocol(tmp_path):
         compare(ours, [a, peer("alone", [press("KVzipPress", 0.2, 29)], history=False)])
     with pytest.raises(SystemExit, match="no-press row"):
         compare(ours, [b])
+
+
+def test_followups_compare_pairs_the_same_follow_ups_case_by_case():
+    """Each follow-up is matched across the two scripts' records by its document, its chat's first fact and its
+    own fact (content questions and first questions left out); the discordant cases give the exact McNemar p."""
+    import pytest
+
+    from benchmarks.followups_compare import _cases, paired
+
+    def turns(rights, kinds=None):
+        out = []
+        for order in ([0, 1, 2, 3], [3, 2, 1, 0]):
+            for turn, fact in enumerate(order):
+                out.append({"document": "d", "turn": turn, "fact": fact, "right": rights.pop(0)})
+        if kinds:
+            out.append({"document": "d", "turn": 4, "fact": None, "kind": "content", "right": True})
+        return out
+
+    ours = _cases(turns([True, True, True, False, False, True, True, True], kinds=True))
+    assert len(ours) == 6 and ours[("d", 0, 3)] is False and ours[("d", 3, 0)] is True  # chat order, facts
+    theirs = _cases(turns([False, False, False, True, True, False, False, False]))
+    assert paired(ours, theirs) == {"only_ours": 5, "only_peer": 1, "p": pytest.approx(14 / 64)}  # 2 (1 + 6) / 2^6
+    assert paired(ours, ours) == {"only_ours": 0, "only_peer": 0, "p": 1.0}
+    all_wrong = {k: False for k in ours}
+    all_right = {k: True for k in ours}
+    assert paired(all_right, all_wrong)["p"] == pytest.approx(2 / 64)
+    with pytest.raises(SystemExit, match="different follow-ups"):
+        paired(ours, dict(list(theirs.items())[:5]))
