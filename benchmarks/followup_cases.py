@@ -49,6 +49,61 @@ FACT_SETS = [
         ("The Nimbus festival is held every July.", "In which month is the Nimbus festival held?", "july"),
     ]),
 ]
+# Six more fact sets on other speeches (`--fact-sets more` in followups.py and kvpress_peer.py): the same kind of
+# planted facts, so that a comparison can pool twelve documents (72 follow-ups a length) where 36 cannot tell two
+# close methods apart. No questions about these speeches' own text.
+MORE_FACT_SETS = [
+    ("1934-Roosevelt-1", [
+        ("The Corvid observatory stands on Mount Tarn.", "On which mountain does the Corvid observatory stand?",
+         "tarn"),
+        ("The Corvid observatory was founded by Ines Varga.", "Who founded the Corvid observatory?", "varga"),
+        ("The telescope of the Corvid observatory has a mirror of 47 inches.",
+         "How large is the mirror of the Corvid observatory's telescope?", "47"),
+        ("The Corvid observatory closes every November.", "In which month does the Corvid observatory close?",
+         "november"),
+    ]),
+    ("1947-Truman-1", [
+        ("The Pelican train leaves from Porto.", "From which city does the Pelican train leave?", "porto"),
+        ("The driver of the Pelican train is Omar Haddad.", "Who is the driver of the Pelican train?", "haddad"),
+        ("The Pelican train has 18 carriages.", "How many carriages does the Pelican train have?", "18"),
+        ("The Pelican train is painted blue.", "What color is the Pelican train?", "blue"),
+    ]),
+    ("1972-Nixon-1", [
+        ("The Marlow garden grows 530 kinds of roses.", "How many kinds of roses does the Marlow garden grow?", "530"),
+        ("The gardener of the Marlow garden is Hana Kowalski.", "Who is the gardener of the Marlow garden?",
+         "kowalski"),
+        ("The Marlow garden is in the town of Ystad.", "In which town is the Marlow garden?", "ystad"),
+        ("The Marlow garden was planted in 1887.", "When was the Marlow garden planted?", "1887"),
+    ]),
+    ("1979-Carter-1", [
+        ("The Tundra mine produces copper.", "What metal does the Tundra mine produce?", "copper"),
+        ("The Tundra mine is 410 meters deep.", "How deep is the Tundra mine?", "410"),
+        ("The manager of the Tundra mine is Lars Eklund.", "Who is the manager of the Tundra mine?", "eklund"),
+        ("The Tundra mine is near the village of Keld.", "Near which village is the Tundra mine?", "keld"),
+    ]),
+    ("2002-Bush-1", [
+        ("The Opal museum is in Valencia.", "In which city is the Opal museum?", "valencia"),
+        ("The curator of the Opal museum is Ruth Okafor.", "Who is the curator of the Opal museum?", "okafor"),
+        ("The Opal museum holds 920 paintings.", "How many paintings does the Opal museum hold?", "920"),
+        ("The Opal museum is closed on Mondays.", "On which day is the Opal museum closed?", "monday"),
+    ]),
+    ("2008-Bush-1", [
+        ("The Falcon ferry sails to the island of Tarvo.", "To which island does the Falcon ferry sail?", "tarvo"),
+        ("The Falcon ferry carries 75 cars.", "How many cars does the Falcon ferry carry?", "75"),
+        ("The captain of the Falcon ferry is Ana Moreau.", "Who is the captain of the Falcon ferry?", "moreau"),
+        ("The Falcon ferry was launched in 1974.", "When was the Falcon ferry launched?", "1974"),
+    ]),
+]
+GROUPS = {"standard": FACT_SETS, "more": MORE_FACT_SETS}
+
+
+def fact_sets(group: str = "standard") -> list:
+    """The fact sets of `group`: "standard" (the six every committed run asked) or "more" (six others)."""
+    if group not in GROUPS:
+        raise ValueError(f"no fact-set group {group!r}; choose from {', '.join(GROUPS)}")
+    return GROUPS[group]
+
+
 # Questions about the speech itself (followups.py asks each on a fork of the chat after its first turn), with answer
 # keys taken from its text: one from early in its first 640 words and one from late in them, so every document
 # length (the first `words` words of the speech) holds both.

@@ -29,7 +29,7 @@ from engine.documents import load_document
 from engine.events import Done
 
 from .common import RESULTS, machine
-from .followup_cases import CONTENT, FACT_SETS, document, orders
+from .followup_cases import CONTENT, GROUPS, document, fact_sets, orders
 
 REPETITION_PENALTY = 1.0  # plain argmax, as the kvpress peer decodes (benchmarks/kvpress_peer.py)
 
@@ -105,7 +105,7 @@ def table(payload: dict) -> str:
                 "about the speech" if payload.get("alone_content_total") else "")
              if payload["alone_total"] else "no reference rows (--no-reference)")
     lines = [f"Follow-up questions about one {payload['words']}-word document ({payload['tokens']} tokens), "
-             f"{len(payload.get('documents') or FACT_SETS)} fact sets x 2 orders; {alone}"
+             f"{len(payload.get('documents') or fact_sets())} fact sets x 2 orders; {alone}"
              + (f"; a question recalls at least {payload['recall_min']} entries a head" if payload.get("recall_min")
                 else "")
              + (f", its reply keeps {payload['reply_recalled']} past the budget" if payload.get("reply_recalled")
@@ -175,6 +175,9 @@ def main(argv=None) -> int:
     parser.add_argument("--mode", choices=("chat", "requests"), default="chat",
                         help="chat: the questions are turns of one chat; requests: each follow-up is asked alone on a "
                              "fork of the chat after its first turn (kvpress's protocol)")
+    parser.add_argument("--fact-sets", choices=tuple(GROUPS), default="standard",
+                        help="the six standard documents, or six more (no questions about their text) to pool with "
+                             "them in benchmarks/followups_compare.py")
     parser.add_argument("--documents", default=None,
                         help="only these speeches' fact sets (comma-separated names, e.g. 2010-Obama-1)")
     parser.add_argument("--cold-dtype", choices=("int8", "auto"), default="int8",
@@ -213,13 +216,14 @@ def main(argv=None) -> int:
     # conversation_cache_mb=0: every chat here is new, nothing is reopened, so saving each turn's cache would only
     # fill the user's cache folder (benchmarks/reopen.py measures the saved caches)
     model = DSV41Model.from_pretrained(DSV41Config(max_seq_len=8192, kv_cache_ratio=1.0, conversation_cache_mb=0))
-    wanted = set(args.documents.split(",")) if args.documents else {name for name, _ in FACT_SETS}
-    unknown = wanted - {name for name, _ in FACT_SETS}
+    sets = fact_sets(args.fact_sets)
+    wanted = set(args.documents.split(",")) if args.documents else {name for name, _ in sets}
+    unknown = wanted - {name for name, _ in sets}
     if unknown:
-        parser.error(f"no fact set for {', '.join(sorted(unknown))}; choose from "
-                     + ", ".join(name for name, _ in FACT_SETS))
-    docs = [(document(name, facts, args.words), facts, () if args.no_content else CONTENT[name])
-            for name, facts in FACT_SETS if name in wanted]
+        parser.error(f"no fact set for {', '.join(sorted(unknown))} among --fact-sets {args.fact_sets}; choose from "
+                     + ", ".join(name for name, _ in sets))
+    docs = [(document(name, facts, args.words), facts, () if args.no_content else CONTENT.get(name, ()))
+            for name, facts in sets if name in wanted]
     cases = [(path, facts, order, content) for path, facts, content in docs for order in orders(facts)]
     alone, alone_content, rows = [], [], []
     if not args.no_reference:
@@ -239,7 +243,7 @@ def main(argv=None) -> int:
         rows += run_configs(model, [c for c in configs if c["kv_cache_ratio"] == ratio], cases, args.mode)
         print(table({"words": args.words, "tokens": rows[0]["turns"][0]["seen"], "alone_right": sum(alone),
                      "alone_total": len(alone), "rows": rows[-1:]}).splitlines()[-1], flush=True)
-    payload = {"machine": machine(), "mode": args.mode, "recall_min": cold.RECALL_MIN, "reply_recalled": kv_cache.REPLY_RECALLED, "cold_counts": kv_cache.COUNT_COLD, "count_tables": counts.COUNT_TABLES, "count_seed": counts.COUNT_SEED, "count_cold_min": kv_cache.COUNT_COLD_MIN, "documents": sorted(wanted), "words": args.words, "repetition_penalty": args.repetition_penalty, "tokens": rows[0]["turns"][0]["seen"],
+    payload = {"machine": machine(), "mode": args.mode, "recall_min": cold.RECALL_MIN, "reply_recalled": kv_cache.REPLY_RECALLED, "cold_counts": kv_cache.COUNT_COLD, "count_tables": counts.COUNT_TABLES, "count_seed": counts.COUNT_SEED, "count_cold_min": kv_cache.COUNT_COLD_MIN, "documents": sorted(wanted), "fact_sets": args.fact_sets, "words": args.words, "repetition_penalty": args.repetition_penalty, "tokens": rows[0]["turns"][0]["seen"],
                "alone_right": sum(alone), "alone_total": len(alone), "alone_content_right": sum(alone_content),
                "alone_content_total": len(alone_content), "rows": rows, "elapsed_s": time.time() - started}
     out = Path(args.out)

@@ -437,7 +437,7 @@ def run(args) -> int:
     logging.disable_progress_bar()
     std_logging.getLogger("kvpress.presses.kvzip_press").setLevel(std_logging.ERROR)  # "2-3x the prefill", per press
 
-    from .followup_cases import FACT_SETS, document, orders
+    from .followup_cases import document, fact_sets, orders
 
     started = time.time()
     folder = find_model(args.model)
@@ -445,7 +445,8 @@ def run(args) -> int:
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, attn_implementation="sdpa")
     model.eval()
     pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device="cpu")
-    docs = [(document(name, facts, args.words), facts) for name, facts in FACT_SETS]
+    sets = fact_sets(args.fact_sets)
+    docs = [(document(name, facts, args.words), facts) for name, facts in sets]
     cases = [(path, facts, order) for path, facts in docs for order in orders(facts)]
 
     prompts, context_tokens = [], {}
@@ -471,7 +472,8 @@ def run(args) -> int:
                 print(row_line(rows[-1]), f"({rows[-1]['elapsed_s']:.0f} s)", flush=True)
     tokens = sorted(context_tokens.values())
     payload = {"machine": machine(), "model": str(folder), "words": args.words, "tokens": tokens[len(tokens) // 2],
-               "context_tokens": context_tokens, "fact_sets": len(FACT_SETS), "max_new_tokens": MAX_NEW_TOKENS,
+               "context_tokens": context_tokens, "fact_sets": len(sets), "fact_set_group": args.fact_sets,
+               "max_new_tokens": MAX_NEW_TOKENS,
                "history": args.history,
                "rows": rows, "elapsed_s": time.time() - started}
     (out / "followups_kvpress.json").write_text(json.dumps(payload, indent=2))
@@ -492,12 +494,12 @@ def check_prompt(args) -> int:
     from engine import chat_template as template
     from engine.documents import load_document, user_content
 
-    from .followup_cases import FACT_SETS, document
+    from .followup_cases import document, fact_sets
 
     tokenizer = AutoTokenizer.from_pretrained(str(find_model(args.model)))
     fed = {p["document"]: p for p in json.loads((Path(args.out) / "prompts.json").read_text())}
     bad = 0
-    for name, facts in FACT_SETS:
+    for name, facts in fact_sets(args.fact_sets):
         path = document(name, facts, args.words)
         peer = fed[path.name]
         if pipeline_context(path) != peer["context"]:
@@ -526,12 +528,12 @@ def check_history(tokenizer, fed: dict, args) -> int:
     from engine import DSV41Config, DSV41Model
     from engine.documents import load_document
 
-    from .followup_cases import FACT_SETS, document
+    from .followup_cases import document, fact_sets
 
     model = DSV41Model.from_pretrained(DSV41Config(max_seq_len=8192, kv_cache_ratio=1.0, conversation_cache_mb=0))
     suffix, between = template_pieces(tokenizer)
     bad = 0
-    for name, facts in FACT_SETS:
+    for name, facts in fact_sets(args.fact_sets):
         path = document(name, facts, args.words)
         peer = fed[path.name]
         first = model.chat_session()
@@ -562,6 +564,8 @@ def main(argv=None) -> int:
                              "(with --history also a follow-up after our chat's first turn)")
     parser.add_argument("--words", type=int, default=640, help="words of speech per document (as followups.py)")
     parser.add_argument("--ratios", default="0.5,0.3,0.2,0.1", help="kept ratios (kvpress removes 1 - ratio)")
+    parser.add_argument("--fact-sets", choices=("standard", "more"), default="standard",
+                        help="the six standard documents or six more (as followups.py --fact-sets)")
     parser.add_argument("--presses", default=",".join(PRESSES))
     parser.add_argument("--model", default=None, help=f"HuggingFace folder (default {MODEL})")
     parser.add_argument("--out", default=str(OUT))
