@@ -9,7 +9,11 @@ stood after its first turn (the first question and its answer are in the chat, a
 token sequence of our requests mode (its --check-prompt --history checks that). The two uncompressed rows differ (float32 transformers against our default load; a first turn in the chat or not),
 so each row is also given against its own uncompressed figure: the share of its own uncompressed answers it keeps.
 
-Usage: python -m benchmarks.followups_compare --ours results/followups-requests/1k
+Runs on the six more fact sets (`--fact-sets more` in both scripts) pool with the standard ones: give each side's
+runs (`--ours` and `--peer` repeated); the counts are summed and the cases matched one to one over all twelve
+documents.
+
+Usage: python -m benchmarks.followups_compare --ours results/followups-requests/1k [--ours a run on more fact sets]
            --peer results/followups-kvpress [--peer another run] --out results/followups-compare/1k
 """
 
@@ -21,35 +25,79 @@ import math
 from pathlib import Path
 
 
-def _ours(folder: Path) -> tuple[dict, dict]:
-    payload = json.loads((folder / "followups.json").read_text())
-    rows = {}
-    for row in payload["rows"]:
-        k = row["knobs"]
-        if k["kv_cache_ratio"] >= 1:
-            rows["uncompressed"] = row
-        elif k["ced_policy"] == "ced" and k["cold_tier"] != "off":
-            rows[k["kv_cache_ratio"]] = row
-    return payload, rows
+def _pool(rows: list[dict]) -> dict:
+    """One configuration's rows from runs on different documents (fact-set groups) as one row: counts summed,
+    per-case records joined, the prefill time averaged over the runs."""
+    if len(rows) == 1:
+        return rows[0]
+    pooled = dict(rows[0])
+    for key in ("followups_right", "followups_total"):
+        pooled[key] = sum(row[key] for row in rows)
+    if all("turns" in row for row in rows):
+        pooled["turns"] = [turn for row in rows for turn in row["turns"]]
+    prefill = [row["prefill_s"] for row in rows if row.get("prefill_s") is not None]
+    pooled["prefill_s"] = sum(prefill) / len(prefill) if prefill else None
+    return pooled
+
+
+def _pooled(groups: dict[str, dict], what: str) -> dict:
+    """{group: {config: row}} -> {config: pooled row}, for the configurations every group ran."""
+    common = set.intersection(*(set(rows) for rows in groups.values()))
+    missing = set.union(*(set(rows) for rows in groups.values())) - common
+    if missing:
+        print(f"{what}: left out, not run on every fact-set group: {sorted(map(str, missing))}")
+    return {config: _pool([rows[config] for rows in groups.values()]) for config in common}
+
+
+def _ours(folders: list[Path]) -> tuple[dict, dict]:
+    """One run of followups.py, or runs of other fact-set groups (--fact-sets) pooled."""
+    payloads = [json.loads((folder / "followups.json").read_text()) for folder in folders]
+    payload = payloads[0]
+    groups: dict[str, dict] = {}
+    for other, folder in zip(payloads, folders, strict=True):
+        if (other.get("mode"), other["words"]) != (payload.get("mode"), payload["words"]):
+            raise SystemExit(f"{folder} is another run of ours ({other['words']} words, mode {other.get('mode')}) "
+                             f"than {folders[0]}")
+        group = other.get("fact_sets", "standard")
+        if group in groups:
+            raise SystemExit(f"two runs of ours on the {group!r} fact sets: pool runs of different ones")
+        rows = groups[group] = {}
+        for row in other["rows"]:
+            k = row["knobs"]
+            if k["kv_cache_ratio"] >= 1:
+                rows["uncompressed"] = row
+            elif k["ced_policy"] == "ced" and k["cold_tier"] != "off":
+                rows[k["kv_cache_ratio"]] = row
+    return dict(payload, fact_set_groups=sorted(groups)), _pooled(groups, "ours")
 
 
 def _peer(folders: list[Path]) -> tuple[dict, dict[str, dict]]:
-    """One kvpress run, or several runs of the same documents and protocol (other presses or ratios) merged."""
+    """One kvpress run, or several runs of the same protocol merged: other presses or ratios on the same fact sets,
+    pooled across runs on other fact-set groups (--fact-sets)."""
     payloads = [json.loads((folder / "followups_kvpress.json").read_text()) for folder in folders]
     payload = payloads[0]
     for other, folder in zip(payloads[1:], folders[1:], strict=True):
         if (other["words"], bool(other.get("history"))) != (payload["words"], bool(payload.get("history"))):
             raise SystemExit(f"{folder} is another kvpress run ({other['words']} words, history "
                              f"{bool(other.get('history'))}) than {folders[0]}")
-    presses: dict[str, dict] = {}
-    for row in (row for p in payloads for row in p["rows"]):
-        if row["press"] == "none":
-            presses.setdefault("uncompressed", {})[1.0] = row
-        else:
-            presses.setdefault(row["press"].removesuffix("Press"), {})[row["kept_ratio"]] = row
-    if "uncompressed" not in presses:
-        raise SystemExit("no kvpress run among " + ", ".join(map(str, folders)) + " has the no-press row")
-    return payload, presses
+    groups: dict[str, dict] = {}
+    for other in payloads:
+        rows = groups.setdefault(other.get("fact_set_group", "standard"), {})
+        for row in other["rows"]:
+            if row["press"] == "none":
+                rows[("uncompressed", 1.0)] = row
+            else:
+                rows[(row["press"].removesuffix("Press"), row["kept_ratio"])] = row
+    if any(("uncompressed", 1.0) not in rows for rows in groups.values()):
+        raise SystemExit("no kvpress run among " + ", ".join(map(str, folders)) + " has the no-press row"
+                         + (" on every fact-set group" if len(groups) > 1 else ""))
+    pooled: dict[str, dict] = {}
+    for (press, ratio), row in _pooled(groups, "kvpress").items():
+        pooled.setdefault(press, {})[ratio] = row
+    order = dict.fromkeys("uncompressed" if r["press"] == "none" else r["press"].removesuffix("Press")
+                          for other in payloads for r in other["rows"])  # the presses in the order they ran
+    presses = {press: pooled[press] for press in order if press in pooled}
+    return dict(payload, fact_set_groups=sorted(groups)), presses
 
 
 def _cases(turns: list[dict]) -> dict[tuple, bool]:
@@ -77,11 +125,14 @@ def paired(ours: dict[tuple, bool], peer: dict[tuple, bool]) -> dict:
     return {"only_ours": only_ours, "only_peer": only_peer, "p": p}
 
 
-def compare(ours_dir: Path, peer_dirs: list[Path]) -> dict:
-    ours_payload, ours = _ours(ours_dir)
+def compare(ours_dirs: list[Path], peer_dirs: list[Path]) -> dict:
+    ours_payload, ours = _ours(ours_dirs)
     peer_payload, peer = _peer(peer_dirs)
+    if ours_payload["fact_set_groups"] != peer_payload["fact_set_groups"]:
+        raise SystemExit(f"ours ran the fact sets {ours_payload['fact_set_groups']}, kvpress "
+                         f"{peer_payload['fact_set_groups']}: compare the same documents")
     if ours_payload.get("mode") != "requests":
-        raise SystemExit(f"{ours_dir} was run with --mode {ours_payload.get('mode', 'chat')}: the comparison needs "
+        raise SystemExit(f"{ours_dirs[0]} was run with --mode {ours_payload.get('mode', 'chat')}: the comparison needs "
                          "--mode requests (each follow-up without the earlier follow-ups, as kvpress asks them)")
     if ours_payload["words"] != peer_payload["words"]:
         raise SystemExit(f"different documents: ours {ours_payload['words']} words, kvpress {peer_payload['words']}")
@@ -116,7 +167,8 @@ def compare(ours_dir: Path, peer_dirs: list[Path]) -> dict:
             "ours_machine": ours_payload["machine"], "peer_machine": peer_payload["machine"],
             "peer_prefill_uncompressed_s": peer["uncompressed"][1.0].get("prefill_s"),
             "peer_history": bool(peer_payload.get("history")),
-            "sources": {"ours": str(ours_dir), "peer": [str(d) for d in peer_dirs]}}
+            "fact_set_groups": ours_payload["fact_set_groups"],
+            "sources": {"ours": [str(d) for d in ours_dirs], "peer": [str(d) for d in peer_dirs]}}
 
 
 def table(result: dict) -> str:
@@ -126,7 +178,10 @@ def table(result: dict) -> str:
     protocol = ("after the first question and the answer each one gave it (the same token sequence)"
                 if result.get("peer_history") else
                 "ours after the first question and its answer, kvpress alone on the compressed document")
-    lines = [f"Follow-ups right (of {total}) on {result['tokens']}-token documents, each follow-up asked without the "
+    documents = ("" if result.get("fact_set_groups", ["standard"]) == ["standard"] else
+                 f" (fact sets {' + '.join(result['fact_set_groups'])} pooled)")
+    lines = [f"Follow-ups right (of {total}) on {result['tokens']}-token documents{documents}, each follow-up asked "
+             "without the "
              f"earlier follow-ups, {protocol}; in brackets, short of each one's own uncompressed figure (ours "
              f"{result['ours_uncompressed']}/{total}, kvpress {result['peer_uncompressed']}/{total})", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -174,13 +229,15 @@ def plot(result: dict, out: Path) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.followups_compare")
-    parser.add_argument("--ours", required=True, help="a folder of `followups.py --mode requests`")
+    parser.add_argument("--ours", required=True, action="append",
+                        help="a folder of `followups.py --mode requests`; repeat it to pool runs of other --fact-sets "
+                             "(the kvpress runs must cover the same ones)")
     parser.add_argument("--peer", required=True, action="append",
                         help="a folder of benchmarks/kvpress_peer.py, same --words; repeat it to merge runs of the "
                              "same protocol (other presses or ratios)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
-    result = compare(Path(args.ours), [Path(p) for p in args.peer])
+    result = compare([Path(p) for p in args.ours], [Path(p) for p in args.peer])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "followups_compare.json").write_text(json.dumps(result, indent=2))

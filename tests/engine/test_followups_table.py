@@ -78,7 +78,7 @@ def test_followups_compare_merges_kvpress_runs_of_one_protocol(tmp_path):
 
     a = peer("a", [press("none", 1.0, 21), press("KVzipPress", 0.3, 24)])
     b = peer("b", [press("KVzipPress", 0.5, 27), press("SnapKVPress", 0.3, 9)])
-    result = compare(ours, [a, b])
+    result = compare([ours], [a, b])
     by_ratio = {r["ratio"]: r for r in result["rows"]}
     assert result["peer_uncompressed"] == 21 and result["peer_history"]
     assert by_ratio[0.3]["KVzip"]["right"] == 24 and by_ratio[0.3]["SnapKV"]["short_of_uncompressed"] == 12
@@ -86,9 +86,9 @@ def test_followups_compare_merges_kvpress_runs_of_one_protocol(tmp_path):
     assert "after the first question and the answer each one gave it" in table(result)
     assert "| 0.3 | 25 (+2) | 24 (+3) | 9 (-12) |" in table(result)
     with pytest.raises(SystemExit, match="another kvpress run"):
-        compare(ours, [a, peer("alone", [press("KVzipPress", 0.2, 29)], history=False)])
+        compare([ours], [a, peer("alone", [press("KVzipPress", 0.2, 29)], history=False)])
     with pytest.raises(SystemExit, match="no-press row"):
-        compare(ours, [b])
+        compare([ours], [b])
 
 
 def test_followups_compare_pairs_the_same_follow_ups_case_by_case():
@@ -117,3 +117,50 @@ def test_followups_compare_pairs_the_same_follow_ups_case_by_case():
     assert paired(all_right, all_wrong)["p"] == pytest.approx(2 / 64)
     with pytest.raises(SystemExit, match="different follow-ups"):
         paired(ours, dict(list(theirs.items())[:5]))
+
+
+def test_followups_compare_pools_runs_on_other_fact_sets(tmp_path):
+    """Runs of ours and of kvpress on the standard and the six more fact sets pool into one table: counts summed,
+    cases matched over both; a side missing a group, or two runs of ours on one group, are refused."""
+    import json
+
+    import pytest
+
+    from benchmarks.followups_compare import compare
+
+    def turns(document, rights):
+        return [{"document": document, "turn": t, "fact": t, "right": r} for t, r in enumerate(rights)]
+
+    def ours(name, group, uncompressed, tiered):
+        folder = tmp_path / name
+        folder.mkdir()
+        rows = [{"knobs": {"kv_cache_ratio": ratio, "cold_tier": tier, "ced_policy": "ced"},
+                 "followups_right": sum(rights[1:]), "followups_total": 3, "turns": turns(group, rights)}
+                for ratio, tier, rights in ((1.0, "off", uncompressed), (0.2, "ram", tiered))]
+        (folder / "followups.json").write_text(json.dumps({"mode": "requests", "words": 640, "tokens": 943,
+                                                           "machine": {}, "fact_sets": group, "rows": rows}))
+        return folder
+
+    def peer(name, group, uncompressed, kvzip):
+        folder = tmp_path / name
+        folder.mkdir()
+        rows = [{"press": press, "kept_ratio": kept, "followups_right": sum(rights[1:]), "followups_total": 3,
+                 "prefill_s": prefill, "turns": turns(group, rights)}
+                for press, kept, rights, prefill in (("none", 1.0, uncompressed, 1.0), ("KVzipPress", 0.2, kvzip, 3.0))]
+        (folder / "followups_kvpress.json").write_text(json.dumps(
+            {"words": 640, "history": True, "machine": {}, "rows": rows}
+            | ({"fact_set_group": group} if group != "standard" else {})))
+        return folder
+
+    mine = [ours("s", "standard", [1, 1, 1, 1], [1, 1, 1, 0]), ours("m", "more", [1, 1, 0, 1], [1, 1, 1, 1])]
+    theirs = [peer("ps", "standard", [1, 1, 1, 1], [1, 0, 0, 1]), peer("pm", "more", [1, 0, 1, 1], [1, 1, 0, 0])]
+    result = compare(mine, theirs)
+    row = result["rows"][0]
+    assert result["followups_total"] == 6 and result["ours_uncompressed"] == 5 and result["peer_uncompressed"] == 5
+    assert row["ours"]["right"] == 5 and row["KVzip"]["right"] == 2 and row["KVzip"]["prefill_s"] == 3.0
+    assert row["KVzip"]["against_ours"]["only_ours"] == 4 and row["KVzip"]["against_ours"]["only_peer"] == 1
+    assert result["fact_set_groups"] == ["more", "standard"]
+    with pytest.raises(SystemExit, match="compare the same documents"):
+        compare(mine, theirs[:1])
+    with pytest.raises(SystemExit, match="two runs of ours"):
+        compare([mine[0], mine[0]], theirs)
