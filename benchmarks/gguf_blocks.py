@@ -1,13 +1,14 @@
 """Every matrix of one decode step of the default model, multiplied straight from its GGUF blocks (Q4_1, and the Q8_0
 embedding as the tied LM head) against our bf16 kernel on the same values (what DSV41_GGUF_BLOCKS=0 holds), in one
-run, as the decoder holds them (rows split: a row's scales side by side) and in the file's block order, and on a CPU with
-AVX-512 VNNI the Q4 products on int8-rounded x (DSV41_GGUF_INT8_X=1) beside the default: ms per step,
+run, as the decoder holds them (rows split: a row's scales side by side) and in the file's block order, and the Q4
+products with x taken each other way this build has (float32, two bf16 terms, int8: gguf_blocks.x_mode) beside the
+default: ms per step,
 bytes read per step, GB/s, and the share of this machine's read bandwidth (the best of a reduction and a
 matrix-vector product over 1 GiB, as `python -m engine bench` measures it). Medians of 21, interleaved. Also
 the kernels alone: every 576-column Q4_1 matrix of the step joined into one, one call each way (a call per small
 matrix from Python costs about as much as the product itself).
 
-Usage: python -m benchmarks.gguf_blocks      Writes results/gguf-blocks/gguf-blocks.json and .md.
+Usage: python -m benchmarks.gguf_blocks [--folder gguf-blocks]      Writes results/<folder>/<folder>.json and .md.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 import torch
 
 from engine import kernels as cpu_kernels
-from engine.kernels.gguf_blocks import FORMATS, GGUFMatrix, activations, has_int8_activations
+from engine.kernels.gguf_blocks import FORMATS, GGUFMatrix, activations, x_mode, x_modes
 
 from .common import machine, write_results
 from .speed.core import read_bandwidth
@@ -48,7 +49,9 @@ def step_matrices() -> list[GGUFMatrix]:
 
 
 def main(argv=None) -> int:
-    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--folder", default="gguf-blocks", help="the results folder's name")
+    args = parser.parse_args(argv)
     if cpu_kernels.load() is None:
         print(f"the CPU kernels are not available: {cpu_kernels.unavailable_reason()}")
         return 1
@@ -77,17 +80,19 @@ def main(argv=None) -> int:
                                                          joined.nbytes)
     variants["one bf16 call of the same values, ours"] = (
         lambda: joined_bf16.matvec(xs[joined.cols], out_joined), joined.rows * joined.cols * 2)
-    if has_int8_activations():  # the Q4 products on int8 x (DSV41_GGUF_INT8_X=1)
-        def int8_x(fn):
-            def run():
-                with activations(int8=True):
-                    return fn()
-            return run
+    default_mode = x_mode()
 
-        variants["GGUF blocks, Q4 on int8 x"] = (int8_x(variants[OURS][0]),
-                                                 sum(m.nbytes for m in blocks))
-        variants["one Q4_1 call, int8 x"] = (int8_x(lambda: joined.matvec(xs[joined.cols], out_joined)),
-                                             joined.nbytes)
+    def in_mode(fn, mode):
+        def run():
+            with activations(mode):
+                return fn()
+        return run
+
+    for mode in x_modes():  # the Q4 products' other ways of taking x (gguf_blocks.x_mode; the rows above: the default)
+        if mode != default_mode:
+            variants[f"GGUF blocks, Q4 on {mode} x"] = (in_mode(variants[OURS][0], mode), sum(m.nbytes for m in blocks))
+            variants[f"one Q4_1 call, {mode} x"] = (in_mode(lambda: joined.matvec(xs[joined.cols], out_joined), mode),
+                                                   joined.nbytes)
     if cpu_kernels.load().isa == 512:  # the AVX2 path too (the machines without AVX-512)
         avx2 = cpu_kernels.build(("-mno-avx512f",))
         variants["GGUF blocks, the AVX2 build"] = (
@@ -107,20 +112,21 @@ def main(argv=None) -> int:
         rows[name] = {"ms": ms, "bytes": nbytes, "gb_s": nbytes / ms / 1e6,
                       "share_of_bound": nbytes / (ms / 1e3) / bandwidth}
     base, ours = rows["bf16 of the same values, ours"], rows[OURS]
-    payload = {"machine": machine(), "weights": weights, "bandwidth_gb_s": bandwidth / 1e9, "variants": rows,
+    payload = {"machine": machine(), "x_mode": default_mode, "weights": weights, "bandwidth_gb_s": bandwidth / 1e9, "variants": rows,
                "speedup_over_bf16": base["ms"] / ours["ms"],
                "speedup_one_call": rows["one bf16 call of the same values, ours"]["ms"]
                / rows["one Q4_1 call (every 576-column matrix joined), ours"]["ms"]}
     table = "\n".join([
         f"Every matrix of one decode step of the default model ({weights / 1e6:.1f}M weights), "
         f"{payload['machine']['cpu']}, {torch.get_num_threads()} threads, read bandwidth {bandwidth / 1e9:.1f} GB/s; "
+        f"the Q4 products take x as {default_mode} (the default here) unless a row says otherwise; "
         "medians of 21 interleaved runs.", "",
         "| weights held as | MB per step | ms per step | GB/s | share of the bandwidth bound |", "|---|---|---|---|---|",
         *[f"| {name} | {r['bytes'] / 1e6:.1f} | {r['ms']:.2f} | {r['gb_s']:.1f} | {r['share_of_bound'] * 100:.0f} % |"
           for name, r in rows.items()], "",
         f"GGUF blocks over bf16: ×{payload['speedup_over_bf16']:.2f} faster per step (a call per matrix, from "
         f"Python); ×{payload['speedup_one_call']:.2f} as one call (the kernels alone).", ""])
-    write_results("gguf-blocks", payload, table)
+    write_results(args.folder, payload, table)
     print(table)
     return 0
 

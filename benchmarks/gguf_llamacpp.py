@@ -5,9 +5,11 @@ turn), greedy, EOS ignored, 2 threads each.
 Rows (each a fresh process per repetition, repetitions interleaved, medians):
   llama.cpp              llama-cpp-python built from its PyPI source package (-DGGML_NATIVE=ON), `Llama.generate`
   ours, GGUF blocks      the engine as the app loads the default model: its matrices held as the file's blocks,
-                         dense (kv_cache_ratio=1, csa2_topk=0)
-  ours, ..., int8 x      the same with DSV41_GGUF_INT8_X=1: on a CPU with AVX-512 VNNI the Q4 products round x to
-                         int8 per block of 32, as llama.cpp does (by default x stays float32)
+                         dense (kv_cache_ratio=1, csa2_topk=0); the Q4 products take x as two bf16 terms where the
+                         CPU has AVX-512 BF16, else float32 (engine.kernels.gguf_blocks.x_mode)
+  ours, ..., float32 x   the same with DSV41_GGUF_X=float32: x float32 in the Q4 products
+  ours, ..., int8 x      the same with DSV41_GGUF_X=int8: on a CPU with AVX-512 VNNI the Q4 products round x to
+                         int8 per block of 32, as llama.cpp does
   ours, bf16 weights     the same with DSV41_GGUF_BLOCKS=0 (the blocks converted to bf16, as before they were held)
   ours, defaults         GGUF blocks with the cache at its defaults (CED at ratio 0.5 + CSA2 top-256)
 Measured: decode tok/s after prompts of 128, 1k, 4k and 8k tokens, TTFT, the process's peak RSS, bytes read per
@@ -46,7 +48,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 OURS = {  # row -> (environment, engine knobs)
     "ours, GGUF blocks": ({}, dict(kv_cache_ratio=1.0, csa2_topk=0)),
-    "ours, GGUF blocks, int8 x": ({"DSV41_GGUF_INT8_X": "1"}, dict(kv_cache_ratio=1.0, csa2_topk=0)),
+    "ours, GGUF blocks, float32 x": ({"DSV41_GGUF_X": "float32"}, dict(kv_cache_ratio=1.0, csa2_topk=0)),
+    "ours, GGUF blocks, int8 x": ({"DSV41_GGUF_X": "int8"}, dict(kv_cache_ratio=1.0, csa2_topk=0)),
     "ours, bf16 weights": ({"DSV41_GGUF_BLOCKS": "0"}, dict(kv_cache_ratio=1.0, csa2_topk=0)),
     "ours, defaults (CED + CSA2)": ({}, {}),
 }
@@ -317,13 +320,14 @@ def main(argv=None) -> int:
             print(f"rep {rep + 1}/{reps} {row}: {time.time() - start:.0f} s", flush=True)
     windows = ppl_windows()
     ppl = {}
-    for row in () if args.speed_only else (PEER, "ours, GGUF blocks", "ours, GGUF blocks, int8 x",
-                                           "ours, bf16 weights"):
+    for row in () if args.speed_only else (PEER, "ours, GGUF blocks", "ours, GGUF blocks, float32 x",
+                                           "ours, GGUF blocks, int8 x", "ours, bf16 weights"):
         result = run_worker(row, dict(base, knobs=OURS[row][1] if row in OURS else {}, ppl=windows))
         ppl[row] = {"perplexity": float(torch.tensor(result["nll"] / result["tokens"]).exp()),
                     "tokens": result["tokens"]}
     decode_windows = [w[:DECODE_PPL_WINDOW] for w in windows[:2 if args.quick else 4]]
-    for row in () if args.speed_only else ("ours, GGUF blocks", "ours, GGUF blocks, int8 x"):
+    for row in () if args.speed_only else ("ours, GGUF blocks", "ours, GGUF blocks, float32 x",
+                                           "ours, GGUF blocks, int8 x"):
         result = run_worker(row, dict(base, knobs=OURS[row][1], decode_ppl=decode_windows))
         ppl[row]["decode_perplexity"] = float(torch.tensor(result["nll"] / result["tokens"]).exp())
         ppl[row]["decode_tokens"] = result["tokens"]

@@ -4,8 +4,10 @@ A GGUF file stores most matrices in blocks of 32 or 256 weights with their own s
 Q5_K, Q6_K here). Held as the file stores them, a decode step reads those bytes (the default model: 85 MB per token
 against 269 MB as bf16) and computes the weights' exact values: `dequantize` writes them as the gguf package's
 dequantiser does (bit for bit; tests/engine/test_gguf_blocks.py), `matvec` multiplies them by a float32 vector with
-float32 accumulation. On a CPU with AVX-512 VNNI the Q4_0 / Q4_1 products can round x to int8 per block of 32 first,
-as llama.cpp does (`int8_activations`, DSV41_GGUF_INT8_X=1): half the instructions per block. It is off by default:
+float32 accumulation. How the Q4_0 / Q4_1 products take x is `x_mode` (DSV41_GGUF_X): "float32"; "bf16" (the
+default on CPUs with AVX-512 BF16) carries x as two bf16 terms, 16 significant bits, and multiplies with bf16 dot
+products, about 1e-6 of a row's sum of |w x| from the float32 path and a quarter faster; "int8" (AVX-512 VNNI,
+DSV41_GGUF_INT8_X=1) rounds x to int8 per block of 32 first, as llama.cpp does: half the instructions per block, but
 the kernel alone gains 1.2-2x, whole decode steps 1.10-1.13x (benchmarks/int8_x.py), and it changes greedy answers
 (the weights stay the file's exact values, the products do not).
 
@@ -39,37 +41,49 @@ BY_TYPE = {type_id: (name, weights, size) for name, (type_id, weights, size) in 
 _HALF_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 
 
-def int8_activations(on: bool | None = None, library=None) -> bool:
-    """Whether Q4_0 / Q4_1 products round x to int8 per block of 32 (x_i ~ dx_b * round(x_i / dx_b), dx_b = max |x_b|
-    / 127) and multiply with integer dot products: off unless DSV41_GGUF_INT8_X=1 or `on`; always False where the
-    build has no such path (no AVX-512 VNNI). `on` changes it for the whole process (the fused decode step included); returns the setting in
-    force before the call."""
+X_MODES = ("float32", "int8", "bf16")  # how the Q4_0 / Q4_1 products take x (dsv41_gguf_x_mode's numbers)
+
+
+def x_modes(library=None) -> tuple[str, ...]:
+    """The ways this build's Q4_0 / Q4_1 products can take x: "float32" always; "int8" (x rounded to int8 per block of
+    32, integer dot products: AVX-512 VNNI); "bf16" (x as two bf16 terms, 16 significant bits, bf16 dot products:
+    AVX-512 BF16, rows held split, the default where it exists)."""
     lib = library if library is not None else load()
     if lib is None:
-        return False
-    return lib.lib.dsv41_gguf_int8_x(-1 if on is None else int(on)) == 1
+        return ()
+    bits = lib.lib.dsv41_gguf_x_modes()
+    return tuple(mode for i, mode in enumerate(X_MODES) if bits >> i & 1)
+
+
+def x_mode(mode: str | None = None, library=None) -> str | None:
+    """The mode the Q4 products take x in for the whole process (the fused decode step included); with `mode`, set it.
+    Returns the mode in force before the call (None without the kernels). DSV41_GGUF_X sets it at load."""
+    lib = library if library is not None else load()
+    if lib is None:
+        return None
+    if mode is not None and mode not in x_modes(lib):
+        raise ValueError(f"the Q4 products cannot take x as {mode!r} here; this build has {', '.join(x_modes(lib))}")
+    return X_MODES[lib.lib.dsv41_gguf_x_mode(-1 if mode is None else X_MODES.index(mode))]
 
 
 def has_int8_activations(library=None) -> bool:
     """Whether this build has the int8-x route for Q4 products (AVX-512 VNNI)."""
-    lib = library if library is not None else load()
-    return lib is not None and lib.lib.dsv41_gguf_int8_x(-1) >= 0
+    return "int8" in x_modes(library)
 
 
 @contextmanager
-def activations(*, int8: bool):
-    """Within the block, Q4 products round x to int8 (`int8`, where has_int8_activations) or keep it float32; the
-    setting before is back after it."""
-    before = int8_activations(int8)
+def activations(mode: str, library=None):
+    """Within the block, Q4 products take x as `mode` (x_modes); the mode before is back after it."""
+    before = x_mode(mode, library)
     try:
         yield
     finally:
-        int8_activations(before)
+        x_mode(before, library)
 
 
-def float_activations():
+def float_activations(library=None):
     """Within the block, Q4 products keep x float32 (exact to the weights; what tests compare against references)."""
-    return activations(int8=False)
+    return activations("float32", library)
 
 
 # The 32-weight formats also have a "split" row layout (cpu_kernels.c, GGUF_SPLIT): a row's blocks rearranged as

@@ -139,8 +139,10 @@ def build(extra_flags: tuple[str, ...] = ()) -> KernelLibrary:
     lib.dsv41_gguf_split.restype = cint
     lib.dsv41_mv_gguf.argtypes = [i64, ptr, ptr, ptr, i64, i64, cint, cint]
     lib.dsv41_mv_gguf.restype = cint
-    lib.dsv41_gguf_int8_x.argtypes = [cint]
-    lib.dsv41_gguf_int8_x.restype = cint
+    lib.dsv41_gguf_x_mode.argtypes = [cint]
+    lib.dsv41_gguf_x_mode.restype = cint
+    lib.dsv41_gguf_x_modes.argtypes = []
+    lib.dsv41_gguf_x_modes.restype = cint
     lib.dsv41_rows_take.argtypes = [i64, i64, i64, i64, ptr, cint, ptr, ptr, ptr]
     lib.dsv41_rows_take.restype = cint
     lib.dsv41_rows_keep.argtypes = [i64, i64, i64, i64, ptr, cint, ptr, ptr, cint]
@@ -167,8 +169,13 @@ def build(extra_flags: tuple[str, ...] = ()) -> KernelLibrary:
     lib.dsv41_cold_counts.restype = cint
     lib.dsv41_lsh_tally.argtypes = [i64, i64, i64, i64, ptr, ptr, cint, i64, ptr, i64, i64, cint, ptr, cint]
     lib.dsv41_lsh_tally.restype = cint
-    if os.environ.get("DSV41_GGUF_INT8_X") == "1":  # Q4 products on int8-rounded x (gguf_blocks.int8_activations)
-        lib.dsv41_gguf_int8_x(1)
+    # how the Q4 products take x (gguf_blocks.x_mode): DSV41_GGUF_X=float32|int8|bf16, DSV41_GGUF_INT8_X=1 for int8
+    wanted = os.environ.get("DSV41_GGUF_X") or ("int8" if os.environ.get("DSV41_GGUF_INT8_X") == "1" else None)
+    if wanted is not None:
+        modes = ("float32", "int8", "bf16")
+        if wanted not in modes or lib.dsv41_gguf_x_mode(modes.index(wanted)) < 0:
+            raise KernelsUnavailable(f"DSV41_GGUF_X={wanted}: this build's Q4 products take x as "
+                                     + " or ".join(m for i, m in enumerate(modes) if lib.dsv41_gguf_x_modes() >> i & 1))
     _bind_step(lib)
     isa = lib.dsv41_kernels_isa()
     if isa == 0:

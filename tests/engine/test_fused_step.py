@@ -272,7 +272,7 @@ def test_the_default_models_steps_on_int8_x_stay_close_to_float_x(default_model)
     ids = torch.tensor([default_model.tokenizer.encode(
         "The State of the Union is strong, and our economy keeps growing because we invest in")])
     prefill = ids.shape[1] - 8
-    with activations(int8=True):
+    with activations("int8"):
         cache = make_cache(hf, kv_cache_ratio=1.0, csa2_topk=0)
         rounded = _decode(hf, cache, ids, prefill, (), None)
     with float_activations():
@@ -558,16 +558,18 @@ def uncap():
     resource.setrlimit(resource.RLIMIT_AS, (hard, hard))
 
 case = sys.argv[1]
-if case in ("bf16", "gguf"):
+if case in ("bf16", "gguf", "gguf-split"):
     from engine.kernels import PackedMatrix
     from engine.kernels.gguf_blocks import GGUFMatrix
     cols = 1 << 21
     if case == "bf16":
         matrix = PackedMatrix(torch.randn(2, cols).to(torch.bfloat16))
-    else:  # Q4_0 blocks (d = 1.0, every nibble 9): each row is sum(x); its scratch is x's block sums
+    else:  # Q4_0 blocks (d = 1.0, every nibble 9): each row is sum(x); its scratch is x's block sums (held split
+        # where the Q4 products take x as bf16 terms: their scratch is x's terms)
         blocks = torch.full((2, cols // 32, 18), 0x99, dtype=torch.uint8)
         blocks[:, :, 0], blocks[:, :, 1] = 0x00, 0x3C
         matrix = GGUFMatrix(2, blocks.reshape(2, -1), cols)
+        matrix = matrix.as_split() if len(sys.argv) > 2 else matrix
     x = torch.randn(cols)
     out = torch.full((2,), float("nan"))
     matrix.matvec(x, out)
@@ -616,6 +618,7 @@ else:  # the fused step, whose down product reads rows of 65,536 columns
 @needs_kernels
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="caps the address space through /proc and glibc")
 @pytest.mark.parametrize("case, expected", [("bf16", "MemoryError unwritten"), ("gguf", "MemoryError unwritten"),
+                                            ("gguf-split", "MemoryError unwritten"),
                                             ("fused", "MemoryError kept decodes")])
 def test_a_product_without_memory_for_its_scratch_raises_memory_error(case, expected, tmp_path):
     """A wide row's scratch that cannot be allocated is a MemoryError (which a turn reports as out of memory),
@@ -623,6 +626,7 @@ def test_a_product_without_memory_for_its_scratch_raises_memory_error(case, expe
     script = tmp_path / "no_memory.py"
     script.write_text(_NO_MEMORY_SCRIPT)
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    done = subprocess.run([sys.executable, str(script), case], env=env, capture_output=True, text=True, timeout=300)
+    args = [case, "split"] if case == "gguf-split" else [case]
+    done = subprocess.run([sys.executable, str(script), *args], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == expected

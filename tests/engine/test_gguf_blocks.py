@@ -5,6 +5,7 @@ model's own tensors; the matrix-vector product against a float64 reference, on b
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import numpy as np
@@ -66,13 +67,43 @@ def test_the_product_is_w_x_with_float32_accumulation(name, isa):
     matrix = GGUFMatrix(FORMATS[name][0], torch.from_numpy(data), cols)
     x = torch.randn(cols, generator=torch.Generator().manual_seed(2))
     w = torch.from_numpy(reference(data, FORMATS[name][0], rows, cols)).double()
-    rounded = name in ("Q4_0", "Q4_1") and gguf_blocks.int8_activations(library=library)
+    rounded = name in ("Q4_0", "Q4_1") and gguf_blocks.x_mode(library=library) == "int8"
     expected = w @ (int8_rounded(x) if rounded else x.double())  # the int8 path: exactly W times its rounded x
     got = matrix.matvec(x, library=library)
     scale = (w.abs() @ x.double().abs()).max()
     assert (got.double() - expected).abs().max() <= 1e-5 * scale
     again = matrix.matvec(x, out=got.clone(), accumulate=True, library=library)
     assert torch.allclose(again.double(), 2 * expected, rtol=0, atol=2e-5 * float(scale))
+    for mode in gguf_blocks.x_modes(library):  # each way of taking x this build has, held split (as the decoder does)
+        split = matrix.as_split(library) if name in ("Q4_0", "Q4_1", "Q8_0") else matrix
+        with gguf_blocks.activations(mode, library):
+            got = split.matvec(x, library=library).double()
+        reference_x = int8_rounded(x) if mode == "int8" and name in ("Q4_0", "Q4_1") else x.double()
+        assert (got - w @ reference_x).abs().max() <= 1e-5 * scale, mode
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("cols", [800, 8224])  # 25 blocks (a group of four with one block); 257 (x's terms malloc'd)
+def test_q4_products_on_two_bf16_terms_of_x_are_the_default_and_within_float32_noise(name, cols):
+    """Where the build has AVX-512 BF16, split Q4 rows multiply x carried as two bf16 terms by default: not the float32
+    path's bits (so this path ran), but within 2e-6 of a row's sum of |w x| of W x, and accumulating adds."""
+    if "bf16" not in gguf_blocks.x_modes():
+        pytest.skip("this CPU has no AVX-512 BF16: the Q4 products take x as float32 (or int8)")
+    assert gguf_blocks.x_mode() == "bf16" or os.environ.get("DSV41_GGUF_X") or os.environ.get("DSV41_GGUF_INT8_X")
+    rows = 37
+    data = blocks_of(name, rows, cols, seed=11)
+    matrix = GGUFMatrix(FORMATS[name][0], torch.from_numpy(data), cols).as_split()
+    x = torch.randn(cols, generator=torch.Generator().manual_seed(12)) * torch.rand(cols) * 3
+    w = torch.from_numpy(reference(data, FORMATS[name][0], rows, cols)).double()
+    scale = (w.abs() @ x.double().abs())
+    with gguf_blocks.activations("bf16"):
+        terms = matrix.matvec(x)
+        again = matrix.matvec(x, terms.clone(), accumulate=True)
+    with gguf_blocks.float_activations():
+        exact = matrix.matvec(x)
+    assert not torch.equal(terms, exact)
+    assert ((terms.double() - w @ x.double()).abs() <= 2e-6 * scale).all()
+    assert torch.allclose(again.double(), 2 * terms.double(), rtol=0, atol=1e-6 * float(scale.max()))
 
 
 def int8_rounded(x: torch.Tensor) -> torch.Tensor:
@@ -88,7 +119,7 @@ def int8_rounded(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_1"])
 def test_q4_products_on_int8_x_stay_within_its_rounding_and_float_x_can_be_kept(name):
     if not gguf_blocks.has_int8_activations():
-        pytest.skip("this CPU has no AVX-512 VNNI: the Q4 products always keep x float32")
+        pytest.skip("this CPU has no AVX-512 VNNI: the Q4 products have no int8 x")
     rows, cols = 64, 576
     data = blocks_of(name, rows, cols, seed=3)
     matrix = GGUFMatrix(FORMATS[name][0], torch.from_numpy(data), cols)
@@ -96,13 +127,13 @@ def test_q4_products_on_int8_x_stay_within_its_rounding_and_float_x_can_be_kept(
     w = torch.from_numpy(reference(data, FORMATS[name][0], rows, cols)).double()
     exact = w @ x.double()
     scale = float((w.abs() @ x.double().abs()).max())
-    before = gguf_blocks.int8_activations(True)
+    before = gguf_blocks.x_mode("int8")
     try:
         on_int8 = matrix.matvec(x).double()
-        assert gguf_blocks.int8_activations(False) is True
+        assert gguf_blocks.x_mode("float32") == "int8"
         on_float = matrix.matvec(x).double()
     finally:
-        gguf_blocks.int8_activations(before)
+        gguf_blocks.x_mode(before)
     assert (on_float - exact).abs().max() <= 1e-5 * scale
     # the int8 rounding moves each x by at most half a step (max |x_b| / 254): a real but small error, not zero
     bound = float((w.abs() @ (x.double() - int8_rounded(x)).abs()).max())
@@ -135,7 +166,7 @@ def test_the_default_models_own_tensors_dequantise_exactly_and_multiply_right():
         assert np.array_equal(ours.view(np.uint32), expected.view(np.uint32)), tensor.name
         if matrix.cols == 576:
             w = torch.from_numpy(expected).double()
-            rounded = matrix.format != "Q8_0" and gguf_blocks.int8_activations()
+            rounded = matrix.format != "Q8_0" and gguf_blocks.x_mode() == "int8"
             reference_x = int8_rounded(x) if rounded else x.double()
             assert (matrix.matvec(x).double() - w @ reference_x).abs().max() <= 1e-5 * (w.abs() @ x.abs().double()).max()
 
@@ -181,15 +212,11 @@ def test_the_split_row_layout_is_the_same_matrix(name, isa):
     bf16 = torch.empty(rows, cols, dtype=torch.bfloat16)
     assert torch.equal(split.dequantize(library, out=bf16).clone(), file.dequantize(library, out=bf16.clone()))
     x = torch.randn(cols, generator=torch.Generator().manual_seed(6))
-    settings = [False, True] if gguf_blocks.has_int8_activations(library) else [False]
-    for int8 in settings:
-        before = gguf_blocks.int8_activations(int8, library)
-        try:
+    for mode in set(gguf_blocks.x_modes(library)) - {"bf16"}:  # bf16 x: split rows only (the test above)
+        with gguf_blocks.activations(mode, library):
             assert torch.equal(split.matvec(x, library=library), file.matvec(x, library=library))
             y = torch.randn(rows)
             assert torch.equal(split.matvec(x, y.clone(), True, library), file.matvec(x, y.clone(), True, library))
-        finally:
-            gguf_blocks.int8_activations(before, library)
     picked = torch.tensor([5, 0, 36])
     assert torch.equal(split.select_rows(picked).dequantize(library), file.dequantize(library)[picked])
 
@@ -222,7 +249,7 @@ def test_a_stacked_weight_joins_neighbours_of_one_format_into_one_run():
     expected = torch.cat([p.dequantize() for p in parts])
     assert torch.equal(weight.dense(), expected)
     x = torch.randn(576, generator=torch.Generator().manual_seed(8))
-    assert torch.equal(weight.matvec(x), torch.cat([p.matvec(x) for p in parts]))
+    assert torch.equal(weight.matvec(x), torch.cat([p.as_split().matvec(x) for p in parts]))  # held split alike
     mixed = gguf_blocks.GGUFWeight([parts[0], GGUFMatrix(8, torch.from_numpy(blocks_of("Q8_0", 4, 576)), 576),
                                     parts[1], parts[2]])
     assert [r.format for r in mixed.runs] == ["Q4_1", "Q8_0", "Q4_1"] and [r.rows for r in mixed.runs] == [16, 4, 16]
