@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
@@ -173,9 +174,11 @@ def build(extra_flags: tuple[str, ...] = ()) -> KernelLibrary:
     wanted = os.environ.get("DSV41_GGUF_X") or ("int8" if os.environ.get("DSV41_GGUF_INT8_X") == "1" else None)
     if wanted is not None:
         modes = ("float32", "int8", "bf16")
-        if wanted not in modes or lib.dsv41_gguf_x_mode(modes.index(wanted)) < 0:
-            raise KernelsUnavailable(f"DSV41_GGUF_X={wanted}: this build's Q4 products take x as "
-                                     + " or ".join(m for i, m in enumerate(modes) if lib.dsv41_gguf_x_modes() >> i & 1))
+        if wanted not in modes or lib.dsv41_gguf_x_mode(modes.index(wanted)) < 0:  # the default stays
+            have = [m for i, m in enumerate(modes) if lib.dsv41_gguf_x_modes() >> i & 1]
+            logging.getLogger(__name__).warning(
+                "DSV41_GGUF_X=%s is not a way this CPU's Q4 products can take x (%s); keeping %s", wanted,
+                ", ".join(have), modes[lib.dsv41_gguf_x_mode(-1)])
     _bind_step(lib)
     isa = lib.dsv41_kernels_isa()
     if isa == 0:

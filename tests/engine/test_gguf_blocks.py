@@ -306,3 +306,26 @@ def test_a_short_bf16_chunk_takes_the_tiled_product_with_the_same_result_as_the_
     gemm = weight.linear(x, bias, residual)
     assert len(calls) == 2  # 20 rows > 8: the GEMM
     assert (gemm - tiled).abs().max() < 1e-2 * expected.abs().max()  # bf16 rounding of the GEMM's result
+
+
+def test_the_x_mode_is_chosen_by_environment_and_a_wrong_one_keeps_the_default():
+    """DSV41_GGUF_X picks how the Q4 products take x for the process; a mode this CPU lacks (or a typo) is a warning
+    and the default, never kernels turned off."""
+    import subprocess
+    import sys
+
+    probe = ("import logging; logging.basicConfig(); from engine.kernels import gguf_blocks; "
+             "print(gguf_blocks.x_mode(), 'bf16' if 'bf16' in gguf_blocks.x_modes() else 'float32')")
+    root = Path(__file__).resolve().parents[2]
+
+    def run(value):
+        env = {k: v for k, v in os.environ.items() if k not in ("DSV41_GGUF_X", "DSV41_GGUF_INT8_X")}
+        done = subprocess.run([sys.executable, "-c", probe], env={**env, "DSV41_GGUF_X": value, "PYTHONPATH": str(root)},
+                              capture_output=True, text=True, timeout=300, cwd=root)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.split(), done.stderr
+
+    (mode, default), err = run("float32")
+    assert mode == "float32" and not err.strip()
+    (mode, default), err = run("bf17")
+    assert mode == default and "DSV41_GGUF_X=bf17" in err  # the default: bf16 terms where the CPU has AVX-512 BF16
