@@ -6,10 +6,10 @@ against 269 MB as bf16) and computes the weights' exact values: `dequantize` wri
 dequantiser does (bit for bit; tests/engine/test_gguf_blocks.py), `matvec` multiplies them by a float32 vector with
 float32 accumulation. How the Q4_0 / Q4_1 products take x is `x_mode` (DSV41_GGUF_X): "float32"; "bf16" (the
 default on CPUs with AVX-512 BF16) carries x as two bf16 terms, 16 significant bits, and multiplies with bf16 dot
-products, about 1e-6 of a row's sum of |w x| from the float32 path and a quarter faster; "int8" (AVX-512 VNNI,
+products, about 1e-6 of a row's sum of |w x| from the float32 path, the product ×1.2 faster; "int8" (AVX-512 VNNI,
 DSV41_GGUF_INT8_X=1) rounds x to int8 per block of 32 first, as llama.cpp does: half the instructions per block, but
-the kernel alone gains 1.2-2x, whole decode steps 1.10-1.13x (benchmarks/int8_x.py), and it changes greedy answers
-(the weights stay the file's exact values, the products do not).
+whole decode steps gain 1.05-1.12x over float32 x (benchmarks/x_modes.py), and it changes greedy answers (the
+weights stay the file's exact values, the products do not).
 
     blocks = GGUFMatrix.from_reader_tensor(reader_tensor)   # or GGUFMatrix(type, raw uint8 [rows, row_bytes], cols)
     y = blocks.matvec(x)                                      # float32 [rows]
