@@ -85,6 +85,14 @@ def keep_rows(tensors: list[torch.Tensor], index: torch.Tensor, n: int) -> bool:
     return True
 
 
+def _cold_matches(keys: torch.Tensor, values: torch.Tensor, cold: list, int8: bool, index: torch.Tensor) -> bool:
+    """Whether a cold layer's keys / values (cold[0], cold[1]) are the hot layer's heads and row widths, in the dtype
+    the C moves write (int8, or the hot one), and `index` has a row per head: else a call would write past rows."""
+    return (cold[0].dtype == (torch.int8 if int8 else keys.dtype) and cold[0].shape[0] == keys.shape[0]
+            and index.shape[0] == keys.shape[0] and cold[0].shape[2:] == keys.shape[2:]
+            and cold[1].shape[2:] == values.shape[2:])
+
+
 def cold_add(hot: list[torch.Tensor], cold: list[torch.Tensor | None], index: torch.Tensor, n: int, start: int,
              int8: bool) -> bool:
     """Append the hot layer's rows `index` [heads, m] (< n) to the cold layer at row `start`: hot = [keys, values,
@@ -96,9 +104,7 @@ def cold_add(hot: list[torch.Tensor], cold: list[torch.Tensor | None], index: to
     if (lib is None or index.device.type != "cpu" or keys.dtype not in (torch.float32, torch.bfloat16)
             or _layout(hot, keys.shape[1]) is None
             or _layout([t for t in cold if t is not None], cold[0].shape[1]) is None
-            or cold[0].dtype != (torch.int8 if int8 else keys.dtype) or positions.dtype != torch.int32
-            or cold[0].shape[0] != keys.shape[0] or index.shape[0] != keys.shape[0]
-            or cold[0].shape[2:] != keys.shape[2:] or cold[1].shape[2:] != values.shape[2:]
+            or not _cold_matches(keys, values, cold, int8, index) or positions.dtype != torch.int32
             or scores.dtype != torch.float32 or cold[4].dtype != torch.int32 or cold[5].dtype != torch.float32):
         return False
     heads, m = index.shape
@@ -152,9 +158,7 @@ def recall_move(cold: list[torch.Tensor], cold_int8: bool, n_cold: int, hot: lis
     keys = hot[0]
     if (hot_sizes is None or keys.dtype not in (torch.float32, torch.bfloat16) or hot[2].dtype != torch.int32
             or hot[3].dtype != torch.float32 or cold[2].dtype != torch.int32 or cold[3].dtype != torch.float32
-            or cold[0].dtype != (torch.int8 if cold_int8 else keys.dtype) or cold[0].shape[0] != keys.shape[0]
-            or index.shape[0] != keys.shape[0] or cold[0].shape[2:] != keys.shape[2:]
-            or cold[1].shape[2:] != hot[1].shape[2:]):
+            or not _cold_matches(keys, hot[1], cold, cold_int8, index)):
         return False  # (a cold layer of another shape than the hot one: the call would write past its rows)
     heads, m = index.shape
     status = lib.lib.dsv41_recall_move(heads, keys.shape[2], cold_capacity, n_cold, m, index.data_ptr(),

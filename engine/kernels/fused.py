@@ -158,7 +158,7 @@ class FusedDecodeStep:
         m = self._model
         shape = (m.kv_heads, layer.capacity, m.head_dim)
         if (layer.int8 or layer.keys.shape != shape or layer.values.shape != shape
-                or layer.keys.dtype not in (torch.float32, torch.bfloat16) or layer.values.dtype != layer.keys.dtype
+                or layer.values.dtype != layer.keys.dtype
                 or layer.keys.dtype != (torch.bfloat16 if m.kv_bf16 else torch.float32)
                 or layer.positions.dtype != torch.int32 or layer.scores.dtype != torch.float32
                 or any(t.device.type != "cpu" or not t.is_contiguous() or t.shape[:2] != shape[:2]

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .library import load
+from .library import X_MODES, load
 from .packed import KernelMatrix, cpu_vector
 
 # ggml's type ids, the block's weights and bytes
@@ -39,9 +39,6 @@ BY_TYPE = {type_id: (name, weights, size) for name, (type_id, weights, size) in 
 # where each block keeps its float16 scales (ggml's block structs): every other field is a small integer, so a
 # block's weights are finite numbers exactly when these are
 _HALF_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
-
-
-X_MODES = ("float32", "int8", "bf16")  # how the Q4_0 / Q4_1 products take x (dsv41_gguf_x_mode's numbers)
 
 
 def x_modes(library=None) -> tuple[str, ...]:

@@ -88,6 +88,10 @@ def _build_and_load() -> KernelLibrary:
     return build()
 
 
+# How the Q4_0 / Q4_1 products can take x, by dsv41_gguf_x_mode's numbers (engine.kernels.gguf_blocks.x_mode)
+X_MODES = ("float32", "int8", "bf16")
+
+
 def build(extra_flags: tuple[str, ...] = ()) -> KernelLibrary:
     """Compile (once, cached) and load the kernels; `extra_flags` make a variant build, e.g. ("-mno-avx512f",)
     for the AVX2 path on an AVX-512 machine (the tests check both). Raises KernelsUnavailable."""
@@ -173,12 +177,11 @@ def build(extra_flags: tuple[str, ...] = ()) -> KernelLibrary:
     # how the Q4 products take x (gguf_blocks.x_mode): DSV41_GGUF_X=float32|int8|bf16, DSV41_GGUF_INT8_X=1 for int8
     wanted = os.environ.get("DSV41_GGUF_X") or ("int8" if os.environ.get("DSV41_GGUF_INT8_X") == "1" else None)
     if wanted is not None:
-        modes = ("float32", "int8", "bf16")
-        if wanted not in modes or lib.dsv41_gguf_x_mode(modes.index(wanted)) < 0:  # the default stays
-            have = [m for i, m in enumerate(modes) if lib.dsv41_gguf_x_modes() >> i & 1]
+        if wanted not in X_MODES or lib.dsv41_gguf_x_mode(X_MODES.index(wanted)) < 0:  # the default stays
+            have = [m for i, m in enumerate(X_MODES) if lib.dsv41_gguf_x_modes() >> i & 1]
             logging.getLogger(__name__).warning(
                 "DSV41_GGUF_X=%s is not a way this CPU's Q4 products can take x (%s); keeping %s", wanted,
-                ", ".join(have), modes[lib.dsv41_gguf_x_mode(-1)])
+                ", ".join(have), X_MODES[lib.dsv41_gguf_x_mode(-1)])
     _bind_step(lib)
     isa = lib.dsv41_kernels_isa()
     if isa == 0:
