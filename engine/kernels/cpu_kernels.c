@@ -1233,46 +1233,191 @@ static void rows_q4_bf16(int64_t type, const uint8_t *w, const uint16_t *xt, con
 }
 #endif
 
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+/* The k-quants (256 weights a block) on float32 x, one row at a time, a block's integers widened to one per dword
+ * lane and converted to float, each sub-block's dot with x scaled by its own d * scale (the values multiplied are
+ * the file's exactly; only the order of the float32 sums differs from multiplying the dequantised row):
+ *   Q4_K / Q5_K: 8 sub-blocks of 32, value = d sc_j q - dmin m_j (q 4 bits; Q5_K's fifth bit from qh), the minimum
+ *                term summed per block against xsum (x's sums over 16, pairs taken);
+ *   Q6_K:        16 sub-blocks of 16, value = d sc_s (q - 32) (4 low bits from ql, 2 high from qh), the -32 term
+ *                against xsum the same way.
+ * The rows ahead are streamed into L2 (K_AHEAD bytes ahead). Before, these formats went through a block's
+ * values one at a time (rows_gguf): 1.8 GB/s for Q4_K, 0.6 for Q6_K on 2 cores of an AMD EPYC. */
+#define K_AHEAD 8192
+static void rows_k_blocks(int64_t type, const uint8_t *w, const float *x, const float *xsum, float *y, int64_t r0,
+                          int64_t r1, int64_t cols, int acc) {
+    const int64_t size = gguf_block_bytes(type), blocks = cols / 256, row_bytes = blocks * size;
+    Stream st = {(const char *)w + r0 * row_bytes, (const char *)(w + r1 * row_bytes)};
+#if defined(__AVX512F__)
+    const __m512i m15 = _mm512_set1_epi32(15), m16 = _mm512_set1_epi32(16), m48 = _mm512_set1_epi32(48);
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = w + r * row_bytes;
+        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+        float offset = 0.f; /* the minimum (Q4_K, Q5_K) or -32 (Q6_K) terms */
+        for (int64_t bi = 0; bi < blocks; bi++) {
+            const uint8_t *b = row + bi * size;
+            const float *xb = x + bi * 256, *xs = xsum + bi * 16;
+            stream_to(&st, (const char *)b + size + K_AHEAD);
+            if (type == 14) {
+                const uint8_t *ql = b, *qh = b + 128;
+                const int8_t *sc = (const int8_t *)(b + 192);
+                const float d = f16_to_f32(u16_at(b + 208));
+                float ds[16];
+                const __m512 dsv = _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                    _mm_loadu_si128((const __m128i *)sc))));
+                _mm512_storeu_ps(ds, dsv);
+                offset -= 32.f * _mm512_reduce_add_ps(_mm512_mul_ps(dsv, _mm512_loadu_ps(xs)));
+                for (int half = 0; half < 2; half++)
+                    for (int l0 = 0; l0 < 32; l0 += 16) {
+                        const __m512i A = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(ql + 64 * half + l0)));
+                        const __m512i B = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(ql + 64 * half + 32 + l0)));
+                        const __m512i H = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qh + 32 * half + l0)));
+                        const __m512i q1 = _mm512_or_si512(_mm512_and_si512(A, m15), _mm512_and_si512(_mm512_slli_epi32(H, 4), m48));
+                        const __m512i q2 = _mm512_or_si512(_mm512_and_si512(B, m15), _mm512_and_si512(_mm512_slli_epi32(H, 2), m48));
+                        const __m512i q3 = _mm512_or_si512(_mm512_srli_epi32(A, 4), _mm512_and_si512(H, m48));
+                        const __m512i q4 = _mm512_or_si512(_mm512_srli_epi32(B, 4), _mm512_and_si512(_mm512_srli_epi32(H, 2), m48));
+                        const float *xq = xb + 128 * half + l0;
+                        const int s0 = 8 * half + l0 / 16; /* the sub-block of 16 of the first quarter */
+                        a0 = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(q1), _mm512_loadu_ps(xq)), _mm512_set1_ps(ds[s0]), a0);
+                        a1 = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(q2), _mm512_loadu_ps(xq + 32)), _mm512_set1_ps(ds[s0 + 2]), a1);
+                        a2 = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(q3), _mm512_loadu_ps(xq + 64)), _mm512_set1_ps(ds[s0 + 4]), a2);
+                        a3 = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(q4), _mm512_loadu_ps(xq + 96)), _mm512_set1_ps(ds[s0 + 6]), a3);
+                    }
+            } else {
+                const float d = f16_to_f32(u16_at(b)), dmin = f16_to_f32(u16_at(b + 2));
+                const uint8_t *scales = b + 4, *qh = b + 16, *qs = b + (type == 13 ? 48 : 16);
+                float ds[8], mins = 0.f;
+                for (int j = 0; j < 8; j++) {
+                    int sc, mn;
+                    k_scale_min(scales, j, &sc, &mn);
+                    ds[j] = d * (float)sc;
+                    mins += (dmin * (float)mn) * (xs[2 * j] + xs[2 * j + 1]);
+                }
+                offset -= mins;
+                __m512i h0 = _mm512_setzero_si512(), h1 = h0;
+                if (type == 13) {
+                    h0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qh));
+                    h1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qh + 16)));
+                }
+                for (int c = 0; c < 4; c++) { /* sub-blocks 2c (low nibbles) and 2c + 1 (high) */
+                    const __m512i v0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qs + 32 * c)));
+                    const __m512i v1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qs + 32 * c + 16)));
+                    __m512i l0 = _mm512_and_si512(v0, m15), l1 = _mm512_and_si512(v1, m15);
+                    __m512i u0 = _mm512_srli_epi32(v0, 4), u1 = _mm512_srli_epi32(v1, 4);
+                    if (type == 13) { /* bit 2c of qh[i] is weight i's fifth bit in sub-block 2c, bit 2c + 1 in 2c + 1 */
+                        const __m128i lo_shift = _mm_cvtsi32_si128(2 * c), hi_shift = _mm_cvtsi32_si128(2 * c + 1);
+                        l0 = _mm512_or_si512(l0, _mm512_and_si512(_mm512_slli_epi32(_mm512_srl_epi32(h0, lo_shift), 4), m16));
+                        l1 = _mm512_or_si512(l1, _mm512_and_si512(_mm512_slli_epi32(_mm512_srl_epi32(h1, lo_shift), 4), m16));
+                        u0 = _mm512_or_si512(u0, _mm512_and_si512(_mm512_slli_epi32(_mm512_srl_epi32(h0, hi_shift), 4), m16));
+                        u1 = _mm512_or_si512(u1, _mm512_and_si512(_mm512_slli_epi32(_mm512_srl_epi32(h1, hi_shift), 4), m16));
+                    }
+                    const float *xc = xb + 64 * c;
+                    const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(l1), _mm512_loadu_ps(xc + 16),
+                                                      _mm512_mul_ps(_mm512_cvtepi32_ps(l0), _mm512_loadu_ps(xc)));
+                    const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(u1), _mm512_loadu_ps(xc + 48),
+                                                      _mm512_mul_ps(_mm512_cvtepi32_ps(u0), _mm512_loadu_ps(xc + 32)));
+                    if (c & 1) {
+                        a2 = _mm512_fmadd_ps(lo, _mm512_set1_ps(ds[2 * c]), a2);
+                        a3 = _mm512_fmadd_ps(hi, _mm512_set1_ps(ds[2 * c + 1]), a3);
+                    } else {
+                        a0 = _mm512_fmadd_ps(lo, _mm512_set1_ps(ds[2 * c]), a0);
+                        a1 = _mm512_fmadd_ps(hi, _mm512_set1_ps(ds[2 * c + 1]), a1);
+                    }
+                }
+            }
+        }
+        store(y, r, _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3))) + offset, acc);
+    }
+#else /* the same on 8 lanes */
+    const __m256i m15 = _mm256_set1_epi32(15), m16 = _mm256_set1_epi32(16), m48 = _mm256_set1_epi32(48);
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = w + r * row_bytes;
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+        float offset = 0.f;
+        for (int64_t bi = 0; bi < blocks; bi++) {
+            const uint8_t *b = row + bi * size;
+            const float *xb = x + bi * 256, *xs = xsum + bi * 16;
+            stream_to(&st, (const char *)b + size + K_AHEAD);
+            if (type == 14) {
+                const uint8_t *ql = b, *qh = b + 128;
+                const int8_t *sc = (const int8_t *)(b + 192);
+                const float d = f16_to_f32(u16_at(b + 208));
+                float ds[16], off = 0.f;
+                for (int i = 0; i < 16; i++) {
+                    ds[i] = d * (float)sc[i];
+                    off += ds[i] * xs[i];
+                }
+                offset -= 32.f * off;
+                for (int half = 0; half < 2; half++)
+                    for (int l0 = 0; l0 < 32; l0 += 8) {
+                        const __m256i A = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(ql + 64 * half + l0)));
+                        const __m256i B = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(ql + 64 * half + 32 + l0)));
+                        const __m256i H = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qh + 32 * half + l0)));
+                        const __m256i q1 = _mm256_or_si256(_mm256_and_si256(A, m15), _mm256_and_si256(_mm256_slli_epi32(H, 4), m48));
+                        const __m256i q2 = _mm256_or_si256(_mm256_and_si256(B, m15), _mm256_and_si256(_mm256_slli_epi32(H, 2), m48));
+                        const __m256i q3 = _mm256_or_si256(_mm256_srli_epi32(A, 4), _mm256_and_si256(H, m48));
+                        const __m256i q4 = _mm256_or_si256(_mm256_srli_epi32(B, 4), _mm256_and_si256(_mm256_srli_epi32(H, 2), m48));
+                        const float *xq = xb + 128 * half + l0;
+                        const int s0 = 8 * half + l0 / 16;
+                        a0 = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q1), _mm256_loadu_ps(xq)), _mm256_set1_ps(ds[s0]), a0);
+                        a1 = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q2), _mm256_loadu_ps(xq + 32)), _mm256_set1_ps(ds[s0 + 2]), a1);
+                        a2 = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q3), _mm256_loadu_ps(xq + 64)), _mm256_set1_ps(ds[s0 + 4]), a2);
+                        a3 = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q4), _mm256_loadu_ps(xq + 96)), _mm256_set1_ps(ds[s0 + 6]), a3);
+                    }
+            } else {
+                const float d = f16_to_f32(u16_at(b)), dmin = f16_to_f32(u16_at(b + 2));
+                const uint8_t *scales = b + 4, *qh = b + 16, *qs = b + (type == 13 ? 48 : 16);
+                float ds[8], mins = 0.f;
+                for (int j = 0; j < 8; j++) {
+                    int sc, mn;
+                    k_scale_min(scales, j, &sc, &mn);
+                    ds[j] = d * (float)sc;
+                    mins += (dmin * (float)mn) * (xs[2 * j] + xs[2 * j + 1]);
+                }
+                offset -= mins;
+                for (int c = 0; c < 4; c++)
+                    for (int k = 0; k < 32; k += 8) {
+                        const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 32 * c + k)));
+                        __m256i lo = _mm256_and_si256(v, m15), hi = _mm256_srli_epi32(v, 4);
+                        if (type == 13) {
+                            const __m256i h = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qh + k)));
+                            lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi32(_mm256_srl_epi32(h, _mm_cvtsi32_si128(2 * c)), 4), m16));
+                            hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi32(_mm256_srl_epi32(h, _mm_cvtsi32_si128(2 * c + 1)), 4), m16));
+                        }
+                        const float *xc = xb + 64 * c + k;
+                        const __m256 tl = _mm256_mul_ps(_mm256_cvtepi32_ps(lo), _mm256_loadu_ps(xc));
+                        const __m256 th = _mm256_mul_ps(_mm256_cvtepi32_ps(hi), _mm256_loadu_ps(xc + 32));
+                        if (k & 8) {
+                            a2 = _mm256_fmadd_ps(tl, _mm256_set1_ps(ds[2 * c]), a2);
+                            a3 = _mm256_fmadd_ps(th, _mm256_set1_ps(ds[2 * c + 1]), a3);
+                        } else {
+                            a0 = _mm256_fmadd_ps(tl, _mm256_set1_ps(ds[2 * c]), a0);
+                            a1 = _mm256_fmadd_ps(th, _mm256_set1_ps(ds[2 * c + 1]), a1);
+                        }
+                    }
+            }
+        }
+        store(y, r, hsum256(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3))) + offset, acc);
+    }
+#endif
+}
+#endif
+
+/* Any held format a value at a time: the path of a build without AVX2 + FMA (the vector builds take
+ * rows_small_blocks / rows_q8_0 / the Q4 x modes and rows_k_blocks). */
 static void rows_gguf(int64_t type, int split, const uint8_t *w, const float *x, float *y, int64_t r0, int64_t r1,
                       int64_t cols, int acc) {
     const int64_t per = gguf_block_weights(type), size = gguf_block_bytes(type), blocks = cols / per;
-    const int64_t row_bytes = blocks * size;
     float vals[256];
     uint8_t tmp[64];
+    (void)size;
     for (int64_t r = r0; r < r1; r++) {
-        const uint8_t *row = w + r * row_bytes;
-        (void)row;
-#if defined(__AVX512F__)
-        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-        for (int64_t bi = 0; bi < blocks; bi++) {
-            _mm_prefetch((const char *)(row + (bi + 8) * size), _MM_HINT_T0);
-            gguf_block_values(type, block_at(type, split, w, r * blocks + bi, blocks, tmp), vals);
-            const float *xb = x + bi * per;
-            for (int64_t i = 0; i < per; i += 32) {
-                a0 = _mm512_fmadd_ps(_mm512_loadu_ps(vals + i), _mm512_loadu_ps(xb + i), a0);
-                a1 = _mm512_fmadd_ps(_mm512_loadu_ps(vals + i + 16), _mm512_loadu_ps(xb + i + 16), a1);
-            }
-        }
-        store(y, r, _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)), acc);
-#elif defined(__AVX2__) && defined(__FMA__)
-        __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-        for (int64_t bi = 0; bi < blocks; bi++) {
-            _mm_prefetch((const char *)(row + (bi + 8) * size), _MM_HINT_T0);
-            gguf_block_values(type, block_at(type, split, w, r * blocks + bi, blocks, tmp), vals);
-            const float *xb = x + bi * per;
-            for (int64_t i = 0; i < per; i += 32)
-                for (int u = 0; u < 4; u++)
-                    a[u] = _mm256_fmadd_ps(_mm256_loadu_ps(vals + i + 8 * u), _mm256_loadu_ps(xb + i + 8 * u), a[u]);
-        }
-        store(y, r, hsum256(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3]))), acc);
-#else
         float s = 0.f;
         for (int64_t bi = 0; bi < blocks; bi++) {
             gguf_block_values(type, block_at(type, split, w, r * blocks + bi, blocks, tmp), vals);
             for (int64_t i = 0; i < per; i++) s += vals[i] * x[bi * per + i];
         }
         store(y, r, s, acc);
-#endif
     }
 }
 
@@ -1418,6 +1563,27 @@ int dsv41_mv_gguf(int64_t type, const void *w, const float *x, float *y, int64_t
 #if !defined(__AVX512F__)
         if (xperm != perm_stack) free(xperm);
 #endif
+        return 0;
+    }
+#endif
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+    if (per == 256) {
+        float stack[1024];
+        const int64_t n16 = cols / 16;
+        float *xsum = n16 <= 1024 ? stack : (float *)malloc(sizeof(float) * (size_t)n16);
+        if (!xsum) return -2;
+        for (int64_t i = 0; i < n16; i++) {
+            float t = 0.f;
+            for (int k = 0; k < 16; k++) t += x[16 * i + k];
+            xsum[i] = t;
+        }
+#pragma omp parallel num_threads(threads)
+        {
+            int64_t r0, r1;
+            thread_rows(rows, &r0, &r1);
+            rows_k_blocks(type, (const uint8_t *)w, x, xsum, y, r0, r1, cols, acc);
+        }
+        if (xsum != stack) free(xsum);
         return 0;
     }
 #endif

@@ -106,6 +106,26 @@ def test_q4_products_on_two_bf16_terms_of_x_are_the_default_and_within_float32_n
     assert torch.allclose(again.double(), 2 * terms.double(), rtol=0, atol=1e-6 * float(scale.max()))
 
 
+@pytest.mark.parametrize("isa", ["native", "avx2"])
+@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K"])
+def test_k_quant_products_hold_on_long_rows_and_every_row_of_a_thread(name, isa):
+    """The k-quant kernels (a row at a time, each sub-block scaled by its own d * scale): a row of 16,640 columns (x's
+    sums over 16 no longer fit the stack buffer) and 5 rows (fewer than a group of the threads' split), each within
+    2e-6 of its own sum of |w x| of the float64 product; accumulating adds."""
+    library = cpu_kernels.build(("-mno-avx512f",)) if isa == "avx2" else None
+    for rows, cols in ((3, 16640), (5, 512)):
+        data = blocks_of(name, rows, cols, seed=21)
+        matrix = GGUFMatrix(FORMATS[name][0], torch.from_numpy(data), cols)
+        x = torch.randn(cols, generator=torch.Generator().manual_seed(22)) * torch.rand(cols) * 3
+        w = torch.from_numpy(reference(data, FORMATS[name][0], rows, cols)).double()
+        scale = w.abs() @ x.double().abs()
+        got = matrix.matvec(x, library=library)
+        assert ((got.double() - w @ x.double()).abs() <= 2e-6 * scale).all(), (rows, cols)
+        base = torch.randn(rows)
+        again = matrix.matvec(x, base.clone(), accumulate=True, library=library)
+        assert torch.allclose(again.double(), base.double() + got.double(), rtol=0, atol=1e-6 * float(scale.max()))
+
+
 def int8_rounded(x: torch.Tensor) -> torch.Tensor:
     """x as the int8 Q4 path rounds it: per block of 32, dx = max |x| / 127 and x ~ dx * rint(x * (127 / max |x|)),
     in float32 as the kernel computes it."""
