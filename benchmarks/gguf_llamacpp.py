@@ -168,7 +168,8 @@ def worker_ours(spec: dict) -> dict:
     from engine.models import adapter
 
     torch.set_num_threads(THREADS)
-    model = DSV41Model.from_pretrained(DSV41Config(model_path="default", max_seq_len=8192, **spec["knobs"]))
+    model = DSV41Model.from_pretrained(DSV41Config(model_path=spec.get("model_path", "default"), max_seq_len=8192,
+                                                   **spec["knobs"]))
     weights = _held_weight_bytes(model)
     if spec.get("ppl"):
         nll, count = 0.0, 0
@@ -211,14 +212,15 @@ def _held_weight_bytes(model) -> int:
 
 
 # --------------------------------------------------------------------------------------------- the run
-def run_worker(row: str, spec: dict) -> dict:
+def run_worker(row: str, spec: dict, env: dict | None = None) -> dict:
+    """One worker process for `row` (PEER or one of ours: its environment from OURS unless `env` is given)."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as fh:
         json.dump(spec, fh)
     try:
         if row == PEER:
             cmd, env = [str(peer_python()), "-m", "benchmarks.gguf_llamacpp", "--worker", "llamacpp", fh.name], {}
         else:
-            env, _ = OURS[row]
+            env = OURS[row][0] if env is None else env
             cmd = [sys.executable, "-m", "benchmarks.gguf_llamacpp", "--worker", "ours", fh.name]
         env = dict(os.environ, OMP_NUM_THREADS=str(THREADS), **env)
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
