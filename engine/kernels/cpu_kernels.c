@@ -28,6 +28,7 @@
 
 #define PREFETCH 256     /* long rows: elements ahead within each row (512 bytes of bf16) */
 #define LINEAR_BYTES 4096 /* rows up to this many bytes are prefetched as one linear stream (see below) */
+#define K_AHEAD 8192 /* bytes: how far ahead the k-quant products stream their rows into L2 */
 #define AHEAD 2           /* ... that many row groups ahead */
 
 /* Prefetching. A group of R rows is read in parallel, one vector per row per step. For short rows (the
@@ -997,6 +998,23 @@ static void rows_small_blocks(int64_t type, int split, const uint8_t *w, const f
 #endif
 
 #if defined(__AVX512F__)
+/* A Q4_K / Q5_K block's eight 6-bit scales and minimums (k_scale_min) times d and dmin, in one pass on 16 lanes:
+ * lane j < 8 d sc_j, lane 8 + j dmin m_j (scalar, the unpacking cost more than a block's products). */
+static inline __m512 k_scales_mins(const uint8_t *b) {
+    const __m512i s = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 4))); /* bytes 12-15: not used */
+    const __m512i at_a = _mm512_set_epi32(11, 10, 9, 8, 7, 6, 5, 4, 11, 10, 9, 8, 3, 2, 1, 0);
+    const __m512i at_b = _mm512_set_epi32(7, 6, 5, 4, 0, 0, 0, 0, 3, 2, 1, 0, 0, 0, 0, 0);
+    const __m512i shift_a = _mm512_set_epi32(4, 4, 4, 4, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i mask_a = _mm512_set_epi32(15, 15, 15, 15, 63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63);
+    const __m512i mask_b = _mm512_set_epi32(48, 48, 48, 48, 0, 0, 0, 0, 48, 48, 48, 48, 0, 0, 0, 0);
+    const __m512i part_a = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi32(at_a, s), shift_a), mask_a);
+    const __m512i part_b = _mm512_and_si512(_mm512_slli_epi32(_mm512_srli_epi32(_mm512_permutexvar_epi32(at_b, s), 6), 4), mask_b);
+    const __m512 dd = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(f16_to_f32(u16_at(b))), _mm512_set1_ps(f16_to_f32(u16_at(b + 2))));
+    return _mm512_mul_ps(dd, _mm512_cvtepi32_ps(_mm512_or_si512(part_a, part_b)));
+}
+#endif
+
+#if defined(__AVX512F__)
 /* Q8_0 rows as rows_small_blocks multiplies them (the same operations in the same order), four at a time, with the
  * rows ahead streamed into L2 (group_stream): the loop of a Q8_0 product waits on memory, the Q4 loop of
  * rows_small_blocks on its instructions (sharing one loop, the stream cost that one 8 %). */
@@ -1231,6 +1249,75 @@ static void rows_q4_bf16(int64_t type, const uint8_t *w, const uint16_t *xt, con
                _mm512_add_ps(a[3], extra[3]), acc);
     }
 }
+
+/* Q4_K on x as two bf16 terms, as rows_q4_bf16 does Q4_0 / Q4_1 (the default where the build has it). A block's 128
+ * bytes of nibbles are read 64 at a time (chunks c, c + 1: sub-blocks 2c, 2c + 1 from the first 32 bytes' low and
+ * high nibbles, 2c + 2, 2c + 3 from the next); word k of the 64 bytes holds four nibbles, each turned into the bf16
+ * value 16 + q by a shift and one ternary-logic op: bits 0-3 the weight 2k' of the low sub-block, 4-7 of the high,
+ * 8-11 and 12-15 the weights 2k' + 1 (k' = k mod 16). vdpbf16ps sums lanes 2i and 2i + 1, so float lane i holds
+ * four weights of one sub-block (lanes 0-7 chunk c's, 8-15 chunk c + 1's), scaled by that sub-block's d * scale;
+ * the offset 16 d sc and the minimum d_min m against the sums of x as the terms carry it. x's terms are laid out to
+ * match once per product (q4k_bf16_terms): 256 words per 128 weights, [term][nibble][word]. About half the
+ * instructions of rows_k_blocks' float path. */
+#define Q4K_GROUP 256
+static void q4k_bf16_terms(const float *x, int64_t blocks, uint16_t *xt, float *xsum) {
+    for (int64_t i = 0; i < blocks * 16; i++) xsum[i] = 0.f;
+    for (int64_t g = 0; g < blocks * 2; g++) {
+        const int64_t b = g / 2, p = g % 2;
+        uint16_t *out = xt + g * Q4K_GROUP;
+        for (int j = 0; j < 4; j++)
+            for (int k = 0; k < 32; k++) {
+                const int64_t chunk = 2 * p + (k >= 16), sub = 2 * chunk + (j & 1), at = 2 * (k % 16) + (j >= 2);
+                const float v = x[b * 256 + sub * 32 + at];
+                const uint16_t hi = f32_to_bf16(v), lo = f32_to_bf16(v - bf16_to_f32(hi));
+                out[j * 32 + k] = hi;
+                out[128 + j * 32 + k] = lo;
+                xsum[b * 16 + 8 + sub] += bf16_to_f32(hi) + bf16_to_f32(lo);
+            }
+    }
+    for (int64_t b = 0; b < blocks; b++)
+        for (int j = 0; j < 8; j++) xsum[b * 16 + j] = 16.f * xsum[b * 16 + 8 + j]; /* against d sc_j: the offset 16 */
+}
+
+static void rows_q4k_bf16(const uint8_t *w, const uint16_t *xt, const float *xsum, float *y, int64_t r0, int64_t r1,
+                          int64_t cols, int acc) {
+    const int64_t blocks = cols / 256, row_bytes = blocks * 144;
+    const __m512i mantissa = _mm512_set1_epi16(0x78), exponent = _mm512_set1_epi16(0x4180); /* bf16(16 + q) */
+    const __m512i lanes8 = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
+    __m512i pick[4]; /* the scale of lanes 0-7 / 8-15: sub-blocks 4p (+ 1 for u) and 4p + 2 (+ 1) */
+    for (int p = 0; p < 2; p++)
+        for (int hi = 0; hi < 2; hi++) pick[2 * p + hi] = _mm512_add_epi32(lanes8, _mm512_set1_epi32(4 * p + hi));
+    Stream st = {(const char *)w + r0 * row_bytes, (const char *)(w + r1 * row_bytes)};
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = w + r * row_bytes;
+        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), off = _mm512_setzero_ps();
+        for (int64_t bi = 0; bi < blocks; bi++) {
+            const uint8_t *b = row + bi * 144;
+            stream_to(&st, (const char *)b + 144 + K_AHEAD);
+            const __m512 dsv = k_scales_mins(b); /* d sc_j in lanes 0-7, dmin m_j in 8-15 */
+            off = _mm512_fmadd_ps(dsv, _mm512_loadu_ps(xsum + bi * 16), off);
+            for (int p = 0; p < 2; p++) {
+                const __m512i v = _mm512_loadu_si512((const void *)(b + 16 + 64 * p));
+                const uint16_t *xg = xt + (2 * bi + p) * Q4K_GROUP;
+                const __m512bh q0 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_slli_epi16(v, 3), mantissa, exponent, 0xEA);
+                const __m512bh q1 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 1), mantissa, exponent, 0xEA);
+                const __m512bh q2 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 5), mantissa, exponent, 0xEA);
+                const __m512bh q3 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 9), mantissa, exponent, 0xEA);
+                __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), q0, (__m512bh)_mm512_loadu_si512(xg));
+                __m512 u = _mm512_dpbf16_ps(_mm512_setzero_ps(), q1, (__m512bh)_mm512_loadu_si512(xg + 32));
+                t = _mm512_dpbf16_ps(t, q2, (__m512bh)_mm512_loadu_si512(xg + 64));
+                u = _mm512_dpbf16_ps(u, q3, (__m512bh)_mm512_loadu_si512(xg + 96));
+                t = _mm512_dpbf16_ps(t, q0, (__m512bh)_mm512_loadu_si512(xg + 128));
+                u = _mm512_dpbf16_ps(u, q1, (__m512bh)_mm512_loadu_si512(xg + 160));
+                t = _mm512_dpbf16_ps(t, q2, (__m512bh)_mm512_loadu_si512(xg + 192));
+                u = _mm512_dpbf16_ps(u, q3, (__m512bh)_mm512_loadu_si512(xg + 224));
+                a0 = _mm512_fmadd_ps(t, _mm512_permutexvar_ps(pick[2 * p], dsv), a0);
+                a1 = _mm512_fmadd_ps(u, _mm512_permutexvar_ps(pick[2 * p + 1], dsv), a1);
+            }
+        }
+        store(y, r, _mm512_reduce_add_ps(_mm512_sub_ps(_mm512_add_ps(a0, a1), off)), acc);
+    }
+}
 #endif
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
@@ -1243,7 +1330,6 @@ static void rows_q4_bf16(int64_t type, const uint8_t *w, const uint16_t *xt, con
  *                against xsum the same way.
  * The rows ahead are streamed into L2 (K_AHEAD bytes ahead). Before, these formats went through a block's
  * values one at a time (rows_gguf): 1.8 GB/s for Q4_K, 0.6 for Q6_K on 2 cores of an AMD EPYC. */
-#define K_AHEAD 8192
 static void rows_k_blocks(int64_t type, const uint8_t *w, const float *x, const float *xsum, float *y, int64_t r0,
                           int64_t r1, int64_t cols, int acc) {
     const int64_t size = gguf_block_bytes(type), blocks = cols / 256, row_bytes = blocks * size;
@@ -1253,7 +1339,7 @@ static void rows_k_blocks(int64_t type, const uint8_t *w, const float *x, const 
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t *row = w + r * row_bytes;
         __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
-        float offset = 0.f; /* the minimum (Q4_K, Q5_K) or -32 (Q6_K) terms */
+        __m512 off = _mm512_setzero_ps(); /* the minimum (Q4_K, Q5_K) or 32 (Q6_K) terms, subtracted at the end */
         for (int64_t bi = 0; bi < blocks; bi++) {
             const uint8_t *b = row + bi * size;
             const float *xb = x + bi * 256, *xs = xsum + bi * 16;
@@ -1266,7 +1352,7 @@ static void rows_k_blocks(int64_t type, const uint8_t *w, const float *x, const 
                 const __m512 dsv = _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
                     _mm_loadu_si128((const __m128i *)sc))));
                 _mm512_storeu_ps(ds, dsv);
-                offset -= 32.f * _mm512_reduce_add_ps(_mm512_mul_ps(dsv, _mm512_loadu_ps(xs)));
+                off = _mm512_fmadd_ps(dsv, _mm512_mul_ps(_mm512_set1_ps(32.f), _mm512_loadu_ps(xs)), off);
                 for (int half = 0; half < 2; half++)
                     for (int l0 = 0; l0 < 32; l0 += 16) {
                         const __m512i A = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(ql + 64 * half + l0)));
@@ -1284,16 +1370,16 @@ static void rows_k_blocks(int64_t type, const uint8_t *w, const float *x, const 
                         a3 = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(q4), _mm512_loadu_ps(xq + 96)), _mm512_set1_ps(ds[s0 + 6]), a3);
                     }
             } else {
-                const float d = f16_to_f32(u16_at(b)), dmin = f16_to_f32(u16_at(b + 2));
-                const uint8_t *scales = b + 4, *qh = b + 16, *qs = b + (type == 13 ? 48 : 16);
-                float ds[8], mins = 0.f;
-                for (int j = 0; j < 8; j++) {
-                    int sc, mn;
-                    k_scale_min(scales, j, &sc, &mn);
-                    ds[j] = d * (float)sc;
-                    mins += (dmin * (float)mn) * (xs[2 * j] + xs[2 * j + 1]);
-                }
-                offset -= mins;
+                const uint8_t *qh = b + 16, *qs = b + (type == 13 ? 48 : 16);
+                float ds[16];
+                const __m512 dsm = k_scales_mins(b);
+                _mm512_storeu_ps(ds, dsm);
+                /* the minimums against x's sums over each sub-block of 32 (pairs of the sums over 16) */
+                const __m512 xs16 = _mm512_loadu_ps(xs);
+                const __m512 pairs = _mm512_add_ps(xs16, _mm512_permutexvar_ps(_mm512_set_epi32(
+                    0, 15, 0, 13, 0, 11, 0, 9, 0, 7, 0, 5, 0, 3, 0, 1), xs16)); /* lane 2j: x's sum over sub-block j */
+                off = _mm512_fmadd_ps(dsm, _mm512_maskz_permutexvar_ps(0xFF00, _mm512_set_epi32(
+                    14, 12, 10, 8, 6, 4, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0), pairs), off);
                 __m512i h0 = _mm512_setzero_si512(), h1 = h0;
                 if (type == 13) {
                     h0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qh));
@@ -1326,7 +1412,8 @@ static void rows_k_blocks(int64_t type, const uint8_t *w, const float *x, const 
                 }
             }
         }
-        store(y, r, _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3))) + offset, acc);
+        store(y, r, _mm512_reduce_add_ps(_mm512_sub_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)), off)),
+              acc);
     }
 #else /* the same on 8 lanes */
     const __m256i m15 = _mm256_set1_epi32(15), m16 = _mm256_set1_epi32(16), m48 = _mm256_set1_epi32(48);
@@ -1484,6 +1571,35 @@ int dsv41_mv_gguf(int64_t type, const void *w, const float *x, float *y, int64_t
             int64_t r0, r1;
             thread_rows(rows, &r0, &r1);
             rows_q4_bf16(type, (const uint8_t *)w, xt, xsum, y, r0, r1, cols, acc);
+        }
+        if (!small) {
+            free(xt);
+            free(xsum);
+        }
+        return 0;
+    }
+#endif
+#if defined(DSV41_Q4_BF16)
+    if (type == 12 && gguf_x_mode == X_BF16) {
+        const int64_t blocks = cols / 256;
+        uint16_t xt_stack[32 * 2 * Q4K_GROUP];
+        float xsum_stack[32 * 16];
+        const int small = blocks <= 32;
+        uint16_t *xt = small ? xt_stack : (uint16_t *)malloc(sizeof(uint16_t) * 2 * Q4K_GROUP * (size_t)blocks);
+        float *xsum = small ? xsum_stack : (float *)malloc(sizeof(float) * 16 * (size_t)blocks);
+        if (!xt || !xsum) {
+            if (!small) {
+                free(xt);
+                free(xsum);
+            }
+            return -2;
+        }
+        q4k_bf16_terms(x, blocks, xt, xsum);
+#pragma omp parallel num_threads(threads)
+        {
+            int64_t r0, r1;
+            thread_rows(rows, &r0, &r1);
+            rows_q4k_bf16((const uint8_t *)w, xt, xsum, y, r0, r1, cols, acc);
         }
         if (!small) {
             free(xt);
