@@ -1318,6 +1318,80 @@ static void rows_q4k_bf16(const uint8_t *w, const uint16_t *xt, const float *xsu
         store(y, r, _mm512_reduce_add_ps(_mm512_sub_ps(_mm512_add_ps(a0, a1), off)), acc);
     }
 }
+
+/* Q6_K on x as two bf16 terms. A 6-bit q is exact in bf16 as 64 + q (bits 0x4280 | q << 1). Half a block (128
+ * weights) at a time: its 64 bytes of low nibbles as 32 words (words 0-15 the bytes 0-31, quarters 0 and 2 of the
+ * half; 16-31 the bytes 32-63, quarters 1 and 3) beside its 32 bytes of high pairs (as 16 words, then again shifted
+ * by 2 for the second 16); each of a word's four nibbles and its two high bits become one bf16 in two shifts and
+ * two ternary-logic ops. Float lane i of the dot products holds four weights of one sub-block of 16: lanes 0-15 the
+ * half's sub-blocks 0,0,0,0,1,1,1,1,2,... (low nibbles) and 4,4,4,4,5,... (high). The offset 64 + 32 against the
+ * sums of x over 16 as the terms carry them. */
+#define Q6K_HALF 256
+static void q6k_bf16_terms(const float *x, int64_t blocks, uint16_t *xt, float *xsum) {
+    for (int64_t i = 0; i < blocks * 16; i++) xsum[i] = 0.f;
+    for (int64_t g = 0; g < blocks * 2; g++) {
+        const int64_t b = g / 2, h = g % 2;
+        uint16_t *out = xt + g * Q6K_HALF;
+        for (int n = 0; n < 4; n++)
+            for (int w = 0; w < 32; w++) {
+                const int quarter = (w >= 16 ? 1 : 0) + (n & 1 ? 2 : 0), l = 2 * (w % 16) + (n >= 2);
+                const int64_t t = 128 * h + 32 * quarter + l;
+                const float v = x[b * 256 + t];
+                const uint16_t hi = f32_to_bf16(v), lo = f32_to_bf16(v - bf16_to_f32(hi));
+                out[n * 32 + w] = hi;
+                out[128 + n * 32 + w] = lo;
+                xsum[b * 16 + t / 16] += bf16_to_f32(hi) + bf16_to_f32(lo);
+            }
+    }
+    for (int64_t i = 0; i < blocks * 16; i++) xsum[i] *= 96.f; /* against d sc_s: 64 + 32 */
+}
+
+static void rows_q6k_bf16(const uint8_t *w, const uint16_t *xt, const float *xsum, float *y, int64_t r0, int64_t r1,
+                          int64_t cols, int acc) {
+    const int64_t blocks = cols / 256, row_bytes = blocks * 210;
+    const __m512i low = _mm512_set1_epi16(0x1E), keep = _mm512_set1_epi16(0x7E), exponent = _mm512_set1_epi16(0x4280);
+    const __m512i quads = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    __m512i pick[4]; /* [half][low / high nibbles]: the sub-block of 16 of each float lane */
+    for (int h = 0; h < 2; h++)
+        for (int hi = 0; hi < 2; hi++) pick[2 * h + hi] = _mm512_add_epi32(quads, _mm512_set1_epi32(8 * h + 4 * hi));
+    Stream st = {(const char *)w + r0 * row_bytes, (const char *)(w + r1 * row_bytes)};
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = w + r * row_bytes;
+        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), off = _mm512_setzero_ps();
+        for (int64_t bi = 0; bi < blocks; bi++) {
+            const uint8_t *b = row + bi * 210;
+            stream_to(&st, (const char *)b + 210 + K_AHEAD);
+            const __m512 dsv = _mm512_mul_ps(_mm512_set1_ps(f16_to_f32(u16_at(b + 208))), _mm512_cvtepi32_ps(
+                _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 192)))));
+            off = _mm512_fmadd_ps(dsv, _mm512_loadu_ps(xsum + bi * 16), off);
+            for (int h = 0; h < 2; h++) {
+                const __m512i v = _mm512_loadu_si512((const void *)(b + 64 * h));
+                const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+                const __m512i hv = _mm512_inserti64x4(_mm512_castsi256_si512(q), _mm256_srli_epi16(q, 2), 1);
+                const uint16_t *xg = xt + (2 * bi + h) * Q6K_HALF;
+                /* nibble n at bits 4n of v, its high pair at bits 4n of hv: to bits 1-4 and 5-6, then | 0x4280 */
+#define Q6K_BF16(vs, hs) (__m512bh)_mm512_ternarylogic_epi32( \
+                    _mm512_ternarylogic_epi32(vs, hs, low, 0xE4), keep, exponent, 0xEA)
+                const __m512bh q0 = Q6K_BF16(_mm512_slli_epi16(v, 1), _mm512_slli_epi16(hv, 5));
+                const __m512bh q1 = Q6K_BF16(_mm512_srli_epi16(v, 3), _mm512_slli_epi16(hv, 1));
+                const __m512bh q2 = Q6K_BF16(_mm512_srli_epi16(v, 7), _mm512_srli_epi16(hv, 3));
+                const __m512bh q3 = Q6K_BF16(_mm512_srli_epi16(v, 11), _mm512_srli_epi16(hv, 7));
+#undef Q6K_BF16
+                __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), q0, (__m512bh)_mm512_loadu_si512(xg));
+                __m512 u = _mm512_dpbf16_ps(_mm512_setzero_ps(), q1, (__m512bh)_mm512_loadu_si512(xg + 32));
+                t = _mm512_dpbf16_ps(t, q2, (__m512bh)_mm512_loadu_si512(xg + 64));
+                u = _mm512_dpbf16_ps(u, q3, (__m512bh)_mm512_loadu_si512(xg + 96));
+                t = _mm512_dpbf16_ps(t, q0, (__m512bh)_mm512_loadu_si512(xg + 128));
+                u = _mm512_dpbf16_ps(u, q1, (__m512bh)_mm512_loadu_si512(xg + 160));
+                t = _mm512_dpbf16_ps(t, q2, (__m512bh)_mm512_loadu_si512(xg + 192));
+                u = _mm512_dpbf16_ps(u, q3, (__m512bh)_mm512_loadu_si512(xg + 224));
+                a0 = _mm512_fmadd_ps(t, _mm512_permutexvar_ps(pick[2 * h], dsv), a0);
+                a1 = _mm512_fmadd_ps(u, _mm512_permutexvar_ps(pick[2 * h + 1], dsv), a1);
+            }
+        }
+        store(y, r, _mm512_reduce_add_ps(_mm512_sub_ps(_mm512_add_ps(a0, a1), off)), acc);
+    }
+}
 #endif
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
@@ -1509,8 +1583,9 @@ static void rows_gguf(int64_t type, int split, const uint8_t *w, const float *x,
 }
 
 /* How Q4_0 / Q4_1 products take x: 0 float32 (rows_small_blocks, exact to float32), 1 rounded to int8 per block
- * (rows_q4_vnni, AVX-512 VNNI), 2 as two bf16 terms (rows_q4_bf16, AVX-512 BF16; rows held split). The default is
- * 2 where the build has it; DSV41_GGUF_X (engine/kernels/library.py) or gguf_blocks.x_mode changes it. */
+ * (rows_q4_vnni, AVX-512 VNNI), 2 as two bf16 terms (rows_q4_bf16, AVX-512 BF16; rows held split). Q4_K and Q6_K
+ * take x as two bf16 terms in mode 2 (rows_q4k_bf16, rows_q6k_bf16), as float32 otherwise (rows_k_blocks). The
+ * default is 2 where the build has it; DSV41_GGUF_X (engine/kernels/library.py) or gguf_blocks.x_mode changes it. */
 #define X_FLOAT32 0
 #define X_INT8 1
 #define X_BF16 2
@@ -1580,6 +1655,33 @@ int dsv41_mv_gguf(int64_t type, const void *w, const float *x, float *y, int64_t
     }
 #endif
 #if defined(DSV41_Q4_BF16)
+    if (type == 14 && gguf_x_mode == X_BF16) {
+        const int64_t blocks = cols / 256;
+        uint16_t xt_stack[32 * 2 * Q6K_HALF];
+        float xsum_stack[32 * 16];
+        const int small = blocks <= 32;
+        uint16_t *xt = small ? xt_stack : (uint16_t *)malloc(sizeof(uint16_t) * 2 * Q6K_HALF * (size_t)blocks);
+        float *xsum = small ? xsum_stack : (float *)malloc(sizeof(float) * 16 * (size_t)blocks);
+        if (!xt || !xsum) {
+            if (!small) {
+                free(xt);
+                free(xsum);
+            }
+            return -2;
+        }
+        q6k_bf16_terms(x, blocks, xt, xsum);
+#pragma omp parallel num_threads(threads)
+        {
+            int64_t r0, r1;
+            thread_rows(rows, &r0, &r1);
+            rows_q6k_bf16((const uint8_t *)w, xt, xsum, y, r0, r1, cols, acc);
+        }
+        if (!small) {
+            free(xt);
+            free(xsum);
+        }
+        return 0;
+    }
     if (type == 12 && gguf_x_mode == X_BF16) {
         const int64_t blocks = cols / 256;
         uint16_t xt_stack[32 * 2 * Q4K_GROUP];

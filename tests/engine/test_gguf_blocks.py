@@ -110,8 +110,9 @@ def test_q4_products_on_two_bf16_terms_of_x_are_the_default_and_within_float32_n
 @pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K"])
 def test_k_quant_products_hold_on_long_rows_and_every_row_of_a_thread(name, isa):
     """The k-quant kernels (a row at a time, each sub-block scaled by its own d * scale): a row of 16,640 columns (x's
-    sums over 16 no longer fit the stack buffer) and 5 rows (fewer than a group of the threads' split), each within
-    2e-6 of its own sum of |w x| of the float64 product; accumulating adds."""
+    sums and terms no longer fit the stack buffers) and 5 rows (fewer than a group of the threads' split), each within
+    2e-6 of its own sum of |w x| of the float64 product; accumulating adds; where AVX-512 BF16 is, Q4_K and Q6_K take
+    x as two bf16 terms by default and float32 x stays available."""
     library = cpu_kernels.build(("-mno-avx512f",)) if isa == "avx2" else None
     for rows, cols in ((3, 16640), (5, 512)):
         data = blocks_of(name, rows, cols, seed=21)
@@ -124,6 +125,11 @@ def test_k_quant_products_hold_on_long_rows_and_every_row_of_a_thread(name, isa)
         base = torch.randn(rows)
         again = matrix.matvec(x, base.clone(), accumulate=True, library=library)
         assert torch.allclose(again.double(), base.double() + got.double(), rtol=0, atol=1e-6 * float(scale.max()))
+        if name != "Q5_K" and "bf16" in gguf_blocks.x_modes(library):  # Q4_K / Q6_K on x as two bf16 terms: the
+            with gguf_blocks.float_activations(library):              # default there, not the float path's bits
+                exact = matrix.matvec(x, library=library)
+            assert gguf_blocks.x_mode(library=library) == "bf16" and not torch.equal(got, exact)
+            assert ((exact.double() - w @ x.double()).abs() <= 2e-6 * scale).all()
 
 
 def int8_rounded(x: torch.Tensor) -> torch.Tensor:
