@@ -1195,6 +1195,64 @@ static void rows_q4_vnni(int64_t type, int split, const uint8_t *w, const int8_t
                _mm512_add_ps(a[3], extra[3]), acc);
     }
 }
+
+/* Q4_K on int8 x (the int8 mode, AVX-512 VNNI): x rounded to int8 per sub-block of 32 as q8_pairs rounds it, the
+ * sub-blocks of a block stored in the order the nibbles take them (0, 2, 1, 3, 4, 6, 5, 7: the low nibbles of
+ * 64 bytes are sub-blocks 2c and 2c + 2, the high ones 2c + 1 and 2c + 3), one vpdpbusd per 64 nibbles, each
+ * int32 lane four weights of one sub-block scaled by d sc_j dx_j; the minimums against the rounded x's sums. */
+static void q4k_int8_x(const float *x, int64_t blocks, int8_t *xq, float *dx, float *xsum) {
+    static const int order[8] = {0, 2, 1, 3, 4, 6, 5, 7};
+    const __m512 sign = _mm512_set1_ps(-0.f);
+    for (int64_t b = 0; b < blocks; b++)
+        for (int j = 0; j < 8; j++) {
+            const float *xs = x + b * 256 + 32 * j;
+            const __m512 a = _mm512_loadu_ps(xs), c = _mm512_loadu_ps(xs + 16);
+            const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, a), _mm512_andnot_ps(sign, c)));
+            const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+            const __m512i ia = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv)));
+            const __m512i ic = _mm512_cvtps_epi32(_mm512_mul_ps(c, _mm512_set1_ps(inv)));
+            dx[b * 8 + j] = d;
+            xsum[b * 16 + j] = 0.f; /* lanes 0-7 meet d sc_j: no offset */
+            xsum[b * 16 + 8 + j] = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(ia, ic));
+            int8_t *at = xq + b * 256;
+            for (int k = 0; k < 8; k++)
+                if (order[k] == j) at += 32 * k;
+            _mm_storeu_si128((__m128i *)at, _mm512_cvtsepi32_epi8(ia));
+            _mm_storeu_si128((__m128i *)(at + 16), _mm512_cvtsepi32_epi8(ic));
+        }
+}
+
+static void rows_q4k_int8(const uint8_t *w, const int8_t *xq, const float *dx, const float *xsum, float *y, int64_t r0,
+                          int64_t r1, int64_t cols, int acc) {
+    const int64_t blocks = cols / 256, row_bytes = blocks * 144;
+    const __m512i nib = _mm512_set1_epi8(0x0F);
+    const __m512i lanes8 = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
+    __m512i pick[4];
+    for (int p = 0; p < 2; p++)
+        for (int hi = 0; hi < 2; hi++) pick[2 * p + hi] = _mm512_add_epi32(lanes8, _mm512_set1_epi32(4 * p + hi));
+    Stream st = {(const char *)w + r0 * row_bytes, (const char *)(w + r1 * row_bytes)};
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = w + r * row_bytes;
+        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), off = _mm512_setzero_ps();
+        for (int64_t bi = 0; bi < blocks; bi++) {
+            const uint8_t *b = row + bi * 144;
+            stream_to(&st, (const char *)b + 144 + K_AHEAD);
+            const __m512 dsm = k_scales_mins(b);
+            off = _mm512_fmadd_ps(dsm, _mm512_loadu_ps(xsum + bi * 16), off);
+            const __m512 scale = _mm512_mul_ps(dsm, _mm512_maskz_loadu_ps(0xFF, dx + bi * 8)); /* d sc_j dx_j */
+            const int8_t *xb = xq + bi * 256;
+            for (int p = 0; p < 2; p++) {
+                const __m512i v = _mm512_loadu_si512((const void *)(b + 16 + 64 * p));
+                const __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+                const __m512i t = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512((const void *)(xb + 128 * p)));
+                const __m512i u = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi, _mm512_loadu_si512((const void *)(xb + 128 * p + 64)));
+                a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_permutexvar_ps(pick[2 * p], scale), a0);
+                a1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(u), _mm512_permutexvar_ps(pick[2 * p + 1], scale), a1);
+            }
+        }
+        store(y, r, _mm512_reduce_add_ps(_mm512_sub_ps(_mm512_add_ps(a0, a1), off)), acc);
+    }
+}
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
@@ -1642,8 +1700,9 @@ static void rows_gguf(int64_t type, int split, const uint8_t *w, const float *x,
 }
 
 /* How Q4_0 / Q4_1 products take x: 0 float32 (rows_small_blocks, exact to float32), 1 rounded to int8 per block
- * (rows_q4_vnni, AVX-512 VNNI), 2 as two bf16 terms (rows_q4_bf16, AVX-512 BF16; rows held split). Q4_K and Q6_K
- * take x as two bf16 terms in mode 2 (rows_q4k_bf16, rows_q6k_bf16), as float32 otherwise (rows_k_blocks). The
+ * (rows_q4_vnni, AVX-512 VNNI), 2 as two bf16 terms (rows_q4_bf16, AVX-512 BF16; rows held split). Q4_K follows
+ * (rows_q4k_int8, rows_q4k_bf16); Q6_K takes two bf16 terms in mode 2 (rows_q6k_bf16); the rest of the k-quants,
+ * and these in the other modes, float32 x (rows_k_blocks). The
  * default is 2 where the build has it; DSV41_GGUF_X (engine/kernels/library.py) or gguf_blocks.x_mode changes it. */
 #define X_FLOAT32 0
 #define X_INT8 1
@@ -1770,6 +1829,36 @@ int dsv41_mv_gguf(int64_t type, const void *w, const float *x, float *y, int64_t
     }
 #endif
 #if defined(DSV41_Q4_VNNI)
+    if (type == 12 && gguf_x_mode == X_INT8) {
+        const int64_t blocks = cols / 256;
+        int8_t xq_stack[32 * 256];
+        float dx_stack[32 * 8], xsum_stack[32 * 16];
+        const int small = blocks <= 32;
+        int8_t *xq = small ? xq_stack : (int8_t *)malloc(256 * (size_t)blocks);
+        float *dx = small ? dx_stack : (float *)malloc(sizeof(float) * 8 * (size_t)blocks);
+        float *xsum = small ? xsum_stack : (float *)malloc(sizeof(float) * 16 * (size_t)blocks);
+        if (!xq || !dx || !xsum) {
+            if (!small) {
+                free(xq);
+                free(dx);
+                free(xsum);
+            }
+            return -2;
+        }
+        q4k_int8_x(x, blocks, xq, dx, xsum);
+#pragma omp parallel num_threads(threads)
+        {
+            int64_t r0, r1;
+            thread_rows(rows, &r0, &r1);
+            rows_q4k_int8((const uint8_t *)w, xq, dx, xsum, y, r0, r1, cols, acc);
+        }
+        if (!small) {
+            free(xq);
+            free(dx);
+            free(xsum);
+        }
+        return 0;
+    }
     if ((type == 2 || type == 3) && gguf_x_mode == X_INT8) {
         const int64_t blocks = cols / 32, pairs = (blocks + 1) / 2;
         int8_t xq_stack[256 * 64];

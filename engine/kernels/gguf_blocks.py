@@ -44,8 +44,8 @@ _HALF_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q5_
 def x_modes(library=None) -> tuple[str, ...]:
     """The ways this build's Q4_0 / Q4_1 products can take x: "float32" always; "int8" (x rounded to int8 per block of
     32, integer dot products: AVX-512 VNNI); "bf16" (x as two bf16 terms, 16 significant bits, bf16 dot products:
-    AVX-512 BF16, rows held split, the default where it exists). Q4_K and Q6_K products take x as two bf16 terms in
-    mode "bf16" and as float32 otherwise (they have no int8 route); Q8_0 and Q5_K always as float32."""
+    AVX-512 BF16, rows held split, the default where it exists). Q4_K follows the mode too (int8 per sub-block of 32);
+    Q6_K takes two bf16 terms in mode "bf16", float32 x otherwise; Q8_0 and Q5_K always float32 x."""
     lib = library if library is not None else load()
     if lib is None:
         return ()

@@ -67,7 +67,7 @@ def test_the_product_is_w_x_with_float32_accumulation(name, isa):
     matrix = GGUFMatrix(FORMATS[name][0], torch.from_numpy(data), cols)
     x = torch.randn(cols, generator=torch.Generator().manual_seed(2))
     w = torch.from_numpy(reference(data, FORMATS[name][0], rows, cols)).double()
-    rounded = name in ("Q4_0", "Q4_1") and gguf_blocks.x_mode(library=library) == "int8"
+    rounded = name in ("Q4_0", "Q4_1", "Q4_K") and gguf_blocks.x_mode(library=library) == "int8"
     expected = w @ (int8_rounded(x) if rounded else x.double())  # the int8 path: exactly W times its rounded x
     got = matrix.matvec(x, library=library)
     scale = (w.abs() @ x.double().abs()).max()
@@ -78,7 +78,7 @@ def test_the_product_is_w_x_with_float32_accumulation(name, isa):
         split = matrix.as_split(library) if name in ("Q4_0", "Q4_1", "Q8_0") else matrix
         with gguf_blocks.activations(mode, library):
             got = split.matvec(x, library=library).double()
-        reference_x = int8_rounded(x) if mode == "int8" and name in ("Q4_0", "Q4_1") else x.double()
+        reference_x = int8_rounded(x) if mode == "int8" and name in ("Q4_0", "Q4_1", "Q4_K") else x.double()
         assert (got - w @ reference_x).abs().max() <= 1e-5 * scale, mode
 
 
@@ -111,25 +111,32 @@ def test_q4_products_on_two_bf16_terms_of_x_are_the_default_and_within_float32_n
 def test_k_quant_products_hold_on_long_rows_and_every_row_of_a_thread(name, isa):
     """The k-quant kernels (a row at a time, each sub-block scaled by its own d * scale): a row of 16,640 columns (x's
     sums and terms no longer fit the stack buffers) and 5 rows (fewer than a group of the threads' split), each within
-    2e-6 of its own sum of |w x| of the float64 product; accumulating adds; where AVX-512 BF16 is, Q4_K and Q6_K take
-    x as two bf16 terms by default and float32 x stays available."""
+    2e-6 of its own sum of |w x| of the float64 product, on x as two bf16 terms (Q4_K and Q6_K where AVX-512 BF16 is:
+    not the float path's bits) and on float32 x; accumulating adds; in the int8 mode Q4_K multiplies W by x rounded
+    to int8 per 32."""
     library = cpu_kernels.build(("-mno-avx512f",)) if isa == "avx2" else None
+    modes = gguf_blocks.x_modes(library)
     for rows, cols in ((3, 16640), (5, 512)):
         data = blocks_of(name, rows, cols, seed=21)
         matrix = GGUFMatrix(FORMATS[name][0], torch.from_numpy(data), cols)
         x = torch.randn(cols, generator=torch.Generator().manual_seed(22)) * torch.rand(cols) * 3
         w = torch.from_numpy(reference(data, FORMATS[name][0], rows, cols)).double()
         scale = w.abs() @ x.double().abs()
-        got = matrix.matvec(x, library=library)
-        assert ((got.double() - w @ x.double()).abs() <= 2e-6 * scale).all(), (rows, cols)
-        base = torch.randn(rows)
-        again = matrix.matvec(x, base.clone(), accumulate=True, library=library)
-        assert torch.allclose(again.double(), base.double() + got.double(), rtol=0, atol=1e-6 * float(scale.max()))
-        if name != "Q5_K" and "bf16" in gguf_blocks.x_modes(library):  # Q4_K / Q6_K on x as two bf16 terms: the
-            with gguf_blocks.float_activations(library):              # default there, not the float path's bits
-                exact = matrix.matvec(x, library=library)
-            assert gguf_blocks.x_mode(library=library) == "bf16" and not torch.equal(got, exact)
-            assert ((exact.double() - w @ x.double()).abs() <= 2e-6 * scale).all()
+        results = {}
+        for mode in [m for m in ("bf16", "float32") if m in modes]:
+            with gguf_blocks.activations(mode, library):
+                got = results[mode] = matrix.matvec(x, library=library)
+                base = torch.randn(rows)
+                again = matrix.matvec(x, base.clone(), accumulate=True, library=library)
+            assert ((got.double() - w @ x.double()).abs() <= 2e-6 * scale).all(), (mode, rows, cols)
+            assert torch.allclose(again.double(), base.double() + got.double(), rtol=0, atol=1e-6 * float(scale.max()))
+        if name != "Q5_K" and "bf16" in results:  # the bf16-terms route ran, not the float one
+            assert not torch.equal(results["bf16"], results["float32"])
+        if name == "Q4_K" and "int8" in modes:  # x rounded to int8 per 32, as Q4_0 / Q4_1
+            with gguf_blocks.activations("int8", library):
+                rounded = matrix.matvec(x, library=library).double()
+            assert ((rounded - w @ int8_rounded(x)).abs() <= 2e-6 * scale).all()
+            assert (rounded - w @ x.double()).abs().max() > 1e-5 * float(scale.max())  # it did round x
 
 
 def int8_rounded(x: torch.Tensor) -> torch.Tensor:
