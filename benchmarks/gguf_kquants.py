@@ -30,7 +30,7 @@ from .gguf_llamacpp import PEER, ROOT, THREADS, peer_dir, peer_python, prompts, 
 HIDDEN, HEADS, KV_HEADS, INTER, LAYERS = 2048, 32, 4, 5632, 8
 NEW_TOKENS = 64
 ROWS = {"ours, GGUF blocks": ({}, dict(kv_cache_ratio=1.0, csa2_topk=0)),
-        # x rounded to int8 per 32 in the Q4_K products (Q6_K keeps float32 x), as llama.cpp rounds it per 256
+        # x rounded to int8 per 32 in the Q4_K products (Q6_K: two bf16 terms), as llama.cpp rounds it per 256
         "ours, GGUF blocks, int8 x": ({"DSV41_GGUF_X": "int8"}, dict(kv_cache_ratio=1.0, csa2_topk=0)),
         "ours, defaults (CED + CSA2)": ({}, {})}
 

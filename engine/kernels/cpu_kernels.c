@@ -1701,8 +1701,8 @@ static void rows_gguf(int64_t type, int split, const uint8_t *w, const float *x,
 
 /* How Q4_0 / Q4_1 products take x: 0 float32 (rows_small_blocks, exact to float32), 1 rounded to int8 per block
  * (rows_q4_vnni, AVX-512 VNNI), 2 as two bf16 terms (rows_q4_bf16, AVX-512 BF16; rows held split). Q4_K follows
- * (rows_q4k_int8, rows_q4k_bf16); Q6_K takes two bf16 terms in mode 2 (rows_q6k_bf16); the rest of the k-quants,
- * and these in the other modes, float32 x (rows_k_blocks). The
+ * (rows_q4k_int8, rows_q4k_bf16); Q6_K takes two bf16 terms in modes 1 and 2 where the build has them
+ * (rows_q6k_bf16); the rest of the k-quants, and these in mode 0, float32 x (rows_k_blocks). The
  * default is 2 where the build has it; DSV41_GGUF_X (engine/kernels/library.py) or gguf_blocks.x_mode changes it. */
 #define X_FLOAT32 0
 #define X_INT8 1
@@ -1773,7 +1773,7 @@ int dsv41_mv_gguf(int64_t type, const void *w, const float *x, float *y, int64_t
     }
 #endif
 #if defined(DSV41_Q4_BF16)
-    if (type == 14 && gguf_x_mode == X_BF16) {
+    if (type == 14 && gguf_x_mode != X_FLOAT32) { /* int8 mode too: Q6_K has no int8 route, and the terms are finer */
         const int64_t blocks = cols / 256;
         uint16_t xt_stack[32 * 2 * Q6K_HALF];
         float xsum_stack[32 * 16];

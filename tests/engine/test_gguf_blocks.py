@@ -113,7 +113,7 @@ def test_k_quant_products_hold_on_long_rows_and_every_row_of_a_thread(name, isa)
     sums and terms no longer fit the stack buffers) and 5 rows (fewer than a group of the threads' split), each within
     2e-6 of its own sum of |w x| of the float64 product, on x as two bf16 terms (Q4_K and Q6_K where AVX-512 BF16 is:
     not the float path's bits) and on float32 x; accumulating adds; in the int8 mode Q4_K multiplies W by x rounded
-    to int8 per 32."""
+    to int8 per 32 and Q6_K (no int8 route) takes the bf16 terms."""
     library = cpu_kernels.build(("-mno-avx512f",)) if isa == "avx2" else None
     modes = gguf_blocks.x_modes(library)
     for rows, cols in ((3, 16640), (5, 512)):
@@ -137,6 +137,9 @@ def test_k_quant_products_hold_on_long_rows_and_every_row_of_a_thread(name, isa)
                 rounded = matrix.matvec(x, library=library).double()
             assert ((rounded - w @ int8_rounded(x)).abs() <= 2e-6 * scale).all()
             assert (rounded - w @ x.double()).abs().max() > 1e-5 * float(scale.max())  # it did round x
+        if name == "Q6_K" and "int8" in modes and "bf16" in results:  # no int8 route: the int8 mode takes the terms
+            with gguf_blocks.activations("int8", library):
+                assert torch.equal(matrix.matvec(x, library=library), results["bf16"])
 
 
 def int8_rounded(x: torch.Tensor) -> torch.Tensor:
