@@ -1,0 +1,93 @@
+"""Whole decode steps of the default model on this tree's CPU kernels against those of another git revision, in one
+process: the same weights (held once), two builds of engine/kernels/cpu_kernels.c loaded side by side, each a fused
+decode step of its own, taking turns round by round (the order alternates), so the machine's drift between fresh
+processes does not decide the ratio. Each round's decode tok/s on this tree over the revision's, median and range.
+
+Usage: python -m benchmarks.kernels_ab --rev 7fe8efd [--contexts 128,1024,4096] [--rounds 6] [--new-tokens 64]
+       [--folder kernels-ab]
+Writes results/<folder>/<folder>.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from .common import machine, write_results
+from .gguf_llamacpp import ROOT, THREADS, prompts
+
+
+def build_at(rev: str):
+    """The kernels of `rev` compiled and loaded beside this tree's (engine.kernels.library.build on its source)."""
+    from engine.kernels import library
+
+    source = subprocess.run(["git", "show", f"{rev}:engine/kernels/cpu_kernels.c"], cwd=ROOT, capture_output=True,
+                            check=True).stdout
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "cpu_kernels.c"
+        path.write_bytes(source)
+        ours, library.SOURCE = library.SOURCE, path
+        try:
+            return library.build()
+        finally:
+            library.SOURCE = ours
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.kernels_ab", description=__doc__.splitlines()[0])
+    parser.add_argument("--rev", required=True, help="the git revision whose kernels to compare against")
+    parser.add_argument("--contexts", default="128,1024,4096")
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--folder", default="kernels-ab")
+    args = parser.parse_args(argv)
+
+    from engine import DSV41Config, DSV41Model
+    from engine.kernels.fused import FusedDecodeStep
+    from engine.models.adapter import runtime
+
+    from .speed.core import engine_turn
+
+    torch.set_num_threads(THREADS)
+    rev = subprocess.run(["git", "rev-parse", "--short", args.rev], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout.strip()
+    theirs = build_at(args.rev)
+    model = DSV41Model.from_pretrained(DSV41Config(model_path="default", max_seq_len=8192, kv_cache_ratio=1.0,
+                                                   csa2_topk=0))
+    decoder = runtime(model.hf_model).decoder
+    steps = {"this tree": decoder.fused, rev: FusedDecodeStep(decoder.w, theirs)}
+    rows = []
+    for context in (int(c) for c in args.contexts.split(",")):
+        ids, question = prompts(context)
+        engine_turn(model, ids[:32], 16, 8)
+        runs: dict[str, list[float]] = {name: [] for name in steps}
+        for round_ in range(args.rounds):
+            for name in (list(steps) if round_ % 2 == 0 else list(steps)[::-1]):
+                decoder.fused = steps[name]
+                runs[name].append(engine_turn(model, ids, question, args.new_tokens)["decode_tok_s"])
+        decoder.fused = steps["this tree"]
+        ratios = [a / b for a, b in zip(runs["this tree"], runs[rev], strict=True)]
+        rows.append({"prompt_tokens": len(ids), "runs": runs, "ratio_median": statistics.median(ratios),
+                     "ratio_min": min(ratios), "ratio_max": max(ratios),
+                     "medians": {name: statistics.median(v) for name, v in runs.items()}})
+    m = machine()
+    lines = [f"Decode tok/s, default model (GGUF blocks, dense), {m['cpu']}, {THREADS} threads, {args.new_tokens} new "
+             f"tokens, {args.rounds} rounds in one process, this tree's kernels against {rev}'s", "",
+             f"| prompt tokens | {rev} | this tree | this tree / {rev}, median (range) |", "|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['prompt_tokens']:,} | {r['medians'][rev]:.1f} | {r['medians']['this tree']:.1f} | "
+                     f"×{r['ratio_median']:.2f} (×{r['ratio_min']:.2f}–{r['ratio_max']:.2f}) |")
+    table = "\n".join(lines) + "\n"
+    write_results(args.folder, {"machine": m, "threads": THREADS, "rev": rev, "new_tokens": args.new_tokens,
+                                "rounds": args.rounds, "rows": rows}, table)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
