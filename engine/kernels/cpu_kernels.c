@@ -1377,7 +1377,7 @@ static void rows_q4_bf16(int64_t type, const uint8_t *w, const uint16_t *xt, con
  * match once per product (q4k_bf16_terms): 256 words per 128 weights, [term][nibble][word]. About half the
  * instructions of rows_k_blocks' float path. */
 #define Q4K_GROUP 256
-static void q4k_bf16_terms(const float *x, int64_t blocks, uint16_t *xt, float *xsum) {
+static void q4k_bf16_terms(const float *x, int64_t blocks, uint16_t *xt, float *xsum, float offset) {
     for (int64_t i = 0; i < blocks * 16; i++) xsum[i] = 0.f;
     for (int64_t g = 0; g < blocks * 2; g++) {
         const int64_t b = g / 2, p = g % 2;
@@ -1393,13 +1393,18 @@ static void q4k_bf16_terms(const float *x, int64_t blocks, uint16_t *xt, float *
             }
     }
     for (int64_t b = 0; b < blocks; b++)
-        for (int j = 0; j < 8; j++) xsum[b * 16 + j] = 16.f * xsum[b * 16 + 8 + j]; /* against d sc_j: the offset 16 */
+        for (int j = 0; j < 8; j++) xsum[b * 16 + j] = offset * xsum[b * 16 + 8 + j]; /* against d sc_j: 16 / 32 */
 }
 
-static void rows_q4k_bf16(const uint8_t *w, const uint16_t *xt, const float *xsum, float *y, int64_t r0, int64_t r1,
-                          int64_t cols, int acc) {
-    const int64_t blocks = cols / 256, row_bytes = blocks * 144;
+/* five: Q5_K (its fifth bits from qh: bit j of qh[i] for weight i of sub-block j; each q becomes bf16 32 + q, the
+ * nibble and the fifth bit put into the mantissa in two shifts and two ternary-logic ops, as Q6_K's pairs). The
+ * same x terms as Q4_K, the offset 32. */
+static inline __attribute__((always_inline)) void rows_k4_bf16(const int five, const uint8_t *w, const uint16_t *xt,
+                                                                const float *xsum, float *y, int64_t r0, int64_t r1,
+                                                                int64_t cols, int acc) {
+    const int64_t size = five ? 176 : 144, blocks = cols / 256, row_bytes = blocks * size, q_at = five ? 48 : 16;
     const __m512i mantissa = _mm512_set1_epi16(0x78), exponent = _mm512_set1_epi16(0x4180); /* bf16(16 + q) */
+    const __m512i nibble5 = _mm512_set1_epi16(0x3C), keep5 = _mm512_set1_epi16(0x7C), exponent5 = _mm512_set1_epi16(0x4200);
     const __m512i lanes8 = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
     __m512i pick[4]; /* the scale of lanes 0-7 / 8-15: sub-blocks 4p (+ 1 for u) and 4p + 2 (+ 1) */
     for (int p = 0; p < 2; p++)
@@ -1409,17 +1414,31 @@ static void rows_q4k_bf16(const uint8_t *w, const uint16_t *xt, const float *xsu
         const uint8_t *row = w + r * row_bytes;
         __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), off = _mm512_setzero_ps();
         for (int64_t bi = 0; bi < blocks; bi++) {
-            const uint8_t *b = row + bi * 144;
-            stream_to(&st, (const char *)b + 144 + K_AHEAD);
+            const uint8_t *b = row + bi * size;
+            stream_to(&st, (const char *)b + size + K_AHEAD);
             const __m512 dsv = k_scales_mins(b); /* d sc_j in lanes 0-7, dmin m_j in 8-15 */
             off = _mm512_fmadd_ps(dsv, _mm512_loadu_ps(xsum + bi * 16), off);
             for (int p = 0; p < 2; p++) {
-                const __m512i v = _mm512_loadu_si512((const void *)(b + 16 + 64 * p));
+                const __m512i v = _mm512_loadu_si512((const void *)(b + q_at + 64 * p));
                 const uint16_t *xg = xt + (2 * bi + p) * Q4K_GROUP;
-                const __m512bh q0 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_slli_epi16(v, 3), mantissa, exponent, 0xEA);
-                const __m512bh q1 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 1), mantissa, exponent, 0xEA);
-                const __m512bh q2 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 5), mantissa, exponent, 0xEA);
-                const __m512bh q3 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 9), mantissa, exponent, 0xEA);
+                __m512bh q0, q1, q2, q3;
+                if (five) { /* chunk 2p's fifth bits are bits 4p, 4p + 1 of qh; chunk 2p + 1's the next two */
+                    const __m256i h = _mm256_loadu_si256((const __m256i *)(b + 16));
+                    const __m512i hv = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_srl_epi16(h, _mm_cvtsi32_si128(4 * p))),
+                                                          _mm256_srl_epi16(h, _mm_cvtsi32_si128(4 * p + 2)), 1);
+#define Q5K_BF16(vs, hs) (__m512bh)_mm512_ternarylogic_epi32( \
+                    _mm512_ternarylogic_epi32(vs, hs, nibble5, 0xE4), keep5, exponent5, 0xEA)
+                    q0 = Q5K_BF16(_mm512_slli_epi16(v, 2), _mm512_slli_epi16(hv, 6));
+                    q1 = Q5K_BF16(_mm512_srli_epi16(v, 2), _mm512_slli_epi16(hv, 5));
+                    q2 = Q5K_BF16(_mm512_srli_epi16(v, 6), _mm512_srli_epi16(hv, 2));
+                    q3 = Q5K_BF16(_mm512_srli_epi16(v, 10), _mm512_srli_epi16(hv, 3));
+#undef Q5K_BF16
+                } else {
+                    q0 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_slli_epi16(v, 3), mantissa, exponent, 0xEA);
+                    q1 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 1), mantissa, exponent, 0xEA);
+                    q2 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 5), mantissa, exponent, 0xEA);
+                    q3 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 9), mantissa, exponent, 0xEA);
+                }
                 __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), q0, (__m512bh)_mm512_loadu_si512(xg));
                 __m512 u = _mm512_dpbf16_ps(_mm512_setzero_ps(), q1, (__m512bh)_mm512_loadu_si512(xg + 32));
                 t = _mm512_dpbf16_ps(t, q2, (__m512bh)_mm512_loadu_si512(xg + 64));
@@ -1434,6 +1453,14 @@ static void rows_q4k_bf16(const uint8_t *w, const uint16_t *xt, const float *xsu
         }
         store(y, r, _mm512_reduce_add_ps(_mm512_sub_ps(_mm512_add_ps(a0, a1), off)), acc);
     }
+}
+static void rows_q4k_bf16(const uint8_t *w, const uint16_t *xt, const float *xsum, float *y, int64_t r0, int64_t r1,
+                          int64_t cols, int acc) {
+    rows_k4_bf16(0, w, xt, xsum, y, r0, r1, cols, acc);
+}
+static void rows_q5k_bf16(const uint8_t *w, const uint16_t *xt, const float *xsum, float *y, int64_t r0, int64_t r1,
+                          int64_t cols, int acc) {
+    rows_k4_bf16(1, w, xt, xsum, y, r0, r1, cols, acc);
 }
 
 /* Q6_K on x as two bf16 terms. A 6-bit q is exact in bf16 as 64 + q (bits 0x4280 | q << 1). Half a block (128
@@ -1701,8 +1728,8 @@ static void rows_gguf(int64_t type, int split, const uint8_t *w, const float *x,
 
 /* How Q4_0 / Q4_1 products take x: 0 float32 (rows_small_blocks, exact to float32), 1 rounded to int8 per block
  * (rows_q4_vnni, AVX-512 VNNI), 2 as two bf16 terms (rows_q4_bf16, AVX-512 BF16; rows held split). Q4_K follows
- * (rows_q4k_int8, rows_q4k_bf16); Q6_K takes two bf16 terms in modes 1 and 2 where the build has them
- * (rows_q6k_bf16); the rest of the k-quants, and these in mode 0, float32 x (rows_k_blocks). The
+ * (rows_q4k_int8, rows_q4k_bf16); Q5_K and Q6_K take two bf16 terms in modes 1 and 2 where the build has them
+ * (rows_q5k_bf16, rows_q6k_bf16); the k-quants in mode 0 float32 x (rows_k_blocks). The
  * default is 2 where the build has it; DSV41_GGUF_X (engine/kernels/library.py) or gguf_blocks.x_mode changes it. */
 #define X_FLOAT32 0
 #define X_INT8 1
@@ -1800,7 +1827,7 @@ int dsv41_mv_gguf(int64_t type, const void *w, const float *x, float *y, int64_t
         }
         return 0;
     }
-    if (type == 12 && gguf_x_mode == X_BF16) {
+    if ((type == 12 && gguf_x_mode == X_BF16) || (type == 13 && gguf_x_mode != X_FLOAT32)) {
         const int64_t blocks = cols / 256;
         uint16_t xt_stack[32 * 2 * Q4K_GROUP];
         float xsum_stack[32 * 16];
@@ -1814,12 +1841,13 @@ int dsv41_mv_gguf(int64_t type, const void *w, const float *x, float *y, int64_t
             }
             return -2;
         }
-        q4k_bf16_terms(x, blocks, xt, xsum);
+        q4k_bf16_terms(x, blocks, xt, xsum, type == 13 ? 32.f : 16.f);
 #pragma omp parallel num_threads(threads)
         {
             int64_t r0, r1;
             thread_rows(rows, &r0, &r1);
-            rows_q4k_bf16((const uint8_t *)w, xt, xsum, y, r0, r1, cols, acc);
+            if (type == 13) rows_q5k_bf16((const uint8_t *)w, xt, xsum, y, r0, r1, cols, acc);
+            else rows_q4k_bf16((const uint8_t *)w, xt, xsum, y, r0, r1, cols, acc);
         }
         if (!small) {
             free(xt);

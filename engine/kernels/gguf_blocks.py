@@ -45,8 +45,8 @@ def x_modes(library=None) -> tuple[str, ...]:
     """The ways this build's Q4_0 / Q4_1 products can take x: "float32" always; "int8" (x rounded to int8 per block of
     32, integer dot products: AVX-512 VNNI); "bf16" (x as two bf16 terms, 16 significant bits, bf16 dot products:
     AVX-512 BF16, rows held split, the default where it exists). Q4_K follows the mode too (int8 per sub-block of 32);
-    Q6_K takes two bf16 terms in modes "bf16" and "int8" where AVX-512 BF16 is (it has no int8 route), float32 x
-    otherwise; Q8_0 and Q5_K always float32 x."""
+    Q5_K and Q6_K take two bf16 terms in modes "bf16" and "int8" where AVX-512 BF16 is (they have no int8 route),
+    float32 x otherwise; Q8_0 always float32 x."""
     lib = library if library is not None else load()
     if lib is None:
         return ()
