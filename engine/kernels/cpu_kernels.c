@@ -1311,6 +1311,20 @@ static void q4_bf16_terms(const float *x, int64_t blocks, uint16_t *xt, float *x
     }
 }
 
+/* The dot products of four vectors of 32 bf16 weights with a group's x terms (xg: [term][vector][32 words]): t sums
+ * q0's and q2's, u q1's and q3's, each over both terms. */
+static inline __attribute__((always_inline)) void dot_terms(__m512bh q0, __m512bh q1, __m512bh q2, __m512bh q3,
+                                                            const uint16_t *xg, __m512 *t, __m512 *u) {
+    __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), q0, (__m512bh)_mm512_loadu_si512(xg));
+    __m512 b = _mm512_dpbf16_ps(_mm512_setzero_ps(), q1, (__m512bh)_mm512_loadu_si512(xg + 32));
+    a = _mm512_dpbf16_ps(a, q2, (__m512bh)_mm512_loadu_si512(xg + 64));
+    b = _mm512_dpbf16_ps(b, q3, (__m512bh)_mm512_loadu_si512(xg + 96));
+    a = _mm512_dpbf16_ps(a, q0, (__m512bh)_mm512_loadu_si512(xg + 128));
+    b = _mm512_dpbf16_ps(b, q1, (__m512bh)_mm512_loadu_si512(xg + 160));
+    *t = _mm512_dpbf16_ps(a, q2, (__m512bh)_mm512_loadu_si512(xg + 192));
+    *u = _mm512_dpbf16_ps(b, q3, (__m512bh)_mm512_loadu_si512(xg + 224));
+}
+
 static void rows_q4_bf16(int64_t type, const uint8_t *w, const uint16_t *xt, const float *xsum, float *y, int64_t r0,
                          int64_t r1, int64_t cols, int acc) {
     const int64_t size = gguf_block_bytes(type), blocks = cols / 32, row_bytes = blocks * size;
@@ -1350,14 +1364,8 @@ static void rows_q4_bf16(int64_t type, const uint8_t *w, const uint16_t *xt, con
                     const __m512bh q1 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 1), mantissa, exponent, 0xEA);
                     const __m512bh q2 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 5), mantissa, exponent, 0xEA);
                     const __m512bh q3 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 9), mantissa, exponent, 0xEA);
-                    __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), q0, (__m512bh)_mm512_loadu_si512(xg));
-                    __m512 u = _mm512_dpbf16_ps(_mm512_setzero_ps(), q1, (__m512bh)_mm512_loadu_si512(xg + 32));
-                    t = _mm512_dpbf16_ps(t, q2, (__m512bh)_mm512_loadu_si512(xg + 64));
-                    u = _mm512_dpbf16_ps(u, q3, (__m512bh)_mm512_loadu_si512(xg + 96));
-                    t = _mm512_dpbf16_ps(t, q0, (__m512bh)_mm512_loadu_si512(xg + 128));
-                    u = _mm512_dpbf16_ps(u, q1, (__m512bh)_mm512_loadu_si512(xg + 160));
-                    t = _mm512_dpbf16_ps(t, q2, (__m512bh)_mm512_loadu_si512(xg + 192));
-                    u = _mm512_dpbf16_ps(u, q3, (__m512bh)_mm512_loadu_si512(xg + 224));
+                    __m512 t, u;
+                    dot_terms(q0, q1, q2, q3, xg, &t, &u);
                     a[j] = _mm512_fmadd_ps(_mm512_add_ps(t, u), _mm512_permutexvar_ps(pick, scale[j]), a[j]);
                 }
             }
@@ -1439,14 +1447,8 @@ static inline __attribute__((always_inline)) void rows_k4_bf16(const int five, c
                     q2 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 5), mantissa, exponent, 0xEA);
                     q3 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 9), mantissa, exponent, 0xEA);
                 }
-                __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), q0, (__m512bh)_mm512_loadu_si512(xg));
-                __m512 u = _mm512_dpbf16_ps(_mm512_setzero_ps(), q1, (__m512bh)_mm512_loadu_si512(xg + 32));
-                t = _mm512_dpbf16_ps(t, q2, (__m512bh)_mm512_loadu_si512(xg + 64));
-                u = _mm512_dpbf16_ps(u, q3, (__m512bh)_mm512_loadu_si512(xg + 96));
-                t = _mm512_dpbf16_ps(t, q0, (__m512bh)_mm512_loadu_si512(xg + 128));
-                u = _mm512_dpbf16_ps(u, q1, (__m512bh)_mm512_loadu_si512(xg + 160));
-                t = _mm512_dpbf16_ps(t, q2, (__m512bh)_mm512_loadu_si512(xg + 192));
-                u = _mm512_dpbf16_ps(u, q3, (__m512bh)_mm512_loadu_si512(xg + 224));
+                __m512 t, u;
+                dot_terms(q0, q1, q2, q3, xg, &t, &u);
                 a0 = _mm512_fmadd_ps(t, _mm512_permutexvar_ps(pick[2 * p], dsv), a0);
                 a1 = _mm512_fmadd_ps(u, _mm512_permutexvar_ps(pick[2 * p + 1], dsv), a1);
             }
@@ -1521,14 +1523,8 @@ static void rows_q6k_bf16(const uint8_t *w, const uint16_t *xt, const float *xsu
                 const __m512bh q2 = Q6K_BF16(_mm512_srli_epi16(v, 7), _mm512_srli_epi16(hv, 3));
                 const __m512bh q3 = Q6K_BF16(_mm512_srli_epi16(v, 11), _mm512_srli_epi16(hv, 7));
 #undef Q6K_BF16
-                __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), q0, (__m512bh)_mm512_loadu_si512(xg));
-                __m512 u = _mm512_dpbf16_ps(_mm512_setzero_ps(), q1, (__m512bh)_mm512_loadu_si512(xg + 32));
-                t = _mm512_dpbf16_ps(t, q2, (__m512bh)_mm512_loadu_si512(xg + 64));
-                u = _mm512_dpbf16_ps(u, q3, (__m512bh)_mm512_loadu_si512(xg + 96));
-                t = _mm512_dpbf16_ps(t, q0, (__m512bh)_mm512_loadu_si512(xg + 128));
-                u = _mm512_dpbf16_ps(u, q1, (__m512bh)_mm512_loadu_si512(xg + 160));
-                t = _mm512_dpbf16_ps(t, q2, (__m512bh)_mm512_loadu_si512(xg + 192));
-                u = _mm512_dpbf16_ps(u, q3, (__m512bh)_mm512_loadu_si512(xg + 224));
+                __m512 t, u;
+                dot_terms(q0, q1, q2, q3, xg, &t, &u);
                 a0 = _mm512_fmadd_ps(t, _mm512_permutexvar_ps(pick[2 * h], dsv), a0);
                 a1 = _mm512_fmadd_ps(u, _mm512_permutexvar_ps(pick[2 * h + 1], dsv), a1);
             }
