@@ -1760,229 +1760,130 @@ int dsv41_gguf_x_mode(int mode) {
 
 /* y[rows] = W[rows, cols] x (+ y when acc); W as GGUF blocks of `type` (each row cols / block weights blocks).
  * Returns 0, or -1 for a type not held or cols not a whole number of blocks. */
+/* x prepared for a product (its bf16 terms, its int8 rounding, its sums) lives in one buffer: the caller's stack where
+ * it fits (X_STACK bytes: every matrix up to 8,192 columns), else malloc'd; carve() hands out 64-byte aligned parts. */
+#define X_STACK 36864
+static inline char *x_scratch(char *stack, size_t need) { return need <= X_STACK ? stack : (char *)malloc(need); }
+static inline void *carve(char **at, size_t bytes) {
+    void *p = *at;
+    *at += (bytes + 63) & ~(size_t)63;
+    return p;
+}
+/* `call` on this thread's share of the rows (r0, r1), on `threads` threads */
+#define ON_ROWS(call)                                   \
+    _Pragma("omp parallel num_threads(threads)") {      \
+        int64_t r0, r1;                                 \
+        thread_rows(rows, &r0, &r1);                    \
+        call;                                           \
+    }
+
 int dsv41_mv_gguf(int64_t type, const void *w, const float *x, float *y, int64_t rows, int64_t cols, int acc,
                   int threads) {
     const int64_t per = gguf_block_weights(type & 255);
     if (!per || cols % per || !gguf_type_ok(type, rows * (cols / per), cols / per)) return -1;
     const int split = (type & GGUF_SPLIT) != 0;
     type &= 255;
+    const uint8_t *wb = (const uint8_t *)w;
+    const size_t b32 = (size_t)(cols / 32), b256 = (size_t)(cols / 256), pad = 4 * 64;
+    _Alignas(64) char stack[X_STACK];
+    char *buf, *at;
+    (void)b32, (void)b256, (void)pad, (void)stack, (void)buf, (void)at, (void)wb;
 #if defined(DSV41_Q4_BF16)
     if ((type == 2 || type == 3) && split && gguf_x_mode == X_BF16) {
-        const int64_t blocks = cols / 32, groups = (blocks + 3) / 4;
-        uint16_t xt_stack[64 * Q4_BF16_GROUP];
-        float xsum_stack[256];
-        const int small = groups <= 64;
-        uint16_t *xt = small ? xt_stack : (uint16_t *)malloc(sizeof(uint16_t) * Q4_BF16_GROUP * (size_t)groups);
-        float *xsum = small ? xsum_stack : (float *)malloc(sizeof(float) * (size_t)blocks);
-        if (!xt || !xsum) {
-            if (!small) {
-                free(xt);
-                free(xsum);
-            }
-            return -2;
-        }
-        q4_bf16_terms(x, blocks, xt, xsum);
-#pragma omp parallel num_threads(threads)
-        {
-            int64_t r0, r1;
-            thread_rows(rows, &r0, &r1);
-            rows_q4_bf16(type, (const uint8_t *)w, xt, xsum, y, r0, r1, cols, acc);
-        }
-        if (!small) {
-            free(xt);
-            free(xsum);
-        }
+        const size_t groups = (b32 + 3) / 4;
+        if (!(buf = at = x_scratch(stack, 2 * Q4_BF16_GROUP * groups + 4 * b32 + pad))) return -2;
+        uint16_t *xt = carve(&at, 2 * Q4_BF16_GROUP * groups);
+        float *xsum = carve(&at, 4 * b32);
+        q4_bf16_terms(x, (int64_t)b32, xt, xsum);
+        ON_ROWS(rows_q4_bf16(type, wb, xt, xsum, y, r0, r1, cols, acc))
+        if (buf != stack) free(buf);
         return 0;
     }
-#endif
-#if defined(DSV41_Q4_BF16)
     if (type == 14 && gguf_x_mode != X_FLOAT32) { /* int8 mode too: Q6_K has no int8 route, and the terms are finer */
-        const int64_t blocks = cols / 256;
-        uint16_t xt_stack[32 * 2 * Q6K_HALF];
-        float xsum_stack[32 * 16];
-        const int small = blocks <= 32;
-        uint16_t *xt = small ? xt_stack : (uint16_t *)malloc(sizeof(uint16_t) * 2 * Q6K_HALF * (size_t)blocks);
-        float *xsum = small ? xsum_stack : (float *)malloc(sizeof(float) * 16 * (size_t)blocks);
-        if (!xt || !xsum) {
-            if (!small) {
-                free(xt);
-                free(xsum);
-            }
-            return -2;
-        }
-        q6k_bf16_terms(x, blocks, xt, xsum);
-#pragma omp parallel num_threads(threads)
-        {
-            int64_t r0, r1;
-            thread_rows(rows, &r0, &r1);
-            rows_q6k_bf16((const uint8_t *)w, xt, xsum, y, r0, r1, cols, acc);
-        }
-        if (!small) {
-            free(xt);
-            free(xsum);
-        }
+        if (!(buf = at = x_scratch(stack, 4 * Q6K_HALF * b256 + 64 * b256 + pad))) return -2;
+        uint16_t *xt = carve(&at, 4 * Q6K_HALF * b256);
+        float *xsum = carve(&at, 64 * b256);
+        q6k_bf16_terms(x, (int64_t)b256, xt, xsum);
+        ON_ROWS(rows_q6k_bf16(wb, xt, xsum, y, r0, r1, cols, acc))
+        if (buf != stack) free(buf);
         return 0;
     }
-    if ((type == 12 && gguf_x_mode == X_BF16) || (type == 13 && gguf_x_mode != X_FLOAT32)) {
-        const int64_t blocks = cols / 256;
-        uint16_t xt_stack[32 * 2 * Q4K_GROUP];
-        float xsum_stack[32 * 16];
-        const int small = blocks <= 32;
-        uint16_t *xt = small ? xt_stack : (uint16_t *)malloc(sizeof(uint16_t) * 2 * Q4K_GROUP * (size_t)blocks);
-        float *xsum = small ? xsum_stack : (float *)malloc(sizeof(float) * 16 * (size_t)blocks);
-        if (!xt || !xsum) {
-            if (!small) {
-                free(xt);
-                free(xsum);
-            }
-            return -2;
-        }
-        q4k_bf16_terms(x, blocks, xt, xsum, type == 13 ? 32.f : 16.f);
-#pragma omp parallel num_threads(threads)
-        {
-            int64_t r0, r1;
-            thread_rows(rows, &r0, &r1);
-            if (type == 13) rows_q5k_bf16((const uint8_t *)w, xt, xsum, y, r0, r1, cols, acc);
-            else rows_q4k_bf16((const uint8_t *)w, xt, xsum, y, r0, r1, cols, acc);
-        }
-        if (!small) {
-            free(xt);
-            free(xsum);
-        }
+    if ((type == 12 && gguf_x_mode == X_BF16) || (type == 13 && gguf_x_mode != X_FLOAT32)) { /* Q5_K: as Q6_K */
+        if (!(buf = at = x_scratch(stack, 4 * Q4K_GROUP * b256 + 64 * b256 + pad))) return -2;
+        uint16_t *xt = carve(&at, 4 * Q4K_GROUP * b256);
+        float *xsum = carve(&at, 64 * b256);
+        q4k_bf16_terms(x, (int64_t)b256, xt, xsum, type == 13 ? 32.f : 16.f);
+        if (type == 13) ON_ROWS(rows_q5k_bf16(wb, xt, xsum, y, r0, r1, cols, acc))
+        else ON_ROWS(rows_q4k_bf16(wb, xt, xsum, y, r0, r1, cols, acc))
+        if (buf != stack) free(buf);
         return 0;
     }
 #endif
 #if defined(DSV41_Q4_VNNI)
     if (type == 12 && gguf_x_mode == X_INT8) {
-        const int64_t blocks = cols / 256;
-        int8_t xq_stack[32 * 256];
-        float dx_stack[32 * 8], xsum_stack[32 * 16];
-        const int small = blocks <= 32;
-        int8_t *xq = small ? xq_stack : (int8_t *)malloc(256 * (size_t)blocks);
-        float *dx = small ? dx_stack : (float *)malloc(sizeof(float) * 8 * (size_t)blocks);
-        float *xsum = small ? xsum_stack : (float *)malloc(sizeof(float) * 16 * (size_t)blocks);
-        if (!xq || !dx || !xsum) {
-            if (!small) {
-                free(xq);
-                free(dx);
-                free(xsum);
-            }
-            return -2;
-        }
-        q4k_int8_x(x, blocks, xq, dx, xsum);
-#pragma omp parallel num_threads(threads)
-        {
-            int64_t r0, r1;
-            thread_rows(rows, &r0, &r1);
-            rows_q4k_int8((const uint8_t *)w, xq, dx, xsum, y, r0, r1, cols, acc);
-        }
-        if (!small) {
-            free(xq);
-            free(dx);
-            free(xsum);
-        }
+        if (!(buf = at = x_scratch(stack, 256 * b256 + 32 * b256 + 64 * b256 + pad))) return -2;
+        int8_t *xq = carve(&at, 256 * b256);
+        float *dx = carve(&at, 32 * b256), *xsum = carve(&at, 64 * b256);
+        q4k_int8_x(x, (int64_t)b256, xq, dx, xsum);
+        ON_ROWS(rows_q4k_int8(wb, xq, dx, xsum, y, r0, r1, cols, acc))
+        if (buf != stack) free(buf);
         return 0;
     }
     if ((type == 2 || type == 3) && gguf_x_mode == X_INT8) {
-        const int64_t blocks = cols / 32, pairs = (blocks + 1) / 2;
-        int8_t xq_stack[256 * 64];
-        float dx_stack[512], xsum_stack[512];
-        const int small = blocks <= 512;
-        int8_t *xq = small ? xq_stack : (int8_t *)malloc((size_t)pairs * 64);
-        float *dx = small ? dx_stack : (float *)malloc(sizeof(float) * (size_t)blocks);
-        float *xsum = small ? xsum_stack : (float *)malloc(sizeof(float) * (size_t)blocks);
-        if (!xq || !dx || !xsum) {
-            if (!small) {
-                free(xq);
-                free(dx);
-                free(xsum);
-            }
-            return -2;
-        }
-        q8_pairs(x, blocks, xq, dx, xsum);
-#pragma omp parallel num_threads(threads)
-        {
-            int64_t r0, r1;
-            thread_rows(rows, &r0, &r1);
-            rows_q4_vnni(type, split, (const uint8_t *)w, xq, dx, xsum, y, r0, r1, cols, acc);
-        }
-        if (!small) {
-            free(xq);
-            free(dx);
-            free(xsum);
-        }
+        const size_t pairs = (b32 + 1) / 2;
+        if (!(buf = at = x_scratch(stack, 64 * pairs + 8 * b32 + pad))) return -2;
+        int8_t *xq = carve(&at, 64 * pairs);
+        float *dx = carve(&at, 4 * b32), *xsum = carve(&at, 4 * b32);
+        q8_pairs(x, (int64_t)b32, xq, dx, xsum);
+        ON_ROWS(rows_q4_vnni(type, split, wb, xq, dx, xsum, y, r0, r1, cols, acc))
+        if (buf != stack) free(buf);
         return 0;
     }
 #endif
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
     if (per == 32) {
-        float stack[512];
-        const int64_t blocks = cols / 32;
-        float *xsum = blocks <= 512 ? stack : (float *)malloc(sizeof(float) * (size_t)blocks);
-        if (!xsum) return -2;
-        for (int64_t b = 0; b < blocks; b++) {
-            float s = 0.f;
-            for (int i = 0; i < 32; i++) s += x[b * 32 + i];
-            xsum[b] = s;
-        }
-        float *xperm = NULL; /* x in the lane order the AVX2 Q4 loop reads nibbles in (rows_small_blocks) */
-#if !defined(__AVX512F__)
-        float perm_stack[4096];
-        xperm = cols <= 4096 ? perm_stack : (float *)malloc(sizeof(float) * (size_t)cols);
-        if (!xperm) {
-            if (xsum != stack) free(xsum);
-            return -2;
-        }
+        const int64_t blocks = (int64_t)b32;
+#if defined(__AVX512F__)
+        if (!(buf = at = x_scratch(stack, 4 * b32 + pad))) return -2;
+        float *xperm = NULL;
+#else /* x in the lane order the AVX2 Q4 loop reads nibbles in (rows_small_blocks) */
+        if (!(buf = at = x_scratch(stack, 4 * b32 + 4 * (size_t)cols + pad))) return -2;
+        float *xperm = carve(&at, 4 * (size_t)cols);
         for (int64_t b = 0; b < blocks; b++)
             for (int j = 0; j < 16; j++) {
                 xperm[b * 32 + j] = x[b * 32 + 4 * (j % 4) + j / 4];
                 xperm[b * 32 + 16 + j] = x[b * 32 + 16 + 4 * (j % 4) + j / 4];
             }
 #endif
-#pragma omp parallel num_threads(threads)
-        {
-            int64_t r0, r1;
-            thread_rows(rows, &r0, &r1);
-#if defined(__AVX512F__)
-            if (type == 8) rows_q8_0(split, (const uint8_t *)w, x, y, r0, r1, cols, acc);
-            else
-#endif
-            rows_small_blocks(type, split, (const uint8_t *)w, x, xsum, xperm, y, r0, r1, cols, acc);
+        float *xsum = carve(&at, 4 * b32);
+        for (int64_t b = 0; b < blocks; b++) {
+            float s = 0.f;
+            for (int i = 0; i < 32; i++) s += x[b * 32 + i];
+            xsum[b] = s;
         }
-        if (xsum != stack) free(xsum);
-#if !defined(__AVX512F__)
-        if (xperm != perm_stack) free(xperm);
+#if defined(__AVX512F__)
+        if (type == 8) ON_ROWS(rows_q8_0(split, wb, x, y, r0, r1, cols, acc))
+        else
 #endif
+        ON_ROWS(rows_small_blocks(type, split, wb, x, xsum, xperm, y, r0, r1, cols, acc))
+        if (buf != stack) free(buf);
         return 0;
     }
-#endif
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
     if (per == 256) {
-        float stack[1024];
         const int64_t n16 = cols / 16;
-        float *xsum = n16 <= 1024 ? stack : (float *)malloc(sizeof(float) * (size_t)n16);
-        if (!xsum) return -2;
+        if (!(buf = at = x_scratch(stack, 4 * (size_t)n16 + pad))) return -2;
+        float *xsum = carve(&at, 4 * (size_t)n16);
         for (int64_t i = 0; i < n16; i++) {
             float t = 0.f;
             for (int k = 0; k < 16; k++) t += x[16 * i + k];
             xsum[i] = t;
         }
-#pragma omp parallel num_threads(threads)
-        {
-            int64_t r0, r1;
-            thread_rows(rows, &r0, &r1);
-            rows_k_blocks(type, (const uint8_t *)w, x, xsum, y, r0, r1, cols, acc);
-        }
-        if (xsum != stack) free(xsum);
+        ON_ROWS(rows_k_blocks(type, wb, x, xsum, y, r0, r1, cols, acc))
+        if (buf != stack) free(buf);
         return 0;
     }
 #endif
-#pragma omp parallel num_threads(threads)
-    {
-        int64_t r0, r1;
-        thread_rows(rows, &r0, &r1);
-        rows_gguf(type, split, (const uint8_t *)w, x, y, r0, r1, cols, acc);
-    }
+    ON_ROWS(rows_gguf(type, split, wb, x, y, r0, r1, cols, acc))
     return 0;
 }
 
