@@ -1650,20 +1650,27 @@ static void rows_k_blocks(int64_t type, const uint8_t *w, const float *x, const 
                 }
                 offset -= 32.f * off;
                 for (int half = 0; half < 2; half++)
-                    for (int l0 = 0; l0 < 32; l0 += 8) {
-                        const __m256i A = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(ql + 64 * half + l0)));
-                        const __m256i B = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(ql + 64 * half + 32 + l0)));
-                        const __m256i H = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qh + 32 * half + l0)));
-                        const __m256i q1 = _mm256_or_si256(_mm256_and_si256(A, m15), _mm256_and_si256(_mm256_slli_epi32(H, 4), m48));
-                        const __m256i q2 = _mm256_or_si256(_mm256_and_si256(B, m15), _mm256_and_si256(_mm256_slli_epi32(H, 2), m48));
-                        const __m256i q3 = _mm256_or_si256(_mm256_srli_epi32(A, 4), _mm256_and_si256(H, m48));
-                        const __m256i q4 = _mm256_or_si256(_mm256_srli_epi32(B, 4), _mm256_and_si256(_mm256_srli_epi32(H, 2), m48));
-                        const float *xq = xb + 128 * half + l0;
+                    for (int l0 = 0; l0 < 32; l0 += 16) { /* a sub-block of 16's dots first, then its scale */
+                        __m256 t[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+                        for (int l = l0; l < l0 + 16; l += 8) {
+                            const __m256i A = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(ql + 64 * half + l)));
+                            const __m256i B = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(ql + 64 * half + 32 + l)));
+                            const __m256i H = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qh + 32 * half + l)));
+                            const __m256i q1 = _mm256_or_si256(_mm256_and_si256(A, m15), _mm256_and_si256(_mm256_slli_epi32(H, 4), m48));
+                            const __m256i q2 = _mm256_or_si256(_mm256_and_si256(B, m15), _mm256_and_si256(_mm256_slli_epi32(H, 2), m48));
+                            const __m256i q3 = _mm256_or_si256(_mm256_srli_epi32(A, 4), _mm256_and_si256(H, m48));
+                            const __m256i q4 = _mm256_or_si256(_mm256_srli_epi32(B, 4), _mm256_and_si256(_mm256_srli_epi32(H, 2), m48));
+                            const float *xq = xb + 128 * half + l;
+                            t[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q1), _mm256_loadu_ps(xq), t[0]);
+                            t[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q2), _mm256_loadu_ps(xq + 32), t[1]);
+                            t[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q3), _mm256_loadu_ps(xq + 64), t[2]);
+                            t[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4), _mm256_loadu_ps(xq + 96), t[3]);
+                        }
                         const int s0 = 8 * half + l0 / 16;
-                        a0 = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q1), _mm256_loadu_ps(xq)), _mm256_set1_ps(ds[s0]), a0);
-                        a1 = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q2), _mm256_loadu_ps(xq + 32)), _mm256_set1_ps(ds[s0 + 2]), a1);
-                        a2 = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q3), _mm256_loadu_ps(xq + 64)), _mm256_set1_ps(ds[s0 + 4]), a2);
-                        a3 = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q4), _mm256_loadu_ps(xq + 96)), _mm256_set1_ps(ds[s0 + 6]), a3);
+                        a0 = _mm256_fmadd_ps(t[0], _mm256_set1_ps(ds[s0]), a0);
+                        a1 = _mm256_fmadd_ps(t[1], _mm256_set1_ps(ds[s0 + 2]), a1);
+                        a2 = _mm256_fmadd_ps(t[2], _mm256_set1_ps(ds[s0 + 4]), a2);
+                        a3 = _mm256_fmadd_ps(t[3], _mm256_set1_ps(ds[s0 + 6]), a3);
                     }
             } else {
                 const float d = f16_to_f32(u16_at(b)), dmin = f16_to_f32(u16_at(b + 2));
@@ -1676,7 +1683,8 @@ static void rows_k_blocks(int64_t type, const uint8_t *w, const float *x, const 
                     mins += (dmin * (float)mn) * (xs[2 * j] + xs[2 * j + 1]);
                 }
                 offset -= mins;
-                for (int c = 0; c < 4; c++)
+                for (int c = 0; c < 4; c++) { /* each sub-block's dot first, then one multiply by its scale */
+                    __m256 tl = _mm256_setzero_ps(), th = _mm256_setzero_ps();
                     for (int k = 0; k < 32; k += 8) {
                         const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 32 * c + k)));
                         __m256i lo = _mm256_and_si256(v, m15), hi = _mm256_srli_epi32(v, 4);
@@ -1686,16 +1694,17 @@ static void rows_k_blocks(int64_t type, const uint8_t *w, const float *x, const 
                             hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi32(_mm256_srl_epi32(h, _mm_cvtsi32_si128(2 * c + 1)), 4), m16));
                         }
                         const float *xc = xb + 64 * c + k;
-                        const __m256 tl = _mm256_mul_ps(_mm256_cvtepi32_ps(lo), _mm256_loadu_ps(xc));
-                        const __m256 th = _mm256_mul_ps(_mm256_cvtepi32_ps(hi), _mm256_loadu_ps(xc + 32));
-                        if (k & 8) {
-                            a2 = _mm256_fmadd_ps(tl, _mm256_set1_ps(ds[2 * c]), a2);
-                            a3 = _mm256_fmadd_ps(th, _mm256_set1_ps(ds[2 * c + 1]), a3);
-                        } else {
-                            a0 = _mm256_fmadd_ps(tl, _mm256_set1_ps(ds[2 * c]), a0);
-                            a1 = _mm256_fmadd_ps(th, _mm256_set1_ps(ds[2 * c + 1]), a1);
-                        }
+                        tl = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_loadu_ps(xc), tl);
+                        th = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_loadu_ps(xc + 32), th);
                     }
+                    if (c & 1) {
+                        a2 = _mm256_fmadd_ps(tl, _mm256_set1_ps(ds[2 * c]), a2);
+                        a3 = _mm256_fmadd_ps(th, _mm256_set1_ps(ds[2 * c + 1]), a3);
+                    } else {
+                        a0 = _mm256_fmadd_ps(tl, _mm256_set1_ps(ds[2 * c]), a0);
+                        a1 = _mm256_fmadd_ps(th, _mm256_set1_ps(ds[2 * c + 1]), a1);
+                    }
+                }
             }
         }
         store(y, r, hsum256(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3))) + offset, acc);
