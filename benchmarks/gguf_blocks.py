@@ -6,7 +6,8 @@ default: ms per step,
 bytes read per step, GB/s, and the share of this machine's read bandwidth (the best of a reduction and a
 matrix-vector product over 1 GiB, as `python -m engine bench` measures it). Medians of 21, interleaved. Also
 the kernels alone: every 576-column Q4_1 matrix of the step joined into one, one call each way (a call per small
-matrix from Python costs about as much as the product itself).
+matrix from Python costs about as much as the product itself); and the k-quants, which the default model does not
+use, on six 4096 x 4096 matrices of random blocks each, in every x mode and on the AVX2 build.
 
 Usage: python -m benchmarks.gguf_blocks [--folder gguf-blocks]      Writes results/<folder>/<folder>.json and .md.
 """
@@ -46,6 +47,43 @@ def held_tensors() -> dict[str, GGUFMatrix]:
 def step_matrices() -> list[GGUFMatrix]:
     """One decode step's matrices as the file holds them (q, k, v, o, gate, up, down per layer, and the LM head)."""
     return [m for name, m in held_tensors().items() if name.startswith("blk.") or name == "token_embd.weight"]
+
+
+def kquant_blocks(name: str, rows: int, cols: int, rng) -> GGUFMatrix:
+    """A matrix of random k-quant blocks (every bit pattern of the integers is a valid block) with finite f16 scales."""
+    import numpy as np
+
+    type_id, per, size = FORMATS[name]
+    raw = rng.integers(0, 256, (rows, cols // per, size), dtype=np.uint8)
+    for offset in {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}[name]:
+        scale = rng.uniform(1e-4, 2e-2, (rows, cols // per)) * rng.choice([-1, 1], (rows, cols // per))
+        raw[:, :, offset:offset + 2] = scale.astype(np.float16).view(np.uint8).reshape(rows, cols // per, 2)
+    return GGUFMatrix(type_id, torch.from_numpy(raw.reshape(rows, -1)), cols)
+
+
+def kquant_variants(avx2) -> dict:
+    """The k-quants (which the default model does not use: its rows of 576 do not divide into blocks of 256) on six
+    4096 x 4096 matrices of random blocks each (more than the caches hold), in every way this build takes x, and on
+    the AVX2 build (float32 x) where this one is AVX-512."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    x, out = torch.randn(4096), torch.empty(4096)
+    variants = {}
+    for name in ("Q4_K", "Q5_K", "Q6_K"):
+        mats = [kquant_blocks(name, 4096, 4096, rng) for _ in range(6)]
+        nbytes = sum(m.nbytes for m in mats)
+
+        def run(mats=mats, mode=None, library=None):
+            with activations(mode or x_mode(), library):
+                for m in mats:
+                    m.matvec(x, out, library=library)
+        for mode in x_modes():
+            variants[f"{name}, six 4096 x 4096 matrices, {mode} x"] = (lambda run=run, mode=mode: run(mode=mode), nbytes)
+        if avx2 is not None:
+            variants[f"{name}, six 4096 x 4096 matrices, the AVX2 build"] = (
+                lambda run=run: run(mode="float32", library=avx2), nbytes)
+    return variants
 
 
 def main(argv=None) -> int:
@@ -93,10 +131,12 @@ def main(argv=None) -> int:
             variants[f"GGUF blocks, Q4 on {mode} x"] = (in_mode(variants[OURS][0], mode), sum(m.nbytes for m in blocks))
             variants[f"one Q4_1 call, {mode} x"] = (in_mode(lambda: joined.matvec(xs[joined.cols], out_joined), mode),
                                                    joined.nbytes)
+    avx2 = None
     if cpu_kernels.load().isa == 512:  # the AVX2 path too (the machines without AVX-512)
         avx2 = cpu_kernels.build(("-mno-avx512f",))
         variants["GGUF blocks, the AVX2 build"] = (
             lambda: [m.matvec(xs[m.cols], outs[m.rows], library=avx2) for m in blocks], sum(m.nbytes for m in blocks))
+    variants.update(kquant_variants(avx2))
     times: dict[str, list[float]] = {name: [] for name in variants}
     for fn, _ in variants.values():
         fn()
