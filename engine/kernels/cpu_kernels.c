@@ -1545,7 +1545,7 @@ static void rows_q6k_bf16(const uint8_t *w, const uint16_t *xt, const float *xsu
  * The rows ahead are streamed into L2 (K_AHEAD bytes ahead). A block's values one at a time (rows_gguf, the
  * build without AVX2) made 1.8 GB/s for Q4_K and 0.6 for Q6_K on 2 cores of an AMD EPYC; these loops 16.0 and 16.5
  * (AVX-512), 12.1 and 11.1 (AVX2, where each sub-block's dot is summed before its one multiply by the scale), and
- * on AVX-512 BF16 the bf16-term kernels below 23.6 and 29.5 (benchmarks/gguf_blocks.py). */
+ * on AVX-512 BF16 the bf16-term kernels above 23.6 and 29.5 (benchmarks/gguf_blocks.py). */
 static void rows_k_blocks(int64_t type, const uint8_t *w, const float *x, const float *xsum, float *y, int64_t r0,
                           int64_t r1, int64_t cols, int acc) {
     const int64_t size = gguf_block_bytes(type), blocks = cols / 256, row_bytes = blocks * size;
