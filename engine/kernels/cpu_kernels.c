@@ -928,14 +928,14 @@ static inline int64_t row_group4(const uint8_t *w, int64_t r, int64_t r1, int64_
 
 #endif
 
-/* Q4_0 / Q4_1 / Q8_0 rows, 32 weights a block: sum_b d_b * (q_b . x_b) [+ m_b * sum(x_b) for Q4_1, - 8 d_b sum(x_b)
- * for Q4_0], the dot of each block's integers with x in float32 lanes, scaled by the block's d into the row's
+/* Q4_0 / Q4_1 rows on float32 x, 32 weights a block: sum_b d_b * (q_b . x_b) [+ m_b * sum(x_b) for Q4_1, - 8 d_b
+ * sum(x_b) for Q4_0], the dot of each block's nibbles with x in float32 lanes, scaled by the block's d into the row's
  * accumulator (the values multiplied are d * q exactly; only the order of the float32 sums differs from
- * multiplying the dequantised row). xsum: x's sum over each block of 32. */
+ * multiplying the dequantised row). xsum: x's sum over each block of 32. Q8_0 has rows_q8_0. */
 static void rows_small_blocks(int64_t type, int split, const uint8_t *w, const float *x, const float *xsum,
                               const float *xperm, float *y, int64_t r0, int64_t r1, int64_t cols, int acc) {
     const int64_t size = gguf_block_bytes(type), blocks = cols / 32, row_bytes = blocks * size;
-    const int q8 = type == 8, with_min = type == 3;
+    const int with_min = type == 3;
     /* block bi's integers at row + q_at + bi * q_step; its d at row + bi * d_step, m (Q4_1) m_at after d */
     const int64_t q_at = split ? blocks * split_scale_bytes(type) : (with_min ? 4 : 2),
                   q_step = split ? size - split_scale_bytes(type) : size, d_step = split ? 2 : size,
@@ -970,10 +970,8 @@ static void rows_small_blocks(int64_t type, int split, const uint8_t *w, const f
                 __m512 d, m;
                 block_scales(rowp[j], c, live, split, with_min, m_at, gather_at, size, &d, &m);
                 _mm512_storeu_ps(scale[j], d);
-                if (!q8) {
-                    if (!with_min) m = _mm512_mul_ps(d, _mm512_set1_ps(-8.f));
-                    extra[j] = _mm512_fmadd_ps(m, _mm512_maskz_loadu_ps(live, xsum + c), extra[j]);
-                }
+                if (!with_min) m = _mm512_mul_ps(d, _mm512_set1_ps(-8.f));
+                extra[j] = _mm512_fmadd_ps(m, _mm512_maskz_loadu_ps(live, xsum + c), extra[j]);
             }
             for (int64_t k = 0; k < nb; k++) {
                 const int64_t bi = c + k;
@@ -983,16 +981,9 @@ static void rows_small_blocks(int64_t type, int split, const uint8_t *w, const f
                 for (int j = 0; j < 4; j++) {
                     const uint8_t *b = rowp[j] + q_at + bi * q_step;
                     _mm_prefetch((const char *)(b + 16 * row_bytes), _MM_HINT_T0); /* four groups of rows ahead */
-                    __m512 t;
-                    if (q8) {
-                        __m128i v0 = _mm_loadu_si128((const __m128i *)b), v1 = _mm_loadu_si128((const __m128i *)(b + 16));
-                        t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v0)), x0);
-                        t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v1)), x1, t);
-                    } else {
-                        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b));
-                        t = _mm512_mul_ps(_mm512_permutexvar_ps(v, iota), x0);
-                        t = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), iota), x1, t);
-                    }
+                    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b));
+                    __m512 t = _mm512_mul_ps(_mm512_permutexvar_ps(v, iota), x0);
+                    t = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), iota), x1, t);
                     a[j] = _mm512_fmadd_ps(t, _mm512_set1_ps(scale[j][k]), a[j]);
                 }
             }
@@ -1018,35 +1009,23 @@ static void rows_small_blocks(int64_t type, int split, const uint8_t *w, const f
             a[j][0] = a[j][1] = _mm256_setzero_ps();
         }
         for (int64_t bi = 0; bi < blocks; bi++) {
-            const float *xb = x + bi * 32;
-            const __m256 x0 = _mm256_loadu_ps(xb), x1 = _mm256_loadu_ps(xb + 8), x2 = _mm256_loadu_ps(xb + 16),
-                         x3 = _mm256_loadu_ps(xb + 24);
+            const float *xp = xperm + bi * 32;
 #pragma GCC unroll 4
             for (int j = 0; j < 4; j++) {
                 const uint8_t *b = rowp[j] + q_at + bi * q_step, *ds = rowp[j] + bi * d_step;
                 _mm_prefetch((const char *)(b + 16 * row_bytes), _MM_HINT_T0); /* four groups of rows ahead */
                 const float dv = f16_load(ds);
                 const __m256 d = _mm256_set1_ps(dv);
-                __m256 t0, t1;
-                if (q8) {
-                    __m128i v0 = _mm_loadu_si128((const __m128i *)b), v1 = _mm_loadu_si128((const __m128i *)(b + 16));
-                    t0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v0)), x0);
-                    t1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v0, 8))), x1);
-                    t0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v1)), x2, t0);
-                    t1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v1, 8))), x3, t1);
-                } else {
-                    const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)b));
-                    const float *xp = xperm + bi * 32;
-                    t0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(v, shift_a), nib)),
-                                       _mm256_loadu_ps(xp));
-                    t1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(v, shift_b), nib)),
-                                       _mm256_loadu_ps(xp + 8));
-                    t0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(v, shift_a4), nib)),
-                                         _mm256_loadu_ps(xp + 16), t0);
-                    t1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(v, shift_b4), nib)),
-                                         _mm256_loadu_ps(xp + 24), t1);
-                    extra[j] += (with_min ? f16_load(ds + m_at) : -8.f * dv) * xsum[bi];
-                }
+                const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)b));
+                __m256 t0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(v, shift_a), nib)),
+                                          _mm256_loadu_ps(xp));
+                __m256 t1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(v, shift_b), nib)),
+                                          _mm256_loadu_ps(xp + 8));
+                t0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(v, shift_a4), nib)),
+                                     _mm256_loadu_ps(xp + 16), t0);
+                t1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(v, shift_b4), nib)),
+                                     _mm256_loadu_ps(xp + 24), t1);
+                extra[j] += (with_min ? f16_load(ds + m_at) : -8.f * dv) * xsum[bi];
                 a[j][0] = _mm256_fmadd_ps(t0, d, a[j][0]);
                 a[j][1] = _mm256_fmadd_ps(t1, d, a[j][1]);
             }
@@ -1075,8 +1054,8 @@ static inline __m512 k_scales_mins(const uint8_t *b) {
 #endif
 
 #if defined(__AVX512F__)
-/* Q8_0 rows as rows_small_blocks multiplies them (the same operations in the same order), four at a time, with the
- * rows ahead streamed into L2 (group_stream): the loop of a Q8_0 product waits on memory, the Q4 loop of
+/* Q8_0 rows, 32 weights a block: sum_b d_b (q_b . x_b), the int8 integers widened to float32 lanes, four rows at a
+ * time, the rows ahead streamed into L2 (group_stream): the loop of a Q8_0 product waits on memory, the Q4 loop of
  * rows_small_blocks on its instructions (sharing one loop, the stream cost that one 8 %). */
 static void rows_q8_0(int split, const uint8_t *w, const float *x, float *y, int64_t r0, int64_t r1, int64_t cols,
                       int acc) {
@@ -1115,8 +1094,8 @@ static void rows_q8_0(int split, const uint8_t *w, const float *x, float *y, int
     }
 }
 #elif defined(__AVX2__) && defined(__FMA__)
-/* The same on AVX2: rows_small_blocks' AVX2 Q8_0 operations in the same order, the rows ahead streamed into L2 (the
- * default model's head 1.3-1.6 -> 1.0 ms; the Q4 loop there is bound by its instructions and kept its prefetch). */
+/* The same on AVX2, 8 lanes (the default model's head 1.6 -> 1.0 ms with the stream into L2 in place of per-row
+ * prefetches into L1; the Q4 loop there is bound by its instructions and keeps its per-row prefetch). */
 static void rows_q8_0(int split, const uint8_t *w, const float *x, float *y, int64_t r0, int64_t r1, int64_t cols,
                       int acc) {
     const int64_t blocks = cols / 32, row_bytes = blocks * 34, q_at = split ? 2 * blocks : 2, q_step = split ? 32 : 34,
@@ -1890,6 +1869,10 @@ int dsv41_mv_gguf(int64_t type, const void *w, const float *x, float *y, int64_t
     }
 #endif
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+    if (type == 8) {
+        ON_ROWS(rows_q8_0(split, wb, x, y, r0, r1, cols, acc))
+        return 0;
+    }
     if (per == 32) {
         const int64_t blocks = (int64_t)b32;
 #if defined(__AVX512F__)
@@ -1910,8 +1893,7 @@ int dsv41_mv_gguf(int64_t type, const void *w, const float *x, float *y, int64_t
             for (int i = 0; i < 32; i++) s += x[b * 32 + i];
             xsum[b] = s;
         }
-        if (type == 8) ON_ROWS(rows_q8_0(split, wb, x, y, r0, r1, cols, acc))
-        else ON_ROWS(rows_small_blocks(type, split, wb, x, xsum, xperm, y, r0, r1, cols, acc))
+        ON_ROWS(rows_small_blocks(type, split, wb, x, xsum, xperm, y, r0, r1, cols, acc))
         if (buf != stack) free(buf);
         return 0;
     }
