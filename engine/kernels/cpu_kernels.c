@@ -1815,7 +1815,7 @@ int dsv41_mv_gguf(int64_t type, const void *w, const float *x, float *y, int64_t
     const size_t b32 = (size_t)(cols / 32), b256 = (size_t)(cols / 256), pad = 4 * 64;
     _Alignas(64) char stack[X_STACK];
     char *buf, *at;
-    (void)b32, (void)b256, (void)pad, (void)stack, (void)buf, (void)at, (void)wb;
+    (void)b32, (void)b256, (void)pad, (void)stack, (void)buf, (void)at; /* unused in a build without AVX2 */
 #if defined(DSV41_Q4_BF16)
     if ((type == 2 || type == 3) && split && gguf_x_mode == X_BF16) {
         const size_t groups = (b32 + 3) / 4;
