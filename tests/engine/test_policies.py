@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from engine.cache import CacheSettings, DSV41Cache, policies
-from engine.cache.budget import plan_compaction
+from engine.cache.budget import largest, plan_compaction, plan_compactions
 from engine.cache.storage import LayerKV
 from engine.config import KNOBS
 
@@ -115,3 +115,32 @@ def test_a_policy_without_the_fused_form_sends_every_layer_back_to_python(monkey
     cache.begin_forward(1, prefill=False)
     plan = cache.fused_plan()
     assert plan.by_python == [False, False] and plan.score and plan.decay == settings.ced_decay
+
+
+def _topk_mask(x: torch.Tensor, count: int) -> torch.Tensor:
+    return torch.zeros_like(x, dtype=torch.bool).scatter_(-1, x.topk(count, dim=-1).indices, True)
+
+
+def test_a_compaction_keeps_the_entries_topk_keeps():
+    """largest (one selection and a comparison) keeps what topk keeps: on distinct values, on values that tie at the
+    boundary (where topk's own choice is taken), with NaN among them, and at the edges of count; and a plan of many
+    layers is the plan of each alone, the sinks and recent window kept."""
+    g = torch.Generator().manual_seed(3)
+    for m, count in ((2714, 2449), (1000, 300), (37, 1), (37, 36)):
+        x = torch.rand(5, 3, m, generator=g)
+        assert torch.equal(largest(x, count), _topk_mask(x, count))
+    ties = torch.randint(0, 4, (4, 3, 500), generator=g).float()
+    assert torch.equal(largest(ties, 123), _topk_mask(ties, 123))
+    nan = torch.rand(3, 200, generator=g)
+    nan[1, 5] = float("nan")
+    assert torch.equal(largest(nan, 50), _topk_mask(nan, 50))
+    assert not largest(nan, 0).any() and largest(nan, 200).all()
+    ranks = [torch.rand(3, 300, generator=g) for _ in range(4)]
+    plans = plan_compactions(ranks, 100, sink=4, recent=16, threshold=0.0)
+    for rank, plan in zip(ranks, plans, strict=True):
+        alone = plan_compaction(rank, 100, sink=4, recent=16, threshold=0.0)
+        assert torch.equal(plan.keep, alone.keep) and torch.equal(plan.drop, alone.drop)
+        top = rank[:, 4:284].topk(80, dim=-1).indices.sort(dim=-1).values + 4
+        assert torch.equal(plan.kept_unprotected, top)
+        assert torch.equal(plan.keep, torch.cat([torch.arange(4).expand(3, -1), top, torch.arange(284, 300).expand(3, -1)], 1))
+        assert torch.equal(torch.sort(torch.cat([plan.keep, plan.drop], 1), dim=1).values, torch.arange(300).expand(3, -1))
