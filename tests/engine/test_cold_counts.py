@@ -300,6 +300,40 @@ def test_the_kept_bucket_sizes_follow_the_entries_that_come_and_go(hot_dtype, in
     assert cold.length == 0 and cold.bucket_sizes is None
 
 
+def test_the_bucket_sizes_are_built_between_turns_not_before_a_replys_second_token(monkeypatch):
+    """Where they pay, the cold tier's bucket sizes exist once a turn has ended (its compaction sent entries cold), so
+    the next follow-up's counts, after its first reply token, only hash the hot set; the same sizes a count would
+    build. Not where the counts are off, and not for a tier too small to count."""
+    monkeypatch.setattr(counts_module, "BUCKET_SIZES_SHARE", 0)  # they pay whatever the tier's size
+    cache = _cache()
+    cache.start_prefill(64, 8, None)
+    _forward(cache, 64, seed=3)
+    cache.finish_prefill(answer_follows=True)
+    if cache_ops.load() is None:
+        pytest.skip("the C kernels are not available here")
+    _forward(cache, 1, seed=10)
+    assert all(cold.bucket_sizes is None for cold in cache.cold)  # nothing is cold before the turn's compaction
+    cache.finish_turn()
+    assert all(cold.length and cold.bucket_sizes is not None for cold in cache.cold)
+    assert all(torch.equal(cold.bucket_sizes, _rebuilt(cold)) for cold in cache.cold)
+    calls = []
+    monkeypatch.setattr(cache_ops, "lsh_tally", lambda *a, **k: calls.append(a) or False)
+    for cold in cache.cold:
+        assert cold.buckets() is cold.bucket_sizes  # kept: a count builds nothing
+    assert not calls
+    monkeypatch.undo()
+    monkeypatch.setattr(counts_module, "BUCKET_SIZES_SHARE", 0)
+    for off in ({"counts": False}, {"too_small": True}):
+        other = _cache()
+        monkeypatch.setattr(kv_cache, "COUNT_COLD", "counts" not in off)
+        monkeypatch.setattr(kv_cache, "COUNT_COLD_MIN", 10_000 if "too_small" in off else 1)
+        other.start_prefill(64, 8, None)
+        _forward(other, 64, seed=3)
+        other.finish_prefill(answer_follows=True)
+        other.finish_turn()
+        assert all(cold.length and cold.bucket_sizes is None for cold in other.cold)
+
+
 def test_bucket_sizes_are_kept_only_where_they_pay():
     """At most 1 / BUCKET_SIZES_SHARE of the cold entries' bytes: a small tier hashes its keys at each count, a large
     one keeps the sizes, and counts them in its bytes (the memory panel's cold line)."""
