@@ -6,7 +6,7 @@ import torch
 from engine import ConfigError, GenerationSettings
 from engine.detokenizer import IncrementalDetokenizer
 from engine.generate import _chunk_bounds, _cut_at_stop, _held_back
-from engine.sampling import apply_repetition_penalty, logits_to_probs, sample
+from engine.sampling import apply_repetition_penalty, logits_to_probs, sample, sample_tensor
 
 
 def test_top_k_and_top_p_keep_only_the_head():
@@ -53,6 +53,24 @@ def test_seeded_sampling_is_reproducible():
               for _ in range(1)] for _ in range(3)]
     assert draws[0] == draws[1] == draws[2]
     assert sample(logits, GenerationSettings(greedy=True), torch.tensor([], dtype=torch.long), None) == int(logits.argmax())
+
+
+def test_greedy_takes_the_first_maximum_on_every_path():
+    """Greedy is the first largest logit (numpy's argmax on CPU float32 logits, torch's elsewhere), ties and NaN
+    included, after the repetition penalty, as a one-element long tensor."""
+    no_ids = torch.tensor([], dtype=torch.long)
+    greedy = GenerationSettings(greedy=True)
+    logits = torch.tensor([0.5, 3.0, -1.0, 3.0, 2.0])
+    for values in (logits, logits.double(), logits[::1].clone().as_strided((3,), (2,))):
+        token = sample_tensor(values, greedy, no_ids, None)
+        assert token.dtype == torch.long and token.shape == (1,) and int(token) == int(torch.argmax(values))
+    assert int(sample_tensor(logits, greedy, no_ids, None)) == 1  # the first of two equal maxima
+    assert int(sample_tensor(torch.tensor([1.0, float("nan"), 5.0]), greedy, no_ids, None)) == 1
+    penalised = GenerationSettings(greedy=True, repetition_penalty=2.0)
+    assert int(sample_tensor(torch.tensor([3.0, 2.0, 1.0]), penalised, torch.tensor([0]), None)) == 1
+    with torch.inference_mode():  # the decode loop's logits are inference tensors
+        big = torch.randn(49152, generator=torch.Generator().manual_seed(2))
+        assert int(sample_tensor(big, greedy, no_ids, None)) == int(torch.argmax(big))
 
 
 def test_generation_settings_are_validated():
