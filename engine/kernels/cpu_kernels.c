@@ -1053,6 +1053,26 @@ static inline __m512 k_scales_mins(const uint8_t *b) {
 }
 #endif
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+/* k_scales_mins on 8 lanes: a Q4_K / Q5_K block's d sc_j into *ds and dmin m_j into *dm, j = 0..7, the same float32
+ * products as k_scale_min's (bytes 12-15 of the load are not used). The AVX2 k-quant loop spent as long unpacking
+ * them a value at a time as on its products. */
+static inline void k_scales_mins8(const uint8_t *b, __m256 *ds, __m256 *dm) {
+    const __m128i raw = _mm_loadu_si128((const __m128i *)(b + 4));
+    const __m256i s07 = _mm256_cvtepu8_epi32(raw), s815 = _mm256_cvtepu8_epi32(_mm_srli_si128(raw, 8));
+    const __m256i lo4 = _mm256_set_epi32(15, 15, 15, 15, 63, 63, 63, 63);
+    /* sc_j: j < 4 s_j & 63; else (s_{j+4} & 15) | (s_{j-4} >> 6) << 4 */
+    const __m256i sc = _mm256_or_si256(_mm256_and_si256(_mm256_permute2x128_si256(s07, s815, 0x20), lo4),
+                                       _mm256_slli_epi32(_mm256_srli_epi32(_mm256_permute2x128_si256(s07, s07, 0x08), 6), 4));
+    /* m_j: j < 4 s_{j+4} & 63; else s_{j+4} >> 4 | (s_j >> 6) << 4 */
+    const __m256i mn = _mm256_or_si256(
+        _mm256_and_si256(_mm256_srlv_epi32(_mm256_permute2x128_si256(s07, s815, 0x21), _mm256_set_epi32(4, 4, 4, 4, 0, 0, 0, 0)), lo4),
+        _mm256_slli_epi32(_mm256_srli_epi32(_mm256_permute2x128_si256(s07, s07, 0x18), 6), 4));
+    *ds = _mm256_mul_ps(_mm256_set1_ps(f16_to_f32(u16_at(b))), _mm256_cvtepi32_ps(sc));
+    *dm = _mm256_mul_ps(_mm256_set1_ps(f16_to_f32(u16_at(b + 2))), _mm256_cvtepi32_ps(mn));
+}
+#endif
+
 #if defined(__AVX512F__)
 /* Q8_0 rows, 32 weights a block: sum_b d_b (q_b . x_b), the int8 integers widened to float32 lanes, four rows at a
  * time, the rows ahead streamed into L2 (group_stream): the loop of a Q8_0 product waits on memory, the Q4 loop of
@@ -1561,8 +1581,11 @@ static void rows_q6k_bf16(const uint8_t *w, const uint16_t *xt, const float *xsu
  *                against xsum the same way.
  * The rows ahead are streamed into L2 (K_AHEAD bytes ahead). A block's values one at a time (rows_gguf, the
  * build without AVX2) made 1.8 GB/s for Q4_K and 0.6 for Q6_K on 2 cores of an AMD EPYC; these loops 16.0 and 16.5
- * (AVX-512), 12.1 and 11.1 (AVX2, where each sub-block's dot is summed before its one multiply by the scale), and
- * on AVX-512 BF16 the bf16-term kernels above 23.6 and 29.5 (benchmarks/gguf_blocks.py). */
+ * (AVX-512), and on AVX-512 BF16 the bf16-term kernels above 23.6 and 29.5 (benchmarks/gguf_blocks.py). On AVX2 each
+ * sub-block's dot is summed before its one multiply by the scale, and a block's scales and minimums (Q4_K, Q5_K:
+ * k_scales_mins8) or scales (Q6_K) are unpacked and multiplied on 8 lanes, their minimum / -32 terms kept in a
+ * vector to the row's end: unpacked a value at a time they took as long as the products (Q4_K / Q5_K / Q6_K 12.1 /
+ * 8.6 / 11.1 GB/s then, 17.2 / 13.1 / 17.8 after, the two builds taking turns in one process). */
 static void rows_k_blocks(int64_t type, const uint8_t *w, const float *x, const float *xsum, float *y, int64_t r0,
                           int64_t r1, int64_t cols, int acc) {
     const int64_t size = gguf_block_bytes(type), blocks = cols / 256, row_bytes = blocks * size;
@@ -1653,7 +1676,7 @@ static void rows_k_blocks(int64_t type, const uint8_t *w, const float *x, const 
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t *row = w + r * row_bytes;
         __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-        float offset = 0.f;
+        __m256 off = _mm256_setzero_ps(), mins = _mm256_setzero_ps(); /* Q6_K's -32 terms / 32, the minimum terms */
         for (int64_t bi = 0; bi < blocks; bi++) {
             const uint8_t *b = row + bi * size;
             const float *xb = x + bi * 256, *xs = xsum + bi * 16;
@@ -1661,13 +1684,13 @@ static void rows_k_blocks(int64_t type, const uint8_t *w, const float *x, const 
             if (type == 14) {
                 const uint8_t *ql = b, *qh = b + 128;
                 const int8_t *sc = (const int8_t *)(b + 192);
-                const float d = f16_to_f32(u16_at(b + 208));
-                float ds[16], off = 0.f;
-                for (int i = 0; i < 16; i++) {
-                    ds[i] = d * (float)sc[i];
-                    off += ds[i] * xs[i];
-                }
-                offset -= 32.f * off;
+                const __m256 d = _mm256_set1_ps(f16_to_f32(u16_at(b + 208)));
+                float ds[16];
+                const __m256 d0 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)sc))));
+                const __m256 d1 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sc + 8)))));
+                _mm256_storeu_ps(ds, d0);
+                _mm256_storeu_ps(ds + 8, d1);
+                off = _mm256_fmadd_ps(d0, _mm256_loadu_ps(xs), _mm256_fmadd_ps(d1, _mm256_loadu_ps(xs + 8), off));
                 for (int half = 0; half < 2; half++)
                     for (int l0 = 0; l0 < 32; l0 += 16) { /* a sub-block of 16's dots first, then its scale */
                         __m256 t[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
@@ -1692,25 +1715,28 @@ static void rows_k_blocks(int64_t type, const uint8_t *w, const float *x, const 
                         a3 = _mm256_fmadd_ps(t[3], _mm256_set1_ps(ds[s0 + 6]), a3);
                     }
             } else {
-                const float d = f16_to_f32(u16_at(b)), dmin = f16_to_f32(u16_at(b + 2));
-                const uint8_t *scales = b + 4, *qh = b + 16, *qs = b + (type == 13 ? 48 : 16);
-                float ds[8], mins = 0.f;
-                for (int j = 0; j < 8; j++) {
-                    int sc, mn;
-                    k_scale_min(scales, j, &sc, &mn);
-                    ds[j] = d * (float)sc;
-                    mins += (dmin * (float)mn) * (xs[2 * j] + xs[2 * j + 1]);
-                }
-                offset -= mins;
+                const uint8_t *qh = b + 16, *qs = b + (type == 13 ? 48 : 16);
+                float ds[8];
+                __m256 dsv, dmv;
+                k_scales_mins8(b, &dsv, &dmv);
+                _mm256_storeu_ps(ds, dsv);
+                /* x's sums over each sub-block of 32: pairs of its sums over 16, in sub-block order */
+                const __m256 pairs = _mm256_permutevar8x32_ps(_mm256_hadd_ps(_mm256_loadu_ps(xs), _mm256_loadu_ps(xs + 8)),
+                                                              _mm256_set_epi32(7, 6, 3, 2, 5, 4, 1, 0));
+                mins = _mm256_fmadd_ps(dmv, pairs, mins);
+                __m256i hb[4]; /* Q5_K: qh widened once a block, each byte's bit 2c + 1 moved to bit 4 (<< 3 - 2c) */
+                if (type == 13)
+                    for (int k = 0; k < 4; k++)
+                        hb[k] = _mm256_slli_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qh + 8 * k))), 4);
                 for (int c = 0; c < 4; c++) { /* each sub-block's dot first, then one multiply by its scale */
                     __m256 tl = _mm256_setzero_ps(), th = _mm256_setzero_ps();
                     for (int k = 0; k < 32; k += 8) {
                         const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 32 * c + k)));
                         __m256i lo = _mm256_and_si256(v, m15), hi = _mm256_srli_epi32(v, 4);
-                        if (type == 13) {
-                            const __m256i h = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qh + k)));
-                            lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi32(_mm256_srl_epi32(h, _mm_cvtsi32_si128(2 * c)), 4), m16));
-                            hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi32(_mm256_srl_epi32(h, _mm_cvtsi32_si128(2 * c + 1)), 4), m16));
+                        if (type == 13) { /* bit 2c of qh[i] is weight i's fifth bit in sub-block 2c, bit 2c + 1 in 2c + 1 */
+                            const __m256i h = _mm256_srl_epi32(hb[k / 8], _mm_cvtsi32_si128(2 * c));
+                            lo = _mm256_or_si256(lo, _mm256_and_si256(h, m16));
+                            hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_srli_epi32(h, 1), m16));
                         }
                         const float *xc = xb + 64 * c + k;
                         tl = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_loadu_ps(xc), tl);
@@ -1726,7 +1752,8 @@ static void rows_k_blocks(int64_t type, const uint8_t *w, const float *x, const 
                 }
             }
         }
-        store(y, r, hsum256(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3))) + offset, acc);
+        const __m256 terms = _mm256_fmadd_ps(_mm256_set1_ps(-32.f), off, _mm256_sub_ps(_mm256_add_ps(a0, a1), mins));
+        store(y, r, hsum256(_mm256_add_ps(terms, _mm256_add_ps(a2, a3))), acc);
     }
 #endif
 }
