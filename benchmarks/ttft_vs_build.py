@@ -1,11 +1,15 @@
-"""Follow-up TTFT against another build of this engine, follow-up by follow-up: three chats at hot ratio 0.3, the
-other build's discarding chat (cold tier off), this build's discarding chat and this build's tiered chat, each in
-its own process (one computing at a time), take turns question by question on the cases of benchmarks/followups.py
-(six fact sets, each in two orders: 36 follow-ups), so a machine whose speed drifts slows the three alike. The other
-build is a checkout of this repository at another commit (`git worktree add /tmp/before <commit>`). Writes
-<out>/ttft_vs_build.json and .md: medians and, per follow-up, each chat's TTFT over the other build's.
+"""Follow-ups against another build of this engine, follow-up by follow-up: chats at hot ratio 0.3, the other
+build's discarding chat (cold tier off; with `--before-tier`, its tiered chat too), this build's discarding chat and
+this build's tiered chat, each in its own process (one computing at a time), take turns question by question on the
+cases of benchmarks/followups.py (six fact sets, each in two orders: 36 follow-ups), so a machine whose speed drifts
+slows them alike. The other build is a checkout of this repository at another commit (`git worktree add /tmp/before
+<commit>`). Writes <out>/ttft_vs_build.json and .md: per chat the median TTFT, the median of each follow-up's TTFT
+over the other build's discarding chat's, the median decode speed of the replies (at most 24 tokens: tokens after
+the first over the time to the last, which holds the work between the first reply token and the second), and
+whether its answers are the other build's tiered chat's (with --before-tier).
 
-Usage: python -m benchmarks.ttft_vs_build --before /tmp/before [--words 1280] [--out results/followups-ttft/vs-build/2k]
+Usage: python -m benchmarks.ttft_vs_build --before /tmp/before [--words 1280] [--before-tier]
+                                           [--out results/followups-ttft/vs-build/2k]
 """
 
 from __future__ import annotations
@@ -50,7 +54,8 @@ def worker(tier: str, ratio: float) -> None:
             print(json.dumps({"ttft_s": done.stats.ttft_s}), flush=True)
         elif command[0] == "next":
             done = ask(session, questions.pop(0))
-            print(json.dumps({"ttft_s": done.stats.ttft_s, "answer": done.text}), flush=True)
+            print(json.dumps({"ttft_s": done.stats.ttft_s, "decode_tok_s": done.stats.decode_tok_s, "answer": done.text}),
+                  flush=True)
 
 
 def _commit(path: Path) -> str:
@@ -63,11 +68,14 @@ def main(argv=None) -> None:
     parser.add_argument("--before", required=True, help="a checkout of this repository at the other commit")
     parser.add_argument("--words", type=int, default=1280)
     parser.add_argument("--ratio", type=float, default=0.3)
+    parser.add_argument("--before-tier", action="store_true", help="the other build's tiered chat too")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     here = Path(__file__).resolve().parents[1]
     before = Path(args.before).resolve()
     chats = {"before, discarding": (before, "off"), "now, discarding": (here, "off"), "now, tier": (here, "ram")}
+    if args.before_tier:
+        chats = {"before, discarding": (before, "off"), "before, tier": (before, "ram"), **chats}
     procs = {}
     for name, (root, tier) in chats.items():
         procs[name] = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--worker", tier, str(args.ratio)],
@@ -85,6 +93,8 @@ def main(argv=None) -> None:
         return json.loads(line)
 
     ttft = {name: [] for name in procs}
+    decode = {name: [] for name in procs}
+    answers = {name: [] for name in procs}
     from benchmarks.followup_cases import FACT_SETS
 
     for index in range(len(FACT_SETS)):
@@ -93,7 +103,10 @@ def main(argv=None) -> None:
                 call(proc, f"case {args.words} {index} {reverse}")
             for _ in range(3):
                 for name, proc in procs.items():
-                    ttft[name].append(call(proc, "next")["ttft_s"])
+                    got = call(proc, "next")
+                    ttft[name].append(got["ttft_s"])
+                    decode[name].append(got.get("decode_tok_s"))
+                    answers[name].append(got.get("answer"))
     for proc in procs.values():
         proc.stdin.close()
         proc.wait()
@@ -101,17 +114,28 @@ def main(argv=None) -> None:
     from .common import machine
 
     payload = {"machine": machine(), "words": args.words, "ratio": args.ratio, "before_commit": _commit(before),
-               "now_commit": _commit(here), "ttft_s": ttft,
+               "now_commit": _commit(here), "ttft_s": ttft, "decode_tok_s": decode, "answers": answers,
                "median_ms": {n: 1000 * statistics.median(v) for n, v in ttft.items()},
                "median_ratio_to_before": {n: statistics.median(a / b for a, b in zip(v, base, strict=True))
-                                          for n, v in ttft.items()}}
+                                          for n, v in ttft.items()},
+               "median_decode_tok_s": {n: statistics.median(x for x in v if x) if any(v) else None
+                                       for n, v in decode.items()}}
+    if "before, tier" in answers:
+        payload["same_answers_as_before_tier"] = sum(a == b for a, b in zip(answers["now, tier"], answers["before, tier"],
+                                                                           strict=True))
     out = Path(args.out or here / "results" / "followups-ttft" / "vs-build" / f"{args.words}w")
     out.mkdir(parents=True, exist_ok=True)
     (out / "ttft_vs_build.json").write_text(json.dumps(payload, indent=1))
     lines = [f"Follow-up TTFT at ratio {args.ratio}, {args.words}-word documents, {len(base)} follow-ups taking turns; "
              f"before = {payload['before_commit']}, now = {payload['now_commit']}", "",
-             "| chat | median TTFT | median ratio to before, discarding |", "|---|---|---|"]
-    lines += [f"| {n} | {payload['median_ms'][n]:.0f} ms | {payload['median_ratio_to_before'][n]:.2f}x |" for n in ttft]
+             "| chat | median TTFT | median ratio to before, discarding | median decode of the replies |",
+             "|---|---|---|---|"]
+    lines += [f"| {n} | {payload['median_ms'][n]:.0f} ms | {payload['median_ratio_to_before'][n]:.2f}x | "
+              + (f"{payload['median_decode_tok_s'][n]:.1f} tok/s |" if payload["median_decode_tok_s"][n] else "— |")
+              for n in ttft]
+    if "same_answers_as_before_tier" in payload:
+        lines += ["", f"This build's tiered chat gave the other build's tiered answer to "
+                      f"{payload['same_answers_as_before_tier']} of {len(base)} follow-ups."]
     (out / "ttft_vs_build.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
