@@ -1581,7 +1581,7 @@ static void rows_q6k_bf16(const uint8_t *w, const uint16_t *xt, const float *xsu
  *                against xsum the same way.
  * The rows ahead are streamed into L2 (K_AHEAD bytes ahead). A block's values one at a time (rows_gguf, the
  * build without AVX2) made 1.8 GB/s for Q4_K and 0.6 for Q6_K on 2 cores of an AMD EPYC; these loops 16.0 and 16.5
- * (AVX-512), and on AVX-512 BF16 the bf16-term kernels above 23.6 and 29.5 (benchmarks/gguf_blocks.py). On AVX2 each
+ * (AVX-512), and on AVX-512 BF16 the bf16-term kernels above 23.9 and 29.9 (benchmarks/gguf_blocks.py). On AVX2 each
  * sub-block's dot is summed before its one multiply by the scale, and a block's scales and minimums (Q4_K, Q5_K:
  * k_scales_mins8) or scales (Q6_K) are unpacked and multiplied on 8 lanes, their minimum / -32 terms kept in a
  * vector to the row's end: unpacked a value at a time they took as long as the products (Q4_K / Q5_K / Q6_K 12.1 /
