@@ -1422,23 +1422,39 @@ static void rows_q4_bf16(int64_t type, const uint8_t *w, const uint16_t *xt, con
  * match once per product (q4k_bf16_terms): 256 words per 128 weights, [term][nibble][word]. About half the
  * instructions of rows_k_blocks' float path. */
 #define Q4K_GROUP 256
+/* 32 consecutive values of x as their two bf16 terms, each split into its even and odd elements: [0] the hi terms'
+ * even elements in words 0-15, odd ones in 16-31, [1] the lo terms' alike; returns their sum as the terms carry it. */
+static inline float bf16_terms_split(const float *x, __m512i *terms) {
+    static const int16_t even_odd[32] = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30,
+                                         1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+    const __m512i order = _mm512_loadu_si512(even_odd);
+    const __m512 a = _mm512_loadu_ps(x), c = _mm512_loadu_ps(x + 16);
+    const __m512i hi = (__m512i)_mm512_cvtne2ps_pbh(c, a);
+    const __m512 ah = bf16_half_to_ps(_mm512_castsi512_si256(hi)), ch = bf16_half_to_ps(_mm512_extracti64x4_epi64(hi, 1));
+    const __m512i lo = (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(c, ch), _mm512_sub_ps(a, ah));
+    terms[0] = _mm512_permutexvar_epi16(order, hi);
+    terms[1] = _mm512_permutexvar_epi16(order, lo);
+    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(ah, ch), _mm512_add_ps(
+        bf16_half_to_ps(_mm512_castsi512_si256(lo)), bf16_half_to_ps(_mm512_extracti64x4_epi64(lo, 1)))));
+}
+
+/* x's terms as rows_k4_bf16 reads them: group g = 2 b + p (half p of block b), [term][j][k]: word k of vector j holds
+ * x[b, sub, at], sub = 2 chunk + (j & 1), chunk = 2 p + (k >= 16), at = 2 (k % 16) + (j >= 2); so each sub-block's
+ * even elements are one half of vector j & 1, its odd ones of vector 2 + (j & 1). xsum[b][8 + sub] the sub-block's
+ * sum as the terms carry it, xsum[b][sub] that times `offset` (against d sc: 16 for Q4_K, 32 for Q5_K). */
 static void q4k_bf16_terms(const float *x, int64_t blocks, uint16_t *xt, float *xsum, float offset) {
-    for (int64_t i = 0; i < blocks * 16; i++) xsum[i] = 0.f;
-    for (int64_t g = 0; g < blocks * 2; g++) {
-        const int64_t b = g / 2, p = g % 2;
-        uint16_t *out = xt + g * Q4K_GROUP;
-        for (int j = 0; j < 4; j++)
-            for (int k = 0; k < 32; k++) {
-                const int64_t chunk = 2 * p + (k >= 16), sub = 2 * chunk + (j & 1), at = 2 * (k % 16) + (j >= 2);
-                const float v = x[b * 256 + sub * 32 + at];
-                const uint16_t hi = f32_to_bf16(v), lo = f32_to_bf16(v - bf16_to_f32(hi));
-                out[j * 32 + k] = hi;
-                out[128 + j * 32 + k] = lo;
-                xsum[b * 16 + 8 + sub] += bf16_to_f32(hi) + bf16_to_f32(lo);
-            }
-    }
     for (int64_t b = 0; b < blocks; b++)
-        for (int j = 0; j < 8; j++) xsum[b * 16 + j] = offset * xsum[b * 16 + 8 + j]; /* against d sc_j: 16 / 32 */
+        for (int sub = 0; sub < 8; sub++) {
+            __m512i t[2];
+            const float sum = bf16_terms_split(x + b * 256 + sub * 32, t);
+            xsum[b * 16 + 8 + sub] = sum;
+            xsum[b * 16 + sub] = offset * sum;
+            uint16_t *out = xt + (2 * b + sub / 4) * Q4K_GROUP + ((sub >> 1) & 1) * 16;
+            for (int term = 0; term < 2; term++) {
+                _mm256_storeu_si256((__m256i *)(out + 128 * term + (sub & 1) * 32), _mm512_castsi512_si256(t[term]));
+                _mm256_storeu_si256((__m256i *)(out + 128 * term + (2 + (sub & 1)) * 32), _mm512_extracti64x4_epi64(t[term], 1));
+            }
+        }
 }
 
 /* five: Q5_K (its fifth bits from qh: bit j of qh[i] for weight i of sub-block j; each q becomes bf16 32 + q, the
@@ -1511,22 +1527,26 @@ static void rows_q5k_bf16(const uint8_t *w, const uint16_t *xt, const float *xsu
  * sums of x over 16 as the terms carry them. */
 #define Q6K_HALF 256
 static void q6k_bf16_terms(const float *x, int64_t blocks, uint16_t *xt, float *xsum) {
-    for (int64_t i = 0; i < blocks * 16; i++) xsum[i] = 0.f;
-    for (int64_t g = 0; g < blocks * 2; g++) {
-        const int64_t b = g / 2, h = g % 2;
-        uint16_t *out = xt + g * Q6K_HALF;
-        for (int n = 0; n < 4; n++)
-            for (int w = 0; w < 32; w++) {
-                const int quarter = (w >= 16 ? 1 : 0) + (n & 1 ? 2 : 0), l = 2 * (w % 16) + (n >= 2);
-                const int64_t t = 128 * h + 32 * quarter + l;
-                const float v = x[b * 256 + t];
-                const uint16_t hi = f32_to_bf16(v), lo = f32_to_bf16(v - bf16_to_f32(hi));
-                out[n * 32 + w] = hi;
-                out[128 + n * 32 + w] = lo;
-                xsum[b * 16 + t / 16] += bf16_to_f32(hi) + bf16_to_f32(lo);
+    /* half h of block b, its quarter q (32 values): vector n = (q >> 1) (+ 2 for the odd elements), words
+     * (q & 1) * 16 ..; xsum per sub-block of 16, times 64 + 32 */
+    for (int64_t b = 0; b < blocks; b++)
+        for (int h = 0; h < 2; h++)
+            for (int q = 0; q < 4; q++) {
+                const float *v = x + b * 256 + 128 * h + 32 * q;
+                __m512i t[2];
+                bf16_terms_split(v, t);
+                for (int e = 0; e < 2; e++) { /* the sums over 16 as the terms carry them */
+                    const __m512 hv = _mm512_loadu_ps(v + 16 * e);
+                    const __m512 hh = bf16_half_to_ps((__m256i)_mm512_cvtneps_pbh(hv));
+                    const __m512 ll = bf16_half_to_ps((__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(hv, hh)));
+                    xsum[b * 16 + 8 * h + 2 * q + e] = 96.f * _mm512_reduce_add_ps(_mm512_add_ps(hh, ll));
+                }
+                uint16_t *out = xt + (2 * b + h) * Q6K_HALF + (q & 1) * 16;
+                for (int term = 0; term < 2; term++) {
+                    _mm256_storeu_si256((__m256i *)(out + 128 * term + (q >> 1) * 32), _mm512_castsi512_si256(t[term]));
+                    _mm256_storeu_si256((__m256i *)(out + 128 * term + (2 + (q >> 1)) * 32), _mm512_extracti64x4_epi64(t[term], 1));
+                }
             }
-    }
-    for (int64_t i = 0; i < blocks * 16; i++) xsum[i] *= 96.f; /* against d sc_s: 64 + 32 */
 }
 
 static void rows_q6k_bf16(const uint8_t *w, const uint16_t *xt, const float *xsum, float *y, int64_t r0, int64_t r1,
