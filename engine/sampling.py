@@ -57,7 +57,7 @@ def sample_tensor(logits: torch.Tensor, settings: GenerationSettings, seen_ids: 
         if logits.device.type == "cpu" and logits.dtype == torch.float32:
             # numpy's argmax, the same first maximum: ~3 us on the default model's 49k logits, torch's ~40 (it
             # parallelises the reduction), once per token
-            return torch.tensor([int(logits.numpy().argmax())])
+            return torch.full((1,), int(logits.numpy().argmax()), dtype=torch.long)
         return torch.argmax(logits).view(1)
     if 0 < settings.top_k < logits.shape[-1]:
         probs, ids = head_probs(logits, settings.temperature, settings.top_k, settings.top_p)
