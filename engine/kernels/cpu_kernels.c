@@ -3511,13 +3511,33 @@ int dsv41_cold_counts(int64_t heads, int64_t d, int64_t s, const void *hot, int 
                 if (hot_sizes[k]) share[k] = (float)cold_sizes[k] / (float)hot_sizes[k];
         }
 #pragma omp for schedule(static)
-        for (int64_t e = 0; e < heads * s; e++) {
-            const int64_t h = e / s;
-            const int32_t *b = codes + e * tables;
-            const float *share = shares + h * slots;
-            float sum = 0.f;
-            for (int64_t t = 0; t < tables; t++) sum += share[b[t]];  /* in table order, as before */
-            out[e] = log1pf(sum / (float)tables);
+        for (int64_t e0 = 0; e0 < heads * s; e0 += 16) {
+            const int64_t m = heads * s - e0 < 16 ? heads * s - e0 : 16;
+            float sums[16];
+#if defined(__AVX512F__)
+            if (m == 16) { /* 16 keys' sums side by side: one gather a table, the same additions in table order */
+                int32_t base[16];
+                for (int k = 0; k < 16; k++) base[k] = (int32_t)(((e0 + k) / s) * slots);
+                const __m512i at = _mm512_loadu_si512(base);
+                const __m512i row = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                                       _mm512_set1_epi32((int)tables));
+                __m512 sum = _mm512_setzero_ps();
+                for (int64_t t = 0; t < tables; t++) {
+                    const __m512i code = _mm512_i32gather_epi32(_mm512_add_epi32(row, _mm512_set1_epi32((int)t)),
+                                                                codes + e0 * tables, 4);
+                    sum = _mm512_add_ps(sum, _mm512_i32gather_ps(_mm512_add_epi32(code, at), shares, 4));
+                }
+                _mm512_storeu_ps(sums, sum);
+            } else
+#endif
+                for (int64_t k = 0; k < m; k++) {
+                    const int32_t *b = codes + (e0 + k) * tables;
+                    const float *share = shares + ((e0 + k) / s) * slots;
+                    float sum = 0.f;
+                    for (int64_t t = 0; t < tables; t++) sum += share[b[t]];  /* in table order, as before */
+                    sums[k] = sum;
+                }
+            for (int64_t k = 0; k < m; k++) out[e0 + k] = log1pf(sums[k] / (float)tables);
         }
     }
     free(codes), free(sizes), free(shares), lsh_free(&lp);
