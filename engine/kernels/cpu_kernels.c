@@ -1313,6 +1313,19 @@ static inline __m512 bf16_half_to_ps(__m256i h) { return _mm512_castsi512_ps(_mm
  * weight of block i / 8 that word i of the group's nibbles carries in v: v 0 / 1 the low / high nibble of the
  * word's low byte (weights 2 (i % 8) and 2 (i % 8) + 16), v 2 / 3 those of its high byte (the odd weights). A group
  * past the last block multiplies zeros. xsum[b]: block b's sum of x as the two terms carry it. */
+/* 32 consecutive values of x (zeros when x is NULL) as their two terms: *hi / *lo the bf16 words in order; f[0] /
+ * f[1] the first / last 16 hi terms as float32, f[2] / f[3] their lo terms (what the sums of x as the terms carry
+ * them are made of: the offsets must cancel exactly what the dot products added). */
+static inline void bf16_terms32(const float *x, __m512i *hi, __m512i *lo, __m512 f[4]) {
+    const __m512 a = x ? _mm512_loadu_ps(x) : _mm512_setzero_ps(), c = x ? _mm512_loadu_ps(x + 16) : _mm512_setzero_ps();
+    *hi = (__m512i)_mm512_cvtne2ps_pbh(c, a);
+    f[0] = bf16_half_to_ps(_mm512_castsi512_si256(*hi));
+    f[1] = bf16_half_to_ps(_mm512_extracti64x4_epi64(*hi, 1));
+    *lo = (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(c, f[1]), _mm512_sub_ps(a, f[0]));
+    f[2] = bf16_half_to_ps(_mm512_castsi512_si256(*lo));
+    f[3] = bf16_half_to_ps(_mm512_extracti64x4_epi64(*lo, 1));
+}
+
 static void q4_bf16_terms(const float *x, int64_t blocks, uint16_t *xt, float *xsum) {
     static const int16_t pick_even[32] = {0, 2, 4, 6, 8, 10, 12, 14, 32, 34, 36, 38, 40, 42, 44, 46,
                                           0, 2, 4, 6, 8, 10, 12, 14, 32, 34, 36, 38, 40, 42, 44, 46};
@@ -1322,18 +1335,10 @@ static void q4_bf16_terms(const float *x, int64_t blocks, uint16_t *xt, float *x
         __m512i term[2][4]; /* [hi / lo][block of the group]: its 32 weights' words in order */
         for (int k = 0; k < 4; k++) {
             const int64_t b = 4 * g + k;
-            const __m512 a = b < blocks ? _mm512_loadu_ps(x + b * 32) : _mm512_setzero_ps();
-            const __m512 c = b < blocks ? _mm512_loadu_ps(x + b * 32 + 16) : _mm512_setzero_ps();
-            const __m512i hi = (__m512i)_mm512_cvtne2ps_pbh(c, a);
-            const __m512 ah = bf16_half_to_ps(_mm512_castsi512_si256(hi)), ch = bf16_half_to_ps(_mm512_extracti64x4_epi64(hi, 1));
-            const __m512i lo = (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(c, ch), _mm512_sub_ps(a, ah));
-            term[0][k] = hi;
-            term[1][k] = lo;
-            /* the sum of x as the terms carry it, so the offset cancels exactly what the dot products added */
+            __m512 f[4];
+            bf16_terms32(b < blocks ? x + b * 32 : NULL, &term[0][k], &term[1][k], f);
             if (b < blocks)
-                xsum[b] = _mm512_reduce_add_ps(_mm512_add_ps(
-                    _mm512_add_ps(ah, ch), _mm512_add_ps(bf16_half_to_ps(_mm512_castsi512_si256(lo)),
-                                                         bf16_half_to_ps(_mm512_extracti64x4_epi64(lo, 1)))));
+                xsum[b] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(f[0], f[1]), _mm512_add_ps(f[2], f[3])));
         }
         uint16_t *out = xt + g * Q4_BF16_GROUP;
         for (int t = 0; t < 2; t++)
@@ -1422,20 +1427,11 @@ static void rows_q4_bf16(int64_t type, const uint8_t *w, const uint16_t *xt, con
  * match once per product (q4k_bf16_terms): 256 words per 128 weights, [term][nibble][word]. About half the
  * instructions of rows_k_blocks' float path. */
 #define Q4K_GROUP 256
-/* 32 consecutive values of x as their two bf16 terms, each split into its even and odd elements: [0] the hi terms'
- * even elements in words 0-15, odd ones in 16-31, [1] the lo terms' alike; returns their sum as the terms carry it. */
-static inline float bf16_terms_split(const float *x, __m512i *terms) {
-    static const int16_t even_odd[32] = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30,
-                                         1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
-    const __m512i order = _mm512_loadu_si512(even_odd);
-    const __m512 a = _mm512_loadu_ps(x), c = _mm512_loadu_ps(x + 16);
-    const __m512i hi = (__m512i)_mm512_cvtne2ps_pbh(c, a);
-    const __m512 ah = bf16_half_to_ps(_mm512_castsi512_si256(hi)), ch = bf16_half_to_ps(_mm512_extracti64x4_epi64(hi, 1));
-    const __m512i lo = (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(c, ch), _mm512_sub_ps(a, ah));
-    terms[0] = _mm512_permutexvar_epi16(order, hi);
-    terms[1] = _mm512_permutexvar_epi16(order, lo);
-    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(ah, ch), _mm512_add_ps(
-        bf16_half_to_ps(_mm512_castsi512_si256(lo)), bf16_half_to_ps(_mm512_extracti64x4_epi64(lo, 1)))));
+/* 32 bf16 words with the even ones in words 0-15, the odd ones in 16-31 (the k-quant kernels' nibble order) */
+static inline __m512i even_odd16(__m512i v) {
+    static const int16_t order[32] = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30,
+                                      1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+    return _mm512_permutexvar_epi16(_mm512_loadu_si512(order), v);
 }
 
 /* x's terms as rows_k4_bf16 reads them: group g = 2 b + p (half p of block b), [term][j][k]: word k of vector j holds
@@ -1446,7 +1442,10 @@ static void q4k_bf16_terms(const float *x, int64_t blocks, uint16_t *xt, float *
     for (int64_t b = 0; b < blocks; b++)
         for (int sub = 0; sub < 8; sub++) {
             __m512i t[2];
-            const float sum = bf16_terms_split(x + b * 256 + sub * 32, t);
+            __m512 f[4];
+            bf16_terms32(x + b * 256 + sub * 32, &t[0], &t[1], f);
+            t[0] = even_odd16(t[0]), t[1] = even_odd16(t[1]);
+            const float sum = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(f[0], f[1]), _mm512_add_ps(f[2], f[3])));
             xsum[b * 16 + 8 + sub] = sum;
             xsum[b * 16 + sub] = offset * sum;
             uint16_t *out = xt + (2 * b + sub / 4) * Q4K_GROUP + ((sub >> 1) & 1) * 16;
@@ -1532,15 +1531,12 @@ static void q6k_bf16_terms(const float *x, int64_t blocks, uint16_t *xt, float *
     for (int64_t b = 0; b < blocks; b++)
         for (int h = 0; h < 2; h++)
             for (int q = 0; q < 4; q++) {
-                const float *v = x + b * 256 + 128 * h + 32 * q;
                 __m512i t[2];
-                bf16_terms_split(v, t);
-                for (int e = 0; e < 2; e++) { /* the sums over 16 as the terms carry them */
-                    const __m512 hv = _mm512_loadu_ps(v + 16 * e);
-                    const __m512 hh = bf16_half_to_ps((__m256i)_mm512_cvtneps_pbh(hv));
-                    const __m512 ll = bf16_half_to_ps((__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(hv, hh)));
-                    xsum[b * 16 + 8 * h + 2 * q + e] = 96.f * _mm512_reduce_add_ps(_mm512_add_ps(hh, ll));
-                }
+                __m512 f[4];
+                bf16_terms32(x + b * 256 + 128 * h + 32 * q, &t[0], &t[1], f);
+                t[0] = even_odd16(t[0]), t[1] = even_odd16(t[1]);
+                for (int e = 0; e < 2; e++) /* the sums over 16 as the terms carry them */
+                    xsum[b * 16 + 8 * h + 2 * q + e] = 96.f * _mm512_reduce_add_ps(_mm512_add_ps(f[e], f[2 + e]));
                 uint16_t *out = xt + (2 * b + h) * Q6K_HALF + (q & 1) * 16;
                 for (int term = 0; term < 2; term++) {
                     _mm256_storeu_si256((__m256i *)(out + 128 * term + (q >> 1) * 32), _mm512_castsi512_si256(t[term]));
