@@ -1601,7 +1601,7 @@ static void rows_q6k_bf16(const uint8_t *w, const uint16_t *xt, const float *xsu
  * sub-block's dot is summed before its one multiply by the scale, and a block's scales and minimums (Q4_K, Q5_K:
  * k_scales_mins8) or scales (Q6_K) are unpacked and multiplied on 8 lanes, their minimum / -32 terms kept in a
  * vector to the row's end: unpacked a value at a time they took as long as the products (Q4_K / Q5_K / Q6_K 12.1 /
- * 8.6 / 11.1 GB/s then, 17.2 / 13.1 / 17.8 after, the two builds taking turns in one process). */
+ * 8.6 / 11.1 GB/s then, 17.2 / 13.1 / 17.8 after, the two builds taking turns in one process, a one-off measurement). */
 static void rows_k_blocks(int64_t type, const uint8_t *w, const float *x, const float *xsum, float *y, int64_t r0,
                           int64_t r1, int64_t cols, int acc) {
     const int64_t size = gguf_block_bytes(type), blocks = cols / 256, row_bytes = blocks * size;
