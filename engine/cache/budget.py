@@ -82,10 +82,10 @@ def plan_compactions(ranks: list[torch.Tensor], budget: int, *, sink: int, recen
 
 def largest(x: torch.Tensor, count: int) -> torch.Tensor:
     """A mask [..., m] of the `count` largest entries of each row of x [..., m]: the entries topk keeps. One selection
-    (kthvalue) and a comparison instead of topk and a sort of its indices: 2.5 against 10 ms (a one-off measurement) for a question-aware
-    compaction of the default model's 30 layers at 7.4k tokens (2 threads). Where a row has values tying at the
-    boundary (or NaN), topk itself decides, as before (its choice among equal values is its own: rare, but real
-    scores do tie)."""
+    (kthvalue) and a comparison instead of topk and a sort of its indices: 2.5 against 10 ms for a question-aware
+    compaction of the default model's 30 layers at 7.4k tokens (2 threads; a one-off measurement). Where a row has
+    values tying at the boundary (or NaN), topk itself decides, as before (its choice among equal values is its own:
+    rare, but real scores do tie)."""
     m = x.shape[-1]
     if count <= 0 or count >= m:
         return torch.full(x.shape, count > 0, dtype=torch.bool, device=x.device)
