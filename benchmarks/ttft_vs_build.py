@@ -5,8 +5,9 @@ cases of benchmarks/followups.py (six fact sets, each in two orders: 36 follow-u
 slows them alike. The other build is a checkout of this repository at another commit (`git worktree add /tmp/before
 <commit>`). Writes <out>/ttft_vs_build.json and .md: per chat the median TTFT, the median of each follow-up's TTFT
 over the other build's discarding chat's, the median decode speed of the replies (at most 24 tokens: tokens after
-the first over the time to the last, which holds the work between the first reply token and the second), and
-whether its answers are the other build's tiered chat's (with --before-tier).
+the first over the time to the last, which holds the work between the first reply token and the second), the
+median time from the question to the reply's last token, and whether its answers are the other build's tiered
+chat's (with --before-tier).
 
 Usage: python -m benchmarks.ttft_vs_build --before /tmp/before [--words 1280] [--before-tier]
                                            [--out results/followups-ttft/vs-build/2k]
@@ -54,8 +55,10 @@ def worker(tier: str, ratio: float) -> None:
             print(json.dumps({"ttft_s": done.stats.ttft_s}), flush=True)
         elif command[0] == "next":
             done = ask(session, questions.pop(0))
-            print(json.dumps({"ttft_s": done.stats.ttft_s, "decode_tok_s": done.stats.decode_tok_s, "answer": done.text}),
-                  flush=True)
+            stats = done.stats
+            last = stats.ttft_s + ((stats.decode_tokens - 1) / stats.decode_tok_s if stats.decode_tok_s else 0.0)
+            print(json.dumps({"ttft_s": stats.ttft_s, "decode_tok_s": stats.decode_tok_s, "last_token_s": last,
+                              "answer": done.text}), flush=True)
 
 
 def _commit(path: Path) -> str:
@@ -95,6 +98,7 @@ def main(argv=None) -> None:
     ttft = {name: [] for name in procs}
     decode = {name: [] for name in procs}
     answers = {name: [] for name in procs}
+    last = {name: [] for name in procs}
     from benchmarks.followup_cases import FACT_SETS
 
     for index in range(len(FACT_SETS)):
@@ -107,6 +111,7 @@ def main(argv=None) -> None:
                     ttft[name].append(got["ttft_s"])
                     decode[name].append(got.get("decode_tok_s"))
                     answers[name].append(got.get("answer"))
+                    last[name].append(got["last_token_s"])
     for proc in procs.values():
         proc.stdin.close()
         proc.wait()
@@ -119,7 +124,8 @@ def main(argv=None) -> None:
                "median_ratio_to_before": {n: statistics.median(a / b for a, b in zip(v, base, strict=True))
                                           for n, v in ttft.items()},
                "median_decode_tok_s": {n: statistics.median(x for x in v if x) if any(v) else None
-                                       for n, v in decode.items()}}
+                                       for n, v in decode.items()},
+               "last_token_s": last, "median_last_token_ms": {n: 1000 * statistics.median(v) for n, v in last.items()}}
     if "before, tier" in answers:
         payload["same_answers_as_before_tier"] = sum(a == b for a, b in zip(answers["now, tier"], answers["before, tier"],
                                                                            strict=True))
@@ -128,11 +134,12 @@ def main(argv=None) -> None:
     (out / "ttft_vs_build.json").write_text(json.dumps(payload, indent=1))
     lines = [f"Follow-up TTFT at ratio {args.ratio}, {args.words}-word documents, {len(base)} follow-ups taking turns; "
              f"before = {payload['before_commit']}, now = {payload['now_commit']}", "",
-             "| chat | median TTFT | median ratio to before, discarding | median decode of the replies |",
-             "|---|---|---|---|"]
+             "| chat | median TTFT | median ratio to before, discarding | median decode of the replies "
+             "| median time to the reply's last token |",
+             "|---|---|---|---|---|"]
     lines += [f"| {n} | {payload['median_ms'][n]:.0f} ms | {payload['median_ratio_to_before'][n]:.2f}x | "
               + (f"{payload['median_decode_tok_s'][n]:.1f} tok/s |" if payload["median_decode_tok_s"][n] else "— |")
-              for n in ttft]
+              + f" {payload['median_last_token_ms'][n]:.0f} ms |" for n in ttft]
     if "same_answers_as_before_tier" in payload:
         lines += ["", f"This build's tiered chat gave the other build's tiered answer to "
                       f"{payload['same_answers_as_before_tier']} of {len(base)} follow-ups."]

@@ -2,11 +2,15 @@
 
 `run_turn` is a generator of events (see events.py). Cancel is a threading.Event checked before every
 prefill chunk and every decode step. The cache's work after the question (DSV41Cache.finish_prefill: its
-compaction, the CSA2 fit) runs once the first reply token has been sampled and shown, before the first decode step
-feeds it: that token comes from the question's logits, so nothing it depends on changes, and the reader sees it
-sooner (a follow-up at 1,781 tokens: ~25 ms of a tiered chat's first-token latency). Out of memory mid-turn keeps
-what was generated and ends the turn with an ErrorEvent + Done("error"). `eos_ids` end the reply and are never fed (ChatSession passes
-EOS and every control token of the tokenizer). `result` says at every yield exactly what was fed.
+compaction, the CSA2 fit) runs once the first reply token has been sampled, before the first decode step feeds it:
+that token comes from the question's logits, so nothing it depends on changes. It is shown before that work, so
+the reader sees it sooner, except in a tiered follow-up that recalled (DSV41Cache.readies_reply_first): there the
+work is the question's compaction to the reply's hot set and the counts of the cold tier (~35 ms at 7,429 tokens),
+done before the token is shown, where it counts in the first-token latency of the question it belongs to instead
+of stalling the reply between its first token and its second (a short reply's decode speed paid all of it).
+Out of memory mid-turn keeps what was generated and ends the turn with an ErrorEvent + Done("error"). `eos_ids` end
+the reply and are never fed (ChatSession passes EOS and every control token of the tokenizer). `result` says at
+every yield exactly what was fed.
 """
 
 from __future__ import annotations
@@ -97,6 +101,11 @@ def run_turn(model, tokenizer, cache: DSV41Cache, plan: TurnPlan, settings: Gene
                 detok.push(token)
                 text, hit = _cut_at_stop(detok.text, settings.stop)
                 safe = text if hit else text[: len(text) - _held_back(text, settings.stop)]
+                if (not prefill_finished and cache.readies_reply_first and not hit
+                        and len(result.generated) < settings.max_new_tokens and cache.seen + 1 <= plan.limit):
+                    # a tiered follow-up: the question's work before the token is shown (see the module's docstring)
+                    cache.finish_prefill(answer_follows=True)
+                    prefill_finished = True
                 if len(safe) > len(shown):
                     if first_token_at is None:
                         first_token_at = time.perf_counter()
@@ -225,8 +234,8 @@ def _stats(cache, plan, result, started, prefill_done, first_token_at, decoded_a
     prefill_done = prefill_done or ended
     prefill_s = max(prefill_done - started, 1e-9)
     decode_tokens = len(result.generated)
-    # from the first token shown to the last one decoded (the cache's work after the first token, before the
-    # reply's first step, is in it; the turn's compaction after the last one is not: compaction_s has it)
+    # from the first token shown to the last one decoded (the cache's work after the question, where it runs after
+    # the first token is shown, is in it; the turn's compaction after the last one is not: compaction_s has it)
     decode_s = decoded_at - (first_token_at or decoded_at)
     cstats = cache.stats()
     return TurnStats(

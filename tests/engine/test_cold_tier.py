@@ -659,21 +659,33 @@ def test_the_question_compaction_runs_after_the_first_reply_token_and_changes_no
                                                                                       tier):
     """run_turn samples the first reply token before the cache's work after the question (finish_prefill), which that
     token does not depend on: the replies are the tokens the old order gave, and each turn still ends at the
-    budget, whether the reply runs on, stops at its first token or is cancelled after it."""
+    budget, whether the reply runs on, stops at its first token or is cancelled after it. The token is shown before
+    that work, except in a tiered follow-up that recalled (DSV41Cache.readies_reply_first), whose compaction and
+    counts of the cold tier count in its first-token latency instead of stalling the reply after its first token."""
     import threading
 
     from engine import DSV41Config, DSV41Model
     from engine import generate as gen
+    from engine.cache import cold as cold_module
     from engine.cache import kv_cache
     from engine.events import Done, TokenText
 
+    monkeypatch.setattr(cold_module, "RECALL_MIN", 16)  # the tiny chat's cold tier would come back whole
     model = DSV41Model.from_pretrained(DSV41Config(model_path=str(tiny_folder), max_seq_len=4096, kv_cache_ratio=0.2,
                                                    cold_tier=tier, csa2_topk=0))
     document = " ".join(f"Line {i}: the value of item {i} is {i * 7}." for i in range(45))
     questions = [document + "\n\nWhat is the value of item 3?", "And item 40?", "And item 25?"]
-    log = []  # what happens in a turn, in order: "sample" (a reply token chosen), "finish" (finish_prefill)
+    log = []  # a turn in order: "sample" (a reply token chosen), "finish" (finish_prefill), "shown" (its first text)
     real_sample, real_finish = gen.sample_tensor, kv_cache.DSV41Cache.finish_prefill
-    monkeypatch.setattr(gen, "sample_tensor", lambda *a, **k: log.append("sample") or real_sample(*a, **k))
+    visible = model.tokenizer.encode("The", add_special_tokens=False)[0]
+
+    def sample(*args, **kwargs):  # a reply's first token is one with text (the tiny model's own may show none)
+        first = "sample" not in log
+        log.append("sample")
+        token = real_sample(*args, **kwargs)
+        return torch.full_like(token, visible) if first else token
+
+    monkeypatch.setattr(gen, "sample_tensor", sample)
     monkeypatch.setattr(kv_cache.DSV41Cache, "finish_prefill",
                         lambda self, **k: log.append("finish") or real_finish(self, **k))
 
@@ -681,13 +693,20 @@ def test_the_question_compaction_runs_after_the_first_reply_token_and_changes_no
         session, replies, orders = model.chat_session(), [], []
         for question in questions:
             log.clear()
-            replies += [e.token_ids for e in session.send(question, max_new_tokens=8, greedy=True) if isinstance(e, Done)]
-            orders.append(log[:2])
+            for event in session.send(question, max_new_tokens=6, greedy=True):
+                if isinstance(event, TokenText) and "shown" not in log:
+                    log.append("shown")
+                if isinstance(event, Done):
+                    replies.append(event.token_ids)
+            orders.append(log[:3] + ["recalled"] * (session.cache.recalled > 0))
             assert session.cache.stored <= session.cache.budget() < session.cache.seen
         return replies, orders
 
     replies, orders = chat()
-    assert orders == [["sample", "finish"]] * 3
+    if tier == "off":
+        assert orders == [["sample", "shown", "finish"]] * 3
+    else:  # the follow-ups recall, and their work comes before the token is shown
+        assert orders == [["sample", "shown", "finish"]] + [["sample", "finish", "shown", "recalled"]] * 2
     real_prefill = gen._prefill
 
     def compacting_first(model_, cache, *args):  # the old order: finish_prefill before the first token
@@ -698,7 +717,7 @@ def test_the_question_compaction_runs_after_the_first_reply_token_and_changes_no
 
     monkeypatch.setattr(gen, "_prefill", compacting_first)
     old_replies, old_orders = chat()
-    assert old_orders == [["finish", "sample"]] * 3 and replies == old_replies
+    assert [order[:2] for order in old_orders] == [["finish", "sample"]] * 3 and replies == old_replies
     monkeypatch.setattr(gen, "_prefill", real_prefill)
     # a reply of one token, and a reply cancelled after its first token, end the turn at the budget too
     session = model.chat_session()
