@@ -7,8 +7,8 @@ model, greedy). Three parts:
   cold, mass), the choice (cache_ops.recall_select: span ranking, the best, in position order), moving the
   recalled entries in (ColdLayer.move_into), the whole recall (DSV41Cache._recall_layer), the question's
   attention that follows (cache_ops.question_attention, with the hot logits the recall computed), the TTFT, and
-  the reply's counts of the cold tier (DSV41Cache.count_cold, once the first reply token is out: not in the TTFT),
-  and all the work between the first reply token and the second (DSV41Cache.finish_prefill with a reply to follow:
+  the reply's counts of the cold tier (DSV41Cache.count_cold, once the first reply token is sampled, before it is
+  shown: in the TTFT), and all the cache's work after the question (DSV41Cache.finish_prefill with a reply to follow:
   the reply's compaction, the counts, CSA2's fit);
 - one layer's scoring on the shapes the last recall of the run had: the C call against torch's path (the cold
   int8 keys widened to float32, then cold.recall_mass: two products and the softmax pass), with how far their
@@ -198,7 +198,7 @@ def main(argv=None) -> int:
         f"Follow-ups of a tiered chat at ratio 0.3 on {args.words}-word documents ({parts['follow_ups']} follow-ups), "
         f"{payload['machine']['cpu']}, {payload['threads']} threads; medians per follow-up, summed over the layers.",
         "", "| TTFT | recall | scoring | choice | moving in | the question's attention after it "
-        "| the reply's counts of the cold tier (after the first token) | all the work before the reply's second token "
+        "| the reply's counts of the cold tier (in the TTFT) | all the work after the question, in the TTFT "
         "(its compaction, the counts, CSA2's fit) |",
         "|---|---|---|---|---|---|---|---|",
         f"| {parts['ttft']:.0f} ms | {parts['recall']:.0f} ms | {parts['scoring']:.0f} ms | "

@@ -5,7 +5,8 @@ cases of benchmarks/followups.py (six fact sets, each in two orders: 36 follow-u
 slows them alike. The other build is a checkout of this repository at another commit (`git worktree add /tmp/before
 <commit>`). Writes <out>/ttft_vs_build.json and .md: per chat the median TTFT, the median of each follow-up's TTFT
 over the other build's discarding chat's, the median decode speed of the replies (at most 24 tokens: tokens after
-the first over the time to the last, which holds the work between the first reply token and the second), the
+the first over the time to the last, which holds whatever work the chat does between the first reply token and
+the second), the
 median time from the question to the reply's last token, and whether its answers are the other build's tiered
 chat's (with --before-tier).
 
