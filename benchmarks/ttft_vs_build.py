@@ -6,9 +6,8 @@ slows them alike. The other build is a checkout of this repository at another co
 <commit>`). Writes <out>/ttft_vs_build.json and .md: per chat the median TTFT, the median of each follow-up's TTFT
 over the other build's discarding chat's, the median decode speed of the replies (at most 24 tokens: tokens after
 the first over the time to the last, which holds whatever work the chat does between the first reply token and
-the second), the
-median time from the question to the reply's last token, and whether its answers are the other build's tiered
-chat's (with --before-tier).
+the second), the median time from the question to the reply's last token, and whether its answers are the other
+build's tiered chat's (with --before-tier).
 
 Usage: python -m benchmarks.ttft_vs_build --before /tmp/before [--words 1280] [--before-tier]
                                            [--out results/followups-ttft/vs-build/2k]
@@ -110,8 +109,8 @@ def main(argv=None) -> None:
                 for name, proc in procs.items():
                     got = call(proc, "next")
                     ttft[name].append(got["ttft_s"])
-                    decode[name].append(got.get("decode_tok_s"))
-                    answers[name].append(got.get("answer"))
+                    decode[name].append(got["decode_tok_s"])
+                    answers[name].append(got["answer"])
                     last[name].append(got["last_token_s"])
     for proc in procs.values():
         proc.stdin.close()

@@ -5,9 +5,10 @@ prefill chunk and every decode step. The cache's work after the question (DSV41C
 compaction, the CSA2 fit) runs once the first reply token has been sampled, before the first decode step feeds it:
 that token comes from the question's logits, so nothing it depends on changes. It is shown before that work, so
 the reader sees it sooner, except in a tiered follow-up that recalled (DSV41Cache.readies_reply_first): there the
-work is the question's compaction to the reply's hot set and the counts of the cold tier (~35 ms at 7,429 tokens),
-done before the token is shown, where it counts in the first-token latency of the question it belongs to instead
-of stalling the reply between its first token and its second (a short reply's decode speed paid all of it).
+work is the question's compaction to the reply's hot set and the counts of the cold tier (44 ms at 7,429 tokens,
+benchmarks/recall_cost.py), done before the token is shown, where it counts in the first-token latency of the
+question it belongs to instead of stalling the reply between its first token and its second (a short reply's
+decode speed paid all of it).
 Out of memory mid-turn keeps what was generated and ends the turn with an ErrorEvent + Done("error"). `eos_ids` end
 the reply and are never fed (ChatSession passes EOS and every control token of the tokenizer). `result` says at
 every yield exactly what was fed.
@@ -101,8 +102,9 @@ def run_turn(model, tokenizer, cache: DSV41Cache, plan: TurnPlan, settings: Gene
                 detok.push(token)
                 text, hit = _cut_at_stop(detok.text, settings.stop)
                 safe = text if hit else text[: len(text) - _held_back(text, settings.stop)]
-                if (not prefill_finished and cache.readies_reply_first and not hit
-                        and len(result.generated) < settings.max_new_tokens and cache.seen + 1 <= plan.limit):
+                ends = ("stop" if hit else "length" if len(result.generated) >= settings.max_new_tokens
+                        else "context_full" if cache.seen + 1 > plan.limit else None)
+                if ends is None and not prefill_finished and cache.readies_reply_first:
                     # a tiered follow-up: the question's work before the token is shown (see the module's docstring)
                     cache.finish_prefill(answer_follows=True)
                     prefill_finished = True
@@ -112,14 +114,8 @@ def run_turn(model, tokenizer, cache: DSV41Cache, plan: TurnPlan, settings: Gene
                     delta, shown = safe[len(shown):], safe
                     result.text = shown
                     yield TokenText(delta, token)
-                if hit:
-                    reason = "stop"
-                    break
-                if len(result.generated) >= settings.max_new_tokens:
-                    reason = "length"
-                    break
-                if cache.seen + 1 > plan.limit:
-                    reason = "context_full"
+                if ends is not None:
+                    reason = ends
                     break
                 if not prefill_finished:  # after the first token is out (see the module's docstring)
                     cache.finish_prefill(answer_follows=True)

@@ -7,7 +7,7 @@ What the turn loop (engine.generate) and the session call, in the order of a tur
                      forward (below), scored by cache.chunk_window(prefill, last); the last one
                      (question=True) recalls from the cold tier layer by layer
     cache.finish_prefill(answer_follows=True)                          question-aware compaction, CSA2 fit
-                                                                       (once the first reply token is out)
+                                                                       (once the first reply token is sampled)
                                                                        (tiered CED: after the reply instead;
                                                                        a follow-up's reply counts the cold
                                                                        tier until finish_turn: count_cold,
@@ -463,8 +463,9 @@ class DSV41Cache:
     def readies_reply_first(self) -> bool:
         """Whether run_turn calls finish_prefill(answer_follows=True) before it shows the first reply token rather
         than after: in a follow-up that recalled, whose reply attends to a hot set compacted for it and counts the
-        cold tier (~35 ms at 7,429 tokens, per question whatever the reply's length). The same work in the same
-        order either way; it counts in the follow-up's first-token latency instead of a pause before the second."""
+        cold tier (44 ms at 7,429 tokens, benchmarks/recall_cost.py; per question whatever the reply's length). The
+        same work in the same order either way; it counts in the follow-up's first-token latency instead of a pause
+        before the second."""
         return self.answers_before_compacting and self.recalled > 0
 
     @torch.inference_mode()
