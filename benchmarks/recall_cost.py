@@ -10,13 +10,15 @@ model, greedy). Three parts:
   the reply's counts of the cold tier (DSV41Cache.count_cold, once the first reply token is sampled, before it is
   shown: in the TTFT), and all the cache's work after the question (DSV41Cache.finish_prefill with a reply to follow:
   the reply's compaction, the counts, CSA2's fit);
-- one layer's scoring on the shapes the last recall of the run had: the C call against torch's path (the cold
-  int8 keys widened to float32, then cold.recall_mass: two products and the softmax pass), with how far their
-  masses are apart and whether they recall the same entries;
-- one layer's scoring products alone: float32 as torch's path takes them, bf16 through torch (its conversions
-  included), and int8 (torch._int_mm, where this torch has it) straight from the int8 cold keys with the queries
-  quantized per row (quantization and rescaling included), each with its largest error against float32 relative
-  to the largest logit. Medians of interleaved rounds.
+- one layer's scoring on the shapes the last recall of the run had: the C call against torch's path
+  (cold.recall_mass on the int8 keys as stored: the hot products, the cold logits as cold.cold_logits defines
+  them, the softmax pass), with how far their masses are apart and whether they recall the same entries, and how
+  far the C call is from float32 logits of the widened keys (and whether it recalls what those would);
+- one layer's scoring products alone: float32 of the widened keys, bf16 through torch (its conversions
+  included), the recall's own (cold.cold_logits: the queries rounded to int16 per row, exact integer products
+  with the int8 keys through torch), and int8 (torch._int_mm, where this torch has it) straight from the int8
+  cold keys with the queries quantized per row (quantization and rescaling included), each with its largest
+  error against float32 relative to the largest logit. Medians of interleaved rounds.
 
 Writes results/<folder>/<folder>.json and .md (results/recall-cost/ by default).
 
@@ -102,7 +104,8 @@ def in_place(words: int, cases: int) -> tuple[dict, dict]:
 
 def scoring(shapes: dict, rounds: int = 15) -> dict:
     """One layer's scoring: the C call (cache_ops.recall_mass from the int8 keys) against torch's path (see the
-    module's docstring), on random queries and keys of the run's shapes; None where the kernels do not apply."""
+    module's docstring), on random queries and keys of the run's shapes, and how far both are from the masses of
+    float32 logits of the widened keys; None where the kernels do not apply."""
     from engine.cache.cold import RECALL_MIN, recall_mass
     from engine.kernels import cache_ops
     from engine.kernels.quant import quantize_int8
@@ -116,6 +119,9 @@ def scoring(shapes: dict, rounds: int = 15) -> dict:
     scaling = d**-0.5
 
     def torch_path():
+        return recall_mass(query, hot, keys8, None, scaling, scales)
+
+    def float32_logits():
         return recall_mass(query, hot, keys8.float().mul_(scales), None, scaling)
 
     def c_call():
@@ -129,17 +135,24 @@ def scoring(shapes: dict, rounds: int = 15) -> dict:
             started = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - started)
-    want, got = torch_path(), c_call()
+    want, got, reference = torch_path(), c_call(), float32_logits()
     take = min(c, RECALL_MIN)
-    same = float(sum(len(set(a.tolist()) & set(b.tolist())) for a, b in
-                     zip(want.topk(take, dim=1).indices, got.topk(take, dim=1).indices, strict=True)) / (h * take))
+
+    def same(a, b):
+        return float(sum(len(set(x.tolist()) & set(y.tolist())) for x, y in
+                         zip(a.topk(take, dim=1).indices, b.topk(take, dim=1).indices, strict=True)) / (h * take))
+
     return {"torch_ms": statistics.median(times["torch"]) * 1e3, "c_ms": statistics.median(times["C"]) * 1e3,
             "max_difference_of_largest": float((got - want).abs().max() / want.abs().max()),
-            "same_recalled_share": same, "recalled": take}
+            "same_recalled_share": same(want, got), "recalled": take,
+            "float32_max_difference_of_largest": float((got - reference).abs().max() / reference.abs().max()),
+            "float32_same_recalled_share": same(reference, got)}
 
 
 def products(shapes: dict, rounds: int = 15) -> dict:
-    """One layer's scoring products three ways (see the module's docstring)."""
+    """One layer's scoring products four ways (see the module's docstring)."""
+    from engine.cache.cold import cold_logits
+
     h, rows, d, c = shapes["heads"], shapes["rows"], shapes["dim"], shapes["cold"]
     torch.manual_seed(0)
     query = torch.randn(h, rows, d) * 0.125
@@ -154,13 +167,16 @@ def products(shapes: dict, rounds: int = 15) -> dict:
         keys = keys8.float().mul_(scales).to(torch.bfloat16)
         return torch.matmul(query.to(torch.bfloat16), keys.transpose(1, 2)).float()
 
+    def int16():  # what the recall computes (cold.cold_logits: exact integer products, one rounding)
+        return cold_logits(query, keys8, scales)
+
     def int8():
         step = query.abs().amax(-1, keepdim=True).clamp_min(1e-30) / 127
         q8 = torch.round(query / step).to(torch.int8)
         out = torch.stack([torch._int_mm(q8[i], keys_t[i]) for i in range(h)]).float()
         return out.mul_(step).mul_(scales.transpose(1, 2))
 
-    ways = {"float32": f32, "bf16": bf16}
+    ways = {"float32": f32, "bf16": bf16, "int16 rows (the recall's)": int16}
     if hasattr(torch, "_int_mm"):
         try:
             int8()
@@ -206,10 +222,13 @@ def main(argv=None) -> int:
         f"| {parts['counts']:.0f} ms | {parts['before_reply']:.0f} ms |", "",
         f"One layer's scoring ({shapes['heads']} KV heads, {shapes['rows']} query rows a head, {shapes['hot']} hot and "
         f"{shapes['cold']} cold entries a head, head dim {shapes['dim']}):", "",
-        *(["| torch (int8 keys widened, products, softmax pass) | one C call | largest difference / largest mass | "
-           "same entries recalled |", "|---|---|---|---|",
+        *(["| torch (int16 rows x int8 keys as cold_logits, softmax pass) | one C call | largest difference / "
+           "largest mass | same entries recalled | against float32 logits of the widened keys: difference, same "
+           "entries |", "|---|---|---|---|---|",
            f"| {whole['torch_ms']:.3f} ms | {whole['c_ms']:.3f} ms | {whole['max_difference_of_largest']:.1e} | "
-           f"{whole['same_recalled_share']:.1%} of {whole['recalled']} |", ""] if whole else
+           f"{whole['same_recalled_share']:.1%} of {whole['recalled']} | "
+           f"{whole['float32_max_difference_of_largest']:.1e}, {whole['float32_same_recalled_share']:.1%} |", ""]
+          if whole else
           ["(no CPU kernels here: torch's path only)", ""]),
         "Its products alone, through torch:", "",
         "| products | ms | GFLOP/s | largest error / largest logit |", "|---|---|---|---|",

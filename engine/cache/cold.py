@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from ..kernels import cache_ops
-from ..kernels.quant import quantize_int8
+from ..kernels.quant import quantize_int8, quantize_int16
 from . import counts
 from .policies.ced import span_ranking
 from .storage import BLOCK_TOKENS, LayerKV, Rows, _round_up
@@ -66,7 +66,7 @@ class ColdLayer:
         self.device = torch.device(device)
         self.spill = spill
         # Page-locked RAM when the hot set is on a GPU: what a question's recall reads crosses the bus by DMA,
-        # asynchronously (read_keys_to), instead of through a staging copy
+        # asynchronously (stored_keys_to), instead of through a staging copy
         self.pinned = pinned and self.device.type == "cpu" and torch.cuda.is_available()
         self.on_disk = False
         self.length = 0
@@ -151,16 +151,19 @@ class ColdLayer:
         hot set casts what it takes back), else the hot set's dtype."""
         return self._read(self.keys, self.key_scales, None if index is None else Rows(index, self.capacity))
 
-    def read_keys_to(self, device: torch.device) -> torch.Tensor:
-        """All cold keys [h, C, d] on `device`, as read_keys gives them. To a GPU the stored bytes (int8 and their
-        scales: a quarter of float32) go as they are, from pinned RAM without blocking, and are widened there."""
+    def stored_keys_to(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """All cold keys as stored, on `device`: (keys [h, C, d], their scales [h, C, 1] when int8, else None), for
+        cold_logits. To a GPU the stored bytes (int8 and their scales: a quarter of float32) go as they are, from
+        pinned RAM without blocking."""
         device = torch.device(device)
-        if device.type != "cuda":
-            return self.read_keys().to(device)
         keys = self.keys[:, : self.length].to(device, non_blocking=self.pinned)
-        if self.key_scales is None:
-            return keys
-        return keys.float() * self.key_scales[:, : self.length].to(device, non_blocking=self.pinned)
+        scales = self.key_scales
+        return keys, None if scales is None else scales[:, : self.length].to(device, non_blocking=self.pinned)
+
+    def read_keys_to(self, device: torch.device) -> torch.Tensor:
+        """All cold keys [h, C, d] on `device`, as read_keys gives them (widened there from the stored bytes)."""
+        keys, scales = self.stored_keys_to(device)
+        return keys if scales is None else keys.float() * scales
 
     def read_values(self, index: torch.Tensor | None = None) -> torch.Tensor:
         return self._read(self.values, self.value_scales, None if index is None else Rows(index, self.capacity))
@@ -319,7 +322,8 @@ def recall_layer(layer: LayerKV, cold: ColdLayer, question: torch.Tensor, scalin
                                     log_counts, scaling, keep_hot=share)
         mass, hot_logits = got if share and got is not None else (got, None)
     if mass is None:
-        mass = recall_mass(question, layer.read_keys(), cold.read_keys_to(dev), log_counts, scaling).to(cold.device)
+        cold_keys, cold_scales = cold.stored_keys_to(dev)
+        mass = recall_mass(question, layer.read_keys(), cold_keys, log_counts, scaling, cold_scales).to(cold.device)
     take = min(cold.length, recall_size(budget))
     positions = cold.positions[:, : cold.length]
     index = cache_ops.recall_select(mass, positions, spans, take)  # one C call (~0.4 ms a layer in torch at 8k)
@@ -344,17 +348,40 @@ def recall_size(budget: int) -> int:
     return max(int(budget * RECALL_SHARE), RECALL_MIN)
 
 
+def cold_logits(q: torch.Tensor, keys: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+    """The logits [h, R, C] of query rows q [h, R, d] (float32, scaled) against cold keys [h, C, d] as stored.
+
+    Float keys (bf16, float32): the float32 products of the widened keys. int8 keys with their scales [h, C, 1]
+    (the default tier): each query row rounded to int16 with a scale of its own (quantize_int16), the exact
+    integer sum over d of its products with the key's int8 values, rounded once to float32, times the key's
+    scale, times the row's scale. That is what the C scoring (cache_ops.recall_mass, vpdpwssd / vpmaddwd) computes
+    from the bytes the tier holds, at half the instructions of float32 products; here, on any device, each int16
+    row is split into a high byte (-128..127) and a low one (0..255) so both float32 products are sums of
+    integers below 2^24, exact in any order (TF32 included), and 256 x the first + the second rounds once: the same
+    numbers, bit for bit. Rounding the rows to int8 instead (four key bytes an instruction) lost facts a float32
+    recall found in follow-up questions (docs/design.md); int16 rows keep the float32 recall's choices."""
+    if scales is None:
+        return torch.matmul(q, keys.float().transpose(1, 2))
+    rows, row_scales = quantize_int16(q)
+    rows = rows.int()
+    high = torch.div(rows, 256, rounding_mode="floor")
+    k = keys.float().transpose(1, 2)
+    out = torch.matmul(high.float(), k).mul_(256.0).add_(torch.matmul((rows - high * 256).float(), k))
+    return out.mul_(scales.float().transpose(1, 2)).mul_(row_scales)
+
+
 def recall_mass(query: torch.Tensor, hot_keys: torch.Tensor, cold_keys: torch.Tensor, hot_log_counts,
-                scaling: float) -> torch.Tensor:
+                scaling: float, cold_scales: torch.Tensor | None = None) -> torch.Tensor:
     """The attention each cold entry [h, C] would get from the queries [H, Tq, d] if it were hot, in one softmax
     over hot and cold entries, summed over the group's heads and the queries. The queries are the last Tq hot
-    entries (`hot_keys` [h, S, d]): each sees the hot entries up to its own and every cold one (all earlier)."""
+    entries (`hot_keys` [h, S, d]): each sees the hot entries up to its own and every cold one (all earlier).
+    The cold keys as stored (int8 with `cold_scales`, or float; cold_logits defines their logits)."""
     h, s = hot_keys.shape[0], hot_keys.shape[1]
     tq = query.shape[1]
     # [h, G * Tq, d], query i of each head at row g * Tq + i; the scaling folded into the queries once
     q = query.float().reshape(h, -1, query.shape[-1]) * scaling
     hot = torch.matmul(q, hot_keys.float().transpose(1, 2))
-    cold = torch.matmul(q, cold_keys.float().transpose(1, 2))
+    cold = cold_logits(q, cold_keys, cold_scales)
     lc = hot_log_counts.float().contiguous() if hot_log_counts is not None else None
     mass = cache_ops.recall_softmax(hot, cold, lc, tq)  # the rest in one C pass per row (engine.kernels.cache_ops)
     if mass is not None:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from .library import load
+from .quant import quantize_int16
 
 
 def _layout(tensors: list[torch.Tensor], capacity: int) -> list[int] | None:
@@ -205,7 +206,8 @@ def _rows_of(t: torch.Tensor, width: int) -> bool:
 def recall_mass(query: torch.Tensor, hot_keys: torch.Tensor, cold_keys: torch.Tensor, cold_scales: torch.Tensor | None,
                 hot_log_counts: torch.Tensor | None, scaling: float, *, keep_hot: bool = False):
     """cold.recall_mass in one C call (dsv41_recall_mass), the cold keys read as stored: int8 [h, C, d] with their
-    float32 scales [h, C, 1] (widened key by key, as ColdLayer.read_keys does), or bf16 / float32 without scales;
+    float32 scales [h, C, 1] (against the query rows rounded to int16 here, integer products: cold.cold_logits,
+    bit for bit), or bf16 / float32 without scales (widened key by key);
     the hot keys [h, S, d] float32 or bf16; each a view whose entries are contiguous rows (a layer's storage up
     to its length). None where the kernels do not apply. `keep_hot`: (mass, logits), the hot entries' logits
     [h, S, rows rounded up to the vector width] as computed, for the question's attention after the recall
@@ -226,11 +228,14 @@ def recall_mass(query: torch.Tensor, hot_keys: torch.Tensor, cold_keys: torch.Te
         return None
     tq = query.shape[1]
     q = (query.float().reshape(h, -1, d) * scaling).contiguous()
+    q16, q16_scales = quantize_int16(q) if cold_scales is not None else (None, None)
     mass = torch.empty(h, c, dtype=torch.float32)
     lanes = lib.isa // 32
     hot = torch.empty(h, s, -(-q.shape[1] // lanes) * lanes, dtype=torch.float32) if keep_hot else None
     status = lib.lib.dsv41_recall_mass(
-        h, q.shape[1], tq, d, q.data_ptr(), s, hot_keys.data_ptr(), _KEY_TYPES[hot_keys.dtype], hot_keys.stride(0),
+        h, q.shape[1], tq, d, q.data_ptr(), None if q16 is None else q16.data_ptr(),
+        None if q16_scales is None else q16_scales.data_ptr(),
+        s, hot_keys.data_ptr(), _KEY_TYPES[hot_keys.dtype], hot_keys.stride(0),
         None if hot_log_counts is None else hot_log_counts.data_ptr(),
         0 if hot_log_counts is None else hot_log_counts.stride(0), c, cold_keys.data_ptr(),
         _KEY_TYPES[cold_keys.dtype], cold_keys.stride(0), None if cold_scales is None else cold_scales.data_ptr(),

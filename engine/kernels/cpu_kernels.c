@@ -2932,6 +2932,109 @@ static void recall_logits4(const float *qt, int64_t rp, int64_t d, const float *
     }
 }
 
+/* The cold logits of int8 keys against query rows rounded to int16 (cold.cold_logits defines them): per row and
+ * entry the exact int32 sum over d of q16 x key, rounded once to float32, times the key's scale, times the row's.
+ * qp [d / 2][rp] holds each row's int16 values in pairs (t, t + 1) in one 32-bit lane; a key's pair is broadcast
+ * against them and vpdpwssd (AVX-512 VNNI) or vpmaddwd + add (AVX-512 BW, AVX2) adds both products to the row's
+ * int32 sum: two values an instruction where the float32 route takes one. |q| <= 32767 and |key| <= 127, so a
+ * sum over d <= RECALL_DMAX stays far inside int32. */
+#if LANES == 16 && defined(__AVX512BW__)
+#define RECALL_INT16 1
+#define VI __m512i
+#define VI_ZERO _mm512_setzero_si512
+#define VI_LOAD(p) _mm512_loadu_si512((const void *)(p))
+#define VI_SET _mm512_set1_epi32
+#define VI_TOF _mm512_cvtepi32_ps
+#if defined(__AVX512VNNI__)
+#define VI_DOT(acc, a, b) _mm512_dpwssd_epi32(acc, a, b)
+#else
+#define VI_DOT(acc, a, b) _mm512_add_epi32(acc, _mm512_madd_epi16(a, b))
+#endif
+#elif LANES == 8
+#define RECALL_INT16 1
+#define VI __m256i
+#define VI_ZERO _mm256_setzero_si256
+#define VI_LOAD(p) _mm256_loadu_si256((const __m256i *)(p))
+#define VI_SET _mm256_set1_epi32
+#define VI_TOF _mm256_cvtepi32_ps
+#define VI_DOT(acc, a, b) _mm256_add_epi32(acc, _mm256_madd_epi16(a, b))
+#endif
+
+#ifdef RECALL_INT16
+/* out [ne][rp] (rows rb..) = (float)(kp [4][d / 2] . qp [d / 2][rp]) * ks[e] * qs [rp], NV vectors of rows. */
+#define RECALL_ITILE(NV)                                                                                         \
+    static inline void recall_itile##NV(const int32_t *qp, int64_t rp, int64_t pairs, const int32_t *kp,        \
+                                        const float *ks, const float *qs, int ne, float *out) {                  \
+        VI acc[4][NV];                                                                                        \
+        _Pragma("GCC unroll 4") for (int e = 0; e < 4; e++)                                                   \
+            _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) acc[e][v] = VI_ZERO();                      \
+        for (int64_t t = 0; t < pairs; t++) {                                                                 \
+            VI qv[NV];                                                                                        \
+            _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) qv[v] = VI_LOAD(qp + t * rp + v * LANES);   \
+            _Pragma("GCC unroll 4") for (int e = 0; e < 4; e++) {                                            \
+                VI b = VI_SET(kp[e * (RECALL_DMAX / 2) + t]);                                                 \
+                _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) acc[e][v] = VI_DOT(acc[e][v], qv[v], b);\
+            }                                                                                                 \
+        }                                                                                                     \
+        for (int e = 0; e < ne; e++) {                                                                        \
+            VF k = VSET(ks[e]);                                                                               \
+            _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++)                                             \
+                VSTORE(out + e * rp + v * LANES, VMUL(VMUL(VI_TOF(acc[e][v]), k), VLOAD(qs + v * LANES)));   \
+        }                                                                                                     \
+    }
+RECALL_ITILE(1)
+RECALL_ITILE(2)
+#if RECALL_NV == 4
+RECALL_ITILE(3)
+RECALL_ITILE(4)
+#endif
+
+/* qp [d / 2][rp] = the head's int16 query rows q16 [rows][d] in pairs, rows past `rows` zero. */
+static void queries_pairs(const int16_t *q16, int64_t rows, int64_t d, int64_t rp, int32_t *qp) {
+    memset(qp, 0, (size_t)(d / 2 * rp) * sizeof(int32_t));
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t t = 0; t < d / 2; t++)
+            qp[t * rp + r] = (int32_t)((uint32_t)(uint16_t)q16[r * d + 2 * t] | ((uint32_t)(uint16_t)q16[r * d + 2 * t + 1] << 16));
+}
+
+/* The logits of cold entries j0 .. j0 + ne - 1 (ne <= 4; int8 keys [.., d] with scales) into their rows of base
+ * ([entry][rp]), each row's maximum into mx [rp] (as logit_rows does for the float route). */
+static void cold_rows_int16(const int32_t *qp, const float *qs, int64_t rp, int64_t d, const int8_t *keys,
+                            const float *scales, int64_t j0, int ne, float *base, float *mx) {
+    int32_t kp[4 * (RECALL_DMAX / 2)] __attribute__((aligned(64)));
+    float ks[4];
+    const int64_t pairs = d / 2;
+    for (int e = 0; e < 4; e++) {
+        ks[e] = e < ne ? scales[j0 + e] : 0.f;
+        for (int64_t t = 0; t < pairs; t++) {
+            const int8_t *k = keys + (j0 + e) * d + 2 * t;
+            kp[e * (RECALL_DMAX / 2) + t] = e < ne ? (int32_t)((uint32_t)(uint16_t)(int16_t)k[0]
+                                                               | ((uint32_t)(uint16_t)(int16_t)k[1] << 16)) : 0;
+        }
+    }
+    float *out = base + j0 * rp;
+    int64_t rb = 0;
+    for (; rb + RECALL_NV * LANES <= rp; rb += RECALL_NV * LANES)
+#if RECALL_NV == 4
+        recall_itile4(qp + rb, rp, pairs, kp, ks, qs + rb, ne, out + rb);
+#else
+        recall_itile2(qp + rb, rp, pairs, kp, ks, qs + rb, ne, out + rb);
+#endif
+    switch ((rp - rb) / LANES) {
+    case 1: recall_itile1(qp + rb, rp, pairs, kp, ks, qs + rb, ne, out + rb); break;
+#if RECALL_NV == 4
+    case 2: recall_itile2(qp + rb, rp, pairs, kp, ks, qs + rb, ne, out + rb); break;
+    case 3: recall_itile3(qp + rb, rp, pairs, kp, ks, qs + rb, ne, out + rb); break;
+#endif
+    default: break;
+    }
+    for (int e = 0; e < ne; e++) {
+        const float *row = out + e * rp;
+        for (int64_t v = 0; v < rp; v += LANES) VSTORE(mx + v, VMAX(VLOAD(mx + v), VLOAD(row + v)));
+    }
+}
+#endif
+
 /* The pieces dsv41_recall_mass and dsv41_question_attention share. */
 
 /* qt [d][rp] = the head's query rows q [rows][d] transposed, rows past `rows` zero. */
@@ -2993,10 +3096,23 @@ static void partials_inv(const float *part, int nt, int64_t rp, int64_t rows, fl
 }
 
 int dsv41_recall_mass(int64_t heads, int64_t rows, int64_t tq, int64_t d, const float *q,
+                      const int16_t *q16, const float *q16_scales,
                       int64_t s, const void *hot, int hot_type, int64_t hot_stride, const float *hot_lc,
                       int64_t lc_stride, int64_t c, const void *cold, int cold_type, int64_t cold_stride,
                       const float *cold_scales, int64_t scale_stride, float *mass, float *hot_out, int threads) {
     if (d > RECALL_DMAX || d % LANES || rows < 1 || tq < 1 || tq > s) return -1;
+    /* int8 cold keys are scored against the rows rounded to int16 (q16, one scale per row: cold.cold_logits) */
+    if ((cold_type == 2) != (q16 != NULL)) return -1;
+#ifndef RECALL_INT16
+    if (q16) return -1;
+#else
+    int32_t *qp = q16 ? malloc((size_t)(d / 2 * ((rows + LANES - 1) / LANES * LANES)) * sizeof(int32_t)) : NULL;
+    float *qs = q16 ? calloc((size_t)((rows + LANES - 1) / LANES * LANES), sizeof(float)) : NULL;
+    if (q16 && (!qp || !qs)) {
+        free(qp); free(qs);
+        return -2;
+    }
+#endif
     const int nt = threads > 0 ? threads : 1;
     const int64_t rp = (rows + LANES - 1) / LANES * LANES, n = s + c;
     const int64_t hot_blocks = (s + 3) / 4, blocks = hot_blocks + (c + 3) / 4;
@@ -3008,10 +3124,19 @@ int dsv41_recall_mass(int64_t heads, int64_t rows, int64_t tq, int64_t d, const 
     float *top = malloc((size_t)(2 * rp) * sizeof(float)), *inv = top + rp;
     if (!qt || !logits || !part || !top) {
         free(qt); free(logits); free(part); free(top);
+#ifdef RECALL_INT16
+        free(qp); free(qs);
+#endif
         return -2;
     }
     for (int64_t h = 0; h < heads; h++) {
         queries_t(q + h * rows * d, rows, d, rp, qt);
+#ifdef RECALL_INT16
+        if (q16) {
+            queries_pairs(q16 + h * rows * d, rows, d, rp, qp);
+            memcpy(qs, q16_scales + h * rows, (size_t)rows * sizeof(float));
+        }
+#endif
         const void *hk = hot_type == 1 ? (const void *)((const uint16_t *)hot + h * hot_stride)
                                        : (const void *)((const float *)hot + h * hot_stride);
         const void *ck = cold_type == 2 ? (const void *)((const int8_t *)cold + h * cold_stride)
@@ -3025,15 +3150,21 @@ int dsv41_recall_mass(int64_t heads, int64_t rows, int64_t tq, int64_t d, const 
         {
             const int me = omp_get_thread_num();
             float *mx = part + (int64_t)me * 2 * rp, *sm = mx + rp;
-#pragma omp for schedule(static)
+            /* blocks of 8 in turn, not halves: a hot block (float products) costs about twice an int8 cold one */
+#pragma omp for schedule(static, 8)
             for (int64_t b = 0; b < blocks; b++) {
                 if (b < hot_blocks)  /* hot: merge counts added, the question's own later tokens masked */
                     logit_rows(qt, rp, d, hot_type, hk, NULL, b * 4, NULL, s - b * 4 < 4 ? (int)(s - b * 4) : 4, lc,
                                s, tq, rows, hot_rows, NULL, mx);
                 else {
                     const int64_t j0 = (b - hot_blocks) * 4;
-                    logit_rows(qt, rp, d, cold_type, ck, cs, j0, NULL, c - j0 < 4 ? (int)(c - j0) : 4, NULL, s, 0,
-                               rows, cold_rows, NULL, mx);
+                    const int ne = c - j0 < 4 ? (int)(c - j0) : 4;
+#ifdef RECALL_INT16
+                    if (q16)
+                        cold_rows_int16(qp, qs, rp, d, (const int8_t *)ck, cs, j0, ne, cold_rows, mx);
+                    else
+#endif
+                        logit_rows(qt, rp, d, cold_type, ck, cs, j0, NULL, ne, NULL, s, 0, rows, cold_rows, NULL, mx);
                 }
             }
 #pragma omp single
@@ -3059,6 +3190,9 @@ int dsv41_recall_mass(int64_t heads, int64_t rows, int64_t tq, int64_t d, const 
         }
     }
     free(qt); free(logits); free(part); free(top);
+#ifdef RECALL_INT16
+    free(qp); free(qs);
+#endif
     return 0;
 }
 
@@ -3230,6 +3364,7 @@ int dsv41_question_attention(int64_t heads, int64_t groups, int64_t t, int64_t d
 }
 #else
 int dsv41_recall_mass(int64_t heads, int64_t rows, int64_t tq, int64_t d, const float *q,
+                      const int16_t *q16, const float *q16_scales,
                       int64_t s, const void *hot, int hot_type, int64_t hot_stride, const float *hot_lc,
                       int64_t lc_stride, int64_t c, const void *cold, int cold_type, int64_t cold_stride,
                       const float *cold_scales, int64_t scale_stride, float *mass, float *hot_out, int threads) {

@@ -161,8 +161,8 @@ def build(extra_flags: tuple[str, ...] = ()) -> KernelLibrary:
     lib.dsv41_recall_move.restype = cint
     lib.dsv41_recall_softmax.argtypes = [i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, cint]
     lib.dsv41_recall_softmax.restype = cint
-    lib.dsv41_recall_mass.argtypes = [i64, i64, i64, i64, ptr, i64, ptr, cint, i64, ptr, i64, i64, ptr, cint, i64,
-                                      ptr, i64, ptr, ptr, cint]
+    lib.dsv41_recall_mass.argtypes = [i64, i64, i64, i64, ptr, ptr, ptr, i64, ptr, cint, i64, ptr, i64, i64, ptr,
+                                      cint, i64, ptr, i64, ptr, ptr, cint]
     lib.dsv41_recall_mass.restype = cint
     lib.dsv41_question_attention.argtypes = [i64, i64, i64, i64, ptr, i64, ptr, ptr, cint, i64, ptr, i64, i64, ptr,
                                              i64, ptr, ptr, i64, ptr, ptr, cint]

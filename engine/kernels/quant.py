@@ -1,7 +1,8 @@
-"""The one int8 quantizer: symmetric, one float32 scale per row of the last dimension.
+"""The one integer quantizer: symmetric, one float32 scale per row of the last dimension.
 
-Used for the KV cache in INT8 mode (a scale per token and head) and for weights held as int8 for the CPU
-kernels (a scale per output row).
+int8 for the KV cache in INT8 mode and the cold tier (a scale per token and head) and for weights held as int8
+for the CPU kernels (a scale per output row); int16 for the query rows a recall scores int8 cold keys with
+(engine.cache.cold.cold_logits: exact integer products, one rounding).
 """
 
 from __future__ import annotations
@@ -11,12 +12,22 @@ import torch
 EPS = 1e-8  # the smallest scale numerator: an all-zero row quantizes to zeros, not NaN
 
 
+def _quantize(x: torch.Tensor, limit: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    xf = x.detach().float()
+    scale = xf.abs().amax(dim=-1, keepdim=True).clamp_min(EPS) / float(limit)
+    q = torch.round(xf / scale).clamp_(-limit, limit).to(dtype)
+    return q, scale
+
+
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., n] -> (q int8 [..., n], scale float32 [..., 1]) with x ~ q * scale and |q| <= 127."""
-    xf = x.detach().float()
-    scale = xf.abs().amax(dim=-1, keepdim=True).clamp_min(EPS) / 127.0
-    q = torch.round(xf / scale).clamp_(-127, 127).to(torch.int8)
-    return q, scale
+    return _quantize(x, 127, torch.int8)
+
+
+def quantize_int16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., n] -> (q int16 [..., n], scale float32 [..., 1]) with x ~ q * scale and |q| <= 32767 (never -32768:
+    a pair of products of two int16 values then always fits an int32 lane)."""
+    return _quantize(x, 32767, torch.int16)
 
 
 def quantize_rows_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -456,8 +456,8 @@ def test_recall_mass_is_each_cold_entrys_share_of_one_softmax_over_hot_and_cold(
 @pytest.mark.parametrize("hot_type", [torch.bfloat16, torch.float32])
 def test_the_one_call_recall_scoring_reads_the_keys_as_stored_and_ranks_as_torch_does(cold_type, hot_type):
     """engine.kernels.cache_ops.recall_mass (what a CPU recall runs): the cold keys as stored (int8 with their
-    scales, widened key by key; bf16; float32) and the hot keys as views of a layer's storage, against
-    cold.recall_mass on the widened keys. Query rows that do not fill a vector (2 x 7 here), a causal tail,
+    scales, against int16 query rows; bf16 and float32 widened key by key) and the hot keys as views of a layer's
+    storage, against cold.recall_mass. Query rows that do not fill a vector (2 x 7 here), a causal tail,
     merge counts; the same top entries."""
     from engine.cache.cold import recall_mass
     from engine.kernels import cache_ops
@@ -472,14 +472,12 @@ def test_the_one_call_recall_scoring_reads_the_keys_as_stored_and_ranks_as_torch
     cold_full = torch.randn(h, capacity, d, generator=g) * 2
     if cold_type == torch.int8:
         cold_store, scale_store = quantize_int8(cold_full)
-        widened = cold_store[:, :c].float() * scale_store[:, :c]
         scales = scale_store[:, :c]
     else:
         cold_store, scales = cold_full.to(cold_type), None
-        widened = cold_store[:, :c].float()
     counts_store = torch.rand(h, capacity, generator=g).mul(3).add(1).log()
     for counts in (None, counts_store[:, :s]):
-        want = recall_mass(query, hot_store[:, :s], widened, counts, 0.3)
+        want = recall_mass(query, hot_store[:, :s], cold_store[:, :c], counts, 0.3, scales)
         got = cache_ops.recall_mass(query, hot_store[:, :s], cold_store[:, :c], scales, counts, 0.3)
         assert got is not None and got.shape == (h, c)
         assert torch.allclose(got, want, rtol=1e-4, atol=1e-6)
@@ -488,6 +486,127 @@ def test_the_one_call_recall_scoring_reads_the_keys_as_stored_and_ranks_as_torch
     # where it does not apply, the caller takes torch's path
     assert cache_ops.recall_mass(query, hot_store[:, :s].half(), cold_store[:, :c], scales, None, 0.3) is None
     assert cache_ops.recall_mass(query, hot_store[:, :s, ::2], cold_store[:, :c], scales, None, 0.3) is None
+
+
+def _int8_cold(h, c, d, *, seed):
+    from engine.kernels.quant import quantize_int8
+
+    g = torch.Generator().manual_seed(seed)
+    return quantize_int8(torch.randn(h, c, d, generator=g) * 2)
+
+
+def test_cold_logits_of_int8_keys_are_the_exact_integer_sums_rounded_once():
+    """cold.cold_logits on int8 keys: each query row rounded to int16 with its own scale, the exact integer sum of
+    its products with the key's int8 values rounded once to float32, x the key's scale, x the row's. Rows at the
+    int16 extremes against keys at +-127 make sums past 2^24, where float32 products of the int16 values summed in
+    float32 would round along the way; the result stays within int16 rounding of the float32 logits."""
+    from engine.cache.cold import cold_logits
+    from engine.kernels.quant import quantize_int16
+
+    h, r, c, d = 2, 9, 50, 64
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(h, r, d, generator=g)
+    q[:, :3] = torch.where(torch.rand(h, 3, d, generator=g) < 0.5, -1.0, 1.0) * (1 + 1e-4 * torch.rand(h, 3, d))
+    keys, scales = _int8_cold(h, c, d, seed=12)
+    keys[:, :4] = torch.where(torch.rand(h, 4, d, generator=g) < 0.5, -127, 127).to(torch.int8)
+    got = cold_logits(q, keys, scales)
+    rows, row_scales = quantize_int16(q)
+    exact = torch.matmul(rows.long(), keys.long().transpose(1, 2))
+    assert int(exact.abs().max()) > 1 << 24
+    want = exact.float().mul_(scales.transpose(1, 2)).mul_(row_scales)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    widened = torch.matmul(q, (keys.float() * scales).transpose(1, 2))
+    assert float((got - widened).abs().max() / widened.abs().max()) < 1e-4
+    # float keys: the float32 products of the widened keys, unchanged
+    assert torch.equal(cold_logits(q, keys.float() * scales, None), widened)
+
+
+def _kernel_builds():
+    """The kernel builds this CPU runs: native, and with fewer instruction sets ((flags, library) pairs)."""
+    from engine.kernels import library
+
+    native = kernels.load()
+    if native is None:
+        return []
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            flags = info.read()
+    except OSError:
+        flags = ""
+    builds = [("native", native)]
+    if native.isa == 512 and " avx512_vnni" in flags:
+        builds.append(("-mno-avx512vnni", library.build(("-mno-avx512vnni",))))
+    if native.isa == 512:
+        builds.append(("-mno-avx512f", library.build(("-mno-avx512f",))))
+    return builds
+
+
+def test_the_c_scoring_of_int8_cold_keys_takes_the_integer_logits_on_every_build(monkeypatch):
+    """cache_ops.recall_mass from int8 cold keys (vpdpwssd with AVX-512 VNNI, vpmaddwd on AVX-512 BW and AVX2)
+    against cold.recall_mass with cold_logits' definition: the same masses (the two AVX-512 builds bit for bit) and
+    the same top entries. A query whose other components are below int16's step of its largest sees every key
+    alike when their first components are equal: the masses are then exactly equal, where float32 logits of the
+    widened keys (the small components) would tell them apart."""
+    from engine.cache.cold import recall_mass
+    from engine.kernels import cache_ops
+
+    builds = _kernel_builds()
+    if not builds:
+        pytest.skip(f"CPU kernels: {kernels.unavailable_reason()}")
+    g = torch.Generator().manual_seed(13)
+    h, groups, d, s, c, tq = 3, 3, 64, 70, 517, 7  # 21 rows: a whole vector and part of another on AVX-512
+    query = torch.randn(h * groups, tq, d, generator=g) * 2
+    hot = (torch.randn(h, s, d, generator=g) * 2).to(torch.bfloat16)
+    keys, scales = _int8_cold(h, c, d, seed=14)
+    counts = torch.rand(h, s, generator=g).mul(3).add(1).log()
+    flat_query = torch.zeros(h * groups, tq, d)
+    flat_query[..., 0] = 3.0
+    flat_query[..., 1:] = 1e-5 * torch.randn(h * groups, tq, d - 1, generator=g)
+    flat_keys = keys.clone()
+    flat_keys[..., 0] = 127
+    masses = {}
+    for name, library in builds:
+        monkeypatch.setattr(cache_ops, "load", lambda library=library: library)
+        for lc in (None, counts):
+            want = recall_mass(query, hot, keys, lc, 0.3, scales)
+            got = cache_ops.recall_mass(query, hot, keys, scales, lc, 0.3)
+            assert got is not None, name
+            assert torch.allclose(got, want, rtol=1e-4, atol=1e-7), name
+            assert torch.equal(got.topk(64, dim=1).indices.sort(dim=1).values,
+                               want.topk(64, dim=1).indices.sort(dim=1).values), name
+            masses[name, lc is None] = got
+        flat = cache_ops.recall_mass(flat_query, hot, flat_keys, scales.mul(0).add(0.01), None, 0.3)
+        assert torch.equal(flat, flat[:, :1].expand_as(flat)), name
+        widened = recall_mass(flat_query, hot, flat_keys.float() * 0.01, None, 0.3)
+        assert not torch.equal(widened, widened[:, :1].expand_as(widened))
+    if ("-mno-avx512vnni", True) in masses:
+        assert torch.equal(masses["native", True], masses["-mno-avx512vnni", True])
+        assert torch.equal(masses["native", False], masses["-mno-avx512vnni", False])
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_recalls_cold_logits_and_choice_are_the_cpu_ones():
+    """cold_logits on CUDA (the high and low bytes' float32 products there, TF32 allowed) equal the CPU's bit for bit,
+    so a recall on a GPU picks the entries a CPU recall picks."""
+    from engine.cache.cold import cold_logits, recall_mass
+
+    keys, scales = _int8_cold(3, 700, 64, seed=15)
+    g = torch.Generator().manual_seed(16)
+    q = torch.randn(3, 60, 64, generator=g)
+    allowed = torch.backends.cuda.matmul.allow_tf32
+    try:
+        for tf32 in (False, True):
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+            on_gpu = cold_logits(q.cuda(), keys.cuda(), scales.cuda()).cpu()
+            assert torch.equal(on_gpu, cold_logits(q, keys, scales)), tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = allowed
+    query = torch.randn(9, 20, 64, generator=g)
+    hot = torch.randn(3, 300, 64, generator=g)
+    cpu = recall_mass(query, hot, keys, None, 0.125, scales)
+    gpu = recall_mass(query.cuda(), hot.cuda(), keys.cuda(), None, 0.125, scales.cuda()).cpu()
+    assert torch.allclose(cpu, gpu, rtol=1e-4, atol=1e-7)
+    assert torch.equal(cpu.topk(128, dim=1).indices.sort(dim=1).values, gpu.topk(128, dim=1).indices.sort(dim=1).values)
 
 
 @pytest.mark.parametrize("span", [1, 16, 12])
