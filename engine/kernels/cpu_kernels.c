@@ -2664,18 +2664,33 @@ int dsv41_rows_insert(int64_t heads, int64_t capacity, int64_t n, int64_t m, con
             while (k > 0 && np[order[k - 1]] > np[j]) { order[k] = order[k - 1]; k--; }
             order[k] = j;
         }
-        /* merge from the end: slot s is written only after the stored row that was there has been read */
-        int64_t i = n - 1, j = m - 1;
-        for (int64_t s = n + m - 1; j >= 0; s--) {
-            int take_new = i < 0 || np[order[j]] >= positions[h * capacity + i];
-            for (int t = 0; t < count; t++) {
-                int64_t rb = row_bytes[t];
-                char *base = bases[t] + h * capacity * rb;
-                if (!take_new) memmove(base + s * rb, base + i * rb, rb);
-                else if (news[t]) memcpy(base + s * rb, news[t] + (h * m + order[j]) * rb, rb);
-                else memset(base + s * rb, 0, rb);
+        /* merge from the end: slot s is written only after the stored row that was there has been read. A run of
+         * stored rows that go up together moves in one memmove a tensor, and so does a run of new rows given in
+         * order (a recall's spans): the same rows land in the same slots as a row at a time. */
+        const int32_t *pos = positions + h * capacity;
+        int64_t i = n - 1, j = m - 1, s = n + m - 1;
+        while (j >= 0) {
+            int64_t run = 0;
+            if (i >= 0 && np[order[j]] < pos[i]) {  /* stored rows i - run + 1 .. i go to s - run + 1 .. s */
+                while (run <= i && np[order[j]] < pos[i - run]) run++;
+                for (int t = 0; t < count; t++) {
+                    const int64_t rb = row_bytes[t];
+                    char *base = bases[t] + h * capacity * rb;
+                    memmove(base + (s - run + 1) * rb, base + (i - run + 1) * rb, (size_t)(run * rb));
+                }
+                i -= run;
+            } else {  /* new rows order[j - run + 1 .. j], consecutive in the given rows, to s - run + 1 .. s */
+                run = 1;
+                while (run <= j && order[j - run] == order[j] - run && (i < 0 || np[order[j - run]] >= pos[i])) run++;
+                for (int t = 0; t < count; t++) {
+                    const int64_t rb = row_bytes[t];
+                    char *dst = bases[t] + h * capacity * rb + (s - run + 1) * rb;
+                    if (news[t]) memcpy(dst, news[t] + (h * m + order[j] - run + 1) * rb, (size_t)(run * rb));
+                    else memset(dst, 0, (size_t)(run * rb));
+                }
+                j -= run;
             }
-            if (take_new) j--; else i--;
+            s -= run;
         }
     }
     free(order);
@@ -2715,7 +2730,17 @@ int dsv41_recall_move(int64_t heads, int64_t d, int64_t ccap, int64_t cn, int64_
                 char *dst = (kv ? values : keys) + out * kv_bytes;
                 if (!cold_int8) { memcpy(dst, src, (size_t)kv_bytes); continue; }
                 const float scale = ((const float *)cold[4 + kv])[row];
-                for (int64_t k = 0; k < d; k++) {
+                int64_t k = 0;
+#if defined(__AVX512F__)
+                const __m512 sv = _mm512_set1_ps(scale);  /* sixteen values at a time, the same products and rounding */
+                for (; k + 16 <= d; k += 16) {
+                    const __m512 f = _mm512_mul_ps(
+                        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src + k)))), sv);
+                    if (hot_bf16) _mm256_storeu_si256((__m256i *)((uint16_t *)dst + k), bf16_of16(f));
+                    else _mm512_storeu_ps((float *)dst + k, f);
+                }
+#endif
+                for (; k < d; k++) {
                     const float f = (float)((const int8_t *)src)[k] * scale;
                     if (hot_bf16) ((uint16_t *)dst)[k] = f32_to_bf16(f);
                     else ((float *)dst)[k] = f;

@@ -212,10 +212,12 @@ def _layer_state(layer, names, length):
 @pytest.mark.skipif(kernels.load() is None, reason=f"CPU kernels: {kernels.unavailable_reason()}")
 @pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize("taken", [1, 13, 40])
-def test_the_row_kernels_move_a_recall_exactly_as_torch_does(monkeypatch, int8, taken):
+@pytest.mark.parametrize("sorted_index", [False, True])
+def test_the_row_kernels_move_a_recall_exactly_as_torch_does(monkeypatch, int8, taken, sorted_index):
     """A take out of the cold tier and the insert into the hot set through one C call each (engine.kernels.rows)
     leave every tensor of both layers bit-equal to the torch path's (rows, order, scales, CSA2 side cache,
-    zeroed merge counts), with ties between stored and recalled positions kept stored-first."""
+    zeroed merge counts), with ties between stored and recalled positions kept stored-first; the new rows in any
+    order, or in position order (as a recall gives them: runs of them are copied together)."""
     @torch.inference_mode()
     def run():
         g = torch.Generator().manual_seed(taken + 100 * int8)
@@ -228,6 +230,8 @@ def test_the_row_kernels_move_a_recall_exactly_as_torch_does(monkeypatch, int8, 
         cold.add(hot, torch.stack([torch.randperm(50, generator=g)[:40].sort().values for _ in range(3)]))
         cold.positions[:, :5] += 1  # odd positions (between the hot set's) beside equal ones (ties)
         index = torch.stack([torch.randperm(40, generator=g)[:taken] for _ in range(3)])
+        if sorted_index:
+            index = torch.gather(index, 1, torch.gather(cold.positions[:, :40], 1, index).argsort(dim=1, stable=True))
         keys, values, positions, scores = cold.take(index)
         hot.insert(keys, values, positions, scores)
         return (cold.length, _layer_state(cold, cold._names(), cold.length), hot.length,
@@ -853,19 +857,21 @@ def test_the_question_compaction_runs_after_the_first_reply_token_and_changes_no
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize("sorted_index", [False, True])
-def test_a_recall_moved_in_one_c_call_is_bit_equal_to_take_then_insert(dtype, int8, sorted_index):
+@pytest.mark.parametrize("d", [8, 72])
+def test_a_recall_moved_in_one_c_call_is_bit_equal_to_take_then_insert(dtype, int8, sorted_index, d):
     """ColdLayer.move_into (dsv41_recall_move) leaves the cold and the hot layer exactly as take + insert do: rows,
-    position order (ties stored-first), the widened keys and values in the hot dtype, scores, zeroed merge counts
-    and CSA2 projections, the cold layer's holes filled the same way."""
+    position order (ties stored-first), the widened keys and values in the hot dtype (d = 72: sixteen at a time on
+    AVX-512 and the rest one by one), scores, zeroed merge counts and CSA2 projections, the cold layer's holes
+    filled the same way; the rows taken in position order (runs of new rows moved together) or not."""
     @torch.inference_mode()
     def run(fused: bool):
         g = torch.Generator().manual_seed(7 + int8 + 2 * sorted_index)
-        hot = LayerKV(3, 8, dtype, "cpu")
-        hot.append(torch.randn(3, 60, 8, generator=g), torch.randn(3, 60, 8, generator=g), torch.arange(60) * 2)
+        hot = LayerKV(3, d, dtype, "cpu")
+        hot.append(torch.randn(3, 60, d, generator=g), torch.randn(3, 60, d, generator=g), torch.arange(60) * 2)
         hot.scores[:, :60] = torch.rand(3, 60, generator=g)
         hot.log_counts[:, :60] = torch.rand(3, 60, generator=g)
         hot.projected_keys = torch.randn(3, hot.capacity, 4, generator=g)
-        cold = ColdLayer(3, 8, dtype, "cpu", int8=int8)
+        cold = ColdLayer(3, d, dtype, "cpu", int8=int8)
         cold.add(hot, torch.stack([torch.randperm(60, generator=g)[:45].sort().values for _ in range(3)]))
         hot.keep(torch.arange(15).expand(3, -1).contiguous())
         cold.positions[:, :5] += 1  # odd positions beside equal ones (ties with what stays hot)
