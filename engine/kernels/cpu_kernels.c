@@ -2591,7 +2591,11 @@ static float row_to_int8(const void *row, int bf16, int64_t d, int8_t *q) {
     for (int64_t v = 0; v < n; v++) {
         __m512 r = _mm512_roundscale_ps(_mm512_div_ps(x[v], by), _MM_FROUND_CUR_DIRECTION | _MM_FROUND_NO_EXC);
         r = _mm512_min_ps(_mm512_max_ps(r, lo), hi);
-        _mm_mask_storeu_epi8(q + v * 16, keep[v], _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(r)));
+        /* a whole piece in an unmasked store: a later 16-byte load of it is forwarded from the store (a load
+         * from masked byte stores waits for them to reach the cache) */
+        const __m128i bytes = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(r));
+        if (keep[v] == (__mmask16)0xFFFF) _mm_storeu_si128((__m128i *)(q + v * 16), bytes);
+        else _mm_mask_storeu_epi8(q + v * 16, keep[v], bytes);
     }
     return scale;
 #else
@@ -3573,7 +3577,11 @@ static void lsh_codes(const LshPlanes *lp, const void *keys, int key_type, int64
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
     if (lp->packed) {
         uint8_t u[MAX_HEAD_DIM];
-        for (int64_t i = 0; i < d; i++) u[i] = (uint8_t)(q[i] ^ 0x80);  /* q + 128 */
+        int64_t i = 0;
+        for (; i + 16 <= d; i += 16)  /* q + 128, in the 16-byte pieces row_to_int8 stored */
+            _mm_storeu_si128((__m128i *)(u + i),
+                             _mm_xor_si128(_mm_loadu_si128((const __m128i *)(q + i)), _mm_set1_epi8((char)0x80)));
+        for (; i < d; i++) u[i] = (uint8_t)(q[i] ^ 0x80);
         for (int64_t g0 = 0; g0 < lp->groups; g0 += LSH_CHUNK) {
             __m512i acc[LSH_CHUNK];
             for (int c = 0; c < LSH_CHUNK; c++) acc[c] = _mm512_setzero_si512();
