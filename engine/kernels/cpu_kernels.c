@@ -3030,16 +3030,22 @@ static void queries_pairs(const int16_t *q16, int64_t rows, int64_t d, int64_t r
  * ([entry][rp]), each row's maximum into mx [rp] (as logit_rows does for the float route). */
 static void cold_rows_int16(const int32_t *qp, const float *qs, int64_t rp, int64_t d, const int8_t *keys,
                             const float *scales, int64_t j0, int ne, float *base, float *mx) {
-    int32_t kp[4 * (RECALL_DMAX / 2)] __attribute__((aligned(64)));
+    /* a key's values widened to int16 are its pairs (t, t + 1) as int32, little-endian */
+    int32_t kp[4 * (RECALL_DMAX / 2)] __attribute__((aligned(64)));  /* written through vector stores (may alias) */
     float ks[4];
     const int64_t pairs = d / 2;
     for (int e = 0; e < 4; e++) {
         ks[e] = e < ne ? scales[j0 + e] : 0.f;
-        for (int64_t t = 0; t < pairs; t++) {
-            const int8_t *k = keys + (j0 + e) * d + 2 * t;
-            kp[e * (RECALL_DMAX / 2) + t] = e < ne ? (int32_t)((uint32_t)(uint16_t)(int16_t)k[0]
-                                                               | ((uint32_t)(uint16_t)(int16_t)k[1] << 16)) : 0;
-        }
+        int32_t *w32 = kp + e * (RECALL_DMAX / 2);
+        if (e >= ne) { memset(w32, 0, (size_t)pairs * sizeof(int32_t)); continue; }
+        char *w = (char *)w32;
+        const int8_t *k = keys + (j0 + e) * d;
+        for (int64_t t = 0; t < d; t += LANES)  /* d is a multiple of LANES */
+#if LANES == 16
+            _mm256_storeu_si256((__m256i *)(w + 2 * t), _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(k + t))));
+#else
+            _mm_storeu_si128((__m128i *)(w + 2 * t), _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(k + t))));
+#endif
     }
     float *out = base + j0 * rp;
     int64_t rb = 0;
