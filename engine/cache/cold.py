@@ -355,19 +355,28 @@ def cold_logits(q: torch.Tensor, keys: torch.Tensor, scales: torch.Tensor | None
     (the default tier): each query row rounded to int16 with a scale of its own (quantize_int16), the exact
     integer sum over d of its products with the key's int8 values, rounded once to float32, times the key's
     scale, times the row's scale. That is what the C scoring (cache_ops.recall_mass, vpdpwssd / vpmaddwd) computes
-    from the bytes the tier holds, at half the instructions of float32 products; here, on any device, each int16
-    row is split into a high byte (-128..127) and a low one (0..255) so both float32 products are sums of
-    integers below 2^24, exact in any order (TF32 included), and 256 x the first + the second rounds once: the same
-    numbers, bit for bit. Rounding the rows to int8 instead (four key bytes an instruction) lost facts a float32
+    from the bytes the tier holds, at half the instructions of float32 products; here the same numbers, bit for
+    bit: on a CPU one float64 product (exact for these integers), on a GPU each int16 row split into a high byte
+    (-128..127) and a low one (0..255) so both float32 products are sums of integers below 2^24, exact in any
+    order (TF32 included), and 256 x the first + the second rounds once. Rounding the rows to int8 instead (four key bytes an instruction) lost facts a float32
     recall found in follow-up questions (docs/design.md); int16 rows keep the float32 recall's choices."""
     if scales is None:
         return torch.matmul(q, keys.float().transpose(1, 2))
     rows, row_scales = quantize_int16(q)
+    out = integer_products(rows, keys, split=q.device.type != "cpu")  # fast float64 is rare on GPUs
+    return out.mul_(scales.float().transpose(1, 2)).mul_(row_scales)
+
+
+def integer_products(rows: torch.Tensor, keys: torch.Tensor, *, split: bool) -> torch.Tensor:
+    """rows int16 [h, R, d] x keys int8 [h, C, d] -> [h, R, C] float32: each exact integer sum rounded once. One
+    float64 product (exact: the sums stay far below 2^53), or (`split`) two float32 products of the rows' high and
+    low bytes, each exact (sums below 2^24), 256 x the first + the second rounded once."""
+    if not split:
+        return torch.matmul(rows.double(), keys.double().transpose(1, 2)).float()
     rows = rows.int()
     high = torch.div(rows, 256, rounding_mode="floor")
     k = keys.float().transpose(1, 2)
-    out = torch.matmul(high.float(), k).mul_(256.0).add_(torch.matmul((rows - high * 256).float(), k))
-    return out.mul_(scales.float().transpose(1, 2)).mul_(row_scales)
+    return torch.matmul(high.float(), k).mul_(256.0).add_(torch.matmul((rows - high * 256).float(), k))
 
 
 def recall_mass(query: torch.Tensor, hot_keys: torch.Tensor, cold_keys: torch.Tensor, hot_log_counts,

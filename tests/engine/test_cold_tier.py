@@ -504,7 +504,7 @@ def test_cold_logits_of_int8_keys_are_the_exact_integer_sums_rounded_once():
     its products with the key's int8 values rounded once to float32, x the key's scale, x the row's. Rows at the
     int16 extremes against keys at +-127 make sums past 2^24, where float32 products of the int16 values summed in
     float32 would round along the way; the result stays within int16 rounding of the float32 logits."""
-    from engine.cache.cold import cold_logits
+    from engine.cache.cold import cold_logits, integer_products
     from engine.kernels.quant import quantize_int16
 
     h, r, c, d = 2, 9, 50, 64
@@ -519,6 +519,9 @@ def test_cold_logits_of_int8_keys_are_the_exact_integer_sums_rounded_once():
     assert int(exact.abs().max()) > 1 << 24
     want = exact.float().mul_(scales.transpose(1, 2)).mul_(row_scales)
     assert got.dtype == torch.float32 and torch.equal(got, want)
+    for split in (False, True):  # a CPU's float64 product and a GPU's two float32 products of the bytes
+        assert torch.equal(integer_products(rows, keys, split=split), exact.float()), split
+    assert not torch.equal(torch.matmul(rows.float(), keys.float().transpose(1, 2)), exact.float())
     widened = torch.matmul(q, (keys.float() * scales).transpose(1, 2))
     assert float((got - widened).abs().max() / widened.abs().max()) < 1e-4
     # float keys: the float32 products of the widened keys, unchanged
