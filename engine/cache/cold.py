@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from ..kernels import cache_ops
-from ..kernels.quant import quantize_int8, quantize_int16
+from ..kernels.quant import integer_products, quantize_int8, quantize_int16
 from . import counts
 from .policies.ced import span_ranking
 from .storage import BLOCK_TOKENS, LayerKV, Rows, _round_up
@@ -366,17 +366,6 @@ def cold_logits(q: torch.Tensor, keys: torch.Tensor, scales: torch.Tensor | None
     out = integer_products(rows, keys, split=q.device.type != "cpu")  # fast float64 is rare on GPUs
     return out.mul_(scales.float().transpose(1, 2)).mul_(row_scales)
 
-
-def integer_products(rows: torch.Tensor, keys: torch.Tensor, *, split: bool) -> torch.Tensor:
-    """rows int16 [h, R, d] x keys int8 [h, C, d] -> [h, R, C] float32: each exact integer sum rounded once. One
-    float64 product (exact: the sums stay far below 2^53), or (`split`) two float32 products of the rows' high and
-    low bytes, each exact (sums below 2^24), 256 x the first + the second rounded once."""
-    if not split:
-        return torch.matmul(rows.double(), keys.double().transpose(1, 2)).float()
-    rows = rows.int()
-    high = torch.div(rows, 256, rounding_mode="floor")
-    k = keys.float().transpose(1, 2)
-    return torch.matmul(high.float(), k).mul_(256.0).add_(torch.matmul((rows - high * 256).float(), k))
 
 
 def recall_mass(query: torch.Tensor, hot_keys: torch.Tensor, cold_keys: torch.Tensor, hot_log_counts,

@@ -2,7 +2,7 @@
 
 int8 for the KV cache in INT8 mode and the cold tier (a scale per token and head) and for weights held as int8
 for the CPU kernels (a scale per output row); int16 for the query rows a recall scores int8 cold keys with
-(engine.cache.cold.cold_logits: exact integer products, one rounding).
+(engine.cache.cold.cold_logits: exact integer products, one rounding: integer_products).
 """
 
 from __future__ import annotations
@@ -34,3 +34,15 @@ def quantize_rows_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     """A weight matrix [out, in] -> (int8 [out, in] contiguous, float32 scale [out])."""
     q, scale = quantize_int8(weight)
     return q.contiguous(), scale[:, 0].contiguous()
+
+
+def integer_products(rows: torch.Tensor, keys: torch.Tensor, *, split: bool) -> torch.Tensor:
+    """rows int16 [h, R, d] x keys int8 [h, C, d] -> [h, R, C] float32: each exact integer sum rounded once. One
+    float64 product (exact: the sums stay far below 2^53), or (`split`) two float32 products of the rows' high and
+    low bytes, each exact (sums below 2^24), 256 x the first + the second rounded once."""
+    if not split:
+        return torch.matmul(rows.double(), keys.double().transpose(1, 2)).float()
+    rows = rows.int()
+    high = torch.div(rows, 256, rounding_mode="floor")
+    k = keys.float().transpose(1, 2)
+    return torch.matmul(high.float(), k).mul_(256.0).add_(torch.matmul((rows - high * 256).float(), k))

@@ -504,7 +504,8 @@ def test_cold_logits_of_int8_keys_are_the_exact_integer_sums_rounded_once():
     its products with the key's int8 values rounded once to float32, x the key's scale, x the row's. Rows at the
     int16 extremes against keys at +-127 make sums past 2^24, where float32 products of the int16 values summed in
     float32 would round along the way; the result stays within int16 rounding of the float32 logits."""
-    from engine.cache.cold import cold_logits, integer_products
+    from engine.cache.cold import cold_logits
+    from engine.kernels.quant import integer_products
     from engine.kernels.quant import quantize_int16
 
     h, r, c, d = 2, 9, 50, 64
