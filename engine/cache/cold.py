@@ -160,11 +160,6 @@ class ColdLayer:
         scales = self.key_scales
         return keys, None if scales is None else scales[:, : self.length].to(device, non_blocking=self.pinned)
 
-    def read_keys_to(self, device: torch.device) -> torch.Tensor:
-        """All cold keys [h, C, d] on `device`, as read_keys gives them (widened there from the stored bytes)."""
-        keys, scales = self.stored_keys_to(device)
-        return keys if scales is None else keys.float() * scales
-
     def read_values(self, index: torch.Tensor | None = None) -> torch.Tensor:
         return self._read(self.values, self.value_scales, None if index is None else Rows(index, self.capacity))
 
@@ -358,14 +353,14 @@ def cold_logits(q: torch.Tensor, keys: torch.Tensor, scales: torch.Tensor | None
     from the bytes the tier holds, at half the instructions of float32 products; here the same numbers, bit for
     bit: on a CPU one float64 product (exact for these integers), on a GPU each int16 row split into a high byte
     (-128..127) and a low one (0..255) so both float32 products are sums of integers below 2^24, exact in any
-    order (TF32 included), and 256 x the first + the second rounds once. Rounding the rows to int8 instead (four key bytes an instruction) lost facts a float32
-    recall found in follow-up questions (docs/design.md); int16 rows keep the float32 recall's choices."""
+    order (TF32 included), and 256 x the first + the second rounds once. Rows rounded to int8 instead (four key
+    bytes an instruction) put the logits ~300x further from float32's than int16 rows do (benchmarks/recall_cost.py),
+    enough to move entries across the recall's boundary (docs/design.md)."""
     if scales is None:
         return torch.matmul(q, keys.float().transpose(1, 2))
     rows, row_scales = quantize_int16(q)
     out = integer_products(rows, keys, split=q.device.type != "cpu")  # fast float64 is rare on GPUs
     return out.mul_(scales.float().transpose(1, 2)).mul_(row_scales)
-
 
 
 def recall_mass(query: torch.Tensor, hot_keys: torch.Tensor, cold_keys: torch.Tensor, hot_log_counts,

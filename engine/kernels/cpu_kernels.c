@@ -3018,14 +3018,6 @@ RECALL_ITILE(3)
 RECALL_ITILE(4)
 #endif
 
-/* qp [d / 2][rp] = the head's int16 query rows q16 [rows][d] in pairs, rows past `rows` zero. */
-static void queries_pairs(const int16_t *q16, int64_t rows, int64_t d, int64_t rp, int32_t *qp) {
-    memset(qp, 0, (size_t)(d / 2 * rp) * sizeof(int32_t));
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t t = 0; t < d / 2; t++)
-            qp[t * rp + r] = (int32_t)((uint32_t)(uint16_t)q16[r * d + 2 * t] | ((uint32_t)(uint16_t)q16[r * d + 2 * t + 1] << 16));
-}
-
 /* The logits of cold entries j0 .. j0 + ne - 1 (ne <= 4; int8 keys [.., d] with scales) into their rows of base
  * ([entry][rp]), each row's maximum into mx [rp] (as logit_rows does for the float route). */
 static void cold_rows_int16(const int32_t *qp, const float *qs, int64_t rp, int64_t d, const int8_t *keys,
@@ -3071,6 +3063,14 @@ static void cold_rows_int16(const int32_t *qp, const float *qs, int64_t rp, int6
 #endif
 
 /* The pieces dsv41_recall_mass and dsv41_question_attention share. */
+
+/* qp [d / 2][rp] = the head's int16 query rows q16 [rows][d] in pairs, rows past `rows` zero. */
+static void queries_pairs(const int16_t *q16, int64_t rows, int64_t d, int64_t rp, int32_t *qp) {
+    memset(qp, 0, (size_t)(d / 2 * rp) * sizeof(int32_t));
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t t = 0; t < d / 2; t++)
+            qp[t * rp + r] = (int32_t)((uint32_t)(uint16_t)q16[r * d + 2 * t] | ((uint32_t)(uint16_t)q16[r * d + 2 * t + 1] << 16));
+}
 
 /* qt [d][rp] = the head's query rows q [rows][d] transposed, rows past `rows` zero. */
 static void queries_t(const float *q, int64_t rows, int64_t d, int64_t rp, float *qt) {
@@ -3139,14 +3139,7 @@ int dsv41_recall_mass(int64_t heads, int64_t rows, int64_t tq, int64_t d, const 
     /* int8 cold keys are scored against the rows rounded to int16 (q16, one scale per row: cold.cold_logits) */
     if ((cold_type == 2) != (q16 != NULL)) return -1;
 #ifndef RECALL_INT16
-    if (q16) return -1;
-#else
-    int32_t *qp = q16 ? malloc((size_t)(d / 2 * ((rows + LANES - 1) / LANES * LANES)) * sizeof(int32_t)) : NULL;
-    float *qs = q16 ? calloc((size_t)((rows + LANES - 1) / LANES * LANES), sizeof(float)) : NULL;
-    if (q16 && (!qp || !qs)) {
-        free(qp); free(qs);
-        return -2;
-    }
+    if (q16) return -1;  /* no integer route in this build (AVX-512F without BW): torch's path */
 #endif
     const int nt = threads > 0 ? threads : 1;
     const int64_t rp = (rows + LANES - 1) / LANES * LANES, n = s + c;
@@ -3157,21 +3150,18 @@ int dsv41_recall_mass(int64_t heads, int64_t rows, int64_t tq, int64_t d, const 
     float *logits = malloc((size_t)(kept * rp > 0 ? kept * rp : 1) * sizeof(float));
     float *part = malloc((size_t)(2 * nt * rp) * sizeof(float));  /* per thread: row maxima, row sums */
     float *top = malloc((size_t)(2 * rp) * sizeof(float)), *inv = top + rp;
-    if (!qt || !logits || !part || !top) {
-        free(qt); free(logits); free(part); free(top);
-#ifdef RECALL_INT16
-        free(qp); free(qs);
-#endif
+    int32_t *qp = q16 ? malloc((size_t)(d / 2 * rp) * sizeof(int32_t)) : NULL;  /* the int16 rows in pairs */
+    float *qs = q16 ? calloc((size_t)rp, sizeof(float)) : NULL;                  /* their scales, 0 past `rows` */
+    if (!qt || !logits || !part || !top || (q16 && (!qp || !qs))) {
+        free(qt); free(logits); free(part); free(top); free(qp); free(qs);
         return -2;
     }
     for (int64_t h = 0; h < heads; h++) {
         queries_t(q + h * rows * d, rows, d, rp, qt);
-#ifdef RECALL_INT16
         if (q16) {
             queries_pairs(q16 + h * rows * d, rows, d, rp, qp);
             memcpy(qs, q16_scales + h * rows, (size_t)rows * sizeof(float));
         }
-#endif
         const void *hk = hot_type == 1 ? (const void *)((const uint16_t *)hot + h * hot_stride)
                                        : (const void *)((const float *)hot + h * hot_stride);
         const void *ck = cold_type == 2 ? (const void *)((const int8_t *)cold + h * cold_stride)
@@ -3224,10 +3214,7 @@ int dsv41_recall_mass(int64_t heads, int64_t rows, int64_t tq, int64_t d, const 
             }
         }
     }
-    free(qt); free(logits); free(part); free(top);
-#ifdef RECALL_INT16
-    free(qp); free(qs);
-#endif
+    free(qt); free(logits); free(part); free(top); free(qp); free(qs);
     return 0;
 }
 

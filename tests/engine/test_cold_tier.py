@@ -721,9 +721,11 @@ def test_on_a_gpu_the_cold_tier_is_pinned_and_its_keys_reach_the_device_as_store
     assert cache.cold_bytes() > 0
     for cold in cache.cold:
         assert cold.pinned and cold.keys.is_pinned() and cold.key_scales.is_pinned()
-        on_device = cold.read_keys_to(torch.device("cuda"))
+        keys, scales = cold.stored_keys_to(torch.device("cuda"))
         torch.cuda.synchronize()
-        assert on_device.device.type == "cuda" and torch.equal(on_device.cpu(), cold.read_keys())
+        assert keys.device.type == "cuda" and keys.dtype == torch.int8 and scales.device.type == "cuda"
+        assert torch.equal(keys.cpu(), cold.keys[:, : cold.length])
+        assert torch.equal(scales.cpu(), cold.key_scales[:, : cold.length])
     host = _cache(cold_tier="ram")
     assert not any(cold.pinned for cold in host.cold)  # a CPU cache keeps ordinary RAM
 
