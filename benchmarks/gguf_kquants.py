@@ -29,9 +29,12 @@ from .gguf_llamacpp import PEER, ROOT, THREADS, peer_dir, peer_python, prompts, 
 
 HIDDEN, HEADS, KV_HEADS, INTER, LAYERS = 2048, 32, 4, 5632, 8
 NEW_TOKENS = 64
-ROWS = {"ours, GGUF blocks": ({}, dict(kv_cache_ratio=1.0, csa2_topk=0)),
+DENSE = dict(kv_cache_ratio=1.0, csa2_topk=0)
+ROWS = {"ours, GGUF blocks": ({}, DENSE),  # the default x mode (int16 where AVX-512 VNNI and BF16 are)
+        # x as two bf16 terms in the Q4_K and Q6_K products (the default where AVX-512 BF16 is but not VNNI)
+        "ours, GGUF blocks, bf16 x": ({"DSV41_GGUF_X": "bf16"}, DENSE),
         # x rounded to int8 per 32 in the Q4_K products (Q6_K: two bf16 terms), as llama.cpp rounds it per 256
-        "ours, GGUF blocks, int8 x": ({"DSV41_GGUF_X": "int8"}, dict(kv_cache_ratio=1.0, csa2_topk=0)),
+        "ours, GGUF blocks, int8 x": ({"DSV41_GGUF_X": "int8"}, DENSE),
         "ours, defaults (CED + CSA2)": ({}, {})}
 
 
@@ -165,20 +168,38 @@ def main(argv=None) -> int:
             summary.append({"row": row, "prompt_tokens": n, "decode_tok_s": tok_s, "x_peer": tok_s / peer_tok_s,
                             "ttft_s": ttft, "ttft_x_peer": ttft / peer_ttft,
                             "weights": raw[row][0].get("weights", "the file")})
+    # bytes a decode step reads: every tensor but the embedding (one row of it), and the KV it attends to (ours as
+    # its worker reports; llama.cpp's f16 KV of the prompt and half the reply)
+    from benchmarks.speed.core import read_bandwidth
+    from engine.kernels.gguf_blocks import x_mode
+
+    step_weights = sum(info.nbytes for name, info in index.items() if name != "token_embd.weight")
+    bandwidth = read_bandwidth(torch.device("cpu"))["bytes_per_s"]
+    for s in summary:
+        n = s["prompt_tokens"]
+        kv = (statistics.median(r["runs"][str(n)]["kv_read_per_token"] for r in raw[s["row"]]) if s["row"] in ROWS
+              else LAYERS * 2 * KV_HEADS * (HIDDEN // HEADS) * 2 * (n + NEW_TOKENS // 2))
+        s["bytes_per_token"] = step_weights + kv
+        s["share_of_bound"] = s["bytes_per_token"] * s["decode_tok_s"] / bandwidth
     m = machine(torch.device("cpu"))
     total = sum(formats.values())
     held = ", ".join(f"{k} {v / 1e6:.0f} MB" for k, v in sorted(formats.items(), key=lambda kv: -kv[1]))
     lines = [f"{gguf.name} ({total / 1e6:.0f} MB of tensors: {held}), {m['cpu']}, {THREADS} threads; greedy, "
-             f"{NEW_TOKENS} tokens, EOS ignored; medians of {args.reps} interleaved runs, each a fresh process.", "",
-             "| row | prompt tokens | decode tok/s | × llama.cpp | TTFT | × llama.cpp | weights held |",
-             "|---|---|---|---|---|---|---|"]
+             f"{NEW_TOKENS} tokens, EOS ignored; medians of {args.reps} interleaved runs, each a fresh process. "
+             f"Our default x mode here: {x_mode()}. Read bandwidth {bandwidth / 1e9:.1f} GB/s (measured after the "
+             "runs); MB read a step: the weights but the embedding, and the KV.", "",
+             "| row | prompt tokens | decode tok/s | × llama.cpp | TTFT | × llama.cpp | MB read a step | "
+             "% of the bandwidth bound | weights held |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for s in summary:
         lines.append(f"| {s['row']} | {s['prompt_tokens']:,} | {s['decode_tok_s']:.1f} | {s['x_peer']:.2f} | "
-                     f"{s['ttft_s'] * 1e3:,.0f} ms | {s['ttft_x_peer']:.2f} | {s['weights']} |")
+                     f"{s['ttft_s'] * 1e3:,.0f} ms | {s['ttft_x_peer']:.2f} | {s['bytes_per_token'] / 1e6:.0f} | "
+                     f"{s['share_of_bound'] * 100:.0f} % | {s['weights']} |")
     table = "\n".join(lines) + "\n"
     write_results(args.folder, {"machine": m, "threads": THREADS, "new_tokens": NEW_TOKENS, "reps": args.reps,
                                 "gguf": gguf.name, "geometry": {"hidden": HIDDEN, "heads": HEADS, "kv_heads": KV_HEADS,
                                                                  "inter": INTER, "layers": LAYERS},
+                                "x_mode": x_mode(), "bandwidth_gb_s": bandwidth / 1e9,
                                 "tensor_bytes": formats, "rows": summary, "raw": raw}, table)
     print(table)
     return 0

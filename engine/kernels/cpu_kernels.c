@@ -1290,6 +1290,159 @@ static void rows_q4k_int8(const uint8_t *w, const int8_t *xq, const float *dx, c
         store(y, r, _mm512_reduce_add_ps(_mm512_sub_ps(_mm512_add_ps(a0, a1), off)), acc);
     }
 }
+
+/* The k-quants on int16 x (the int16 mode, AVX-512 VNNI): x rounded to int16 per group of n (Q4_K: its sub-blocks of
+ * 32; Q6_K: of 16) with the scale dx = max |x| / X16_MAX, and each value split into a high byte h and a low one l,
+ * x16 = 256 h + l with both in -128..127 (h = (x16 + 128) >> 8; |x16| <= X16_MAX keeps |h| <= 127). The weights'
+ * integers are vpdpbusd's unsigned bytes as they are (Q4_K's nibbles, Q6_K's 6-bit q), so a product is two
+ * vpdpbusd, 256 (q . h) + (q . l): the exact integer sum of q x16 over a lane's four weights, below 2^24 (rounded
+ * exactly to float32), then times d sc dx. x carries 15 bits of its group's largest value, the products none of
+ * their own: half the instructions of two bf16 terms per 32 weights, and no conversion of the weights' integers
+ * to floats. */
+#define X16_MAX 32639.f
+static inline void x16_split(const float *x, int n, float *dx, int8_t *hi, int8_t *lo, int64_t *sum) {
+    const __m512 sign = _mm512_set1_ps(-0.f);
+    __m512 m = _mm512_setzero_ps();
+    for (int i = 0; i < n; i += 16) m = _mm512_max_ps(m, _mm512_andnot_ps(sign, _mm512_loadu_ps(x + i)));
+    const float amax = _mm512_reduce_max_ps(m), inv = amax > 0.f ? X16_MAX / amax : 0.f;
+    __m512i total = _mm512_setzero_si512();
+    for (int i = 0; i < n; i += 16) {
+        const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + i), _mm512_set1_ps(inv)));
+        const __m512i h = _mm512_srai_epi32(_mm512_add_epi32(q, _mm512_set1_epi32(128)), 8);
+        _mm_storeu_si128((__m128i *)(hi + i), _mm512_cvtepi32_epi8(h));
+        _mm_storeu_si128((__m128i *)(lo + i), _mm512_cvtepi32_epi8(_mm512_sub_epi32(q, _mm512_slli_epi32(h, 8))));
+        total = _mm512_add_epi32(total, q);
+    }
+    *dx = amax / X16_MAX;
+    *sum = _mm512_reduce_add_epi32(total);
+}
+
+/* Q4_K: a block's x as 256 high bytes, then 256 low ones, each in the order rows_q4k_int8 takes its int8 x (the
+ * sub-blocks 0, 2, 1, 3, 4, 6, 5, 7); dx[b * 8 + j] sub-block j's scale, xsum[b * 16 + 8 + j] its sum as rounded
+ * (against the minimums; lanes 0-7 no offset). */
+static void q4k_int16_x(const float *x, int64_t blocks, int8_t *xq, float *dx, float *xsum) {
+    static const int slot[8] = {0, 2, 1, 3, 4, 6, 5, 7}; /* sub-block j's place: slot[j] * 32 */
+    for (int64_t b = 0; b < blocks; b++)
+        for (int j = 0; j < 8; j++) {
+            int8_t *at = xq + b * 512 + 32 * slot[j];
+            int64_t sum;
+            x16_split(x + b * 256 + 32 * j, 32, &dx[b * 8 + j], at, at + 256, &sum);
+            xsum[b * 16 + j] = 0.f;
+            xsum[b * 16 + 8 + j] = dx[b * 8 + j] * (float)sum;
+        }
+}
+
+/* five: Q5_K (the same x; each nibble's fifth bit from qh, bit 2c of byte l for the low nibbles of chunk c, bit
+ * 2c + 1 for its high ones, put in bit 4 of the byte as 16 + q: the same ternary-logic merge as Q6_K's pairs). */
+static inline __attribute__((always_inline)) void rows_k4_int16(const int five, const uint8_t *w, const int8_t *xq,
+                                                                 const float *dx, const float *xsum, float *y,
+                                                                 int64_t r0, int64_t r1, int64_t cols, int acc) {
+    const int64_t size = five ? 176 : 144, blocks = cols / 256, row_bytes = blocks * size, q_at = five ? 48 : 16;
+    const __m512i nib = _mm512_set1_epi8(0x0F), keep5 = _mm512_set1_epi8(0x1F);
+    const __m512i lanes8 = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
+    __m512i pick[4];
+    for (int p = 0; p < 2; p++)
+        for (int hi = 0; hi < 2; hi++) pick[2 * p + hi] = _mm512_add_epi32(lanes8, _mm512_set1_epi32(4 * p + hi));
+    Stream st = {(const char *)w + r0 * row_bytes, (const char *)(w + r1 * row_bytes)};
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = w + r * row_bytes;
+        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), off = _mm512_setzero_ps();
+        for (int64_t bi = 0; bi < blocks; bi++) {
+            const uint8_t *b = row + bi * size;
+            stream_to(&st, (const char *)b + size + K_AHEAD);
+            const __m512 dsm = k_scales_mins(b);
+            off = _mm512_fmadd_ps(dsm, _mm512_loadu_ps(xsum + bi * 16), off);
+            const __m512 scale = _mm512_mul_ps(dsm, _mm512_maskz_loadu_ps(0xFF, dx + bi * 8)); /* d sc_j dx_j */
+            const int8_t *xh = xq + bi * 512, *xl = xh + 256;
+            for (int p = 0; p < 2; p++) {
+                const __m512i v = _mm512_loadu_si512((const void *)(b + q_at + 64 * p));
+                __m512i lo, hi;
+                if (five) { /* chunk 2p's fifth bits are bits 4p, 4p + 1 of qh; chunk 2p + 1's the next two */
+                    const __m256i q5 = _mm256_loadu_si256((const __m256i *)(b + 16));
+                    const __m512i hv = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_srl_epi16(q5, _mm_cvtsi32_si128(4 * p))),
+                                                          _mm256_srl_epi16(q5, _mm_cvtsi32_si128(4 * p + 2)), 1);
+                    lo = _mm512_and_si512(_mm512_ternarylogic_epi32(v, _mm512_slli_epi16(hv, 4), nib, 0xE4), keep5);
+                    hi = _mm512_and_si512(_mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), _mm512_slli_epi16(hv, 3), nib, 0xE4), keep5);
+                } else {
+                    lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+                }
+                const int8_t *h = xh + 128 * p, *l = xl + 128 * p;
+                __m512i t = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512((const void *)h));
+                __m512i u = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi, _mm512_loadu_si512((const void *)(h + 64)));
+                t = _mm512_dpbusd_epi32(_mm512_slli_epi32(t, 8), lo, _mm512_loadu_si512((const void *)l));
+                u = _mm512_dpbusd_epi32(_mm512_slli_epi32(u, 8), hi, _mm512_loadu_si512((const void *)(l + 64)));
+                a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_permutexvar_ps(pick[2 * p], scale), a0);
+                a1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(u), _mm512_permutexvar_ps(pick[2 * p + 1], scale), a1);
+            }
+        }
+        store(y, r, _mm512_reduce_add_ps(_mm512_sub_ps(_mm512_add_ps(a0, a1), off)), acc);
+    }
+}
+static void rows_q4k_int16(const uint8_t *w, const int8_t *xq, const float *dx, const float *xsum, float *y,
+                           int64_t r0, int64_t r1, int64_t cols, int acc) {
+    rows_k4_int16(0, w, xq, dx, xsum, y, r0, r1, cols, acc);
+}
+static void rows_q5k_int16(const uint8_t *w, const int8_t *xq, const float *dx, const float *xsum, float *y,
+                           int64_t r0, int64_t r1, int64_t cols, int acc) {
+    rows_k4_int16(1, w, xq, dx, xsum, y, r0, r1, cols, acc);
+}
+
+/* Q6_K: a block's x as 256 high bytes, then 256 low ones, in the order of its weights; dx[b * 16 + s] the scale of
+ * sub-block s (16 weights), xsum[b * 16 + s] 32 times its sum as rounded (the -32 of q - 32 against d sc_s). Half a
+ * block at a time: its 64 bytes of low nibbles (bytes 0-31 weights 0-31 low, 64-95 high; bytes 32-63 weights 32-63
+ * and 96-127) and 32 bytes of high pairs (bits 2i-2i+1 of byte l for weight l + 32 i) make the half's weights 0-63
+ * and 64-127 as two 64-byte vectors of 6-bit q in order: (nibbles & 15) | (pairs << 4 & 48), the pairs of the
+ * second 32 bytes taken shifted by 2. Lane i of a dot product holds four weights of sub-block 8 half + i / 4 (+ 4
+ * for the weights 64-127). */
+static void q6k_int16_x(const float *x, int64_t blocks, int8_t *xq, float *dx, float *xsum) {
+    for (int64_t b = 0; b < blocks; b++)
+        for (int s = 0; s < 16; s++) {
+            int8_t *at = xq + b * 512 + 16 * s;
+            int64_t sum;
+            x16_split(x + b * 256 + 16 * s, 16, &dx[b * 16 + s], at, at + 256, &sum);
+            xsum[b * 16 + s] = 32.f * (dx[b * 16 + s] * (float)sum);
+        }
+}
+
+static void rows_q6k_int16(const uint8_t *w, const int8_t *xq, const float *dx, const float *xsum, float *y,
+                           int64_t r0, int64_t r1, int64_t cols, int acc) {
+    const int64_t blocks = cols / 256, row_bytes = blocks * 210;
+    const __m512i low = _mm512_set1_epi8(0x0F), six = _mm512_set1_epi8(0x3F);
+    const __m512i quads = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    __m512i pick[4]; /* [half][weights 0-63 / 64-127]: the sub-block of 16 of each lane */
+    for (int h = 0; h < 2; h++)
+        for (int hi = 0; hi < 2; hi++) pick[2 * h + hi] = _mm512_add_epi32(quads, _mm512_set1_epi32(8 * h + 4 * hi));
+    Stream st = {(const char *)w + r0 * row_bytes, (const char *)(w + r1 * row_bytes)};
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = w + r * row_bytes;
+        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), off = _mm512_setzero_ps();
+        for (int64_t bi = 0; bi < blocks; bi++) {
+            const uint8_t *b = row + bi * 210;
+            stream_to(&st, (const char *)b + 210 + K_AHEAD);
+            const __m512 dsv = _mm512_mul_ps(_mm512_set1_ps(f16_to_f32(u16_at(b + 208))), _mm512_cvtepi32_ps(
+                _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 192)))));
+            off = _mm512_fmadd_ps(dsv, _mm512_loadu_ps(xsum + bi * 16), off);
+            const __m512 scale = _mm512_mul_ps(dsv, _mm512_loadu_ps(dx + bi * 16)); /* d sc_s dx_s */
+            const int8_t *xh = xq + bi * 512, *xl = xh + 256;
+            for (int h = 0; h < 2; h++) {
+                const __m512i v = _mm512_loadu_si512((const void *)(b + 64 * h));
+                const __m256i pairs = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+                const __m512i hv = _mm512_inserti64x4(_mm512_castsi256_si512(pairs), _mm256_srli_epi16(pairs, 2), 1);
+                /* bits 0-3 from the nibbles (where `low` is set), 4-7 from the pairs, then the top two cleared */
+                const __m512i q0 = _mm512_and_si512(_mm512_ternarylogic_epi32(v, _mm512_slli_epi16(hv, 4), low, 0xE4), six);
+                const __m512i q1 = _mm512_and_si512(_mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), hv, low, 0xE4), six);
+                const int8_t *xhh = xh + 128 * h, *xll = xl + 128 * h;
+                __m512i t = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q0, _mm512_loadu_si512((const void *)xhh));
+                __m512i u = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q1, _mm512_loadu_si512((const void *)(xhh + 64)));
+                t = _mm512_dpbusd_epi32(_mm512_slli_epi32(t, 8), q0, _mm512_loadu_si512((const void *)xll));
+                u = _mm512_dpbusd_epi32(_mm512_slli_epi32(u, 8), q1, _mm512_loadu_si512((const void *)(xll + 64)));
+                a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_permutexvar_ps(pick[2 * h], scale), a0);
+                a1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(u), _mm512_permutexvar_ps(pick[2 * h + 1], scale), a1);
+            }
+        }
+        store(y, r, _mm512_reduce_add_ps(_mm512_sub_ps(_mm512_add_ps(a0, a1), off)), acc);
+    }
+}
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
@@ -1794,14 +1947,19 @@ static void rows_gguf(int64_t type, int split, const uint8_t *w, const float *x,
 }
 
 /* How Q4_0 / Q4_1 products take x: 0 float32 (rows_small_blocks, exact to float32), 1 rounded to int8 per block
- * (rows_q4_vnni, AVX-512 VNNI), 2 as two bf16 terms (rows_q4_bf16, AVX-512 BF16; rows held split). Q4_K follows
- * (rows_q4k_int8, rows_q4k_bf16); Q5_K and Q6_K take two bf16 terms in modes 1 and 2 where the build has them
- * (rows_q5k_bf16, rows_q6k_bf16); the k-quants in mode 0 float32 x (rows_k_blocks). The
- * default is 2 where the build has it; DSV41_GGUF_X (engine/kernels/library.py) or gguf_blocks.x_mode changes it. */
+ * (rows_q4_vnni, AVX-512 VNNI), 2 as two bf16 terms (rows_q4_bf16, AVX-512 BF16; rows held split), 3 as in 2 (the
+ * int16 mode is the k-quants'). Q4_K follows (rows_q4k_int8, rows_q4k_bf16, rows_q4k_int16); Q5_K and Q6_K take
+ * int16 x in mode 3 (rows_q5k_int16, rows_q6k_int16) and two bf16 terms in modes 1 and 2 where the build has them
+ * (rows_q5k_bf16, rows_q6k_bf16); the k-quants in mode 0 float32 x (rows_k_blocks). The default is 3 where the
+ * build has AVX-512 VNNI and BF16, else 2 where it has BF16; DSV41_GGUF_X (engine/kernels/library.py) or
+ * gguf_blocks.x_mode changes it. */
 #define X_FLOAT32 0
 #define X_INT8 1
 #define X_BF16 2
-#if defined(DSV41_Q4_BF16)
+#define X_INT16 3
+#if defined(DSV41_Q4_BF16) && defined(DSV41_Q4_VNNI)
+static int gguf_x_mode = X_INT16;
+#elif defined(DSV41_Q4_BF16)
 static int gguf_x_mode = X_BF16;
 #else
 static int gguf_x_mode = X_FLOAT32;
@@ -1811,7 +1969,7 @@ static int gguf_x_mode = X_FLOAT32;
 int dsv41_gguf_x_modes(void) {
     int modes = 1 << X_FLOAT32;
 #if defined(DSV41_Q4_VNNI)
-    modes |= 1 << X_INT8;
+    modes |= (1 << X_INT8) | (1 << X_INT16);
 #endif
 #if defined(DSV41_Q4_BF16)
     modes |= 1 << X_BF16;
@@ -1823,7 +1981,7 @@ int dsv41_gguf_x_modes(void) {
 int dsv41_gguf_x_mode(int mode) {
     const int before = gguf_x_mode;
     if (mode >= 0) {
-        if (mode > X_BF16 || !(dsv41_gguf_x_modes() & (1 << mode))) return -1;
+        if (mode > X_INT16 || !(dsv41_gguf_x_modes() & (1 << mode))) return -1;
         gguf_x_mode = mode;
     }
     return before;
@@ -1859,8 +2017,25 @@ int dsv41_mv_gguf(int64_t type, const void *w, const float *x, float *y, int64_t
     _Alignas(64) char stack[X_STACK];
     char *buf, *at;
     (void)b32, (void)b256, (void)pad, (void)stack, (void)buf, (void)at; /* unused in a build without AVX2 */
+#if defined(DSV41_Q4_VNNI)
+    if ((type == 12 || type == 13 || type == 14) && gguf_x_mode == X_INT16) {
+        if (!(buf = at = x_scratch(stack, 512 * b256 + 64 * b256 + 64 * b256 + pad))) return -2;
+        int8_t *xq = carve(&at, 512 * b256);
+        float *dx = carve(&at, 64 * b256), *xsum = carve(&at, 64 * b256);
+        if (type == 12 || type == 13) {
+            q4k_int16_x(x, (int64_t)b256, xq, dx, xsum);
+            if (type == 12) ON_ROWS(rows_q4k_int16(wb, xq, dx, xsum, y, r0, r1, cols, acc))
+            else ON_ROWS(rows_q5k_int16(wb, xq, dx, xsum, y, r0, r1, cols, acc))
+        } else {
+            q6k_int16_x(x, (int64_t)b256, xq, dx, xsum);
+            ON_ROWS(rows_q6k_int16(wb, xq, dx, xsum, y, r0, r1, cols, acc))
+        }
+        if (buf != stack) free(buf);
+        return 0;
+    }
+#endif
 #if defined(DSV41_Q4_BF16)
-    if ((type == 2 || type == 3) && split && gguf_x_mode == X_BF16) {
+    if ((type == 2 || type == 3) && split && (gguf_x_mode == X_BF16 || gguf_x_mode == X_INT16)) {
         const size_t groups = (b32 + 3) / 4;
         if (!(buf = at = x_scratch(stack, 2 * Q4_BF16_GROUP * groups + 4 * b32 + pad))) return -2;
         uint16_t *xt = carve(&at, 2 * Q4_BF16_GROUP * groups);

@@ -5,11 +5,14 @@ Q5_K, Q6_K here). Held as the file stores them, a decode step reads those bytes 
 against 269 MB as bf16) and computes the weights' exact values: `dequantize` writes them as the gguf package's
 dequantiser does (bit for bit; tests/engine/test_gguf_blocks.py), `matvec` multiplies them by a float32 vector with
 float32 accumulation. How the Q4_0 / Q4_1 products take x is `x_mode` (DSV41_GGUF_X): "float32"; "bf16" (the
-default on CPUs with AVX-512 BF16) carries x as two bf16 terms, 16 significant bits, and multiplies with bf16 dot
+default on CPUs with AVX-512 BF16 but not VNNI) carries x as two bf16 terms, 16 significant bits, and multiplies with bf16 dot
 products, about 1e-6 of a row's sum of |w x| from the float32 path, the product ×1.2 faster; "int8" (AVX-512 VNNI,
 DSV41_GGUF_INT8_X=1) rounds x to int8 per block of 32 first, as llama.cpp does: half the instructions per block, but
 whole decode steps gain 1.05-1.12x over float32 x (benchmarks/x_modes.py), and it changes greedy answers (the
-weights stay the file's exact values, the products do not).
+weights stay the file's exact values, the products do not). "int16" (the default where AVX-512 VNNI and BF16 both
+are) is the k-quants' mode: Q4_K and Q6_K round x to int16 per sub-block (15 bits of its largest value) and take
+exact integer products of the weights' integers with x's high and low bytes (two vpdpbusd per 64 weights); Q4_0 /
+Q4_1 and Q5_K take the bf16 terms there, as in "bf16".
 
     blocks = GGUFMatrix.from_reader_tensor(reader_tensor)   # or GGUFMatrix(type, raw uint8 [rows, row_bytes], cols)
     y = blocks.matvec(x)                                      # float32 [rows]
@@ -44,9 +47,11 @@ _HALF_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q5_
 def x_modes(library=None) -> tuple[str, ...]:
     """The ways this build's Q4_0 / Q4_1 products can take x: "float32" always; "int8" (x rounded to int8 per block of
     32, integer dot products: AVX-512 VNNI); "bf16" (x as two bf16 terms, 16 significant bits, bf16 dot products:
-    AVX-512 BF16, rows held split, the default where it exists). Q4_K follows the mode too (int8 per sub-block of 32);
-    Q5_K and Q6_K take two bf16 terms in modes "bf16" and "int8" where AVX-512 BF16 is (they have no int8 route),
-    float32 x otherwise; Q8_0 always float32 x."""
+    AVX-512 BF16, rows held split); "int16" (AVX-512 VNNI; the default where AVX-512 BF16 is too, else "bf16" where
+    that is): Q4_0 / Q4_1 as in "bf16". Q4_K follows the mode too (int8 per sub-block of 32; int16 per sub-block of
+    32, exact integer products); Q6_K takes int16 x per sub-block of 16 in "int16" and two bf16 terms in "bf16" and
+    "int8"; Q5_K two bf16 terms in "bf16", "int8" and "int16" where AVX-512 BF16 is; the k-quants float32 x
+    otherwise; Q8_0 always float32 x."""
     lib = library if library is not None else load()
     if lib is None:
         return ()

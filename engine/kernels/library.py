@@ -89,7 +89,7 @@ def _build_and_load() -> KernelLibrary:
 
 
 # How the Q4_0 / Q4_1 products can take x, by dsv41_gguf_x_mode's numbers (engine.kernels.gguf_blocks.x_mode)
-X_MODES = ("float32", "int8", "bf16")
+X_MODES = ("float32", "int8", "bf16", "int16")
 
 
 def build(extra_flags: tuple[str, ...] = ()) -> KernelLibrary:
@@ -174,7 +174,7 @@ def build(extra_flags: tuple[str, ...] = ()) -> KernelLibrary:
     lib.dsv41_cold_counts.restype = cint
     lib.dsv41_lsh_tally.argtypes = [i64, i64, i64, i64, ptr, ptr, cint, i64, ptr, i64, i64, cint, ptr, cint]
     lib.dsv41_lsh_tally.restype = cint
-    # how the Q4 products take x (gguf_blocks.x_mode): DSV41_GGUF_X=float32|int8|bf16, DSV41_GGUF_INT8_X=1 for int8
+    # how the Q4 products take x (gguf_blocks.x_mode): DSV41_GGUF_X=float32|int8|bf16|int16, DSV41_GGUF_INT8_X=1 for int8
     wanted = os.environ.get("DSV41_GGUF_X") or ("int8" if os.environ.get("DSV41_GGUF_INT8_X") == "1" else None)
     if wanted is not None:
         if wanted not in X_MODES or lib.dsv41_gguf_x_mode(X_MODES.index(wanted)) < 0:  # the default stays

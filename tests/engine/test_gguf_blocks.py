@@ -79,17 +79,21 @@ def test_the_product_is_w_x_with_float32_accumulation(name, isa):
         with gguf_blocks.activations(mode, library):
             got = split.matvec(x, library=library).double()
         reference_x = int8_rounded(x) if mode == "int8" and name in ("Q4_0", "Q4_1", "Q4_K") else x.double()
+        if mode == "int16" and name in INT16_GROUP:
+            reference_x = int16_rounded(x, INT16_GROUP[name])
         assert (got - w @ reference_x).abs().max() <= 1e-5 * scale, mode
 
 
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_1"])
 @pytest.mark.parametrize("cols", [800, 8224])  # 25 blocks (a group of four with one block); 257 (x's terms malloc'd)
 def test_q4_products_on_two_bf16_terms_of_x_are_the_default_and_within_float32_noise(name, cols):
-    """Where the build has AVX-512 BF16, split Q4 rows multiply x carried as two bf16 terms by default: not the float32
+    """Where the build has AVX-512 BF16, split Q4 rows multiply x carried as two bf16 terms by default (the default
+    mode is "int16" where AVX-512 VNNI is too, which leaves Q4_0 / Q4_1 on the terms: the same bits): not the float32
     path's bits (so this path ran), but within 2e-6 of a row's sum of |w x| of W x, and accumulating adds."""
     if "bf16" not in gguf_blocks.x_modes():
         pytest.skip("this CPU has no AVX-512 BF16: the Q4 products take x as float32 (or int8)")
-    assert gguf_blocks.x_mode() == "bf16" or os.environ.get("DSV41_GGUF_X") or os.environ.get("DSV41_GGUF_INT8_X")
+    default = "int16" if "int16" in gguf_blocks.x_modes() else "bf16"
+    assert gguf_blocks.x_mode() == default or os.environ.get("DSV41_GGUF_X") or os.environ.get("DSV41_GGUF_INT8_X")
     rows = 37
     data = blocks_of(name, rows, cols, seed=11)
     matrix = GGUFMatrix(FORMATS[name][0], torch.from_numpy(data), cols).as_split()
@@ -101,6 +105,8 @@ def test_q4_products_on_two_bf16_terms_of_x_are_the_default_and_within_float32_n
         again = matrix.matvec(x, terms.clone(), accumulate=True)
     with gguf_blocks.float_activations():
         exact = matrix.matvec(x)
+    with gguf_blocks.activations(default):
+        assert torch.equal(matrix.matvec(x), terms)
     assert not torch.equal(terms, exact)
     assert ((terms.double() - w @ x.double()).abs() <= 2e-6 * scale).all()
     assert torch.allclose(again.double(), 2 * terms.double(), rtol=0, atol=1e-6 * float(scale.max()))
@@ -113,7 +119,8 @@ def test_k_quant_products_hold_on_long_rows_and_every_row_of_a_thread(name, isa)
     sums and terms no longer fit the stack buffers) and 5 rows (fewer than a group of the threads' split), each within
     2e-6 of its own sum of |w x| of the float64 product, on x as two bf16 terms (where AVX-512 BF16 is: not the
     float path's bits) and on float32 x; accumulating adds; in the int8 mode Q4_K multiplies W by x rounded to int8
-    per 32, Q5_K and Q6_K (no int8 route) take the bf16 terms."""
+    per 32, Q5_K and Q6_K (no int8 route) take the bf16 terms; in the int16 mode each multiplies W by x rounded to
+    int16 per sub-block (within 1e-7 of a row's sum of |w x| of that product, and off the unrounded one)."""
     library = cpu_kernels.build(("-mno-avx512f",)) if isa == "avx2" else None
     modes = gguf_blocks.x_modes(library)
     for rows, cols in ((3, 16640), (5, 512)):
@@ -140,6 +147,53 @@ def test_k_quant_products_hold_on_long_rows_and_every_row_of_a_thread(name, isa)
         if name != "Q4_K" and "int8" in modes and "bf16" in results:  # no int8 route: the int8 mode takes the terms
             with gguf_blocks.activations("int8", library):
                 assert torch.equal(matrix.matvec(x, library=library), results["bf16"])
+        if "int16" in modes:  # W times x rounded to int16 per sub-block, exact integer products
+            with gguf_blocks.activations("int16", library):
+                got = matrix.matvec(x, library=library)
+                again = matrix.matvec(x, base.clone(), accumulate=True, library=library)
+            assert torch.allclose(again.double(), base.double() + got.double(), rtol=0,
+                                  atol=1e-6 * float(scale.max()))
+            rounded = int16_rounded(x, INT16_GROUP[name])
+            assert ((got.double() - w @ rounded).abs() <= 1e-7 * scale).all(), (rows, cols)
+            assert (got.double() - w @ x.double()).abs().max() > 2e-7 * float(scale.max())  # it did round x
+            assert ((got.double() - w @ x.double()).abs() <= 1e-5 * scale).all()
+
+
+def test_the_int16_mode_is_the_default_only_with_avx512_bf16_and_vnni_and_computes_the_same_on_every_build():
+    """The int16 route needs AVX-512 VNNI: a build without it has no int16 mode (its default stays the bf16 terms); a
+    build with VNNI but not BF16 has it but keeps float32 x by default (Q4_0 / Q4_1 would have no 16-bit route), and
+    its Q4_K / Q6_K int16 products are the native build's bit for bit."""
+    if "int16" not in gguf_blocks.x_modes():
+        pytest.skip("this CPU has no AVX-512 VNNI")
+    no_vnni = cpu_kernels.build(("-mno-avx512vnni",))
+    assert "int16" not in gguf_blocks.x_modes(no_vnni) and "int8" not in gguf_blocks.x_modes(no_vnni)
+    assert gguf_blocks.x_mode(library=no_vnni) == ("bf16" if "bf16" in gguf_blocks.x_modes(no_vnni) else "float32")
+    with pytest.raises(ValueError, match="int16"):
+        gguf_blocks.x_mode("int16", library=no_vnni)
+    no_bf16 = cpu_kernels.build(("-mno-avx512bf16",))
+    assert "int16" in gguf_blocks.x_modes(no_bf16) and "bf16" not in gguf_blocks.x_modes(no_bf16)
+    assert gguf_blocks.x_mode(library=no_bf16) == "float32"
+    x = torch.randn(1024, generator=torch.Generator().manual_seed(5))
+    for name in INT16_GROUP:
+        matrix = GGUFMatrix(FORMATS[name][0], torch.from_numpy(blocks_of(name, 9, 1024, seed=6)), 1024)
+        with gguf_blocks.activations("int16"), gguf_blocks.activations("int16", no_bf16):
+            assert torch.equal(matrix.matvec(x), matrix.matvec(x, library=no_bf16))
+
+
+# the weights a scale of x's int16 rounding covers in the int16 mode: a Q4_K / Q5_K sub-block, a Q6_K sub-block
+INT16_GROUP = {"Q4_K": 32, "Q5_K": 32, "Q6_K": 16}
+
+
+def int16_rounded(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x as the int16 mode rounds it for the k-quants: per `group` values, dx = max |x| / 32639 and x ~ dx *
+    rint(x * (32639 / max |x|)), in float32 as the kernel computes it (32639 = 127 * 256 + 127: the high and low
+    bytes of every rounded value fit int8)."""
+    blocks = x.numpy().reshape(-1, group)
+    amax = np.abs(blocks).max(axis=1, keepdims=True)
+    inv = np.where(amax > 0, np.float32(32639) / np.where(amax > 0, amax, 1), np.float32(0)).astype(np.float32)
+    q = np.rint(blocks * inv)
+    assert np.abs(q).max() <= 32639
+    return torch.from_numpy((q.astype(np.float64) * (amax / np.float32(32639)).astype(np.float64)).reshape(-1))
 
 
 def int8_rounded(x: torch.Tensor) -> torch.Tensor:
@@ -248,7 +302,8 @@ def test_the_split_row_layout_is_the_same_matrix(name, isa):
     bf16 = torch.empty(rows, cols, dtype=torch.bfloat16)
     assert torch.equal(split.dequantize(library, out=bf16).clone(), file.dequantize(library, out=bf16.clone()))
     x = torch.randn(cols, generator=torch.Generator().manual_seed(6))
-    for mode in set(gguf_blocks.x_modes(library)) - {"bf16"}:  # bf16 x: split rows only (the test above)
+    # bf16 x (and the int16 mode, which leaves these formats on the bf16 terms): split rows only (the test above)
+    for mode in set(gguf_blocks.x_modes(library)) - {"bf16", "int16"}:
         with gguf_blocks.activations(mode, library):
             assert torch.equal(split.matvec(x, library=library), file.matvec(x, library=library))
             y = torch.randn(rows)
@@ -350,8 +405,9 @@ def test_the_x_mode_is_chosen_by_environment_and_a_wrong_one_keeps_the_default()
     import subprocess
     import sys
 
-    probe = ("import logging; logging.basicConfig(); from engine.kernels import gguf_blocks; "
-             "print(gguf_blocks.x_mode(), 'bf16' if 'bf16' in gguf_blocks.x_modes() else 'float32')")
+    probe = ("import logging; logging.basicConfig(); from engine.kernels import gguf_blocks; m = gguf_blocks.x_modes(); "
+             "print(gguf_blocks.x_mode(), 'int16' if 'int16' in m and 'bf16' in m else 'bf16' if 'bf16' in m "
+             "else 'float32')")
     root = Path(__file__).resolve().parents[2]
 
     def run(value):
