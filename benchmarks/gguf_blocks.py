@@ -36,11 +36,12 @@ def default_gguf() -> Path:
     return sorted(Path(spec.submodule_search_locations[0]).rglob("*.gguf"))[0]
 
 
-def held_tensors() -> dict[str, GGUFMatrix]:
-    """The default model's GGUF tensors in formats held as blocks, by name, in the file's order."""
+def held_tensors(path=None) -> dict[str, GGUFMatrix]:
+    """The default model's (or the GGUF file at `path`'s) tensors in formats held as blocks, by name, in the file's
+    order."""
     import gguf
 
-    reader = gguf.GGUFReader(str(default_gguf()))
+    reader = gguf.GGUFReader(str(path or default_gguf()))
     return {t.name: GGUFMatrix.from_reader_tensor(t) for t in reader.tensors if t.tensor_type.name in FORMATS}
 
 

@@ -3,8 +3,8 @@ terms, int8-rounded: engine.kernels.gguf_blocks.x_mode, DSV41_GGUF_X), in one pr
 the modes taking turns (the order rotates from round to round), so the machine's drift between fresh processes does
 not decide the ratios. Each round's decode tok/s over float32 x's in the same round; medians over the rounds.
 
-Usage: python -m benchmarks.x_modes [--contexts 128,1024] [--rounds 8] [--new-tokens 64]
-Writes results/x-modes/x-modes.json and .md.
+Usage: python -m benchmarks.x_modes [--contexts 128,1024] [--rounds 8] [--new-tokens 64] [--folder x-modes]
+Writes results/<folder>/<folder>.json and .md.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ def main(argv=None) -> int:
     parser.add_argument("--contexts", default="128,1024")
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--folder", default="x-modes", help="the results folder's name")
     args = parser.parse_args(argv)
 
     from engine import DSV41Config, DSV41Model
@@ -63,7 +64,7 @@ def main(argv=None) -> int:
                  f"{r[mode]['ratio_max']:.2f})" for mode in modes]
         lines.append(f"| {r['prompt_tokens']:,} | " + " | ".join(cells) + " |")
     table = "\n".join(lines) + "\n"
-    write_results("x-modes", {"machine": m, "threads": THREADS, "new_tokens": args.new_tokens, "rounds": args.rounds,
+    write_results(args.folder, {"machine": m, "threads": THREADS, "new_tokens": args.new_tokens, "rounds": args.rounds,
                               "default": default, "modes": modes, "rows": rows}, table)
     print(table)
     return 0

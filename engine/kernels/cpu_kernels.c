@@ -1183,8 +1183,39 @@ static void q8_pairs(const float *x, int64_t blocks, int8_t *xq, float *dx, floa
     }
 }
 
-static void rows_q4_vnni(int64_t type, int split, const uint8_t *w, const int8_t *xq, const float *dx,
-                         const float *xsum, float *y, int64_t r0, int64_t r1, int64_t cols, int acc) {
+/* x rounded to int16 per block of 32 for the Q4 products of the int16 mode (scale max |x| / 32639), each value as
+ * its high and low signed bytes, x16 = 256 h + l: per pair of blocks 64 bytes of h in q8_pairs' order, then 64 of
+ * l. */
+#define Q4_X16_MAX 32639.f
+static void q16_pairs(const float *x, int64_t blocks, int8_t *xq, float *dx, float *xsum) {
+    const __m512 sign = _mm512_set1_ps(-0.f);
+    const __m512i b128 = _mm512_set1_epi32(128);
+    for (int64_t b = 0; b < blocks; b++) {
+        const __m512 a = _mm512_loadu_ps(x + b * 32), c = _mm512_loadu_ps(x + b * 32 + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, a), _mm512_andnot_ps(sign, c)));
+        const float inv = amax > 0.f ? Q4_X16_MAX / amax : 0.f;
+        dx[b] = amax / Q4_X16_MAX;
+        const __m512i ia = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv)));
+        const __m512i ic = _mm512_cvtps_epi32(_mm512_mul_ps(c, _mm512_set1_ps(inv)));
+        xsum[b] = dx[b] * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(ia, ic));
+        const __m512i ha = _mm512_srai_epi32(_mm512_add_epi32(ia, b128), 8), hc = _mm512_srai_epi32(_mm512_add_epi32(ic, b128), 8);
+        int8_t *pair = xq + (b / 2) * 128 + (b % 2) * 16;
+        _mm_storeu_si128((__m128i *)pair, _mm512_cvtepi32_epi8(ha));
+        _mm_storeu_si128((__m128i *)(pair + 32), _mm512_cvtepi32_epi8(hc));
+        _mm_storeu_si128((__m128i *)(pair + 64), _mm512_cvtepi32_epi8(_mm512_sub_epi32(ia, _mm512_slli_epi32(ha, 8))));
+        _mm_storeu_si128((__m128i *)(pair + 96), _mm512_cvtepi32_epi8(_mm512_sub_epi32(ic, _mm512_slli_epi32(hc, 8))));
+    }
+    if (blocks % 2) {
+        int8_t *pair = xq + (blocks / 2) * 128 + 16;
+        for (int k = 0; k < 4; k++) memset(pair + 32 * k, 0, 16);
+    }
+}
+
+/* planes 1: int8 x (q8_pairs); 2: int16 x (q16_pairs), 256 (q . h) + (q . l), the exact integer sum of q x16 */
+static inline __attribute__((always_inline)) void rows_q4_int(const int planes, int64_t type, int split,
+                                                               const uint8_t *w, const int8_t *xq, const float *dx,
+                                                               const float *xsum, float *y, int64_t r0, int64_t r1,
+                                                               int64_t cols, int acc) {
     const int64_t size = gguf_block_bytes(type), blocks = cols / 32, row_bytes = blocks * size;
     const int with_min = type == 3;
     /* as rows_small_blocks: block bi's nibbles at row + q_at + bi * q_step */
@@ -1213,7 +1244,9 @@ static void rows_q4_vnni(int64_t type, int split, const uint8_t *w, const int8_t
             for (int64_t k = 0; k < nb; k += 2) {
                 const int64_t bi = c + k, second = k + 1 < nb ? 1 : 0; /* an odd tail loads its block twice */
                 group_stream_to(&st, w, r, row_bytes, bi + 2, blocks);
-                const __m512i xv = _mm512_loadu_si512((const void *)(xq + (bi / 2) * 64));
+                const int8_t *xp = xq + (bi / 2) * 64 * planes;
+                const __m512i xv = _mm512_loadu_si512((const void *)xp);
+                const __m512i xl = planes == 2 ? _mm512_loadu_si512((const void *)(xp + 64)) : xv;
                 /* lanes 0-3 and 8-11: block k, 4-7 and 12-15: block k + 1 */
                 const __m512i pick = _mm512_set_epi32(k + 1, k + 1, k + 1, k + 1, k, k, k, k, k + 1, k + 1, k + 1,
                                                       k + 1, k, k, k, k);
@@ -1223,7 +1256,8 @@ static void rows_q4_vnni(int64_t type, int split, const uint8_t *w, const int8_t
                     const __m256i v = _mm256_loadu2_m128i((const __m128i *)(b0 + second * q_step), (const __m128i *)b0);
                     const __m256i lo = _mm256_and_si256(v, nib), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
                     const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-                    const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, xv);
+                    __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, xv);
+                    if (planes == 2) dot = _mm512_dpbusd_epi32(_mm512_slli_epi32(dot, 8), q, xl);
                     a[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(pick, scale[j]), a[j]);
                 }
             }
@@ -1231,6 +1265,14 @@ static void rows_q4_vnni(int64_t type, int split, const uint8_t *w, const int8_t
         store4(y, r, n, _mm512_add_ps(a[0], extra[0]), _mm512_add_ps(a[1], extra[1]), _mm512_add_ps(a[2], extra[2]),
                _mm512_add_ps(a[3], extra[3]), acc);
     }
+}
+static void rows_q4_vnni(int64_t type, int split, const uint8_t *w, const int8_t *xq, const float *dx,
+                         const float *xsum, float *y, int64_t r0, int64_t r1, int64_t cols, int acc) {
+    rows_q4_int(1, type, split, w, xq, dx, xsum, y, r0, r1, cols, acc);
+}
+static void rows_q4_int16(int64_t type, int split, const uint8_t *w, const int8_t *xq, const float *dx,
+                          const float *xsum, float *y, int64_t r0, int64_t r1, int64_t cols, int acc) {
+    rows_q4_int(2, type, split, w, xq, dx, xsum, y, r0, r1, cols, acc);
 }
 
 /* Q4_K on int8 x (the int8 mode, AVX-512 VNNI): x rounded to int8 per sub-block of 32 as q8_pairs rounds it, the
@@ -1291,8 +1333,8 @@ static void rows_q4k_int8(const uint8_t *w, const int8_t *xq, const float *dx, c
     }
 }
 
-/* The k-quants on int16 x (the int16 mode, AVX-512 VNNI): x rounded to int16 per group of n (Q4_K: its sub-blocks of
- * 32; Q6_K: of 16) with the scale dx = max |x| / X16_MAX, and each value split into a high byte h and a low one l,
+/* The k-quants on int16 x (the int16 mode, AVX-512 VNNI; Q4_0 / Q4_1: rows_q4_int16 above): x rounded to int16 per
+ * group of n (Q4_K / Q5_K: their sub-blocks of 32; Q6_K: of 16) with the scale dx = max |x| / X16_MAX, and each value split into a high byte h and a low one l,
  * x16 = 256 h + l with both in -128..127 (h = (x16 + 128) >> 8; |x16| <= X16_MAX keeps |h| <= 127). The weights'
  * integers are vpdpbusd's unsigned bytes as they are (Q4_K's nibbles, Q6_K's 6-bit q), so a product is two
  * vpdpbusd, 256 (q . h) + (q . l): the exact integer sum of q x16 over a lane's four weights, below 2^24 (rounded
@@ -1947,17 +1989,17 @@ static void rows_gguf(int64_t type, int split, const uint8_t *w, const float *x,
 }
 
 /* How Q4_0 / Q4_1 products take x: 0 float32 (rows_small_blocks, exact to float32), 1 rounded to int8 per block
- * (rows_q4_vnni, AVX-512 VNNI), 2 as two bf16 terms (rows_q4_bf16, AVX-512 BF16; rows held split), 3 as in 2 (the
- * int16 mode is the k-quants'). Q4_K follows (rows_q4k_int8, rows_q4k_bf16, rows_q4k_int16); Q5_K and Q6_K take
- * int16 x in mode 3 (rows_q5k_int16, rows_q6k_int16) and two bf16 terms in modes 1 and 2 where the build has them
- * (rows_q5k_bf16, rows_q6k_bf16); the k-quants in mode 0 float32 x (rows_k_blocks). The default is 3 where the
- * build has AVX-512 VNNI and BF16, else 2 where it has BF16; DSV41_GGUF_X (engine/kernels/library.py) or
- * gguf_blocks.x_mode changes it. */
+ * (rows_q4_vnni, AVX-512 VNNI), 2 as two bf16 terms (rows_q4_bf16, AVX-512 BF16; rows held split), 3 rounded to
+ * int16 per block with exact integer products (rows_q4_int16, AVX-512 VNNI). Q4_K follows (rows_q4k_int8,
+ * rows_q4k_bf16, rows_q4k_int16); Q5_K and Q6_K take int16 x in mode 3 (rows_q5k_int16, rows_q6k_int16) and two
+ * bf16 terms in modes 1 and 2 where the build has them (rows_q5k_bf16, rows_q6k_bf16); the k-quants in mode 0
+ * float32 x (rows_k_blocks); Q8_0 float32 x in every mode. The default is 3 where the build has AVX-512 VNNI, else
+ * 2 where it has BF16; DSV41_GGUF_X (engine/kernels/library.py) or gguf_blocks.x_mode changes it. */
 #define X_FLOAT32 0
 #define X_INT8 1
 #define X_BF16 2
 #define X_INT16 3
-#if defined(DSV41_Q4_BF16) && defined(DSV41_Q4_VNNI)
+#if defined(DSV41_Q4_VNNI)
 static int gguf_x_mode = X_INT16;
 #elif defined(DSV41_Q4_BF16)
 static int gguf_x_mode = X_BF16;
@@ -2035,7 +2077,7 @@ int dsv41_mv_gguf(int64_t type, const void *w, const float *x, float *y, int64_t
     }
 #endif
 #if defined(DSV41_Q4_BF16)
-    if ((type == 2 || type == 3) && split && (gguf_x_mode == X_BF16 || gguf_x_mode == X_INT16)) {
+    if ((type == 2 || type == 3) && split && gguf_x_mode == X_BF16) {
         const size_t groups = (b32 + 3) / 4;
         if (!(buf = at = x_scratch(stack, 2 * Q4_BF16_GROUP * groups + 4 * b32 + pad))) return -2;
         uint16_t *xt = carve(&at, 2 * Q4_BF16_GROUP * groups);
@@ -2075,13 +2117,18 @@ int dsv41_mv_gguf(int64_t type, const void *w, const float *x, float *y, int64_t
         if (buf != stack) free(buf);
         return 0;
     }
-    if ((type == 2 || type == 3) && gguf_x_mode == X_INT8) {
-        const size_t pairs = (b32 + 1) / 2;
-        if (!(buf = at = x_scratch(stack, 64 * pairs + 8 * b32 + pad))) return -2;
-        int8_t *xq = carve(&at, 64 * pairs);
+    if ((type == 2 || type == 3) && (gguf_x_mode == X_INT8 || gguf_x_mode == X_INT16)) {
+        const size_t pairs = (b32 + 1) / 2, planes = gguf_x_mode == X_INT16 ? 2 : 1;
+        if (!(buf = at = x_scratch(stack, 64 * planes * pairs + 8 * b32 + pad))) return -2;
+        int8_t *xq = carve(&at, 64 * planes * pairs);
         float *dx = carve(&at, 4 * b32), *xsum = carve(&at, 4 * b32);
-        q8_pairs(x, (int64_t)b32, xq, dx, xsum);
-        ON_ROWS(rows_q4_vnni(type, split, wb, xq, dx, xsum, y, r0, r1, cols, acc))
+        if (planes == 2) {
+            q16_pairs(x, (int64_t)b32, xq, dx, xsum);
+            ON_ROWS(rows_q4_int16(type, split, wb, xq, dx, xsum, y, r0, r1, cols, acc))
+        } else {
+            q8_pairs(x, (int64_t)b32, xq, dx, xsum);
+            ON_ROWS(rows_q4_vnni(type, split, wb, xq, dx, xsum, y, r0, r1, cols, acc))
+        }
         if (buf != stack) free(buf);
         return 0;
     }

@@ -6,13 +6,15 @@ against 269 MB as bf16) and computes the weights' exact values: `dequantize` wri
 dequantiser does (bit for bit; tests/engine/test_gguf_blocks.py), `matvec` multiplies them by a float32 vector with
 float32 accumulation. How the Q4_0 / Q4_1 products take x is `x_mode` (DSV41_GGUF_X): "float32"; "bf16" (the
 default on CPUs with AVX-512 BF16 but not VNNI) carries x as two bf16 terms, 16 significant bits, and multiplies with bf16 dot
-products, about 1e-6 of a row's sum of |w x| from the float32 path, the product ×1.2 faster; "int8" (AVX-512 VNNI,
+products, about 1e-6 of a row's sum of |w x| from the float32 path, the product ×1.2 faster on an AMD EPYC (on an
+Intel Xeon whole decode steps are 0.88-0.93x float32 x's); "int8" (AVX-512 VNNI,
 DSV41_GGUF_INT8_X=1) rounds x to int8 per block of 32 first, as llama.cpp does: half the instructions per block, but
 whole decode steps gain 1.05-1.12x over float32 x (benchmarks/x_modes.py), and it changes greedy answers (the
-weights stay the file's exact values, the products do not). "int16" (the default where AVX-512 VNNI and BF16 both
-are) is the k-quants' mode: Q4_K and Q6_K round x to int16 per sub-block (15 bits of its largest value) and take
-exact integer products of the weights' integers with x's high and low bytes (two vpdpbusd per 64 weights); Q4_0 /
-Q4_1 and Q5_K take the bf16 terms there, as in "bf16".
+weights stay the file's exact values, the products do not). "int16" (the default where AVX-512 VNNI is) rounds x
+to int16 per block of 32 (Q4_0, Q4_1) or sub-block (Q4_K, Q5_K per 32, Q6_K per 16), 15 bits of its largest value,
+and takes exact integer products of the weights' integers with x's high and low bytes (two vpdpbusd per 64
+weights): the default model decodes ×1.28 / ×1.16 faster than on the bf16 terms at 128 / 1k tokens on an Intel
+Xeon (benchmarks/x_modes.py), a Q4_K_M file ×1.34 / ×1.37 (benchmarks/gguf_kquants.py).
 
     blocks = GGUFMatrix.from_reader_tensor(reader_tensor)   # or GGUFMatrix(type, raw uint8 [rows, row_bytes], cols)
     y = blocks.matvec(x)                                      # float32 [rows]
@@ -47,11 +49,10 @@ _HALF_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q5_
 def x_modes(library=None) -> tuple[str, ...]:
     """The ways this build's Q4_0 / Q4_1 products can take x: "float32" always; "int8" (x rounded to int8 per block of
     32, integer dot products: AVX-512 VNNI); "bf16" (x as two bf16 terms, 16 significant bits, bf16 dot products:
-    AVX-512 BF16, rows held split); "int16" (AVX-512 VNNI; the default where AVX-512 BF16 is too, else "bf16" where
-    that is): Q4_0 / Q4_1 as in "bf16". Q4_K follows the mode too (int8 per sub-block of 32; int16 per sub-block of
-    32, exact integer products); Q6_K takes int16 x per sub-block of 16 in "int16" and two bf16 terms in "bf16" and
-    "int8"; Q5_K two bf16 terms in "bf16", "int8" and "int16" where AVX-512 BF16 is; the k-quants float32 x
-    otherwise; Q8_0 always float32 x."""
+    AVX-512 BF16, rows held split); "int16" (x rounded to int16 per block of 32, exact integer products: AVX-512
+    VNNI, the default where it exists, else "bf16" where that does). Q4_K follows the mode too (int8 or int16 per
+    sub-block of 32); Q5_K and Q6_K take int16 x per sub-block (32, 16) in "int16" and two bf16 terms in "bf16" and
+    "int8" where AVX-512 BF16 is; the k-quants float32 x otherwise; Q8_0 always float32 x."""
     lib = library if library is not None else load()
     if lib is None:
         return ()
@@ -95,9 +96,24 @@ def float_activations(library=None):
 # scales as one vector instead of gathering them from 18-, 20- or 34-byte strides (one Q4_1 call of the default
 # model's step 4.17 -> 3.57 ms, benchmarks/gguf_blocks.py).
 SPLITTABLE = {2, 3, 8}
+
+
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX's bf16 tiles (Intel Sapphire Rapids and later), which oneDNN's bf16 GEMM uses."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            return any(line.startswith("flags") and "amx_bf16" in line.split() for line in info)
+    except OSError:
+        return False
+
+
 # A bf16 prefill chunk of at most this many rows multiplies the blocks tile by tile (GGUFMatrix.mm_bf16); a longer
-# one dequantises each matrix to bf16 for one GEMM (benchmarks/tiled_rows.py: at 512 rows the GEMM is ahead)
-TILED_ROWS = 256
+# one dequantises each matrix to bf16 for one GEMM. Where the crossing lies depends on the GEMM
+# (benchmarks/tiled_rows.py): without AMX (AMD EPYC, results/tiled-rows/) the tiled product wins up to 256 rows and
+# the GEMM at 512; with AMX's bf16 tiles (Intel Xeon) the GEMM wins from about 28 rows on the default model (at 128
+# rows 80 against 202 ms, results/tiled-rows-xeon/) and from about 40 on a Q4_K_M file (258 against 596 ms,
+# results/tiled-rows-kquants/).
+TILED_ROWS = 32 if cpu_has_amx() else 256
 _SPLIT_FLAG = 256
 
 

@@ -505,8 +505,7 @@ def test_cold_logits_of_int8_keys_are_the_exact_integer_sums_rounded_once():
     int16 extremes against keys at +-127 make sums past 2^24, where float32 products of the int16 values summed in
     float32 would round along the way; the result stays within int16 rounding of the float32 logits."""
     from engine.cache.cold import cold_logits
-    from engine.kernels.quant import integer_products
-    from engine.kernels.quant import quantize_int16
+    from engine.kernels.quant import integer_products, quantize_int16
 
     h, r, c, d = 2, 9, 50, 64
     g = torch.Generator().manual_seed(11)
