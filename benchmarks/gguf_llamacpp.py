@@ -49,6 +49,7 @@ ROOT = Path(__file__).resolve().parent.parent
 OURS = {  # row -> (environment, engine knobs)
     "ours, GGUF blocks": ({}, dict(kv_cache_ratio=1.0, csa2_topk=0)),
     "ours, GGUF blocks, float32 x": ({"DSV41_GGUF_X": "float32"}, dict(kv_cache_ratio=1.0, csa2_topk=0)),
+    "ours, GGUF blocks, bf16 x": ({"DSV41_GGUF_X": "bf16"}, dict(kv_cache_ratio=1.0, csa2_topk=0)),
     "ours, GGUF blocks, int8 x": ({"DSV41_GGUF_X": "int8"}, dict(kv_cache_ratio=1.0, csa2_topk=0)),
     "ours, bf16 weights": ({"DSV41_GGUF_BLOCKS": "0"}, dict(kv_cache_ratio=1.0, csa2_topk=0)),
     "ours, defaults (CED + CSA2)": ({}, {}),
