@@ -1159,11 +1159,24 @@ static void rows_q8_0(int split, const uint8_t *w, const float *x, float *y, int
  * float path's instructions. sum_b d_b dx_b (q_b . xq_b) [+ m_b dx_b sum(xq_b) | - 8 d_b dx_b sum(xq_b)]. The weights are still the file's exactly; x carries the int8 rounding (about
  * 0.4 % of a block's largest value at most). Two blocks a zmm: [lo nibbles of b0 | of b1 | hi of b0 | hi of b1],
  * so xq is stored per pair of blocks in that order (q8_pairs). */
-static void q8_pairs(const float *x, int64_t blocks, int8_t *xq, float *dx, float *xsum) {
+/* max |x| over n values (a multiple of 16), or NaN where one of them is not finite: the scale of the integer x
+ * routes, so that a NaN or an infinity in x reaches every product it takes part in as NaN (x's integers cannot
+ * carry it: rounded, a NaN became an arbitrary integer and the products finite garbage) */
+static inline float block_amax(const float *x, int n) {
     const __m512 sign = _mm512_set1_ps(-0.f);
+    __m512 m = _mm512_setzero_ps(), z = _mm512_setzero_ps();
+    for (int i = 0; i < n; i += 16) {
+        const __m512 v = _mm512_loadu_ps(x + i);
+        m = _mm512_max_ps(m, _mm512_andnot_ps(sign, v));
+        z = _mm512_fmadd_ps(v, _mm512_setzero_ps(), z); /* 0 unless some v is NaN or infinite */
+    }
+    return _mm512_reduce_add_ps(z) == 0.f ? _mm512_reduce_max_ps(m) : __builtin_nanf("");
+}
+
+static void q8_pairs(const float *x, int64_t blocks, int8_t *xq, float *dx, float *xsum) {
     for (int64_t b = 0; b < blocks; b++) {
         const __m512 a = _mm512_loadu_ps(x + b * 32), c = _mm512_loadu_ps(x + b * 32 + 16);
-        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, a), _mm512_andnot_ps(sign, c)));
+        const float amax = block_amax(x + b * 32, 32);
         const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
         dx[b] = d;
         const __m512i ia = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv)));
@@ -1188,11 +1201,10 @@ static void q8_pairs(const float *x, int64_t blocks, int8_t *xq, float *dx, floa
  * l. */
 #define Q4_X16_MAX 32639.f
 static void q16_pairs(const float *x, int64_t blocks, int8_t *xq, float *dx, float *xsum) {
-    const __m512 sign = _mm512_set1_ps(-0.f);
     const __m512i b128 = _mm512_set1_epi32(128);
     for (int64_t b = 0; b < blocks; b++) {
         const __m512 a = _mm512_loadu_ps(x + b * 32), c = _mm512_loadu_ps(x + b * 32 + 16);
-        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, a), _mm512_andnot_ps(sign, c)));
+        const float amax = block_amax(x + b * 32, 32);
         const float inv = amax > 0.f ? Q4_X16_MAX / amax : 0.f;
         dx[b] = amax / Q4_X16_MAX;
         const __m512i ia = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv)));
@@ -1281,12 +1293,11 @@ static void rows_q4_int16(int64_t type, int split, const uint8_t *w, const int8_
  * int32 lane four weights of one sub-block scaled by d sc_j dx_j; the minimums against the rounded x's sums. */
 static void q4k_int8_x(const float *x, int64_t blocks, int8_t *xq, float *dx, float *xsum) {
     static const int order[8] = {0, 2, 1, 3, 4, 6, 5, 7};
-    const __m512 sign = _mm512_set1_ps(-0.f);
     for (int64_t b = 0; b < blocks; b++)
         for (int j = 0; j < 8; j++) {
             const float *xs = x + b * 256 + 32 * j;
             const __m512 a = _mm512_loadu_ps(xs), c = _mm512_loadu_ps(xs + 16);
-            const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, a), _mm512_andnot_ps(sign, c)));
+            const float amax = block_amax(xs, 32);
             const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
             const __m512i ia = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv)));
             const __m512i ic = _mm512_cvtps_epi32(_mm512_mul_ps(c, _mm512_set1_ps(inv)));
@@ -1343,10 +1354,7 @@ static void rows_q4k_int8(const uint8_t *w, const int8_t *xq, const float *dx, c
  * to floats. */
 #define X16_MAX 32639.f
 static inline void x16_split(const float *x, int n, float *dx, int8_t *hi, int8_t *lo, int64_t *sum) {
-    const __m512 sign = _mm512_set1_ps(-0.f);
-    __m512 m = _mm512_setzero_ps();
-    for (int i = 0; i < n; i += 16) m = _mm512_max_ps(m, _mm512_andnot_ps(sign, _mm512_loadu_ps(x + i)));
-    const float amax = _mm512_reduce_max_ps(m), inv = amax > 0.f ? X16_MAX / amax : 0.f;
+    const float amax = block_amax(x, n), inv = amax > 0.f ? X16_MAX / amax : 0.f;
     __m512i total = _mm512_setzero_si512();
     for (int i = 0; i < n; i += 16) {
         const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + i), _mm512_set1_ps(inv)));

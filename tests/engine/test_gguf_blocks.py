@@ -181,6 +181,24 @@ def test_the_int16_mode_is_the_default_with_avx512_vnni_and_computes_the_same_on
                 assert torch.equal(matrix.as_split().matvec(x), matrix.matvec(x))
 
 
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_a_nan_or_infinity_in_x_is_not_a_number_out_in_every_x_mode(name):
+    """The integer routes round x to integers, which cannot hold a NaN: its block's scale does, so a NaN or an
+    infinity in x makes every product it takes part in NaN (or infinite), never a finite number, in every x mode
+    (held split and in the file's order)."""
+    cols = 512
+    matrix = GGUFMatrix(FORMATS[name][0], torch.from_numpy(blocks_of(name, 6, cols, seed=8)), cols)
+    layouts = [matrix, matrix.as_split()] if name in ("Q4_0", "Q4_1", "Q8_0") else [matrix]
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        x = torch.randn(cols, generator=torch.Generator().manual_seed(9))
+        x[37] = bad
+        for mode in gguf_blocks.x_modes():
+            for held in layouts:
+                with gguf_blocks.activations(mode):
+                    out = held.matvec(x)
+                assert not torch.isfinite(out).any(), (mode, bad, held.split, out)
+
+
 # the weights a scale of x's int16 rounding covers in the int16 mode: a Q4_0 / Q4_1 block, a Q4_K / Q5_K sub-block, a
 # Q6_K sub-block (Q8_0 keeps float32 x)
 INT16_GROUP = {"Q4_0": 32, "Q4_1": 32, "Q4_K": 32, "Q5_K": 32, "Q6_K": 16}
