@@ -1497,7 +1497,7 @@ static void rows_q6k_int16(const uint8_t *w, const int8_t *xq, const float *dx, 
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #define DSV41_Q4_BF16 1
-/* The Q4 product with bf16 dot products (the default on CPUs with AVX-512 BF16), for rows held split. x is carried
+/* The Q4 product with bf16 dot products (the default on CPUs with AVX-512 BF16 but not VNNI), for rows held split. x is carried
  * as two bf16 terms, x = hi + lo (hi = bf16(x), lo = bf16(x - hi)): 16 significant bits instead of float32's 24,
  * about 1e-6 of a row's sum of |w x| apart from the float32 path (int8 x: ~0.4 %). Each 16-bit word of a row's
  * nibbles holds four weights; shifted and masked into a bf16 mantissa with a fixed exponent (0x4180 | q << 3) each
