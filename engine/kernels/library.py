@@ -85,7 +85,9 @@ class KernelsUnavailable(Exception):
 def _build_and_load() -> KernelLibrary:
     if os.environ.get("DSV41_CPU_KERNELS", "1") == "0":
         raise KernelsUnavailable("turned off by DSV41_CPU_KERNELS=0")
-    return build()
+    # DSV41_CPU_KERNEL_FLAGS="-mno-avx512f" runs the process on a variant build (the AVX2 path on an AVX-512
+    # machine, as the tests build it): for measuring what another CPU's path does, never needed otherwise
+    return build(tuple(os.environ.get("DSV41_CPU_KERNEL_FLAGS", "").split()))
 
 
 # How the Q4_0 / Q4_1 products can take x, by dsv41_gguf_x_mode's numbers (engine.kernels.gguf_blocks.x_mode)

@@ -145,7 +145,10 @@ def test_k_quant_products_hold_on_long_rows_and_every_row_of_a_thread(name, isa)
         if name != "Q4_K" and "int8" in modes and "bf16" in results:  # no int8 route: the int8 mode takes the terms
             with gguf_blocks.activations("int8", library):
                 assert torch.equal(matrix.matvec(x, library=library), results["bf16"])
-        if "int16" in modes:  # W times x rounded to int16 per sub-block, exact integer products
+        if "int16" in modes and isa == "avx2":  # the AVX2 build's int16 route is Q4_0 / Q4_1's: float32 x here
+            with gguf_blocks.activations("int16", library):
+                assert torch.equal(matrix.matvec(x, library=library), results["float32"])
+        elif "int16" in modes:  # W times x rounded to int16 per sub-block, exact integer products
             with gguf_blocks.activations("int16", library):
                 got = matrix.matvec(x, library=library)
                 again = matrix.matvec(x, base.clone(), accumulate=True, library=library)
@@ -160,10 +163,24 @@ def test_k_quant_products_hold_on_long_rows_and_every_row_of_a_thread(name, isa)
 def test_the_int16_mode_is_the_default_with_avx512_vnni_and_computes_the_same_on_every_build():
     """The int16 route needs AVX-512 VNNI: a build without it has no int16 mode (its default is the bf16 terms where
     AVX-512 BF16 is); a build with VNNI but not BF16 has it as its default, and its int16 products are the native
-    build's bit for bit; the Q4 formats give the same bits held split or in the file's order."""
+    build's bit for bit; the Q4 formats give the same bits held split or in the file's order. The AVX2 build has an
+    int16 route for Q4_0 / Q4_1 (vpmaddubsw), its default too: W times the same rounded x, split or not."""
     if "int16" not in gguf_blocks.x_modes():
         pytest.skip("this CPU has no AVX-512 VNNI")
     assert gguf_blocks.x_mode() == "int16" or os.environ.get("DSV41_GGUF_X") or os.environ.get("DSV41_GGUF_INT8_X")
+    avx2 = cpu_kernels.build(("-mno-avx512f",))
+    assert gguf_blocks.x_modes(avx2) == ("float32", "int16") and gguf_blocks.x_mode(library=avx2) == "int16"
+    for name, cols in (("Q4_0", 800), ("Q4_1", 8224)):  # 8,224 columns: x's bytes past the stack buffer
+        data = blocks_of(name, 9, cols, seed=7)
+        matrix = GGUFMatrix(FORMATS[name][0], torch.from_numpy(data), cols)
+        x = torch.randn(cols, generator=torch.Generator().manual_seed(8)) * torch.rand(cols) * 3
+        w = torch.from_numpy(reference(data, FORMATS[name][0], 9, cols)).double()
+        scale = w.abs() @ x.double().abs()
+        with gguf_blocks.activations("int16", avx2):
+            got = matrix.matvec(x, library=avx2)
+            assert torch.equal(matrix.as_split(avx2).matvec(x, library=avx2), got)
+        assert ((got.double() - w @ int16_rounded(x, 32)).abs() <= 1e-7 * scale).all()
+        assert (got.double() - w @ x.double()).abs().max() > 4e-8 * float(scale.max())
     no_vnni = cpu_kernels.build(("-mno-avx512vnni",))
     assert "int16" not in gguf_blocks.x_modes(no_vnni) and "int8" not in gguf_blocks.x_modes(no_vnni)
     assert gguf_blocks.x_mode(library=no_vnni) == ("bf16" if "bf16" in gguf_blocks.x_modes(no_vnni) else "float32")
@@ -181,21 +198,23 @@ def test_the_int16_mode_is_the_default_with_avx512_vnni_and_computes_the_same_on
                 assert torch.equal(matrix.as_split().matvec(x), matrix.matvec(x))
 
 
+@pytest.mark.parametrize("isa", ["native", "avx2"])
 @pytest.mark.parametrize("name", sorted(FORMATS))
-def test_a_nan_or_infinity_in_x_is_not_a_number_out_in_every_x_mode(name):
+def test_a_nan_or_infinity_in_x_is_not_a_number_out_in_every_x_mode(name, isa):
     """The integer routes round x to integers, which cannot hold a NaN: its block's scale does, so a NaN or an
     infinity in x makes every product it takes part in NaN (or infinite), never a finite number, in every x mode
     (held split and in the file's order)."""
+    library = cpu_kernels.build(("-mno-avx512f",)) if isa == "avx2" else None
     cols = 512
     matrix = GGUFMatrix(FORMATS[name][0], torch.from_numpy(blocks_of(name, 6, cols, seed=8)), cols)
-    layouts = [matrix, matrix.as_split()] if name in ("Q4_0", "Q4_1", "Q8_0") else [matrix]
+    layouts = [matrix, matrix.as_split(library)] if name in ("Q4_0", "Q4_1", "Q8_0") else [matrix]
     for bad in (float("nan"), float("inf"), float("-inf")):
         x = torch.randn(cols, generator=torch.Generator().manual_seed(9))
         x[37] = bad
-        for mode in gguf_blocks.x_modes():
+        for mode in gguf_blocks.x_modes(library):
             for held in layouts:
-                with gguf_blocks.activations(mode):
-                    out = held.matvec(x)
+                with gguf_blocks.activations(mode, library):
+                    out = held.matvec(x, library=library)
                 assert not torch.isfinite(out).any(), (mode, bad, held.split, out)
 
 
