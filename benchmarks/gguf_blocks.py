@@ -65,7 +65,7 @@ def kquant_blocks(name: str, rows: int, cols: int, rng) -> GGUFMatrix:
 def kquant_variants(avx2) -> dict:
     """The k-quants (which the default model does not use: its rows of 576 do not divide into blocks of 256) on six
     4096 x 4096 matrices of random blocks each (more than the caches hold), in every way this build takes x, and on
-    the AVX2 build (float32 x) where this one is AVX-512."""
+    the AVX2 build (each of its ways) where this one is AVX-512."""
     import numpy as np
 
     rng = np.random.default_rng(0)
@@ -81,9 +81,10 @@ def kquant_variants(avx2) -> dict:
                     m.matvec(x, out, library=library)
         for mode in x_modes():
             variants[f"{name}, six 4096 x 4096 matrices, {mode} x"] = (lambda run=run, mode=mode: run(mode=mode), nbytes)
-        if avx2 is not None:
-            variants[f"{name}, six 4096 x 4096 matrices, the AVX2 build"] = (
-                lambda run=run: run(mode="float32", library=avx2), nbytes)
+        if avx2 is not None:  # the AVX2 build in each of its modes (float32; int16 for Q4_K and Q6_K)
+            for mode in x_modes(avx2):
+                variants[f"{name}, six 4096 x 4096 matrices, the AVX2 build, {mode} x"] = (
+                    lambda run=run, mode=mode: run(mode=mode, library=avx2), nbytes)
     return variants
 
 

@@ -1044,7 +1044,7 @@ static void rows_small_blocks(int64_t type, int split, const uint8_t *w, const f
  * high ones), vpmaddubsw against h and against l (pair sums at most 2 * 15 * 128: no saturation), widened by
  * vpmaddwd with 256 and with 1: the exact integer sum of q x16 over four weights a lane, converted exactly, times
  * d dx. About half the instructions of the float32 loop above, four rows at a time over the same x. */
-static void q16_blocks(const float *x, int64_t blocks, int8_t *xq, float *dx, float *xsum) {
+static void q16_blocks(const float *x, int64_t blocks, int8_t *xq, float *dx, float *xsum, float *xsum16) {
     for (int64_t b = 0; b < blocks; b++) {
         const float *xs = x + b * 32;
         float amax = 0.f;
@@ -1056,16 +1056,18 @@ static void q16_blocks(const float *x, int64_t blocks, int8_t *xq, float *dx, fl
         }
         if (!finite) amax = __builtin_nanf("");
         const float inv = amax > 0.f ? 32639.f / amax : 0.f;
-        int32_t sum = 0;
+        int32_t sum[2] = {0, 0};
         int8_t *h = xq + b * 64, *l = h + 32;
         for (int i = 0; i < 32; i++) {
             const int32_t q = finite ? (int32_t)__builtin_lrintf(xs[i] * inv) : 0, hi = (q + 128) >> 8;
             h[i] = (int8_t)hi;
             l[i] = (int8_t)(q - hi * 256);
-            sum += q;
+            sum[i / 16] += q;
         }
         dx[b] = amax / 32639.f;
-        xsum[b] = dx[b] * (float)sum;
+        xsum[b] = dx[b] * (float)(sum[0] + sum[1]);
+        if (xsum16) /* Q6_K's -32 against each sub-block of 16 */
+            for (int k = 0; k < 2; k++) xsum16[2 * b + k] = 32.f * (dx[b] * (float)sum[k]);
     }
 }
 
@@ -1863,6 +1865,95 @@ static void rows_q6k_bf16(const uint8_t *w, const uint16_t *xt, const float *xsu
 }
 #endif
 
+#if defined(DSV41_Q4_INT16_AVX2)
+/* Q4_K and Q6_K on int16 x on AVX2: x as q16_blocks lays it out (per 32 values 32 high bytes, then 32 low ones; dx
+ * and the sum of each 32 as rounded), the weights' integers as unsigned bytes 32 at a time, vpmaddubsw against the
+ * two bytes and vpmaddwd with 256 and 1 as rows_q4_int16_avx2: exact integer sums of four weights a lane, converted
+ * exactly, times d sc dx. A row at a time, its blocks streamed into L2 ahead.
+ * Q4_K: chunk c's 32 bytes are sub-block 2c (low nibbles) and 2c + 1 (high), in order; the minimums against the
+ * rounded x's sums per 32. Q6_K: a half block's 32 weights at a time, q = (nibble) | (high pair << 4), the lanes
+ * 0-3 one sub-block of 16 and 4-7 the next; the -32 against the rounded x's sums per 16 (xsum16). */
+static void rows_q4k_int16_avx2(const uint8_t *w, const int8_t *xq, const float *dx, const float *xsum, float *y,
+                                int64_t r0, int64_t r1, int64_t cols, int acc) {
+    const int64_t blocks = cols / 256, row_bytes = blocks * 144;
+    const __m256i nib = _mm256_set1_epi8(0x0F), by256 = _mm256_set1_epi16(256), by1 = _mm256_set1_epi16(1);
+    Stream st = {(const char *)w + r0 * row_bytes, (const char *)(w + r1 * row_bytes)};
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = w + r * row_bytes;
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), off = _mm256_setzero_ps();
+        for (int64_t bi = 0; bi < blocks; bi++) {
+            const uint8_t *b = row + bi * 144;
+            stream_to(&st, (const char *)b + 144 + K_AHEAD);
+            __m256 ds, dm;
+            k_scales_mins8(b, &ds, &dm);
+            off = _mm256_fmadd_ps(dm, _mm256_loadu_ps(xsum + bi * 8), off);
+            const __m256 scale = _mm256_mul_ps(ds, _mm256_loadu_ps(dx + bi * 8)); /* d sc_j dx_j */
+            const int8_t *xb = xq + bi * 512;
+            for (int c = 0; c < 4; c++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * c));
+                const __m256i lo = _mm256_and_si256(v, nib), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+                const int8_t *x0 = xb + 128 * c, *x1 = x0 + 64; /* sub-blocks 2c and 2c + 1: high bytes, low at + 32 */
+                const __m256i t = _mm256_add_epi32(
+                    _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)x0)), by256),
+                    _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(x0 + 32))), by1));
+                const __m256i u = _mm256_add_epi32(
+                    _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)x1)), by256),
+                    _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(x1 + 32))), by1));
+                a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_permutevar8x32_ps(scale, _mm256_set1_epi32(2 * c)), a0);
+                a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(u), _mm256_permutevar8x32_ps(scale, _mm256_set1_epi32(2 * c + 1)), a1);
+            }
+        }
+        store(y, r, hsum256(_mm256_sub_ps(_mm256_add_ps(a0, a1), off)), acc);
+    }
+}
+
+static void rows_q6k_int16_avx2(const uint8_t *w, const int8_t *xq, const float *dx, const float *xsum16, float *y,
+                                int64_t r0, int64_t r1, int64_t cols, int acc) {
+    const int64_t blocks = cols / 256, row_bytes = blocks * 210;
+    const __m256i nib = _mm256_set1_epi8(0x0F), pair = _mm256_set1_epi8(0x30), by256 = _mm256_set1_epi16(256),
+                  by1 = _mm256_set1_epi16(1);
+    const __m256i halves = _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0);
+    Stream st = {(const char *)w + r0 * row_bytes, (const char *)(w + r1 * row_bytes)};
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = w + r * row_bytes;
+        __m256 a = _mm256_setzero_ps(), off = _mm256_setzero_ps();
+        for (int64_t bi = 0; bi < blocks; bi++) {
+            const uint8_t *b = row + bi * 210;
+            stream_to(&st, (const char *)b + 210 + K_AHEAD);
+            const float d = f16_to_f32(u16_at(b + 208));
+            const __m128i sc8 = _mm_loadu_si128((const __m128i *)(b + 192));
+            const __m256 sc[2] = {_mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc8))),
+                                  _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc8, 8))))};
+            off = _mm256_fmadd_ps(sc[0], _mm256_loadu_ps(xsum16 + bi * 16), off);
+            off = _mm256_fmadd_ps(sc[1], _mm256_loadu_ps(xsum16 + bi * 16 + 8), off);
+            for (int h = 0; h < 2; h++) {
+                const __m256i qa = _mm256_loadu_si256((const __m256i *)(b + 64 * h)),
+                              qb = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32)),
+                              qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+                const __m256i q[4] = {
+                    _mm256_or_si256(_mm256_and_si256(qa, nib), _mm256_and_si256(_mm256_slli_epi16(qh, 4), pair)),
+                    _mm256_or_si256(_mm256_and_si256(qb, nib), _mm256_and_si256(_mm256_slli_epi16(qh, 2), pair)),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qa, 4), nib), _mm256_and_si256(qh, pair)),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qb, 4), nib), _mm256_and_si256(_mm256_srli_epi16(qh, 2), pair))};
+                for (int g = 0; g < 4; g++) { /* weights 128 h + 32 g ..: sub-blocks 8 h + 2 g, + 1; x's block 8 bi + 4 h + g */
+                    const int64_t xb = 8 * bi + 4 * h + g;
+                    const int8_t *xp = xq + xb * 64;
+                    const __m256i t = _mm256_add_epi32(
+                        _mm256_madd_epi16(_mm256_maddubs_epi16(q[g], _mm256_loadu_si256((const __m256i *)xp)), by256),
+                        _mm256_madd_epi16(_mm256_maddubs_epi16(q[g], _mm256_loadu_si256((const __m256i *)(xp + 32))), by1));
+                    const int s = 8 * h + 2 * g; /* lanes 0-3 sub-block s, 4-7 s + 1 */
+                    const __m256 scale = _mm256_mul_ps(
+                        _mm256_permutevar8x32_ps(sc[s / 8], _mm256_add_epi32(halves, _mm256_set1_epi32(s % 8))),
+                        _mm256_set1_ps(dx[xb]));
+                    a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), scale, a);
+                }
+            }
+        }
+        store(y, r, hsum256(_mm256_sub_ps(a, off)), acc);
+    }
+}
+#endif
+
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 /* The k-quants (256 weights a block) on float32 x, one row at a time, a block's integers widened to one per dword
  * lane and converted to float, each sub-block's dot with x scaled by its own d * scale (the values multiplied are
@@ -2074,8 +2165,8 @@ static void rows_gguf(int64_t type, int split, const uint8_t *w, const float *x,
  * int16 per block with exact integer products (rows_q4_int16, AVX-512 VNNI). Q4_K follows (rows_q4k_int8,
  * rows_q4k_bf16, rows_q4k_int16); Q5_K and Q6_K take int16 x in mode 3 (rows_q5k_int16, rows_q6k_int16) and two
  * bf16 terms in modes 1 and 2 where the build has them (rows_q5k_bf16, rows_q6k_bf16); the k-quants in mode 0
- * float32 x (rows_k_blocks); Q8_0 float32 x in every mode. An AVX2 build has mode 3 for Q4_0 / Q4_1
- * (rows_q4_int16_avx2; its k-quants take float32 x there). The default is 3 where the build has AVX-512 VNNI or is
+ * float32 x (rows_k_blocks); Q8_0 float32 x in every mode. An AVX2 build has mode 3 for Q4_0 / Q4_1, Q4_K and
+ * Q6_K (rows_q4_int16_avx2, rows_q4k_int16_avx2, rows_q6k_int16_avx2; Q5_K takes float32 x there). The default is 3 where the build has AVX-512 VNNI or is
  * the AVX2 build, else 2 where it has BF16; DSV41_GGUF_X (engine/kernels/library.py) or gguf_blocks.x_mode changes
  * it. */
 #define X_FLOAT32 0
@@ -2224,8 +2315,18 @@ int dsv41_mv_gguf(int64_t type, const void *w, const float *x, float *y, int64_t
         if (!(buf = at = x_scratch(stack, 64 * b32 + 8 * b32 + pad))) return -2;
         int8_t *xq = carve(&at, 64 * b32);
         float *dx = carve(&at, 4 * b32), *xsum = carve(&at, 4 * b32);
-        q16_blocks(x, (int64_t)b32, xq, dx, xsum);
+        q16_blocks(x, (int64_t)b32, xq, dx, xsum, NULL);
         ON_ROWS(rows_q4_int16_avx2(type, split, wb, xq, dx, xsum, y, r0, r1, cols, acc))
+        if (buf != stack) free(buf);
+        return 0;
+    }
+    if ((type == 12 || type == 14) && gguf_x_mode == X_INT16) {
+        if (!(buf = at = x_scratch(stack, 64 * b32 + 16 * b32 + pad))) return -2;
+        int8_t *xq = carve(&at, 64 * b32);
+        float *dx = carve(&at, 4 * b32), *xsum = carve(&at, 4 * b32), *xsum16 = carve(&at, 8 * b32);
+        q16_blocks(x, (int64_t)b32, xq, dx, xsum, type == 14 ? xsum16 : NULL);
+        if (type == 12) ON_ROWS(rows_q4k_int16_avx2(wb, xq, dx, xsum, y, r0, r1, cols, acc))
+        else ON_ROWS(rows_q6k_int16_avx2(wb, xq, dx, xsum16, y, r0, r1, cols, acc))
         if (buf != stack) free(buf);
         return 0;
     }
