@@ -1866,32 +1866,42 @@ static void rows_q6k_bf16(const uint8_t *w, const uint16_t *xt, const float *xsu
 #endif
 
 #if defined(DSV41_Q4_INT16_AVX2)
-/* Q4_K and Q6_K on int16 x on AVX2: x as q16_blocks lays it out (per 32 values 32 high bytes, then 32 low ones; dx
+/* The k-quants on int16 x on AVX2: x as q16_blocks lays it out (per 32 values 32 high bytes, then 32 low ones; dx
  * and the sum of each 32 as rounded), the weights' integers as unsigned bytes 32 at a time, vpmaddubsw against the
  * two bytes and vpmaddwd with 256 and 1 as rows_q4_int16_avx2: exact integer sums of four weights a lane, converted
  * exactly, times d sc dx. A row at a time, its blocks streamed into L2 ahead.
  * Q4_K: chunk c's 32 bytes are sub-block 2c (low nibbles) and 2c + 1 (high), in order; the minimums against the
  * rounded x's sums per 32. Q6_K: a half block's 32 weights at a time, q = (nibble) | (high pair << 4), the lanes
  * 0-3 one sub-block of 16 and 4-7 the next; the -32 against the rounded x's sums per 16 (xsum16). */
-static void rows_q4k_int16_avx2(const uint8_t *w, const int8_t *xq, const float *dx, const float *xsum, float *y,
-                                int64_t r0, int64_t r1, int64_t cols, int acc) {
-    const int64_t blocks = cols / 256, row_bytes = blocks * 144;
+/* five: Q5_K (each nibble's fifth bit from qh: bit 2c of byte l for chunk c's low nibbles, 2c + 1 for its high
+ * ones, put in bit 4 of the byte) */
+static inline __attribute__((always_inline)) void rows_k4_int16_avx2(const int five, const uint8_t *w,
+                                                                      const int8_t *xq, const float *dx,
+                                                                      const float *xsum, float *y, int64_t r0,
+                                                                      int64_t r1, int64_t cols, int acc) {
+    const int64_t size = five ? 176 : 144, blocks = cols / 256, row_bytes = blocks * size, q_at = five ? 48 : 16;
     const __m256i nib = _mm256_set1_epi8(0x0F), by256 = _mm256_set1_epi16(256), by1 = _mm256_set1_epi16(1);
+    const __m256i bit0 = _mm256_set1_epi8(0x01);
     Stream st = {(const char *)w + r0 * row_bytes, (const char *)(w + r1 * row_bytes)};
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t *row = w + r * row_bytes;
         __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), off = _mm256_setzero_ps();
         for (int64_t bi = 0; bi < blocks; bi++) {
-            const uint8_t *b = row + bi * 144;
-            stream_to(&st, (const char *)b + 144 + K_AHEAD);
+            const uint8_t *b = row + bi * size;
+            stream_to(&st, (const char *)b + size + K_AHEAD);
             __m256 ds, dm;
             k_scales_mins8(b, &ds, &dm);
             off = _mm256_fmadd_ps(dm, _mm256_loadu_ps(xsum + bi * 8), off);
             const __m256 scale = _mm256_mul_ps(ds, _mm256_loadu_ps(dx + bi * 8)); /* d sc_j dx_j */
             const int8_t *xb = xq + bi * 512;
             for (int c = 0; c < 4; c++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * c));
-                const __m256i lo = _mm256_and_si256(v, nib), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(b + q_at + 32 * c));
+                __m256i lo = _mm256_and_si256(v, nib), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+                if (five) {
+                    const __m256i qh = _mm256_srl_epi16(_mm256_loadu_si256((const __m256i *)(b + 16)), _mm_cvtsi32_si128(2 * c));
+                    lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(qh, bit0), 4));
+                    hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 1), bit0), 4));
+                }
                 const int8_t *x0 = xb + 128 * c, *x1 = x0 + 64; /* sub-blocks 2c and 2c + 1: high bytes, low at + 32 */
                 const __m256i t = _mm256_add_epi32(
                     _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)x0)), by256),
@@ -1905,6 +1915,14 @@ static void rows_q4k_int16_avx2(const uint8_t *w, const int8_t *xq, const float 
         }
         store(y, r, hsum256(_mm256_sub_ps(_mm256_add_ps(a0, a1), off)), acc);
     }
+}
+static void rows_q4k_int16_avx2(const uint8_t *w, const int8_t *xq, const float *dx, const float *xsum, float *y,
+                                int64_t r0, int64_t r1, int64_t cols, int acc) {
+    rows_k4_int16_avx2(0, w, xq, dx, xsum, y, r0, r1, cols, acc);
+}
+static void rows_q5k_int16_avx2(const uint8_t *w, const int8_t *xq, const float *dx, const float *xsum, float *y,
+                                int64_t r0, int64_t r1, int64_t cols, int acc) {
+    rows_k4_int16_avx2(1, w, xq, dx, xsum, y, r0, r1, cols, acc);
 }
 
 static void rows_q6k_int16_avx2(const uint8_t *w, const int8_t *xq, const float *dx, const float *xsum16, float *y,
@@ -2165,8 +2183,8 @@ static void rows_gguf(int64_t type, int split, const uint8_t *w, const float *x,
  * int16 per block with exact integer products (rows_q4_int16, AVX-512 VNNI). Q4_K follows (rows_q4k_int8,
  * rows_q4k_bf16, rows_q4k_int16); Q5_K and Q6_K take int16 x in mode 3 (rows_q5k_int16, rows_q6k_int16) and two
  * bf16 terms in modes 1 and 2 where the build has them (rows_q5k_bf16, rows_q6k_bf16); the k-quants in mode 0
- * float32 x (rows_k_blocks); Q8_0 float32 x in every mode. An AVX2 build has mode 3 for Q4_0 / Q4_1, Q4_K and
- * Q6_K (rows_q4_int16_avx2, rows_q4k_int16_avx2, rows_q6k_int16_avx2; Q5_K takes float32 x there). The default is 3 where the build has AVX-512 VNNI or is
+ * float32 x (rows_k_blocks); Q8_0 float32 x in every mode. An AVX2 build has mode 3 for Q4_0 / Q4_1 and the
+ * k-quants (rows_q4_int16_avx2, rows_q4k_int16_avx2, rows_q5k_int16_avx2, rows_q6k_int16_avx2). The default is 3 where the build has AVX-512 VNNI or is
  * the AVX2 build, else 2 where it has BF16; DSV41_GGUF_X (engine/kernels/library.py) or gguf_blocks.x_mode changes
  * it. */
 #define X_FLOAT32 0
@@ -2320,12 +2338,13 @@ int dsv41_mv_gguf(int64_t type, const void *w, const float *x, float *y, int64_t
         if (buf != stack) free(buf);
         return 0;
     }
-    if ((type == 12 || type == 14) && gguf_x_mode == X_INT16) {
+    if ((type == 12 || type == 13 || type == 14) && gguf_x_mode == X_INT16) {
         if (!(buf = at = x_scratch(stack, 64 * b32 + 16 * b32 + pad))) return -2;
         int8_t *xq = carve(&at, 64 * b32);
         float *dx = carve(&at, 4 * b32), *xsum = carve(&at, 4 * b32), *xsum16 = carve(&at, 8 * b32);
         q16_blocks(x, (int64_t)b32, xq, dx, xsum, type == 14 ? xsum16 : NULL);
         if (type == 12) ON_ROWS(rows_q4k_int16_avx2(wb, xq, dx, xsum, y, r0, r1, cols, acc))
+        else if (type == 13) ON_ROWS(rows_q5k_int16_avx2(wb, xq, dx, xsum, y, r0, r1, cols, acc))
         else ON_ROWS(rows_q6k_int16_avx2(wb, xq, dx, xsum16, y, r0, r1, cols, acc))
         if (buf != stack) free(buf);
         return 0;

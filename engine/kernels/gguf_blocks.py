@@ -52,8 +52,8 @@ def x_modes(library=None) -> tuple[str, ...]:
     AVX-512 BF16, rows held split); "int16" (x rounded to int16 per block of 32, exact integer products: AVX-512
     VNNI, and Q4_0 / Q4_1 on AVX2 builds; the default where it exists, else "bf16" where that does). Q4_K follows
     the mode too (int8 or int16 per sub-block of 32); Q5_K and Q6_K take int16 x per sub-block (32, 16) in "int16"
-    and two bf16 terms in "bf16" and "int8" where AVX-512 BF16 is (on AVX2 builds Q4_K and Q6_K take int16 x per
-    32, Q5_K float32 x); the k-quants float32 x otherwise; Q8_0 always float32 x."""
+    and two bf16 terms in "bf16" and "int8" where AVX-512 BF16 is (on AVX2 builds the k-quants take int16 x per
+    32); the k-quants float32 x otherwise; Q8_0 always float32 x."""
     lib = library if library is not None else load()
     if lib is None:
         return ()

@@ -119,7 +119,7 @@ def test_k_quant_products_hold_on_long_rows_and_every_row_of_a_thread(name, isa)
     float path's bits) and on float32 x; accumulating adds; in the int8 mode Q4_K multiplies W by x rounded to int8
     per 32, Q5_K and Q6_K (no int8 route) take the bf16 terms; in the int16 mode each multiplies W by x rounded to
     int16 per sub-block (within 1e-7 of a row's sum of |w x| of that product, and off the unrounded one; the AVX2
-    build rounds per 32 and has no such route for Q5_K)."""
+    build rounds per 32)."""
     library = cpu_kernels.build(("-mno-avx512f",)) if isa == "avx2" else None
     modes = gguf_blocks.x_modes(library)
     for rows, cols in ((3, 16640), (5, 512)):
@@ -146,10 +146,7 @@ def test_k_quant_products_hold_on_long_rows_and_every_row_of_a_thread(name, isa)
         if name != "Q4_K" and "int8" in modes and "bf16" in results:  # no int8 route: the int8 mode takes the terms
             with gguf_blocks.activations("int8", library):
                 assert torch.equal(matrix.matvec(x, library=library), results["bf16"])
-        if "int16" in modes and isa == "avx2" and name == "Q5_K":  # no AVX2 int16 route for Q5_K: float32 x
-            with gguf_blocks.activations("int16", library):
-                assert torch.equal(matrix.matvec(x, library=library), results["float32"])
-        elif "int16" in modes:  # W times x rounded to int16 per sub-block, exact integer products
+        if "int16" in modes:  # W times x rounded to int16 per sub-block, exact integer products
             with gguf_blocks.activations("int16", library):
                 got = matrix.matvec(x, library=library)
                 again = matrix.matvec(x, base.clone(), accumulate=True, library=library)
@@ -165,7 +162,7 @@ def test_the_int16_mode_is_the_default_with_avx512_vnni_and_computes_the_same_on
     """The int16 route needs AVX-512 VNNI: a build without it has no int16 mode (its default is the bf16 terms where
     AVX-512 BF16 is); a build with VNNI but not BF16 has it as its default, and its int16 products are the native
     build's bit for bit; the Q4 formats give the same bits held split or in the file's order. The AVX2 build has an
-    int16 route for Q4_0 / Q4_1, Q4_K and Q6_K (vpmaddubsw), its default too: W times the same rounded x, split or
+    int16 route for Q4_0 / Q4_1 and the k-quants (vpmaddubsw), its default too: W times the same rounded x, split or
     not (the k-quants: the test above)."""
     if "int16" not in gguf_blocks.x_modes():
         pytest.skip("this CPU has no AVX-512 VNNI")
