@@ -31,6 +31,7 @@ HIDDEN, HEADS, KV_HEADS, INTER, LAYERS = 2048, 32, 4, 5632, 8
 NEW_TOKENS = 64
 DENSE = dict(kv_cache_ratio=1.0, csa2_topk=0)
 ROWS = {"ours, GGUF blocks": ({}, DENSE),  # the default x mode (int16 where AVX-512 VNNI and BF16 are)
+        "ours, GGUF blocks, float32 x": ({"DSV41_GGUF_X": "float32"}, DENSE),
         # x as two bf16 terms in the Q4_K and Q6_K products (the default where AVX-512 BF16 is but not VNNI)
         "ours, GGUF blocks, bf16 x": ({"DSV41_GGUF_X": "bf16"}, DENSE),
         # x rounded to int8 per 32 in the Q4_K products (Q6_K: two bf16 terms), as llama.cpp rounds it per 256
@@ -150,7 +151,11 @@ def main(argv=None) -> int:
     names = [str(n) for n in contexts]
     base = {"gguf": str(gguf), "model_path": str(gguf), "n_ctx": 4096, "new_tokens": NEW_TOKENS, "names": names,
             "prompts": [ids for ids, _ in built], "questions": [q for _, q in built]}
-    rows = [PEER, *ROWS]
+    # the modes this build has (DSV41_CPU_KERNEL_FLAGS=-mno-avx512f: the AVX2 build, float32 and int16 only)
+    from engine.kernels.gguf_blocks import x_modes
+
+    have = set(x_modes())
+    rows = [PEER, *(row for row, (env, _) in ROWS.items() if env.get("DSV41_GGUF_X", "float32") in have)]
     raw: dict[str, list[dict]] = {row: [] for row in rows}
     for rep in range(args.reps):
         for row in rows:
