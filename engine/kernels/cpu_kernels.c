@@ -1420,8 +1420,8 @@ static void rows_q4k_int8(const uint8_t *w, const int8_t *xq, const float *dx, c
 }
 
 /* The k-quants on int16 x (the int16 mode, AVX-512 VNNI; Q4_0 / Q4_1: rows_q4_int16 above): x rounded to int16 per
- * group of n (Q4_K / Q5_K: their sub-blocks of 32; Q6_K: of 16) with the scale dx = max |x| / X16_MAX, and each value split into a high byte h and a low one l,
- * x16 = 256 h + l with both in -128..127 (h = (x16 + 128) >> 8; |x16| <= X16_MAX keeps |h| <= 127). The weights'
+ * group of n (Q4_K / Q5_K: their sub-blocks of 32; Q6_K: of 16) with the scale dx = max |x| / X16_MAX, and each
+ * value split into a high byte h and a low one l, x16 = 256 h + l with both in -128..127 (h = (x16 + 128) >> 8; |x16| <= X16_MAX keeps |h| <= 127). The weights'
  * integers are vpdpbusd's unsigned bytes as they are (Q4_K's nibbles, Q6_K's 6-bit q), so a product is two
  * vpdpbusd, 256 (q . h) + (q . l): the exact integer sum of q x16 over a lane's four weights, below 2^24 (rounded
  * exactly to float32), then times d sc dx. x carries 15 bits of its group's largest value, the products none of
@@ -1572,8 +1572,8 @@ static void rows_q6k_int16(const uint8_t *w, const int8_t *xq, const float *dx, 
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #define DSV41_Q4_BF16 1
-/* The Q4 product with bf16 dot products (the default on CPUs with AVX-512 BF16 but not VNNI), for rows held split. x is carried
- * as two bf16 terms, x = hi + lo (hi = bf16(x), lo = bf16(x - hi)): 16 significant bits instead of float32's 24,
+/* The Q4 product with bf16 dot products (the default on CPUs with AVX-512 BF16 but not VNNI), for rows held split.
+ * x is carried as two bf16 terms, x = hi + lo (hi = bf16(x), lo = bf16(x - hi)): 16 significant bits instead of float32's 24,
  * about 1e-6 of a row's sum of |w x| apart from the float32 path (int8 x: ~0.4 %). Each 16-bit word of a row's
  * nibbles holds four weights; shifted and masked into a bf16 mantissa with a fixed exponent (0x4180 | q << 3) each
  * nibble q becomes the bf16 value 16 + q exactly, with no table look-up or conversion, and vdpbf16ps multiplies 32
