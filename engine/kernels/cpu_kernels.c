@@ -1042,7 +1042,7 @@ static void rows_small_blocks(int64_t type, int split, const uint8_t *w, const f
  * 32639, NaN where a value is not finite), its high and low bytes stored per block in the weights' order (32 h,
  * then 32 l); a block's 32 nibbles as unsigned bytes in one ymm (bytes 0-15 the low nibbles: weights 0-15, 16-31 the
  * high ones), vpmaddubsw against h and against l (pair sums at most 2 * 15 * 128: no saturation), widened by
- * vpmaddwd with 256 and with 1: the exact integer sum of q x16 over four weights a lane, converted exactly, times
+ * vpmaddwd with 256 and with 1 (x16_dot_avx2): the exact integer sum of q x16 over four weights a lane, converted exactly, times
  * d dx. About half the instructions of the float32 loop above, four rows at a time over the same x. */
 static void q16_blocks(const float *x, int64_t blocks, int8_t *xq, float *dx, float *xsum, float *xsum16) {
     for (int64_t b = 0; b < blocks; b++) {
@@ -1071,6 +1071,16 @@ static void q16_blocks(const float *x, int64_t blocks, int8_t *xq, float *dx, fl
     }
 }
 
+/* The exact integer sums of 32 unsigned bytes q times x's high bytes h and low bytes l (x16 = 256 h + l), four
+ * weights a lane: vpmaddubsw's pair sums (at most 2 * 63 * 128: no saturation) widened by vpmaddwd with 256 and 1. */
+static inline __m256i x16_dot_avx2(__m256i q, __m256i h, __m256i l) {
+    return _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(q, h), _mm256_set1_epi16(256)),
+                            _mm256_madd_epi16(_mm256_maddubs_epi16(q, l), _mm256_set1_epi16(1)));
+}
+static inline __m256i x16_dot_avx2_at(__m256i q, const int8_t *x) { /* h at x, l at x + 32 (q16_blocks' layout) */
+    return x16_dot_avx2(q, _mm256_loadu_si256((const __m256i *)x), _mm256_loadu_si256((const __m256i *)(x + 32)));
+}
+
 static void rows_q4_int16_avx2(int64_t type, int split, const uint8_t *w, const int8_t *xq, const float *dx,
                                const float *xsum, float *y, int64_t r0, int64_t r1, int64_t cols, int acc) {
     const int64_t size = gguf_block_bytes(type), blocks = cols / 32, row_bytes = blocks * size;
@@ -1079,7 +1089,6 @@ static void rows_q4_int16_avx2(int64_t type, int split, const uint8_t *w, const 
                   q_step = split ? size - split_scale_bytes(type) : size, d_step = split ? 2 : size,
                   m_at = split ? 2 * blocks : 2;
     const __m128i nib = _mm_set1_epi8(0x0F);
-    const __m256i by256 = _mm256_set1_epi16(256), by1 = _mm256_set1_epi16(1);
     for (int64_t r = r0; r < r1; r += 4) {
         const int64_t n = r1 - r < 4 ? r1 - r : 4; /* a short last group repeats its last row, not stored */
         __m256 a[4];
@@ -1099,8 +1108,7 @@ static void rows_q4_int16_avx2(int64_t type, int split, const uint8_t *w, const 
                 _mm_prefetch((const char *)(b + 16 * row_bytes), _MM_HINT_T0); /* four groups of rows ahead */
                 const __m128i v = _mm_loadu_si128((const __m128i *)b);
                 const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), nib), _mm_and_si128(v, nib));
-                const __m256i t = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(q, xh), by256),
-                                                   _mm256_madd_epi16(_mm256_maddubs_epi16(q, xl), by1));
+                const __m256i t = x16_dot_avx2(q, xh, xl);
                 const float dv = f16_load(ds);
                 extra[j] += (with_min ? f16_load(ds + m_at) : -8.f * dv) * xs;
                 a[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(dv * dxb), a[j]);
@@ -1126,6 +1134,20 @@ static inline __m512 k_scales_mins(const uint8_t *b) {
     const __m512 dd = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(f16_to_f32(u16_at(b))), _mm512_set1_ps(f16_to_f32(u16_at(b + 2))));
     return _mm512_mul_ps(dd, _mm512_cvtepi32_ps(_mm512_or_si512(part_a, part_b)));
 }
+
+/* A Q6_K block's sixteen d sc_s on 16 lanes, and which of them each lane of a half block's dot products takes:
+ * pick[2 half + k] lane i: sub-block 8 half + 4 k + i / 4 (k = 0 the half's weights 0-63, 1 its weights 64-127;
+ * four weights a lane). Shared by the int16 and bf16-terms Q6_K products. */
+static inline __m512 q6k_scales(const uint8_t *b) {
+    return _mm512_mul_ps(_mm512_set1_ps(f16_to_f32(u16_at(b + 208))),
+                         _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 192)))));
+}
+static inline void q6k_picks(__m512i pick[4]) {
+    const __m512i quads = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    for (int h = 0; h < 2; h++)
+        for (int k = 0; k < 2; k++) pick[2 * h + k] = _mm512_add_epi32(quads, _mm512_set1_epi32(8 * h + 4 * k));
+}
+
 #endif
 
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
@@ -1362,63 +1384,6 @@ static void rows_q4_int16(int64_t type, int split, const uint8_t *w, const int8_
     rows_q4_int(2, type, split, w, xq, dx, xsum, y, r0, r1, cols, acc);
 }
 
-/* Q4_K on int8 x (the int8 mode, AVX-512 VNNI): x rounded to int8 per sub-block of 32 as q8_pairs rounds it, the
- * sub-blocks of a block stored in the order the nibbles take them (0, 2, 1, 3, 4, 6, 5, 7: the low nibbles of
- * 64 bytes are sub-blocks 2c and 2c + 2, the high ones 2c + 1 and 2c + 3), one vpdpbusd per 64 nibbles, each
- * int32 lane four weights of one sub-block scaled by d sc_j dx_j; the minimums against the rounded x's sums. */
-static void q4k_int8_x(const float *x, int64_t blocks, int8_t *xq, float *dx, float *xsum) {
-    static const int order[8] = {0, 2, 1, 3, 4, 6, 5, 7};
-    for (int64_t b = 0; b < blocks; b++)
-        for (int j = 0; j < 8; j++) {
-            const float *xs = x + b * 256 + 32 * j;
-            const __m512 a = _mm512_loadu_ps(xs), c = _mm512_loadu_ps(xs + 16);
-            const float amax = block_amax(xs, 32);
-            const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-            const __m512i ia = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv)));
-            const __m512i ic = _mm512_cvtps_epi32(_mm512_mul_ps(c, _mm512_set1_ps(inv)));
-            dx[b * 8 + j] = d;
-            xsum[b * 16 + j] = 0.f; /* lanes 0-7 meet d sc_j: no offset */
-            xsum[b * 16 + 8 + j] = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(ia, ic));
-            int8_t *at = xq + b * 256;
-            for (int k = 0; k < 8; k++)
-                if (order[k] == j) at += 32 * k;
-            _mm_storeu_si128((__m128i *)at, _mm512_cvtsepi32_epi8(ia));
-            _mm_storeu_si128((__m128i *)(at + 16), _mm512_cvtsepi32_epi8(ic));
-        }
-}
-
-static void rows_q4k_int8(const uint8_t *w, const int8_t *xq, const float *dx, const float *xsum, float *y, int64_t r0,
-                          int64_t r1, int64_t cols, int acc) {
-    const int64_t blocks = cols / 256, row_bytes = blocks * 144;
-    const __m512i nib = _mm512_set1_epi8(0x0F);
-    const __m512i lanes8 = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
-    __m512i pick[4];
-    for (int p = 0; p < 2; p++)
-        for (int hi = 0; hi < 2; hi++) pick[2 * p + hi] = _mm512_add_epi32(lanes8, _mm512_set1_epi32(4 * p + hi));
-    Stream st = {(const char *)w + r0 * row_bytes, (const char *)(w + r1 * row_bytes)};
-    for (int64_t r = r0; r < r1; r++) {
-        const uint8_t *row = w + r * row_bytes;
-        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), off = _mm512_setzero_ps();
-        for (int64_t bi = 0; bi < blocks; bi++) {
-            const uint8_t *b = row + bi * 144;
-            stream_to(&st, (const char *)b + 144 + K_AHEAD);
-            const __m512 dsm = k_scales_mins(b);
-            off = _mm512_fmadd_ps(dsm, _mm512_loadu_ps(xsum + bi * 16), off);
-            const __m512 scale = _mm512_mul_ps(dsm, _mm512_maskz_loadu_ps(0xFF, dx + bi * 8)); /* d sc_j dx_j */
-            const int8_t *xb = xq + bi * 256;
-            for (int p = 0; p < 2; p++) {
-                const __m512i v = _mm512_loadu_si512((const void *)(b + 16 + 64 * p));
-                const __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
-                const __m512i t = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512((const void *)(xb + 128 * p)));
-                const __m512i u = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi, _mm512_loadu_si512((const void *)(xb + 128 * p + 64)));
-                a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_permutexvar_ps(pick[2 * p], scale), a0);
-                a1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(u), _mm512_permutexvar_ps(pick[2 * p + 1], scale), a1);
-            }
-        }
-        store(y, r, _mm512_reduce_add_ps(_mm512_sub_ps(_mm512_add_ps(a0, a1), off)), acc);
-    }
-}
-
 /* The k-quants on int16 x (the int16 mode, AVX-512 VNNI; Q4_0 / Q4_1: rows_q4_int16 above): x rounded to int16 per
  * group of n (Q4_K / Q5_K: their sub-blocks of 32; Q6_K: of 16) with the scale dx = max |x| / X16_MAX, and each
  * value split into a high byte h and a low one l, x16 = 256 h + l with both in -128..127 (h = (x16 + 128) >> 8; |x16| <= X16_MAX keeps |h| <= 127). The weights'
@@ -1428,40 +1393,51 @@ static void rows_q4k_int8(const uint8_t *w, const int8_t *xq, const float *dx, c
  * their own: half the instructions of two bf16 terms per 32 weights, and no conversion of the weights' integers
  * to floats. */
 #define X16_MAX 32639.f
-static inline void x16_split(const float *x, int n, float *dx, int8_t *hi, int8_t *lo, int64_t *sum) {
-    const float amax = block_amax(x, n), inv = amax > 0.f ? X16_MAX / amax : 0.f;
+/* n values of x (a multiple of 16) rounded with their own scale *dx: planes 1, to int8 (max |x| / 127, the int8
+ * mode), stored at hi; planes 2, to int16 (max |x| / X16_MAX) as high bytes at hi and low ones at lo. *sum: the sum
+ * of the rounded integers. */
+static inline void x_split(const float *x, int n, int planes, float *dx, int8_t *hi, int8_t *lo, int64_t *sum) {
+    const float top = planes == 2 ? X16_MAX : 127.f;
+    const float amax = block_amax(x, n), inv = amax > 0.f ? top / amax : 0.f;
     __m512i total = _mm512_setzero_si512();
     for (int i = 0; i < n; i += 16) {
         const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + i), _mm512_set1_ps(inv)));
-        const __m512i h = _mm512_srai_epi32(_mm512_add_epi32(q, _mm512_set1_epi32(128)), 8);
-        _mm_storeu_si128((__m128i *)(hi + i), _mm512_cvtepi32_epi8(h));
-        _mm_storeu_si128((__m128i *)(lo + i), _mm512_cvtepi32_epi8(_mm512_sub_epi32(q, _mm512_slli_epi32(h, 8))));
+        if (planes == 2) {
+            const __m512i h = _mm512_srai_epi32(_mm512_add_epi32(q, _mm512_set1_epi32(128)), 8);
+            _mm_storeu_si128((__m128i *)(hi + i), _mm512_cvtepi32_epi8(h));
+            _mm_storeu_si128((__m128i *)(lo + i), _mm512_cvtepi32_epi8(_mm512_sub_epi32(q, _mm512_slli_epi32(h, 8))));
+        } else {
+            _mm_storeu_si128((__m128i *)(hi + i), _mm512_cvtsepi32_epi8(q));
+        }
         total = _mm512_add_epi32(total, q);
     }
-    *dx = amax / X16_MAX;
+    *dx = amax / top;
     *sum = _mm512_reduce_add_epi32(total);
 }
 
-/* Q4_K: a block's x as 256 high bytes, then 256 low ones, each in the order rows_q4k_int8 takes its int8 x (the
- * sub-blocks 0, 2, 1, 3, 4, 6, 5, 7); dx[b * 8 + j] sub-block j's scale, xsum[b * 16 + 8 + j] its sum as rounded
- * (against the minimums; lanes 0-7 no offset). */
-static void q4k_int16_x(const float *x, int64_t blocks, int8_t *xq, float *dx, float *xsum) {
+/* Q4_K / Q5_K (the int8 mode: planes 1; int16: 2): a block's x as 256 bytes a plane (the int16 mode's high bytes,
+ * then its low ones), the sub-blocks in the order the nibbles take them (0, 2, 1, 3, 4, 6, 5, 7: the low nibbles of
+ * 64 bytes are sub-blocks 2c and 2c + 2, the high ones 2c + 1 and 2c + 3); dx[b * 8 + j] sub-block j's scale,
+ * xsum[b * 16 + 8 + j] its sum as rounded (against the minimums; lanes 0-7 no offset). */
+static void q4k_int_x(const float *x, int64_t blocks, int planes, int8_t *xq, float *dx, float *xsum) {
     static const int slot[8] = {0, 2, 1, 3, 4, 6, 5, 7}; /* sub-block j's place: slot[j] * 32 */
     for (int64_t b = 0; b < blocks; b++)
         for (int j = 0; j < 8; j++) {
-            int8_t *at = xq + b * 512 + 32 * slot[j];
+            int8_t *at = xq + b * 256 * planes + 32 * slot[j];
             int64_t sum;
-            x16_split(x + b * 256 + 32 * j, 32, &dx[b * 8 + j], at, at + 256, &sum);
+            x_split(x + b * 256 + 32 * j, 32, planes, &dx[b * 8 + j], at, at + 256, &sum);
             xsum[b * 16 + j] = 0.f;
             xsum[b * 16 + 8 + j] = dx[b * 8 + j] * (float)sum;
         }
 }
 
-/* five: Q5_K (the same x; each nibble's fifth bit from qh, bit 2c of byte l for the low nibbles of chunk c, bit
+/* planes 1: int8 x (the int8 mode, Q4_K only: one vpdpbusd per 64 nibbles); 2: int16 x, 256 (q . h) + (q . l).
+ * five: Q5_K (the same x; each nibble's fifth bit from qh, bit 2c of byte l for the low nibbles of chunk c, bit
  * 2c + 1 for its high ones, put in bit 4 of the byte as 16 + q: the same ternary-logic merge as Q6_K's pairs). */
-static inline __attribute__((always_inline)) void rows_k4_int16(const int five, const uint8_t *w, const int8_t *xq,
-                                                                 const float *dx, const float *xsum, float *y,
-                                                                 int64_t r0, int64_t r1, int64_t cols, int acc) {
+static inline __attribute__((always_inline)) void rows_k4_int(const int planes, const int five, const uint8_t *w,
+                                                               const int8_t *xq, const float *dx, const float *xsum,
+                                                               float *y, int64_t r0, int64_t r1, int64_t cols,
+                                                               int acc) {
     const int64_t size = five ? 176 : 144, blocks = cols / 256, row_bytes = blocks * size, q_at = five ? 48 : 16;
     const __m512i nib = _mm512_set1_epi8(0x0F), keep5 = _mm512_set1_epi8(0x1F);
     const __m512i lanes8 = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
@@ -1478,7 +1454,7 @@ static inline __attribute__((always_inline)) void rows_k4_int16(const int five, 
             const __m512 dsm = k_scales_mins(b);
             off = _mm512_fmadd_ps(dsm, _mm512_loadu_ps(xsum + bi * 16), off);
             const __m512 scale = _mm512_mul_ps(dsm, _mm512_maskz_loadu_ps(0xFF, dx + bi * 8)); /* d sc_j dx_j */
-            const int8_t *xh = xq + bi * 512, *xl = xh + 256;
+            const int8_t *xh = xq + bi * 256 * planes, *xl = xh + 256;
             for (int p = 0; p < 2; p++) {
                 const __m512i v = _mm512_loadu_si512((const void *)(b + q_at + 64 * p));
                 __m512i lo, hi;
@@ -1494,8 +1470,10 @@ static inline __attribute__((always_inline)) void rows_k4_int16(const int five, 
                 const int8_t *h = xh + 128 * p, *l = xl + 128 * p;
                 __m512i t = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512((const void *)h));
                 __m512i u = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi, _mm512_loadu_si512((const void *)(h + 64)));
-                t = _mm512_dpbusd_epi32(_mm512_slli_epi32(t, 8), lo, _mm512_loadu_si512((const void *)l));
-                u = _mm512_dpbusd_epi32(_mm512_slli_epi32(u, 8), hi, _mm512_loadu_si512((const void *)(l + 64)));
+                if (planes == 2) {
+                    t = _mm512_dpbusd_epi32(_mm512_slli_epi32(t, 8), lo, _mm512_loadu_si512((const void *)l));
+                    u = _mm512_dpbusd_epi32(_mm512_slli_epi32(u, 8), hi, _mm512_loadu_si512((const void *)(l + 64)));
+                }
                 a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_permutexvar_ps(pick[2 * p], scale), a0);
                 a1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(u), _mm512_permutexvar_ps(pick[2 * p + 1], scale), a1);
             }
@@ -1503,13 +1481,17 @@ static inline __attribute__((always_inline)) void rows_k4_int16(const int five, 
         store(y, r, _mm512_reduce_add_ps(_mm512_sub_ps(_mm512_add_ps(a0, a1), off)), acc);
     }
 }
+static void rows_q4k_int8(const uint8_t *w, const int8_t *xq, const float *dx, const float *xsum, float *y,
+                          int64_t r0, int64_t r1, int64_t cols, int acc) {
+    rows_k4_int(1, 0, w, xq, dx, xsum, y, r0, r1, cols, acc);
+}
 static void rows_q4k_int16(const uint8_t *w, const int8_t *xq, const float *dx, const float *xsum, float *y,
                            int64_t r0, int64_t r1, int64_t cols, int acc) {
-    rows_k4_int16(0, w, xq, dx, xsum, y, r0, r1, cols, acc);
+    rows_k4_int(2, 0, w, xq, dx, xsum, y, r0, r1, cols, acc);
 }
 static void rows_q5k_int16(const uint8_t *w, const int8_t *xq, const float *dx, const float *xsum, float *y,
                            int64_t r0, int64_t r1, int64_t cols, int acc) {
-    rows_k4_int16(1, w, xq, dx, xsum, y, r0, r1, cols, acc);
+    rows_k4_int(2, 1, w, xq, dx, xsum, y, r0, r1, cols, acc);
 }
 
 /* Q6_K: a block's x as 256 high bytes, then 256 low ones, in the order of its weights; dx[b * 16 + s] the scale of
@@ -1524,7 +1506,7 @@ static void q6k_int16_x(const float *x, int64_t blocks, int8_t *xq, float *dx, f
         for (int s = 0; s < 16; s++) {
             int8_t *at = xq + b * 512 + 16 * s;
             int64_t sum;
-            x16_split(x + b * 256 + 16 * s, 16, &dx[b * 16 + s], at, at + 256, &sum);
+            x_split(x + b * 256 + 16 * s, 16, 2, &dx[b * 16 + s], at, at + 256, &sum);
             xsum[b * 16 + s] = 32.f * (dx[b * 16 + s] * (float)sum);
         }
 }
@@ -1533,10 +1515,8 @@ static void rows_q6k_int16(const uint8_t *w, const int8_t *xq, const float *dx, 
                            int64_t r0, int64_t r1, int64_t cols, int acc) {
     const int64_t blocks = cols / 256, row_bytes = blocks * 210;
     const __m512i low = _mm512_set1_epi8(0x0F), six = _mm512_set1_epi8(0x3F);
-    const __m512i quads = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-    __m512i pick[4]; /* [half][weights 0-63 / 64-127]: the sub-block of 16 of each lane */
-    for (int h = 0; h < 2; h++)
-        for (int hi = 0; hi < 2; hi++) pick[2 * h + hi] = _mm512_add_epi32(quads, _mm512_set1_epi32(8 * h + 4 * hi));
+    __m512i pick[4];
+    q6k_picks(pick);
     Stream st = {(const char *)w + r0 * row_bytes, (const char *)(w + r1 * row_bytes)};
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t *row = w + r * row_bytes;
@@ -1544,8 +1524,7 @@ static void rows_q6k_int16(const uint8_t *w, const int8_t *xq, const float *dx, 
         for (int64_t bi = 0; bi < blocks; bi++) {
             const uint8_t *b = row + bi * 210;
             stream_to(&st, (const char *)b + 210 + K_AHEAD);
-            const __m512 dsv = _mm512_mul_ps(_mm512_set1_ps(f16_to_f32(u16_at(b + 208))), _mm512_cvtepi32_ps(
-                _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 192)))));
+            const __m512 dsv = q6k_scales(b);
             off = _mm512_fmadd_ps(dsv, _mm512_loadu_ps(xsum + bi * 16), off);
             const __m512 scale = _mm512_mul_ps(dsv, _mm512_loadu_ps(dx + bi * 16)); /* d sc_s dx_s */
             const int8_t *xh = xq + bi * 512, *xl = xh + 256;
@@ -1827,10 +1806,8 @@ static void rows_q6k_bf16(const uint8_t *w, const uint16_t *xt, const float *xsu
                           int64_t cols, int acc) {
     const int64_t blocks = cols / 256, row_bytes = blocks * 210;
     const __m512i low = _mm512_set1_epi16(0x1E), keep = _mm512_set1_epi16(0x7E), exponent = _mm512_set1_epi16(0x4280);
-    const __m512i quads = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-    __m512i pick[4]; /* [half][low / high nibbles]: the sub-block of 16 of each float lane */
-    for (int h = 0; h < 2; h++)
-        for (int hi = 0; hi < 2; hi++) pick[2 * h + hi] = _mm512_add_epi32(quads, _mm512_set1_epi32(8 * h + 4 * hi));
+    __m512i pick[4];
+    q6k_picks(pick);
     Stream st = {(const char *)w + r0 * row_bytes, (const char *)(w + r1 * row_bytes)};
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t *row = w + r * row_bytes;
@@ -1838,8 +1815,7 @@ static void rows_q6k_bf16(const uint8_t *w, const uint16_t *xt, const float *xsu
         for (int64_t bi = 0; bi < blocks; bi++) {
             const uint8_t *b = row + bi * 210;
             stream_to(&st, (const char *)b + 210 + K_AHEAD);
-            const __m512 dsv = _mm512_mul_ps(_mm512_set1_ps(f16_to_f32(u16_at(b + 208))), _mm512_cvtepi32_ps(
-                _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 192)))));
+            const __m512 dsv = q6k_scales(b);
             off = _mm512_fmadd_ps(dsv, _mm512_loadu_ps(xsum + bi * 16), off);
             for (int h = 0; h < 2; h++) {
                 const __m512i v = _mm512_loadu_si512((const void *)(b + 64 * h));
@@ -1880,7 +1856,7 @@ static inline __attribute__((always_inline)) void rows_k4_int16_avx2(const int f
                                                                       const float *xsum, float *y, int64_t r0,
                                                                       int64_t r1, int64_t cols, int acc) {
     const int64_t size = five ? 176 : 144, blocks = cols / 256, row_bytes = blocks * size, q_at = five ? 48 : 16;
-    const __m256i nib = _mm256_set1_epi8(0x0F), by256 = _mm256_set1_epi16(256), by1 = _mm256_set1_epi16(1);
+    const __m256i nib = _mm256_set1_epi8(0x0F);
     const __m256i bit0 = _mm256_set1_epi8(0x01);
     Stream st = {(const char *)w + r0 * row_bytes, (const char *)(w + r1 * row_bytes)};
     for (int64_t r = r0; r < r1; r++) {
@@ -1903,12 +1879,7 @@ static inline __attribute__((always_inline)) void rows_k4_int16_avx2(const int f
                     hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 1), bit0), 4));
                 }
                 const int8_t *x0 = xb + 128 * c, *x1 = x0 + 64; /* sub-blocks 2c and 2c + 1: high bytes, low at + 32 */
-                const __m256i t = _mm256_add_epi32(
-                    _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)x0)), by256),
-                    _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(x0 + 32))), by1));
-                const __m256i u = _mm256_add_epi32(
-                    _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)x1)), by256),
-                    _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(x1 + 32))), by1));
+                const __m256i t = x16_dot_avx2_at(lo, x0), u = x16_dot_avx2_at(hi, x1);
                 a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_permutevar8x32_ps(scale, _mm256_set1_epi32(2 * c)), a0);
                 a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(u), _mm256_permutevar8x32_ps(scale, _mm256_set1_epi32(2 * c + 1)), a1);
             }
@@ -1928,8 +1899,7 @@ static void rows_q5k_int16_avx2(const uint8_t *w, const int8_t *xq, const float 
 static void rows_q6k_int16_avx2(const uint8_t *w, const int8_t *xq, const float *dx, const float *xsum16, float *y,
                                 int64_t r0, int64_t r1, int64_t cols, int acc) {
     const int64_t blocks = cols / 256, row_bytes = blocks * 210;
-    const __m256i nib = _mm256_set1_epi8(0x0F), pair = _mm256_set1_epi8(0x30), by256 = _mm256_set1_epi16(256),
-                  by1 = _mm256_set1_epi16(1);
+    const __m256i nib = _mm256_set1_epi8(0x0F), pair = _mm256_set1_epi8(0x30);
     const __m256i halves = _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0);
     Stream st = {(const char *)w + r0 * row_bytes, (const char *)(w + r1 * row_bytes)};
     for (int64_t r = r0; r < r1; r++) {
@@ -1956,9 +1926,7 @@ static void rows_q6k_int16_avx2(const uint8_t *w, const int8_t *xq, const float 
                 for (int g = 0; g < 4; g++) { /* weights 128 h + 32 g ..: sub-blocks 8 h + 2 g, + 1; x's block 8 bi + 4 h + g */
                     const int64_t xb = 8 * bi + 4 * h + g;
                     const int8_t *xp = xq + xb * 64;
-                    const __m256i t = _mm256_add_epi32(
-                        _mm256_madd_epi16(_mm256_maddubs_epi16(q[g], _mm256_loadu_si256((const __m256i *)xp)), by256),
-                        _mm256_madd_epi16(_mm256_maddubs_epi16(q[g], _mm256_loadu_si256((const __m256i *)(xp + 32))), by1));
+                    const __m256i t = x16_dot_avx2_at(q[g], xp);
                     const int s = 8 * h + 2 * g; /* lanes 0-3 sub-block s, 4-7 s + 1 */
                     const __m256 scale = _mm256_mul_ps(
                         _mm256_permutevar8x32_ps(sc[s / 8], _mm256_add_epi32(halves, _mm256_set1_epi32(s % 8))),
@@ -2260,7 +2228,7 @@ int dsv41_mv_gguf(int64_t type, const void *w, const float *x, float *y, int64_t
         int8_t *xq = carve(&at, 512 * b256);
         float *dx = carve(&at, 64 * b256), *xsum = carve(&at, 64 * b256);
         if (type == 12 || type == 13) {
-            q4k_int16_x(x, (int64_t)b256, xq, dx, xsum);
+            q4k_int_x(x, (int64_t)b256, 2, xq, dx, xsum);
             if (type == 12) ON_ROWS(rows_q4k_int16(wb, xq, dx, xsum, y, r0, r1, cols, acc))
             else ON_ROWS(rows_q5k_int16(wb, xq, dx, xsum, y, r0, r1, cols, acc))
         } else {
@@ -2307,7 +2275,7 @@ int dsv41_mv_gguf(int64_t type, const void *w, const float *x, float *y, int64_t
         if (!(buf = at = x_scratch(stack, 256 * b256 + 32 * b256 + 64 * b256 + pad))) return -2;
         int8_t *xq = carve(&at, 256 * b256);
         float *dx = carve(&at, 32 * b256), *xsum = carve(&at, 64 * b256);
-        q4k_int8_x(x, (int64_t)b256, xq, dx, xsum);
+        q4k_int_x(x, (int64_t)b256, 1, xq, dx, xsum);
         ON_ROWS(rows_q4k_int8(wb, xq, dx, xsum, y, r0, r1, cols, acc))
         if (buf != stack) free(buf);
         return 0;
