@@ -244,6 +244,21 @@ class FusedDecodeStep:
             times.append(time.perf_counter() - started)
         return statistics.median(times)
 
+    def read_seconds(self, reps: int = 11) -> float:
+        """Median time of reading every byte of one step's matrices and nothing else (dsv41_step_read): the bandwidth
+        bound for those bytes, measured on the pages they sit on."""
+        import statistics
+        import time
+
+        args = (ctypes.byref(self._model), self._layers, torch.get_num_threads())
+        self._lib.dsv41_step_read(*args)
+        times = []
+        for _ in range(reps):
+            started = time.perf_counter()
+            self._lib.dsv41_step_read(*args)
+            times.append(time.perf_counter() - started)
+        return statistics.median(times)
+
     def _attend_in_python(self, index: int) -> int:
         """Called from C for a layer marked by_python: the cache's own append + attention on the q, k, v the
         step left in the work buffer; the output goes where the step reads it. Errors are kept for step()

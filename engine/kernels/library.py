@@ -204,3 +204,5 @@ def _bind_step(lib: ctypes.CDLL) -> None:
     lib.dsv41_decode_step.restype = cint
     lib.dsv41_step_matrices.argtypes = [ptr, ptr, ptr, ptr, cint]
     lib.dsv41_step_matrices.restype = cint
+    lib.dsv41_step_read.argtypes = [ptr, ptr, cint]
+    lib.dsv41_step_read.restype = ctypes.c_uint64

@@ -5,6 +5,7 @@ tokens through both and compare the logits and everything the step leaves in the
 positions, CED scores, lengths, merged entries' counts, across block reallocations and compactions.
 """
 
+import ctypes
 import os
 import subprocess
 import sys
@@ -430,6 +431,31 @@ def test_kernel_ceiling_is_measured_on_the_fused_steps_products(tiny_model):
     finally:
         torch.set_num_threads(previous)
     assert min(steps) > min(products)
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "gguf"])
+def test_the_read_ceiling_reads_every_byte_of_the_steps_matrices_once(tiny_model, default_model, fmt):
+    """The benchmarks' read ceiling (dsv41_step_read) sums every byte it reads: that sum is the sum of the bytes of
+    every matrix the step multiplies (each layer's four and the head, every stacked part), on one thread and on
+    three (each a share of each matrix); so the time it takes is that of reading exactly those bytes."""
+    from engine.kernels.fused import _parts
+
+    if fmt == "gguf":
+        decoder = adapter.runtime(default_model.hf_model).decoder
+    else:
+        decoder = adapter.runtime(_packed(tiny_model, "llama", fmt)).decoder
+    fused, w = decoder.fused, decoder.w
+    matrices = [m for layer in w.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [w.lm_head]
+    want = sum(int(data.contiguous().view(torch.uint8).sum()) for m in matrices for *_, data, _ in _parts(m))
+    previous = torch.get_num_threads()
+    try:
+        for threads in (1, 3):
+            torch.set_num_threads(threads)
+            assert fused._lib.dsv41_step_read(ctypes.byref(fused._model), fused._layers, threads) == want
+    finally:
+        torch.set_num_threads(previous)
+    assert fused.read_seconds(3) > 0
 
 
 @needs_kernels
