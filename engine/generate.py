@@ -85,7 +85,10 @@ def run_turn(model, tokenizer, cache: DSV41Cache, plan: TurnPlan, settings: Gene
             prefill_finished = False
             # the recent tokens stay on the logits' device and the sampled token is fed from there: a decode step
             # reads one value on the host (the token id, for the stop checks and the text), nothing else
-            seen_ids = torch.tensor(plan.new_ids[-REPETITION_WINDOW:], dtype=torch.long, device=logits.device)
+            # (kept only where the repetition penalty reads them)
+            penalise = settings.repetition_penalty != 1.0
+            seen_ids = torch.tensor(plan.new_ids[-REPETITION_WINDOW:] if penalise else [], dtype=torch.long,
+                                    device=logits.device)
             while True:
                 if cancel.is_set():
                     reason = "cancelled"
@@ -98,7 +101,8 @@ def run_turn(model, tokenizer, cache: DSV41Cache, plan: TurnPlan, settings: Gene
                     reason = "eos"
                     break
                 result.generated.append(token)
-                seen_ids = torch.cat((seen_ids[1 - REPETITION_WINDOW:], token_ids))
+                if penalise:
+                    seen_ids = torch.cat((seen_ids[1 - REPETITION_WINDOW:], token_ids))
                 detok.push(token)
                 text, hit = _cut_at_stop(detok.text, settings.stop)
                 safe = text if hit else text[: len(text) - _held_back(text, settings.stop)]

@@ -310,10 +310,11 @@ class DSV41Cache:
         policy = self.policy
         score = self.settings.compressing and policy.uses_attention
         decay = policy.decode_decay() if score else 1.0
+        every = self.settings.kv_int8 or decay is None
         by_python = []
         for layer in self.layers:
-            python = self.settings.kv_int8 or layer.projected_keys is not None or decay is None
-            if not python:
+            python = every or layer.projected_keys is not None
+            if not python and layer.length >= layer.keys.shape[1]:  # (its capacity: one more entry needs room)
                 layer.ensure_capacity(layer.length + 1)
             by_python.append(python)
         return FusedPlan(by_python, score, 1.0 if decay is None else decay)

@@ -348,4 +348,12 @@ class GGUFWeight(KernelMatrix):
         """Selected rows' values (an embedding lookup)."""
         if len(self.parts) != 1:
             raise ValueError("rows() of a stacked GGUFWeight")
-        return self.parts[0].select_rows(index).dequantize().to(dtype)
+        part = self.parts[0]
+        if index.numel() == 1:  # one token (a decode step): its row as it is held, no gathered copy
+            row = int(index.reshape(()))
+            if not 0 <= row < part.rows:
+                raise IndexError(f"row {row} of a matrix of {part.rows} rows")
+            picked = GGUFMatrix(part.type_id, part.data[row:row + 1], part.cols, part.split)
+        else:
+            picked = part.select_rows(index)
+        return picked.dequantize().to(dtype)

@@ -59,6 +59,39 @@ class DecoderWeights:
 
 
 _FUSED_RMS_NORM = hasattr(F, "rms_norm")
+# rotary embeddings whose cos/sin at a position depend on the sequence length (they cannot be tabled once)
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+ROPE_TABLE_MIN = 4096  # positions the first cos/sin table covers (it doubles when a position passes it)
+
+
+class RopeTable:
+    """cos / sin [positions, head_dim] computed once by the model's own rotary module for a range of positions (in
+    `dtype`, as it returns them for activations of that dtype), doubled when a position passes its end. A decode
+    step reads its position's row instead of calling the module (~20 us of torch ops a token on the CPU, more once
+    the step's weights have streamed through the caches). Each value is the module's own for that position: its
+    angles are one product position x inverse frequency, the same whether computed for one position or for all."""
+
+    def __init__(self, rotary, dtype: torch.dtype, device):
+        self.rotary, self.dtype, self.device = rotary, dtype, device
+        self.cos = self.sin = None
+        self.cos32 = self.sin32 = None  # float32 copies (the fused CPU step reads float32)
+
+    def ensure(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tables (in `dtype`), covering `position`."""
+        if self.cos is None or position >= self.cos.shape[0]:
+            size = max(ROPE_TABLE_MIN, position + 1, 0 if self.cos is None else 2 * self.cos.shape[0])
+            probe = torch.empty(1, 1, 1, dtype=self.dtype, device=self.device)
+            cos, sin = self.rotary(probe, torch.arange(size, device=self.device)[None])
+            self.cos, self.sin = cos[0].to(self.dtype).contiguous(), sin[0].to(self.dtype).contiguous()
+            self.cos32 = self.sin32 = None
+        return self.cos, self.sin
+
+    def row32(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Position's cos and sin as contiguous float32 vectors [head_dim]."""
+        self.ensure(position)
+        if self.cos32 is None:
+            self.cos32, self.sin32 = self.cos.float(), self.sin.float()
+        return self.cos32[position], self.sin32[position]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -142,6 +175,9 @@ class Decoder:
         # captured as one CUDA graph; None elsewhere (the CPU's fused step is faster there; tests set one on the
         # CPU to compare)
         self.static = None
+        # cos / sin by position for the fused step (None: a rotary whose values depend on the length)
+        self.rope = None if str(weights.rope_type).startswith(LENGTH_DEPENDENT_ROPE) or self.fused is None else \
+            RopeTable(weights.rotary, weights.final_norm.dtype, weights.final_norm.device)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache, logits_to_keep: int = 1):
@@ -156,14 +192,19 @@ class Decoder:
         else:
             x = F.embedding(input_ids[0], w.embed)
         t = x.shape[0]
-        cos, sin = w.rotary(x[None], position_ids)
         if t == 1 and self.fused is not None:
             plan = cache.fused_plan()
             if plan is not None:
-                logits = self.fused.step(x[0].float().contiguous(), int(position_ids[0, 0]),
-                                         cos[0, 0].float().contiguous(), sin[0, 0].float().contiguous(), cache,
-                                         plan.by_python, score=plan.score, decay=plan.decay)
+                position = int(position_ids[0, 0])
+                if self.rope is not None:
+                    cos, sin = self.rope.row32(position)
+                else:
+                    cos, sin = w.rotary(x[None], position_ids)
+                    cos, sin = cos[0, 0].float().contiguous(), sin[0, 0].float().contiguous()
+                logits = self.fused.step(x[0].float().contiguous(), position, cos, sin, cache, plan.by_python,
+                                         score=plan.score, decay=plan.decay)
                 return logits.view(1, 1, -1)
+        cos, sin = w.rotary(x[None], position_ids)
         cos, sin = cos[0, :, None, :].to(x.dtype), sin[0, :, None, :].to(x.dtype)  # [T, 1, d]
         rot = rope_matrix(cos[0, 0], sin[0, 0]) if t == 1 else None
         qk_heads = heads + kv_heads

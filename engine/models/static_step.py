@@ -32,13 +32,18 @@ import torch
 import torch.nn.functional as F
 
 from ..cache.storage import _gather_rows
-from .decoder import DecoderWeights, linear, residual_linear, rms_norm, rope_matrix, rope_swap
+from .decoder import (
+    LENGTH_DEPENDENT_ROPE,
+    DecoderWeights,
+    RopeTable,
+    linear,
+    residual_linear,
+    rms_norm,
+    rope_matrix,
+    rope_swap,
+)
 
 log = logging.getLogger(__name__)
-
-# rotary embeddings whose cos/sin at a position depend on the sequence length (they cannot be tabled once)
-_LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
-ROPE_TABLE_MIN = 4096  # positions the first cos/sin table covers (it doubles when a position passes it)
 
 
 def supports(weights: DecoderWeights) -> bool:
@@ -46,7 +51,7 @@ def supports(weights: DecoderWeights) -> bool:
     plain = all(isinstance(m, torch.Tensor) for m in (weights.embed, weights.lm_head))
     plain = plain and all(isinstance(getattr(layer, name), torch.Tensor) for layer in weights.layers
                           for name in ("qkv", "o", "gate_up", "down"))
-    return plain and not str(weights.rope_type).startswith(_LENGTH_DEPENDENT_ROPE)
+    return plain and not str(weights.rope_type).startswith(LENGTH_DEPENDENT_ROPE)
 
 
 class StaticDecodeStep:
@@ -64,6 +69,7 @@ class StaticDecodeStep:
         self._host = torch.zeros(1 + layers, dtype=torch.long, pin_memory=self.device.type == "cuda")
         self._host_view = self._host.numpy()  # written without a torch op per value
         self._copied = None  # a CUDA event: the last copy out of _host has run (it may be rewritten)
+        self._rope = RopeTable(weights.rotary, self.dtype, self.device)
         self._cos = self._sin = None
         self._clean: list[int | None] = [None] * layers  # storage_version whose tail past `length` is zeroed
         self._swap = rope_swap(weights.head_dim, self.dtype, self.device)  # RoPE's fixed pattern (rope_matrix)
@@ -117,11 +123,7 @@ class StaticDecodeStep:
     @torch.inference_mode()
     def _prepare(self, cache, position: int) -> None:
         """Outside the step: a cos/sin table covering `position`, and each reallocated layer's tail zeroed."""
-        if self._cos is None or position >= self._cos.shape[0]:
-            size = max(ROPE_TABLE_MIN, position + 1, 0 if self._cos is None else 2 * self._cos.shape[0])
-            probe = torch.empty(1, 1, 1, dtype=self.dtype, device=self.device)
-            cos, sin = self.w.rotary(probe, torch.arange(size, device=self.device)[None])
-            self._cos, self._sin = cos[0].to(self.dtype).contiguous(), sin[0].to(self.dtype).contiguous()
+        self._cos, self._sin = self._rope.ensure(position)
         for index, layer in enumerate(cache.layers):
             if self._clean[index] != layer.storage_version:
                 n = layer.length

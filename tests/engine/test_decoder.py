@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from engine.cache.attention import attention_probs, decode_attention
 from engine.cache.storage import _gather_rows
 from engine.models import adapter
-from engine.models.decoder import linear, residual_linear, rope, rope_matrix
+from engine.models.decoder import ROPE_TABLE_MIN, RopeTable, linear, residual_linear, rope, rope_matrix
 
 
 def _param_bytes(model):
@@ -105,6 +105,57 @@ def test_rope_matrix_rotates_like_rope():
     x = torch.randn(1, 12, d)
     want = rope(x, cos[None, None], sin[None, None])
     assert torch.allclose(torch.matmul(x, rope_matrix(cos, sin)), want, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_rope_table_holds_the_rotary_modules_own_values(tiny_model, dtype):
+    """A position's row of the table is what the model's rotary module returns for that position alone (bit for bit,
+    in the activations' dtype and widened to float32), before and after the table grows past its first size."""
+    model = tiny_model("llama")
+    adapter.install(model)
+    w = adapter.runtime(model).decoder.w
+    table = RopeTable(w.rotary, dtype, torch.device("cpu"))
+    probe = torch.empty(1, 1, 1, dtype=dtype)
+    for position in (0, 1, 777, ROPE_TABLE_MIN - 1, ROPE_TABLE_MIN, 3 * ROPE_TABLE_MIN + 5):
+        cos, sin = w.rotary(probe, torch.tensor([[position]]))
+        got_cos, got_sin = table.row32(position)
+        assert torch.equal(got_cos, cos[0, 0].float()) and torch.equal(got_sin, sin[0, 0].float())
+        assert got_cos.is_contiguous() and got_cos.dtype == torch.float32
+        assert torch.equal(table.ensure(position)[0][position], cos[0, 0].to(dtype))
+    assert table.cos.shape[0] >= 3 * ROPE_TABLE_MIN + 6
+
+
+def test_the_fused_step_takes_rope_from_the_table_and_calls_the_module_only_to_build_it(tiny_model, monkeypatch):
+    """A one-token decode on the fused CPU step reads cos / sin from the table: the rotary module runs once (to build
+    it) for a whole reply, and the logits are those of the per-op step, which calls the module every token."""
+    from engine.kernels import load
+
+    if load() is None:
+        pytest.skip("no C compiler: no fused step")
+    from .test_cache import make_cache
+
+    model = tiny_model("llama")
+    adapter.install(model)
+    decoder = adapter.runtime(model).decoder
+    assert decoder.fused is not None and decoder.rope is not None
+    ids = torch.randint(0, 256, (1, 16))
+    calls = []
+    rotary = decoder.w.rotary
+    monkeypatch.setattr(decoder.w, "rotary", lambda *a: calls.append(a[1].numel()) or rotary(*a))
+    monkeypatch.setattr(decoder.rope, "rotary", decoder.w.rotary)
+    caches = make_cache(model, kv_cache_ratio=1.0, csa2_topk=0), make_cache(model, kv_cache_ratio=1.0, csa2_topk=0)
+    outs = []
+    for cache, fused in zip(caches, (decoder.fused, None), strict=True):
+        decoder.fused = fused
+        adapter.forward(model, ids[:, :8], cache, prefill=True)
+        calls.clear()
+        outs.append([adapter.forward(model, ids[:, i:i + 1], cache, prefill=False) for i in range(8, 16)])
+        if fused is not None:
+            assert calls == [ROPE_TABLE_MIN]  # the table, built once
+        else:
+            assert calls == [1] * 8
+    for fused_logits, per_op in zip(*outs, strict=True):
+        assert torch.allclose(fused_logits, per_op, atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -294,6 +294,11 @@ def test_the_default_model_holds_its_gguf_exactly(default_model):
         assert torch.equal(w.layers[i].down.dense(), converted[f"model.layers.{i}.mlp.down_proj.weight"])
     embed = converted.get("model.embed_tokens.weight", converted.get("lm_head.weight"))  # tied: saved once
     assert torch.equal(w.embed.rows(torch.tensor([0, 5, 49151])), embed[[0, 5, 49151]])
+    for token in (0, 5, 49151):  # one token (a decode step's lookup) reads its row where it is held
+        assert torch.equal(w.embed.rows(torch.tensor([token])), embed[[token]])
+        assert torch.equal(w.embed.rows(torch.tensor([token]), torch.bfloat16), embed[[token]].to(torch.bfloat16))
+    with pytest.raises(IndexError):
+        w.embed.rows(torch.tensor([49152]))
     file_bytes = sum(e.nbytes for e in tensor_index(default_gguf()).values())
     assert file_bytes <= default_model.weights_bytes < file_bytes + 4096
 
