@@ -171,3 +171,21 @@ def test_engine_bench_outside_a_source_checkout_says_where_to_run_it(monkeypatch
     monkeypatch.setitem(sys.modules, "benchmarks.speed", None)  # not importable, as from an installed wheel
     assert cli.main(["bench", "--quick"]) != 0
     assert "source checkout" in capsys.readouterr().err
+
+
+def test_step_time_splits_a_token_into_the_c_step_and_the_python_around_it(default_model):
+    """benchmarks.step_time: every decode step of a turn goes through the timed C call (one per generated token fed),
+    the C step never takes longer than the token it belongs to, and the library is given back untouched after."""
+    from benchmarks import step_time
+    from engine.models import adapter
+
+    fused = adapter.runtime(default_model.hf_model).decoder.fused
+    if fused is None:
+        pytest.skip("no fused CPU step (no C compiler)")
+    library = fused._lib
+    ids = default_model.tokenizer.encode("The capital of France is Paris. The capital of Italy is")
+    got = step_time.measure(default_model, ids, 4, 12)
+    assert fused._lib is library
+    assert got["steps"] == 11  # 12 tokens sampled, the last never fed
+    assert 0 < got["step_ms"] < got["token_ms"] and got["python_ms"] > 0
+    assert got["kv_read_per_token"] > 0

@@ -1,0 +1,165 @@
+"""Where a decoded token's time goes on the CPU: the fused C step against the Python around it.
+
+The default model (GGUF blocks), a document prompt, greedy, EOS ignored, 2 threads; each turn goes through the path
+ChatSession.send takes (engine.generate.run_turn). The fused step's C call is timed from Python on every token
+(FusedDecodeStep.step's library call, wrapped); the rest of a token's time (the turn loop, sampling, the cache's
+per-token plan, the embedding row, the detokenizer) is the token's time less that. The bandwidth bound of a token is
+the bytes a step reads (the matrices as held + the KV it attends) over a read bandwidth, two ways: this machine's
+(benchmarks.speed.core.read_bandwidth: 1 GiB buffers, the best of several) and the rate at which the step's own
+matrices are read where they sit, with nothing else done (FusedDecodeStep.read_seconds, before every turn: on a VM
+the same loop reads one buffer at 34 GB/s and the next at 55, by where its pages land, so the model's own pages are
+the bound that holds for its steps). `--profile` adds the Python functions that take the most of the decode loop
+(cProfile from the first reply token on, one extra turn).
+
+Usage: python -m benchmarks.step_time [--contexts 128,1024] [--turns 3] [--new-tokens 200] [--folder step-time]
+Writes results/<folder>/<folder>.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from .common import machine, write_results
+from .gguf_llamacpp import THREADS, _held_weight_bytes, prompts
+
+
+class _TimedLibrary:
+    """The kernel library with its decode step call timed (every other symbol passed through)."""
+
+    def __init__(self, lib):
+        self._lib = lib
+        self.seconds: list[float] = []
+
+    def dsv41_decode_step(self, *args):
+        started = time.perf_counter()
+        status = self._lib.dsv41_decode_step(*args)
+        self.seconds.append(time.perf_counter() - started)
+        return status
+
+    def __getattr__(self, name):
+        return getattr(self._lib, name)
+
+
+def measure(model, ids: list[int], question: int, new_tokens: int) -> dict:
+    """One turn: its decode tokens' median-free totals (decode seconds, C step seconds, tokens)."""
+    from engine.models import adapter
+
+    from .speed.core import engine_turn
+
+    fused = adapter.runtime(model.hf_model).decoder.fused
+    timed = _TimedLibrary(fused._lib)
+    fused._lib = timed
+    try:
+        turn = engine_turn(model, ids, question, new_tokens)
+    finally:
+        fused._lib = timed._lib
+    steps = timed.seconds  # every decode step fed a generated token (the last sampled one is not fed)
+    token_s = 1.0 / turn["decode_tok_s"]
+    step_s = statistics.median(steps)
+    return {"token_ms": 1e3 * token_s, "step_ms": 1e3 * step_s, "python_ms": 1e3 * (token_s - sum(steps) / len(steps)),
+            "kv_read_per_token": turn["kv_read_per_token"], "steps": len(steps)}
+
+
+def profile_turn(model, ids: list[int], question: int, new_tokens: int, top: int = 18) -> list[dict]:
+    """The Python functions with the most own time in one turn's decode loop (cProfile from the first reply token on:
+    the prompt's reading is not in it), per decoded token."""
+    import cProfile
+    import pstats
+
+    from engine.events import TokenText
+    from engine.generate import TurnPlan, run_turn
+    from engine.sampling import GenerationSettings
+
+    settings = GenerationSettings(max_new_tokens=new_tokens, greedy=True, ignore_eos=True, repetition_penalty=1.0)
+    cache = model.new_cache()
+    plan = TurnPlan(list(ids), question, model.prefill_chunk, model.headroom_tokens(cache), model.context_limit)
+    profiler, started = cProfile.Profile(), False
+    for event in run_turn(model.hf_model, model.tokenizer, cache, plan, settings, eos_ids=model.eos_ids):
+        if isinstance(event, TokenText) and not started:
+            profiler.enable()
+            started = True
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats
+    rows = sorted(((value[2], key) for key, value in stats.items()), reverse=True)[:top]
+    return [{"function": f"{key[0].rsplit('/', 2)[-1]}:{key[1]}({key[2]})", "own_us_per_token": 1e6 * own / new_tokens,
+             "calls_per_token": stats[key][1] / new_tokens} for own, key in rows]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.step_time")
+    parser.add_argument("--contexts", default="128,1024")
+    parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--new-tokens", type=int, default=200)
+    parser.add_argument("--profile", action="store_true", help="also list the Python functions of the decode loop")
+    parser.add_argument("--folder", default="step-time", help="the results folder's name")
+    args = parser.parse_args(argv)
+
+    from engine import DSV41Config, DSV41Model
+    from engine.kernels.gguf_blocks import x_mode
+    from engine.models import adapter
+
+    from .speed.core import engine_turn, read_bandwidth
+
+    torch.set_num_threads(THREADS)
+    model = DSV41Model.from_pretrained(DSV41Config(model_path="default", max_seq_len=8192, kv_cache_ratio=1.0))
+    decoder = adapter.runtime(model.hf_model).decoder
+    fused = decoder.fused if decoder is not None else None
+    if fused is None:
+        print("The fused CPU decode step is not built on this machine (no compiler?): nothing to time.")
+        return 1
+    bandwidth = read_bandwidth(torch.device("cpu"))["bytes_per_s"]
+    weights = _held_weight_bytes(model)
+    rows = []
+    for context in (int(c) for c in args.contexts.split(",")):
+        ids, question = prompts(context)
+        engine_turn(model, ids[:32], 16, 8)  # warm-up
+        turns = []
+        for _ in range(args.turns):
+            read_s = fused.read_seconds(21)
+            turns.append({**measure(model, ids, question, args.new_tokens), "weights_read_ms": 1e3 * read_s})
+        row = {"prompt_tokens": len(ids), "turns": turns}
+        for key in ("token_ms", "step_ms", "python_ms", "kv_read_per_token", "weights_read_ms"):
+            row[key] = statistics.median(t[key] for t in turns)
+        read = weights + row["kv_read_per_token"]
+        row["bytes_per_token"] = read
+        row["bound_ms"] = 1e3 * read / bandwidth
+        row["own_rate_bytes_per_s"] = 1e3 * weights / row["weights_read_ms"]
+        row["own_bound_ms"] = 1e3 * read / row["own_rate_bytes_per_s"]
+        for bound in ("bound", "own_bound"):
+            row[f"{bound}_share_token"] = row[f"{bound}_ms"] / row["token_ms"]
+            row[f"{bound}_share_step"] = row[f"{bound}_ms"] / row["step_ms"]
+        if args.profile:
+            row["profile"] = profile_turn(model, ids, question, args.new_tokens)
+        rows.append(row)
+    m = machine()
+    lines = [f"A decoded token's time, default model (GGUF blocks, {x_mode()} x), {m['cpu']}, {THREADS} threads, read "
+             f"bandwidth {bandwidth / 1e9:.1f} GB/s; {args.new_tokens} new tokens, medians of {args.turns} turns", "",
+             "| prompt tokens | per token | in the C step | Python around it | bytes read | bound at the machine's "
+             "bandwidth | share (token / step alone) | the weights' own read rate | bound at it | share (token / step "
+             "alone) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['prompt_tokens']:,} | {r['token_ms']:.2f} ms | {r['step_ms']:.2f} ms | "
+                     f"{r['python_ms']:.2f} ms | {r['bytes_per_token'] / 1e6:.1f} MB | {r['bound_ms']:.2f} ms | "
+                     f"{100 * r['bound_share_token']:.0f} % / {100 * r['bound_share_step']:.0f} % | "
+                     f"{r['own_rate_bytes_per_s'] / 1e9:.1f} GB/s | {r['own_bound_ms']:.2f} ms | "
+                     f"{100 * r['own_bound_share_token']:.0f} % / {100 * r['own_bound_share_step']:.0f} % |")
+    for r in rows:
+        if "profile" in r:
+            lines += ["", f"Python functions by own time, {r['prompt_tokens']:,}-token prompt (cProfile, which slows "
+                      "Python itself; per decoded token):", "", "| function | own µs | calls |", "|---|---|---|"]
+            lines += [f"| `{p['function']}` | {p['own_us_per_token']:.1f} | {p['calls_per_token']:.1f} |"
+                      for p in r["profile"]]
+    payload = {"machine": m, "threads": THREADS, "x_mode": x_mode(), "bandwidth_bytes_per_s": bandwidth,
+               "weight_bytes": weights, "new_tokens": args.new_tokens, "rows": rows}
+    path = write_results(args.folder, payload, "\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print(f"\nwrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
