@@ -206,3 +206,5 @@ def _bind_step(lib: ctypes.CDLL) -> None:
     lib.dsv41_step_matrices.restype = cint
     lib.dsv41_step_read.argtypes = [ptr, ptr, cint]
     lib.dsv41_step_read.restype = ctypes.c_uint64
+    lib.dsv41_step_attention.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, cint, f32, cint]
+    lib.dsv41_step_attention.restype = cint
