@@ -1295,6 +1295,22 @@ static void q8_pairs(const float *x, int64_t blocks, int8_t *xq, float *dx, floa
 
 #define Q4_X16_MAX 32639.f
 
+/* Four rows' scales for their blocks c .. c + 15 (live: the blocks there are) against x rounded per block: d dx into
+ * scale[j], and the minimum's term (Q4_1: m; Q4_0: -8 d) times x's block sums added to extra[j]. */
+static inline __attribute__((always_inline)) void q4_group_scales(const uint8_t *const *rowp, int64_t c, __mmask16 live,
+                                                                  int split, int with_min, int64_t m_at,
+                                                                  __m512i gather_at, int64_t size, const float *dx,
+                                                                  const float *xsum, __m512 *scale, __m512 *extra) {
+    const __m512 dxv = _mm512_maskz_loadu_ps(live, dx + c), xs = _mm512_maskz_loadu_ps(live, xsum + c);
+    for (int j = 0; j < 4; j++) {
+        __m512 d, m;
+        block_scales(rowp[j], c, live, split, with_min, m_at, gather_at, size, &d, &m);
+        scale[j] = _mm512_mul_ps(d, dxv);
+        if (!with_min) m = _mm512_mul_ps(d, _mm512_set1_ps(-8.f));
+        extra[j] = _mm512_fmadd_ps(m, xs, extra[j]);
+    }
+}
+
 /* int8 x (q8_pairs): one vpdpbusd per two blocks */
 static void rows_q4_vnni(int64_t type, int split, const uint8_t *w, const int8_t *xq, const float *dx,
                          const float *xsum, float *y, int64_t r0, int64_t r1, int64_t cols, int acc) {
@@ -1314,15 +1330,8 @@ static void rows_q4_vnni(int64_t type, int split, const uint8_t *w, const int8_t
         for (int64_t c = 0; c < blocks; c += 16) {
             const int64_t nb = blocks - c < 16 ? blocks - c : 16;
             const __mmask16 live = (__mmask16)((1u << nb) - 1u);
-            const __m512 dxv = _mm512_maskz_loadu_ps(live, dx + c), xs = _mm512_maskz_loadu_ps(live, xsum + c);
             __m512 scale[4];
-            for (int j = 0; j < 4; j++) {
-                __m512 d, m;
-                block_scales(rowp[j], c, live, split, with_min, m_at, gather_at, size, &d, &m);
-                scale[j] = _mm512_mul_ps(d, dxv);
-                if (!with_min) m = _mm512_mul_ps(d, _mm512_set1_ps(-8.f));
-                extra[j] = _mm512_fmadd_ps(m, xs, extra[j]);
-            }
+            q4_group_scales(rowp, c, live, split, with_min, m_at, gather_at, size, dx, xsum, scale, extra);
             for (int64_t k = 0; k < nb; k += 2) {
                 const int64_t bi = c + k, second = k + 1 < nb ? 1 : 0; /* an odd tail loads its block twice */
                 group_stream_to(&st, w, r, row_bytes, bi + 2, blocks);
@@ -1397,15 +1406,8 @@ static void rows_q4_int16(int64_t type, int split, const uint8_t *w, const int8_
         for (int64_t c = 0; c < blocks; c += 16) {
             const int64_t nb = blocks - c < 16 ? blocks - c : 16;
             const __mmask16 live = (__mmask16)((1u << nb) - 1u);
-            const __m512 dxv = _mm512_maskz_loadu_ps(live, dx + c), xs = _mm512_maskz_loadu_ps(live, xsum + c);
             __m512 scale[4];
-            for (int j = 0; j < 4; j++) {
-                __m512 d, m;
-                block_scales(rowp[j], c, live, split, with_min, m_at, gather_at, size, &d, &m);
-                scale[j] = _mm512_mul_ps(d, dxv);
-                if (!with_min) m = _mm512_mul_ps(d, _mm512_set1_ps(-8.f));
-                extra[j] = _mm512_fmadd_ps(m, xs, extra[j]);
-            }
+            q4_group_scales(rowp, c, live, split, with_min, m_at, gather_at, size, dx, xsum, scale, extra);
             for (int64_t k = 0; k < nb; k += 4) {
                 const int64_t bi = c + k, nq = nb - k < 4 ? nb - k : 4;
                 const __mmask64 bytes = nq == 4 ? ~(__mmask64)0 : (((__mmask64)1 << (16 * nq)) - 1);
