@@ -1254,8 +1254,7 @@ static void rows_q8_0(int split, const uint8_t *w, const float *x, float *y, int
 /* The Q4 product with integer dot products (what llama.cpp does): x rounded to int8 per block of 32 (its scale
  * dx_b = max |x| / 127), each block's 32 nibbles times those int8 in one vpdpbusd, so a block costs half the
  * float path's instructions. sum_b d_b dx_b (q_b . xq_b) [+ m_b dx_b sum(xq_b) | - 8 d_b dx_b sum(xq_b)]. The weights are still the file's exactly; x carries the int8 rounding (about
- * 0.4 % of a block's largest value at most). Two blocks a zmm: [lo nibbles of b0 | of b1 | hi of b0 | hi of b1],
- * so xq is stored per pair of blocks in that order (q8_pairs). */
+ * 0.4 % of a block's largest value at most). Four blocks a zmm (rows_q4_int, q4_quads below). */
 /* max |x| over n values (a multiple of 16), or NaN where one of them is not finite: the scale of the integer x
  * routes, so that a NaN or an infinity in x reaches every product it takes part in as NaN (x's integers cannot
  * carry it: rounded, a NaN became an arbitrary integer and the products finite garbage) */
@@ -1268,29 +1267,6 @@ static inline float block_amax(const float *x, int n) {
         z = _mm512_fmadd_ps(v, _mm512_setzero_ps(), z); /* 0 unless some v is NaN or infinite */
     }
     return _mm512_reduce_add_ps(z) == 0.f ? _mm512_reduce_max_ps(m) : __builtin_nanf("");
-}
-
-static void q8_pairs(const float *x, int64_t blocks, int8_t *xq, float *dx, float *xsum) {
-    for (int64_t b = 0; b < blocks; b++) {
-        const __m512 a = _mm512_loadu_ps(x + b * 32), c = _mm512_loadu_ps(x + b * 32 + 16);
-        const float amax = block_amax(x + b * 32, 32);
-        const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-        dx[b] = d;
-        const __m512i ia = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv)));
-        const __m512i ic = _mm512_cvtps_epi32(_mm512_mul_ps(c, _mm512_set1_ps(inv)));
-        /* the sum of the rounded x, so that the min / offset term sees the same x as the dot: the error is then
-         * (w . (rounded x - x)), relative to the weights' values, not to the nibbles' offset */
-        xsum[b] = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(ia, ic));
-        const __m128i qa = _mm512_cvtsepi32_epi8(ia), qc = _mm512_cvtsepi32_epi8(ic);
-        int8_t *pair = xq + (b / 2) * 64 + (b % 2) * 16;
-        _mm_storeu_si128((__m128i *)pair, qa);        /* weights 0..15: the low nibbles */
-        _mm_storeu_si128((__m128i *)(pair + 32), qc); /* weights 16..31: the high nibbles */
-    }
-    if (blocks % 2) { /* the last pair's missing block multiplies zeros */
-        int8_t *pair = xq + (blocks / 2) * 64 + 16;
-        memset(pair, 0, 16);
-        memset(pair + 32, 0, 16);
-    }
 }
 
 #define Q4_X16_MAX 32639.f
@@ -1311,85 +1287,49 @@ static inline __attribute__((always_inline)) void q4_group_scales(const uint8_t 
     }
 }
 
-/* int8 x (q8_pairs): one vpdpbusd per two blocks */
-static void rows_q4_vnni(int64_t type, int split, const uint8_t *w, const int8_t *xq, const float *dx,
-                         const float *xsum, float *y, int64_t r0, int64_t r1, int64_t cols, int acc) {
-    const int64_t size = gguf_block_bytes(type), blocks = cols / 32, row_bytes = blocks * size;
-    const int with_min = type == 3;
-    /* as rows_small_blocks: block bi's nibbles at row + q_at + bi * q_step */
-    const int64_t q_at = split ? blocks * split_scale_bytes(type) : (with_min ? 4 : 2), q_step = split ? 16 : size,
-                  m_at = 2 * blocks;
-    const __m512i gather_at = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                                 _mm512_set1_epi32((int)size));
-    const __m256i nib = _mm256_set1_epi8(0x0F);
-    Stream st = group_stream(w, r0, r1, row_bytes);
-    for (int64_t r = r0; r < r1; r += 4) {
-        __m512 a[4], extra[4];
-        const uint8_t *rowp[4];
-        const int64_t n = row_group4(w, r, r1, row_bytes, rowp, a, extra);
-        for (int64_t c = 0; c < blocks; c += 16) {
-            const int64_t nb = blocks - c < 16 ? blocks - c : 16;
-            const __mmask16 live = (__mmask16)((1u << nb) - 1u);
-            __m512 scale[4];
-            q4_group_scales(rowp, c, live, split, with_min, m_at, gather_at, size, dx, xsum, scale, extra);
-            for (int64_t k = 0; k < nb; k += 2) {
-                const int64_t bi = c + k, second = k + 1 < nb ? 1 : 0; /* an odd tail loads its block twice */
-                group_stream_to(&st, w, r, row_bytes, bi + 2, blocks);
-                const __m512i xv = _mm512_loadu_si512((const void *)(xq + (bi / 2) * 64));
-                /* lanes 0-3 and 8-11: block k, 4-7 and 12-15: block k + 1 */
-                const __m512i pick = _mm512_set_epi32(k + 1, k + 1, k + 1, k + 1, k, k, k, k, k + 1, k + 1, k + 1,
-                                                      k + 1, k, k, k, k);
-#pragma GCC unroll 4
-                for (int j = 0; j < 4; j++) {
-                    const uint8_t *b0 = rowp[j] + q_at + bi * q_step;
-                    const __m256i v = _mm256_loadu2_m128i((const __m128i *)(b0 + second * q_step), (const __m128i *)b0);
-                    const __m256i lo = _mm256_and_si256(v, nib), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
-                    const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-                    const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, xv);
-                    a[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(pick, scale[j]), a[j]);
-                }
-            }
-        }
-        store4(y, r, n, _mm512_add_ps(a[0], extra[0]), _mm512_add_ps(a[1], extra[1]), _mm512_add_ps(a[2], extra[2]),
-               _mm512_add_ps(a[3], extra[3]), acc);
-    }
-}
-
-/* Q4_0 / Q4_1 on int16 x (the int16 mode), four blocks a vector: the 64 bytes of nibbles of blocks 4g .. 4g + 3 (one
- * load where the row is held split, four where the blocks keep their scales between them) give their low nibbles
- * (each block's weights 0..15) and high ones (16..31) as two vectors whose lanes 4i .. 4i + 3 both belong to block
- * 4g + i. Four vpdpbusd (the low and high nibbles against x's high bytes, the sum shifted by 8, then against its low
- * bytes) leave each lane the exact integer sum of q x16 over its eight weights (below 2^24: 8 * 15 * 127 * 256 +
- * 8 * 15 * 128, so its float32 conversion is exact), then one conversion and one multiply-add by d dx per 128
- * weights. Taking two blocks a vector instead cost twice the conversions, scale picks and multiply-adds and a
- * two-part load: the default model's matrices, 2 cores of an AMD EPYC, 3.28 -> 2.86 ms a step. x (q16_quads): per
- * group of four blocks 256 bytes, the high bytes of weights 0..15 of each block, then of 16..31, then the low bytes
- * likewise; a missing block's x is zeros. */
-static void q16_quads(const float *x, int64_t blocks, int8_t *xq, float *dx, float *xsum) {
+/* Q4_0 / Q4_1 on integer x, four blocks a vector: the 64 bytes of nibbles of blocks 4g .. 4g + 3 (one load where the
+ * row is held split, four where the blocks keep their scales between them) give their low nibbles (each block's
+ * weights 0..15) and high ones (16..31) as two vectors whose lanes 4i .. 4i + 3 both belong to block 4g + i. planes 1
+ * (int8 x): two vpdpbusd, the low and high nibbles against x. planes 2 (int16 x): four, against x's high bytes, the
+ * sum shifted by 8, then against its low bytes, which leave each lane the exact integer sum of q x16 over its eight
+ * weights (below 2^24: 8 * 15 * 127 * 256 + 8 * 15 * 128, so its float32 conversion is exact). Then one conversion
+ * and one multiply-add by d dx per 128 weights. Taking two blocks a vector instead cost twice the conversions, scale
+ * picks and multiply-adds and a two-part load: the default model's matrices on int16 x, 2 cores of an AMD EPYC, 3.28
+ * -> 2.86 ms a step. x (q4_quads): per group of four blocks 64 bytes of (int16 x: the high bytes of) weights 0..15 of
+ * each block, then 64 of 16..31; int16 x then the low bytes likewise; a missing block's x is zeros. */
+static void q4_quads(const float *x, int64_t blocks, int planes, int8_t *xq, float *dx, float *xsum) {
+    const float top = planes == 2 ? Q4_X16_MAX : 127.f;
     const __m512i b128 = _mm512_set1_epi32(128);
     for (int64_t b = 0; b < blocks; b++) {
         const float amax = block_amax(x + b * 32, 32);
-        const float inv = amax > 0.f ? Q4_X16_MAX / amax : 0.f;
-        dx[b] = amax / Q4_X16_MAX;
-        int8_t *quad = xq + (b / 4) * 256 + (b % 4) * 16;
+        const float inv = amax > 0.f ? top / amax : 0.f;
+        dx[b] = amax / top;
+        int8_t *quad = xq + (b / 4) * 128 * planes + (b % 4) * 16;
         int32_t total = 0;
         for (int half = 0; half < 2; half++) { /* weights 0..15, then 16..31 */
             const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + b * 32 + 16 * half), _mm512_set1_ps(inv)));
-            const __m512i h = _mm512_srai_epi32(_mm512_add_epi32(q, b128), 8);
-            _mm_storeu_si128((__m128i *)(quad + 64 * half), _mm512_cvtepi32_epi8(h));
-            _mm_storeu_si128((__m128i *)(quad + 128 + 64 * half), _mm512_cvtepi32_epi8(_mm512_sub_epi32(q, _mm512_slli_epi32(h, 8))));
+            if (planes == 2) {
+                const __m512i h = _mm512_srai_epi32(_mm512_add_epi32(q, b128), 8);
+                _mm_storeu_si128((__m128i *)(quad + 64 * half), _mm512_cvtepi32_epi8(h));
+                _mm_storeu_si128((__m128i *)(quad + 128 + 64 * half), _mm512_cvtepi32_epi8(_mm512_sub_epi32(q, _mm512_slli_epi32(h, 8))));
+            } else {
+                _mm_storeu_si128((__m128i *)(quad + 64 * half), _mm512_cvtsepi32_epi8(q));
+            }
             total += _mm512_reduce_add_epi32(q);
         }
+        /* the sum of the rounded x, so that the min / offset term sees the same x as the dot */
         xsum[b] = dx[b] * (float)total;
     }
     for (int64_t b = blocks; b % 4; b++) {
-        int8_t *quad = xq + (b / 4) * 256 + (b % 4) * 16;
-        for (int k = 0; k < 4; k++) memset(quad + 64 * k, 0, 16);
+        int8_t *quad = xq + (b / 4) * 128 * planes + (b % 4) * 16;
+        for (int k = 0; k < 2 * planes; k++) memset(quad + 64 * k, 0, 16);
     }
 }
 
-static void rows_q4_int16(int64_t type, int split, const uint8_t *w, const int8_t *xq, const float *dx,
-                          const float *xsum, float *y, int64_t r0, int64_t r1, int64_t cols, int acc) {
+static inline __attribute__((always_inline)) void rows_q4_int(const int planes, int64_t type, int split,
+                                                               const uint8_t *w, const int8_t *xq, const float *dx,
+                                                               const float *xsum, float *y, int64_t r0, int64_t r1,
+                                                               int64_t cols, int acc) {
     const int64_t size = gguf_block_bytes(type), blocks = cols / 32, row_bytes = blocks * size;
     const int with_min = type == 3;
     /* as rows_small_blocks: block bi's nibbles at row + q_at + bi * q_step */
@@ -1412,9 +1352,10 @@ static void rows_q4_int16(int64_t type, int split, const uint8_t *w, const int8_
                 const int64_t bi = c + k, nq = nb - k < 4 ? nb - k : 4;
                 const __mmask64 bytes = nq == 4 ? ~(__mmask64)0 : (((__mmask64)1 << (16 * nq)) - 1);
                 group_stream_to(&st, w, r, row_bytes, bi + 4, blocks);
-                const int8_t *xp = xq + (bi / 4) * 256;
+                const int8_t *xp = xq + (bi / 4) * 128 * planes;
                 const __m512i hl = _mm512_loadu_si512((const void *)xp), hh = _mm512_loadu_si512((const void *)(xp + 64));
-                const __m512i ll = _mm512_loadu_si512((const void *)(xp + 128)), lh = _mm512_loadu_si512((const void *)(xp + 192));
+                const __m512i ll = planes == 2 ? _mm512_loadu_si512((const void *)(xp + 128)) : hl,
+                              lh = planes == 2 ? _mm512_loadu_si512((const void *)(xp + 192)) : hh;
                 const __m512i pick = _mm512_add_epi32(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
                                                       _mm512_set1_epi32((int)k));
 #pragma GCC unroll 4
@@ -1430,7 +1371,8 @@ static void rows_q4_int16(int64_t type, int split, const uint8_t *w, const int8_
                     }
                     const __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
                     __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, hl), hi, hh);
-                    dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_slli_epi32(dot, 8), lo, ll), hi, lh);
+                    if (planes == 2)
+                        dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_slli_epi32(dot, 8), lo, ll), hi, lh);
                     a[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(pick, scale[j]), a[j]);
                 }
             }
@@ -1438,6 +1380,14 @@ static void rows_q4_int16(int64_t type, int split, const uint8_t *w, const int8_
         store4(y, r, n, _mm512_add_ps(a[0], extra[0]), _mm512_add_ps(a[1], extra[1]), _mm512_add_ps(a[2], extra[2]),
                _mm512_add_ps(a[3], extra[3]), acc);
     }
+}
+static void rows_q4_vnni(int64_t type, int split, const uint8_t *w, const int8_t *xq, const float *dx,
+                         const float *xsum, float *y, int64_t r0, int64_t r1, int64_t cols, int acc) {
+    rows_q4_int(1, type, split, w, xq, dx, xsum, y, r0, r1, cols, acc);
+}
+static void rows_q4_int16(int64_t type, int split, const uint8_t *w, const int8_t *xq, const float *dx,
+                          const float *xsum, float *y, int64_t r0, int64_t r1, int64_t cols, int acc) {
+    rows_q4_int(2, type, split, w, xq, dx, xsum, y, r0, r1, cols, acc);
 }
 
 /* The k-quants on int16 x (the int16 mode, AVX-512 VNNI; Q4_0 / Q4_1: rows_q4_int16 above): x rounded to int16 per
@@ -2337,18 +2287,14 @@ int dsv41_mv_gguf(int64_t type, const void *w, const float *x, float *y, int64_t
         return 0;
     }
     if ((type == 2 || type == 3) && (gguf_x_mode == X_INT8 || gguf_x_mode == X_INT16)) {
-        const size_t pairs = (b32 + 1) / 2, planes = gguf_x_mode == X_INT16 ? 2 : 1;
-        const size_t xq_bytes = planes == 2 ? 256 * ((b32 + 3) / 4) : 64 * pairs; /* q16_quads' or q8_pairs' */
+        const int planes = gguf_x_mode == X_INT16 ? 2 : 1;
+        const size_t xq_bytes = 128 * (size_t)planes * ((b32 + 3) / 4);
         if (!(buf = at = x_scratch(stack, xq_bytes + 8 * b32 + pad))) return -2;
         int8_t *xq = carve(&at, xq_bytes);
         float *dx = carve(&at, 4 * b32), *xsum = carve(&at, 4 * b32);
-        if (planes == 2) {
-            q16_quads(x, (int64_t)b32, xq, dx, xsum);
-            ON_ROWS(rows_q4_int16(type, split, wb, xq, dx, xsum, y, r0, r1, cols, acc))
-        } else {
-            q8_pairs(x, (int64_t)b32, xq, dx, xsum);
-            ON_ROWS(rows_q4_vnni(type, split, wb, xq, dx, xsum, y, r0, r1, cols, acc))
-        }
+        q4_quads(x, (int64_t)b32, planes, xq, dx, xsum);
+        if (planes == 2) ON_ROWS(rows_q4_int16(type, split, wb, xq, dx, xsum, y, r0, r1, cols, acc))
+        else ON_ROWS(rows_q4_vnni(type, split, wb, xq, dx, xsum, y, r0, r1, cols, acc))
         if (buf != stack) free(buf);
         return 0;
     }
