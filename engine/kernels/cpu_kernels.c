@@ -2831,7 +2831,7 @@ static void attend(const StepModel *m, StepCache *c, const float *q, float *out,
 
 /* The decode step's attention alone: the H query heads q [H, d] over the first `length` entries of one layer's cache
  * `c` -> out [H, d] (with `score`, its scores updated as the step does), nothing appended. For the tests (against a
- * float64 reference, bf16 and float32 entries) and benchmarks. work: H * length + 2 * H * chunks + H * chunks * d
+ * float64 reference, bf16 and float32 entries). work: H * length + 2 * H * chunks + H * chunks * d
  * floats, chunks = attn_chunks_max(length). Returns 0, -1 if `work` is too small, -2 for geometry beyond the limits. */
 int dsv41_step_attention(const StepModel *m, StepCache *c, const float *q, float *out, float *work, int64_t work_floats,
                          int score, float decay, int threads) {

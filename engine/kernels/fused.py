@@ -229,35 +229,19 @@ class FusedDecodeStep:
 
     def matrices_seconds(self, reps: int = 5) -> float:
         """Median time of every matrix-vector product of one step and nothing else (dsv41_step_matrices)."""
-        import statistics
-        import time
-
         work = torch.full((self._lib.dsv41_step_work_floats(ctypes.byref(self._model), 1),), 0.01)
         logits = torch.empty(self.vocab)
         args = (ctypes.byref(self._model), self._layers, logits.data_ptr(), work.data_ptr(), torch.get_num_threads())
         if self._lib.dsv41_step_matrices(*args) != 0:
             raise MemoryError("the step's products found no memory for their scratch")
-        times = []
-        for _ in range(reps):
-            started = time.perf_counter()
-            self._lib.dsv41_step_matrices(*args)
-            times.append(time.perf_counter() - started)
-        return statistics.median(times)
+        return _median_seconds(self._lib.dsv41_step_matrices, args, reps)
 
     def read_seconds(self, reps: int = 11) -> float:
         """Median time of reading every byte of one step's matrices and nothing else (dsv41_step_read): the bandwidth
         bound for those bytes, measured on the pages they sit on."""
-        import statistics
-        import time
-
         args = (ctypes.byref(self._model), self._layers, torch.get_num_threads())
         self._lib.dsv41_step_read(*args)
-        times = []
-        for _ in range(reps):
-            started = time.perf_counter()
-            self._lib.dsv41_step_read(*args)
-            times.append(time.perf_counter() - started)
-        return statistics.median(times)
+        return _median_seconds(self._lib.dsv41_step_read, args, reps)
 
     def _attend_in_python(self, index: int) -> int:
         """Called from C for a layer marked by_python: the cache's own append + attention on the q, k, v the
@@ -279,3 +263,16 @@ class FusedDecodeStep:
         except BaseException as exc:  # noqa: BLE001 - handed to step(), raised there
             self._call["error"] = exc
             return 1
+
+
+def _median_seconds(call, args: tuple, reps: int) -> float:
+    """Median wall time of `reps` calls of call(*args) (after whatever warm-up the caller did)."""
+    import statistics
+    import time
+
+    times = []
+    for _ in range(reps):
+        started = time.perf_counter()
+        call(*args)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
