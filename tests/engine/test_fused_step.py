@@ -461,15 +461,17 @@ def test_the_read_ceiling_reads_every_byte_of_the_steps_matrices_once(tiny_model
 @needs_kernels
 @pytest.mark.parametrize("kv", ["bf16", "float32"])
 @pytest.mark.parametrize("length", [5, 100, 1100])
-def test_the_steps_attention_equals_a_float64_reference(kv, length):
-    """The fused step's attention (dsv41_step_attention: the same code, alone) over bf16 or float32 entries of head size
-    64: its output and its score update against softmax(q K^T / sqrt(d)) V in float64 over the same stored values.
-    bf16 keys are multiplied as stored, by q in two bf16 terms (16 significant bits): within 2e-5 of the output's
-    largest value, where q rounded to one bf16 term is ~1e-2 off."""
+@pytest.mark.parametrize("heads, kv_heads, d", [(9, 3, 64), (8, 1, 64), (4, 4, 64), (10, 2, 128), (6, 2, 96)])
+def test_the_steps_attention_equals_a_float64_reference(kv, length, heads, kv_heads, d):
+    """The fused step's attention (dsv41_step_attention: the same code, alone) over bf16 or float32 entries: its
+    output and its score update against softmax(q K^T / sqrt(d)) V in float64 over the same stored values. bf16 keys
+    of head size 64 are multiplied as stored, by q in two bf16 terms (16 significant bits): within 2e-5 of the
+    output's largest value, where q rounded to one bf16 term is ~1e-2 off. The groups cover each way the value pass
+    takes query heads (1, 3, 4 + 4 at head size 64; 2 + 2 + 1 at 128; the general loop at 96)."""
     from engine.kernels.fused import _StepCache, _StepModel
 
     lib = cpu_kernels.load().lib
-    heads, kv_heads, d, capacity = 9, 3, 64, length + 7
+    capacity = length + 7
     g = torch.Generator().manual_seed(length)
     dtype = torch.bfloat16 if kv == "bf16" else torch.float32
     keys = (torch.randn(kv_heads, capacity, d, generator=g) * 2).to(dtype)
