@@ -28,7 +28,7 @@ from .detokenizer import IncrementalDetokenizer
 from .events import Done, ErrorEvent, Event, PrefillProgress, TokenText, TurnStats
 from .memory import begin_turn
 from .models import adapter
-from .sampling import GenerationSettings, sample_tensor
+from .sampling import GenerationSettings, next_token
 
 REPETITION_WINDOW = 256  # recent tokens the repetition penalty looks at
 
@@ -95,8 +95,7 @@ def run_turn(model, tokenizer, cache: DSV41Cache, plan: TurnPlan, settings: Gene
                     break
                 if generator is None and settings.seed is not None:
                     generator = torch.Generator(device=logits.device).manual_seed(settings.seed)
-                token_ids = sample_tensor(logits[0, -1], settings, seen_ids, generator)
-                token = int(token_ids)
+                token, token_ids = next_token(logits[0, -1], settings, seen_ids, generator)
                 if token in eos_ids and not settings.ignore_eos:
                     reason = "eos"
                     break
@@ -124,7 +123,7 @@ def run_turn(model, tokenizer, cache: DSV41Cache, plan: TurnPlan, settings: Gene
                 if not prefill_finished:  # after the first token is out (see the module's docstring)
                     cache.finish_prefill(answer_follows=True)
                     prefill_finished = True
-                logits = adapter.forward(model, token_ids.view(1, 1).to(device), cache, prefill=False)
+                logits = adapter.forward_token(model, token, cache, token_ids)
                 result.fed_generated += 1
                 cache.after_decode_step()
             decoded_at = time.perf_counter()  # the reply's last token is out: what follows is the turn's compaction

@@ -7,7 +7,8 @@ import torch
 
 from .config import GenerationSettings
 
-__all__ = ["GenerationSettings", "apply_repetition_penalty", "head_probs", "logits_to_probs", "sample", "sample_tensor"]
+__all__ = ["GenerationSettings", "apply_repetition_penalty", "head_probs", "logits_to_probs", "next_token", "sample",
+           "sample_tensor"]
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen_ids: torch.Tensor, penalty: float) -> torch.Tensor:
@@ -64,6 +65,18 @@ def sample_tensor(logits: torch.Tensor, settings: GenerationSettings, seen_ids: 
         return ids[torch.multinomial(probs, 1, generator=generator)]
     probs = logits_to_probs(logits, settings.temperature, settings.top_k, settings.top_p)
     return torch.multinomial(probs, 1, generator=generator)
+
+
+def next_token(logits: torch.Tensor, settings: GenerationSettings, seen_ids: torch.Tensor,
+               generator: torch.Generator | None) -> tuple[int, torch.Tensor | None]:
+    """sample_tensor's token as a host int, and as the [1] tensor it was drawn as (on the logits' device; None where
+    it was read on the host: greedy over float32 CPU logits with no repetition penalty, numpy's argmax, the same
+    first maximum)."""
+    if (settings.is_greedy and settings.repetition_penalty == 1.0 and logits.device.type == "cpu"
+            and logits.dtype == torch.float32):
+        return int(logits.numpy().argmax()), None
+    ids = sample_tensor(logits, settings, seen_ids, generator)
+    return int(ids), ids
 
 
 def sample(logits: torch.Tensor, settings: GenerationSettings, seen_ids: torch.Tensor,

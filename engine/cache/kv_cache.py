@@ -211,6 +211,14 @@ class DSV41Cache:
             self.recalled, self.recall_seconds = 0, 0.0
         return positions[None]
 
+    def begin_token(self) -> int:
+        """begin_forward for one decode token whose caller needs no position tensor (the fused CPU step takes the
+        position as a number): returns its position. The tensor is made only if a layer's `attend` asks for it."""
+        first = self.seen
+        self._fwd = Forward(1, None, self.policy.stream_window, False, tuple(layer.length for layer in self.layers),
+                            first=first)
+        return first
+
     @torch.inference_mode()
     def abort_forward(self) -> None:
         """Undo a forward that failed part-way (OOM, error): drop what some layers appended (always their last
@@ -233,6 +241,8 @@ class DSV41Cache:
         fwd = self._fwd
         start = layer.length
         positions = fwd.positions
+        if positions is None:  # a forward begun by begin_token
+            positions = fwd.positions = torch.arange(fwd.first, fwd.first + fwd.tokens, device=self.device)
         if positions.device != layer.device:  # layers spread over devices: the positions follow the layer
             positions = fwd.moved.get(layer.device)
             if positions is None:

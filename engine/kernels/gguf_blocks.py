@@ -348,12 +348,24 @@ class GGUFWeight(KernelMatrix):
         """Selected rows' values (an embedding lookup)."""
         if len(self.parts) != 1:
             raise ValueError("rows() of a stacked GGUFWeight")
-        part = self.parts[0]
         if index.numel() == 1:  # one token (a decode step): its row as it is held, no gathered copy
-            row = int(index.reshape(()))
-            if not 0 <= row < part.rows:
-                raise IndexError(f"row {row} of a matrix of {part.rows} rows")
-            picked = GGUFMatrix(part.type_id, part.data[row:row + 1], part.cols, part.split)
-        else:
-            picked = part.select_rows(index)
-        return picked.dequantize().to(dtype)
+            return self.row_into(int(index.reshape(())), torch.empty(self.shape[1]))[None].to(dtype)
+        return self.parts[0].select_rows(index).dequantize().to(dtype)
+
+    def row_into(self, row: int, out: torch.Tensor) -> torch.Tensor:
+        """Row `row`'s values into `out` (float32 [cols], contiguous, on the CPU), read where the row is held: one
+        kernel call and no tensor made (a decode step's embedding). Returns out."""
+        if len(self.parts) != 1:
+            raise ValueError("row_into() of a stacked GGUFWeight")
+        part = self.parts[0]
+        if not 0 <= row < part.rows:
+            raise IndexError(f"row {row} of a matrix of {part.rows} rows")
+        if out.dtype != torch.float32 or out.shape != (part.cols,) or not out.is_contiguous() or \
+                out.device.type != "cpu":
+            raise ValueError(f"out must be a contiguous float32 [{part.cols}] on the CPU")
+        blocks = part.cols // BY_TYPE[part.type_id][1]
+        status = part._lib().dsv41_gguf_dequant(part.kernel_type, part.data.data_ptr() + row * part.data.stride(0),
+                                                out.data_ptr(), blocks, blocks, 1)
+        if status != 0:
+            raise RuntimeError(f"dequantising a {part.format} row failed ({status})")
+        return out

@@ -314,6 +314,26 @@ def forward(model, input_ids: torch.Tensor, cache, *, score_window: int | None =
     return logits.float()
 
 
+def forward_token(model, token: int, cache, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """One decode token -> logits [1, 1, V] float32, as forward(model, [[token]], cache, prefill=False). Where the
+    fused CPU step runs it (Decoder.forward_token), no id or position tensor is made: a decode step's Python is
+    ~10 % of its time on a small model. Elsewhere forward() runs it, fed from `token_ids` (the token as a [1] tensor
+    where it was sampled: on a GPU it stays there) or a tensor made from `token`."""
+    decoder = runtime(model).decoder
+    if decoder is not None and decoder.fused is not None:
+        position = cache.begin_token()
+        try:
+            logits = decoder.forward_token(token, position, cache)
+        except BaseException:
+            cache.abort_forward()
+            raise
+        if logits is not None:
+            cache.end_forward()
+            return logits
+    ids = token_ids.view(1, 1) if token_ids is not None else torch.tensor([[token]])
+    return forward(model, ids.to(next(model.parameters()).device), cache, prefill=False)
+
+
 @torch.inference_mode()
 def probe_queries(model, input_ids: torch.Tensor, cache, start: int) -> dict[int, torch.Tensor]:
     """Run `input_ids` at positions from `start` only to collect each layer's (RoPE'd) queries; the cache's

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..kernels import FusedDecodeStep, KernelMatrix
+from ..kernels import FusedDecodeStep, GGUFWeight, KernelMatrix
 
 
 @dataclass
@@ -178,6 +178,33 @@ class Decoder:
         # cos / sin by position for the fused step (None: a rotary whose values depend on the length)
         self.rope = None if str(weights.rope_type).startswith(LENGTH_DEPENDENT_ROPE) or self.fused is None else \
             RopeTable(weights.rotary, weights.final_norm.dtype, weights.final_norm.device)
+        self._row = None  # forward_token's embedding row (GGUF blocks), made on first use
+
+    @torch.inference_mode()
+    def forward_token(self, token: int, position: int, cache) -> torch.Tensor | None:
+        """One decode token given as numbers, through the fused CPU step: logits [1, 1, V], the values forward()
+        gives for [[token]] at `position`, with no id or position tensor made on the way (DSV41Cache.begin_token
+        begins it). None where the fused step does not run this token (no fused step, a GPU static step, a rotary
+        whose values depend on the length, or DSV41Cache.fused_plan says no): forward() runs it then."""
+        if self.fused is None or self.static is not None or self.rope is None:
+            return None
+        plan = cache.fused_plan()
+        if plan is None:
+            return None
+        w = self.w
+        if isinstance(w.embed, GGUFWeight) and len(w.embed.parts) == 1:  # read where it is held
+            if self._row is None:
+                self._row = torch.empty(w.embed.shape[1])
+            x = w.embed.row_into(token, self._row)
+            if w.final_norm.dtype != torch.float32:  # forward() rounds the row to the model's dtype first
+                x = x.to(w.final_norm.dtype).float()
+        else:
+            ids = torch.tensor([token])
+            x = (w.embed.rows(ids, w.final_norm.dtype) if isinstance(w.embed, KernelMatrix)
+                 else F.embedding(ids, w.embed))[0].float().contiguous()
+        cos, sin = self.rope.row32(position)
+        return self.fused.step(x, position, cos, sin, cache, plan.by_python, score=plan.score,
+                               decay=plan.decay).view(1, 1, -1)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache, logits_to_keep: int = 1):

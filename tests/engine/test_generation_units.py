@@ -6,7 +6,7 @@ import torch
 from engine import ConfigError, GenerationSettings
 from engine.detokenizer import IncrementalDetokenizer
 from engine.generate import _chunk_bounds, _cut_at_stop, _held_back
-from engine.sampling import apply_repetition_penalty, logits_to_probs, sample, sample_tensor
+from engine.sampling import apply_repetition_penalty, logits_to_probs, next_token, sample, sample_tensor
 
 
 def test_top_k_and_top_p_keep_only_the_head():
@@ -73,6 +73,26 @@ def test_greedy_takes_the_first_maximum_on_every_path():
         assert int(sample_tensor(big, greedy, no_ids, None)) == int(torch.argmax(big))
 
 
+def test_next_token_reads_greedy_cpu_logits_on_the_host_and_draws_the_rest_as_sample_tensor():
+    """The turn loop's sampler: greedy over float32 CPU logits without a penalty is numpy's argmax as a host int (no
+    tensor made: None); a penalty, a temperature or other logits go through sample_tensor, whose tensor comes back
+    beside its value (the repetition window and a GPU's feed use it)."""
+    no_ids = torch.tensor([], dtype=torch.long)
+    logits = torch.tensor([0.5, 3.0, -1.0, 3.0, 2.0])
+    greedy = GenerationSettings(greedy=True, repetition_penalty=1.0)
+    assert next_token(logits, greedy, no_ids, None) == (1, None)
+    assert next_token(torch.tensor([1.0, float("nan"), 5.0]), greedy, no_ids, None) == (1, None)
+    token, ids = next_token(torch.tensor([3.0, 2.0, 1.0]), GenerationSettings(greedy=True, repetition_penalty=2.0),
+                            torch.tensor([0]), None)
+    assert token == 1 and ids.dtype == torch.long and ids.shape == (1,) and int(ids) == 1
+    token, ids = next_token(logits.double(), greedy, no_ids, None)
+    assert token == 1 and int(ids) == 1
+    settings = GenerationSettings(temperature=0.8, top_k=3, seed=5)
+    for seed in range(5):
+        token, ids = next_token(logits, settings, no_ids, torch.Generator().manual_seed(seed))
+        assert token == int(ids) == int(sample_tensor(logits, settings, no_ids, torch.Generator().manual_seed(seed)))
+
+
 def test_generation_settings_are_validated():
     with pytest.raises(ConfigError, match="top_p"):
         GenerationSettings(top_p=0)
@@ -98,6 +118,30 @@ def test_detokenizer_never_splits_a_character(tokenizer, text):
     assert all("\ufffd" not in p for p in pieces)
     # multi-byte characters span several byte-level tokens: some pushes must have held text back
     assert len(ids) > len([p for p in pieces if p])
+
+
+def test_detokenizer_decodes_a_single_token_once_per_tokenizer(tokenizer, monkeypatch):
+    """A window of one token is decoded once per tokenizer and then read from its table: a reply's text is the same
+    as with every window decoded, with about half the decodes (push() decodes two windows a token, the first most
+    often the one token emitted before)."""
+    text = "The same words, the same words again: 北京, 北京, 北京. The same words."
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    calls = []
+    decode = type(tokenizer).decode
+    monkeypatch.setattr(type(tokenizer), "decode", lambda self, i, **k: calls.append(list(i)) or decode(self, i, **k))
+    pieces, counts = [], []
+    for table in (None, None, {}):  # the second reply finds the first one's single tokens; the third has no table
+        calls.clear()
+        detok = IncrementalDetokenizer(tokenizer)
+        if table is not None:
+            detok._single = type("NoTable", (dict,), {"__setitem__": lambda *a: None})()
+        pieces.append("".join([detok.push(i) for i in ids] + [detok.flush()]))
+        counts.append((len(calls), sum(len(c) == 1 for c in calls)))
+    assert pieces == [text] * 3
+    assert counts[0][1] <= len(set(ids)) and counts[1][1] == 0  # each single token decoded once for the tokenizer
+    assert counts[1][0] < 0.7 * counts[2][0]  # 40 against 64 here: the multi-byte characters take wider windows
+    other = IncrementalDetokenizer(tokenizer, skip_special_tokens=False)  # a table of its own
+    assert other._single is not IncrementalDetokenizer(tokenizer)._single
 
 
 def test_detokenizer_drops_an_incomplete_trailing_character(tokenizer):

@@ -270,6 +270,42 @@ def test_a_tensor_that_is_not_the_models_is_not_held(tmp_path):
     assert adapter.packed_format(model).endswith(", others as bf16")
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_a_decode_token_given_as_a_number_gets_the_logits_of_a_forward(tmp_path, kv_cache_dtype):
+    """adapter.forward_token (the turn loop's decode step: the token as an int, its embedding row read where the
+    GGUF blocks hold it, no id or position tensor) gives the logits adapter.forward gives for the same token, and
+    leaves the same cache (entries, positions, scores). With an int8 cache every layer is attended by the cache's
+    own Python (called back from C), which makes the positions tensor the fused path skipped."""
+    if cpu_kernels.load() is None:
+        pytest.skip(f"CPU kernels: {cpu_kernels.unavailable_reason()}")
+    reference, path = _gguf_model(tmp_path)
+    model, blocks = _straight(path, reference)
+    adapter.install(model, pack_rounding=True, gguf=blocks)
+    decoder = adapter.runtime(model).decoder
+    assert decoder.fused is not None and isinstance(decoder.w.embed, GGUFWeight)
+    ids = torch.randint(0, 256, (1, 14), generator=torch.Generator().manual_seed(3))
+    layers, kv_heads, head_dim = adapter.kv_geometry(model)
+    caches = [DSV41Cache(layers, kv_heads, head_dim, torch.float32, "cpu",
+                         CacheSettings(kv_cache_ratio=0.5, csa2_topk=0, kv_cache_dtype=kv_cache_dtype))
+              for _ in range(2)]
+    outs = []
+    for cache, as_number in zip(caches, (False, True), strict=True):
+        adapter.forward(model, ids[:, :8], cache, prefill=True)
+        logits = []
+        for i in range(8, 14):
+            if as_number:
+                logits.append(adapter.forward_token(model, int(ids[0, i]), cache))
+            else:
+                logits.append(adapter.forward(model, ids[:, i:i + 1], cache, prefill=False))
+        outs.append(torch.cat(logits, dim=1))
+    assert torch.equal(outs[0], outs[1])
+    for a, b in zip(caches[0].layers, caches[1].layers, strict=True):
+        assert a.length == b.length
+        assert torch.equal(a.positions[:, :a.length], b.positions[:, :b.length])
+        assert torch.equal(a.scores[:, :a.length], b.scores[:, :b.length])
+    assert caches[0].seen == caches[1].seen == 14 and caches[1].decode_steps == 6
+
+
 def test_the_default_model_holds_its_gguf_exactly(default_model):
     """The shipped Q4_1 model: every decoder matrix and the tied embedding held as the file's blocks, their values
     the converted safetensors' (the reference transformers loads), the weights line the file's tensor bytes."""
@@ -299,6 +335,13 @@ def test_the_default_model_holds_its_gguf_exactly(default_model):
         assert torch.equal(w.embed.rows(torch.tensor([token]), torch.bfloat16), embed[[token]].to(torch.bfloat16))
     with pytest.raises(IndexError):
         w.embed.rows(torch.tensor([49152]))
+    row = torch.full((576,), float("nan"))
+    for token in (0, 5, 49151):  # a decode step's row, written into one buffer (Decoder.forward_token)
+        assert w.embed.row_into(token, row) is row and torch.equal(row, embed[token])
+    with pytest.raises(IndexError):
+        w.embed.row_into(-1, row)
+    with pytest.raises(ValueError):
+        w.embed.row_into(0, torch.empty(575))
     file_bytes = sum(e.nbytes for e in tensor_index(default_gguf()).values())
     assert file_bytes <= default_model.weights_bytes < file_bytes + 4096
 
