@@ -187,5 +187,7 @@ def test_step_time_splits_a_token_into_the_c_step_and_the_python_around_it(defau
     got = step_time.measure(default_model, ids, 4, 12)
     assert fused._lib is library
     assert got["steps"] == 11  # 12 tokens sampled, the last never fed
-    assert 0 < got["step_ms"] < got["token_ms"] and got["python_ms"] > 0
+    # every token's time holds its step: the steps' mean is below the token's (python_ms > 0); their median is not
+    # held to it (a dozen steps with the Python at ~7 % of a token: one slow step in a loaded run can tip it)
+    assert 0 < got["step_ms"] and 0 < got["python_ms"] < got["token_ms"]
     assert got["kv_read_per_token"] > 0

@@ -804,16 +804,16 @@ def test_the_question_compaction_runs_after_the_first_reply_token_and_changes_no
     document = " ".join(f"Line {i}: the value of item {i} is {i * 7}." for i in range(45))
     questions = [document + "\n\nWhat is the value of item 3?", "And item 40?", "And item 25?"]
     log = []  # a turn in order: "sample" (a reply token chosen), "finish" (finish_prefill), "shown" (its first text)
-    real_sample, real_finish = gen.sample_tensor, kv_cache.DSV41Cache.finish_prefill
+    real_sample, real_finish = gen.next_token, kv_cache.DSV41Cache.finish_prefill
     visible = model.tokenizer.encode("The", add_special_tokens=False)[0]
 
     def sample(*args, **kwargs):  # a reply's first token is one with text (the tiny model's own may show none)
         first = "sample" not in log
         log.append("sample")
-        token = real_sample(*args, **kwargs)
-        return torch.full_like(token, visible) if first else token
+        token, ids = real_sample(*args, **kwargs)
+        return (visible, None if ids is None else torch.full_like(ids, visible)) if first else (token, ids)
 
-    monkeypatch.setattr(gen, "sample_tensor", sample)
+    monkeypatch.setattr(gen, "next_token", sample)
     monkeypatch.setattr(kv_cache.DSV41Cache, "finish_prefill",
                         lambda self, **k: log.append("finish") or real_finish(self, **k))
 

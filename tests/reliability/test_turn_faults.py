@@ -135,22 +135,21 @@ def test_a_failure_inside_a_layer_of_a_prefill_chunk_is_undone(chat_model, monke
 def test_a_failure_at_every_decode_step_keeps_what_was_shown(chat_model, monkeypatch):
     """Out of memory at decode step k keeps the k tokens shown; the state then equals a session whose reply
     was cut at k tokens by max_new_tokens (ratio 1.0: nothing else differs)."""
-    real = adapter.forward
+    real = adapter.forward_token  # every decode step of a turn (fused on the CPU or not)
     for fail_at_step in range(1, 7):
         session = new_session(chat_model)
         first_turn(session)
         calls = {"decode": 0}
 
-        def forward(model, ids, cache, *args, fail_at_step=fail_at_step, calls=calls, **kwargs):
-            if ids.shape[1] == 1:
-                calls["decode"] += 1
-                if calls["decode"] == fail_at_step:
-                    raise MemoryError("injected")
-            return real(model, ids, cache, *args, **kwargs)
+        def forward_token(model, token, cache, *args, fail_at_step=fail_at_step, calls=calls, **kwargs):
+            calls["decode"] += 1
+            if calls["decode"] == fail_at_step:
+                raise MemoryError("injected")
+            return real(model, token, cache, *args, **kwargs)
 
-        monkeypatch.setattr(adapter, "forward", forward)
+        monkeypatch.setattr(adapter, "forward_token", forward_token)
         done, events = turn(session, LONG_PROMPT, ignore_eos=True, max_new_tokens=12)
-        monkeypatch.setattr(adapter, "forward", real)
+        monkeypatch.setattr(adapter, "forward_token", real)
         assert done.reason == "error" and len(done.token_ids) == fail_at_step
         assert agrees(session)
         expected_text, expected_state = reference(chat_model, 1.0,
@@ -158,6 +157,51 @@ def test_a_failure_at_every_decode_step_keeps_what_was_shown(chat_model, monkeyp
         follow, _ = turn(session, FOLLOW_UP)
         assert follow.text == expected_text
         assert same_state(snapshot(session), expected_state)
+
+
+@pytest.mark.parametrize("where", ["step", "layer"])
+def test_a_failure_inside_the_fused_decode_step_keeps_what_was_shown(chat_model, monkeypatch, where):
+    """Out of memory inside the CPU's fused decode step 3, after the cache began the token: in the step's call
+    ("step"), or in its second layer with an int8 cache, whose layers the cache's own Python appends to and attends
+    from inside the C step ("layer": the first layer has its entry by then, and adapter.forward_token must undo it).
+    The turn keeps its 3 tokens and the next turn answers as a session whose reply was cut there."""
+    from engine.cache import DSV41Cache
+
+    decoder = adapter.runtime(chat_model.hf_model).decoder
+    if decoder is None or decoder.fused is None:
+        pytest.skip("no fused CPU decode step here (no C compiler)")
+    knobs = {"kv_cache_dtype": "int8"} if where == "layer" else {}
+    calls = {"steps": 0, "layers": 0}
+    real_step, real_attend = decoder.fused.step, DSV41Cache.attend
+
+    def step(*args, **kwargs):
+        calls["steps"] += 1
+        if calls["steps"] == 3 and where == "step":
+            raise MemoryError("injected")
+        return real_step(*args, **kwargs)
+
+    def attend(self, index, query, *args, **kwargs):
+        if query.shape[2] == 1 and calls["steps"] == 3 and index == 1:
+            raise MemoryError("injected")
+        return real_attend(self, index, query, *args, **kwargs)
+
+    session = new_session(chat_model, 1.0, **knobs)
+    first_turn(session)
+    monkeypatch.setattr(decoder.fused, "step", step)
+    monkeypatch.setattr(DSV41Cache, "attend", attend)
+    done, events = turn(session, LONG_PROMPT, ignore_eos=True, max_new_tokens=12)
+    monkeypatch.undo()
+    assert calls["steps"] == 3 and done.reason == "error" and len(done.token_ids) == 3
+    assert any(getattr(e, "kind", None) == "oom" for e in events)
+    assert agrees(session)
+    assert [layer.length for layer in session.cache.layers] == [session.cache.seen] * len(session.cache.layers)
+    cut = new_session(chat_model, 1.0, **knobs)
+    first_turn(cut)
+    turn(cut, LONG_PROMPT, ignore_eos=True, max_new_tokens=3)
+    expected, _ = turn(cut, FOLLOW_UP)
+    follow, _ = turn(session, FOLLOW_UP)
+    assert follow.text == expected.text
+    assert same_state(snapshot(session), snapshot(cut))
 
 
 def closing_points(chat_model) -> int:
@@ -210,22 +254,21 @@ def test_an_abandoned_turn_leaves_cache_and_transcript_consistent(chat_model, mo
 
 def test_ctrl_c_inside_a_forward_is_undone(chat_model, monkeypatch):
     """KeyboardInterrupt raised in the middle of a decode forward (a REPL's Ctrl-C lands anywhere)."""
-    real = adapter.forward
+    real = adapter.forward_token
     session = new_session(chat_model)
     first_turn(session)
     calls = {"decode": 0}
 
-    def forward(model, ids, cache, *args, **kwargs):
-        if ids.shape[1] == 1:
-            calls["decode"] += 1
-            if calls["decode"] == 3:
-                raise KeyboardInterrupt
-        return real(model, ids, cache, *args, **kwargs)
+    def forward_token(model, token, cache, *args, **kwargs):
+        calls["decode"] += 1
+        if calls["decode"] == 3:
+            raise KeyboardInterrupt
+        return real(model, token, cache, *args, **kwargs)
 
-    monkeypatch.setattr(adapter, "forward", forward)
+    monkeypatch.setattr(adapter, "forward_token", forward_token)
     with pytest.raises(KeyboardInterrupt):
         turn(session, LONG_PROMPT, ignore_eos=True, max_new_tokens=10)
-    monkeypatch.setattr(adapter, "forward", real)
+    monkeypatch.setattr(adapter, "forward_token", real)
     assert not session.busy and agrees(session)
     done, _ = turn(session, FOLLOW_UP)
     assert isinstance(done, Done) and done.reason in ("eos", "length")
