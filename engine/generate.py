@@ -101,7 +101,8 @@ def run_turn(model, tokenizer, cache: DSV41Cache, plan: TurnPlan, settings: Gene
                     break
                 result.generated.append(token)
                 if penalise:
-                    seen_ids = torch.cat((seen_ids[1 - REPETITION_WINDOW:], token_ids))
+                    seen_ids = torch.cat((seen_ids[1 - REPETITION_WINDOW:],
+                                          token_ids if token_ids is not None else seen_ids.new_tensor([token])))
                 detok.push(token)
                 text, hit = _cut_at_stop(detok.text, settings.stop)
                 safe = text if hit else text[: len(text) - _held_back(text, settings.stop)]

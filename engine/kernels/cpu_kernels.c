@@ -4334,3 +4334,135 @@ int dsv41_lsh_tally(int64_t heads, int64_t d, int64_t n, int64_t m, const int64_
     free(codes), lsh_free(&lp);
     return status;
 }
+
+/* ---------------------------------------------------------------------------------------------------------
+ * Top-k / top-p sampling of one logits vector on the CPU (engine/sampling.py's head_probs and a draw), in one call:
+ * through torch it was ~12 ops a token (the repetition penalty's gather / scatter, topk, softmax, cumsum, masks,
+ * multinomial), 0.55 ms a token more than greedy on the default model in a decode loop, where each op finds its
+ * data evicted by the weights the step has just streamed.
+ *
+ * The repetition penalty (value / penalty where positive, value * penalty otherwise, once per distinct seen id)
+ * only lowers values, so the top k after it are among the top k + s before it (s = seen ids): at least k of those
+ * are not seen and keep their values, which no value outside reaches. A min-heap keeps the top k + s of one pass
+ * (16 values compared at a time against its least); then the seen ones are penalised, the k best taken in
+ * descending order, and softmax(value / temperature) over them, the smallest prefix whose mass reaches top_p kept
+ * (as head_probs: a token stays while the mass before it is at most top_p), renormalised, and the token drawn at
+ * u in [0, 1) of the kept mass. Returns the token id; -1 for arguments out of range, -2 for a NaN or +inf logit
+ * (the caller's torch path decides those), -3 for no memory. */
+static void heap_down(float *v, int64_t *id, int64_t n, int64_t i) {
+    for (;;) {
+        int64_t l = 2 * i + 1, r = l + 1, m = i;
+        if (l < n && v[l] < v[m]) m = l;
+        if (r < n && v[r] < v[m]) m = r;
+        if (m == i) return;
+        float tv = v[i];
+        v[i] = v[m], v[m] = tv;
+        int64_t ti = id[i];
+        id[i] = id[m], id[m] = ti;
+        i = m;
+    }
+}
+
+typedef struct {
+    float v;
+    int64_t id;
+} Candidate;
+
+static int cmp_candidate(const void *a, const void *b) { /* descending by value, then ascending by id */
+    const Candidate *x = a, *y = b;
+    if (x->v != y->v) return x->v < y->v ? 1 : -1;
+    return (x->id > y->id) - (x->id < y->id);
+}
+
+static int cmp_i64(const void *a, const void *b) {
+    const int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
+}
+
+int64_t dsv41_sample_head(const float *logits, int64_t n, const int64_t *seen, int64_t n_seen, float penalty,
+                          int64_t k, float temperature, float top_p, double u) {
+    if (n < 1 || k < 1 || k > n || n_seen < 0 || !(penalty >= 1.f) || !(top_p > 0.f) || !(u >= 0.0 && u < 1.0))
+        return -1;
+    int64_t *sorted = n_seen ? malloc((size_t)n_seen * sizeof(int64_t)) : NULL;
+    if (n_seen && !sorted) return -3;
+    int64_t s = 0;
+    for (int64_t i = 0; i < n_seen; i++) {
+        if (seen[i] < 0 || seen[i] >= n) { free(sorted); return -1; }
+        sorted[i] = seen[i];
+    }
+    if (penalty == 1.f) n_seen = 0;
+    if (n_seen) {
+        qsort(sorted, (size_t)n_seen, sizeof(int64_t), cmp_i64);
+        for (int64_t i = 0; i < n_seen; i++)
+            if (i == 0 || sorted[i] != sorted[i - 1]) sorted[s++] = sorted[i];
+    }
+    const int64_t K = k + s < n ? k + s : n;
+    float *v = malloc((size_t)K * sizeof(float));
+    int64_t *id = malloc((size_t)K * sizeof(int64_t));
+    if (!v || !id) { free(sorted), free(v), free(id); return -3; }
+    int bad = 0;
+    for (int64_t i = 0; i < K; i++) {
+        v[i] = logits[i], id[i] = i;
+        bad |= !(logits[i] < INFINITY) && !(logits[i] == -INFINITY);
+    }
+    for (int64_t i = K / 2 - 1; i >= 0; i--) heap_down(v, id, K, i);
+    int64_t j = K;
+#if defined(__AVX512F__)
+    for (; j + 16 <= n; j += 16) {
+        const __m512 x = _mm512_loadu_ps(logits + j);
+        /* NaN or +inf: not ordered below +inf */
+        bad |= _mm512_cmp_ps_mask(x, _mm512_set1_ps(INFINITY), _CMP_NLT_UQ) != 0;
+        __mmask16 over = _mm512_cmp_ps_mask(x, _mm512_set1_ps(v[0]), _CMP_GT_OQ);
+        while (over) {
+            const int b = __builtin_ctz(over);
+            over &= over - 1;
+            if (logits[j + b] > v[0]) {
+                v[0] = logits[j + b], id[0] = j + b;
+                heap_down(v, id, K, 0);
+            }
+        }
+    }
+#endif
+    for (; j < n; j++) {
+        const float x = logits[j];
+        bad |= !(x < INFINITY) && !(x == -INFINITY);
+        if (x > v[0]) {
+            v[0] = x, id[0] = j;
+            heap_down(v, id, K, 0);
+        }
+    }
+    if (bad) { free(sorted), free(v), free(id); return -2; }
+    for (int64_t i = 0; i < K && s; i++) /* the seen candidates penalised (binary search in the distinct ids) */
+        if (bsearch(&id[i], sorted, (size_t)s, sizeof(int64_t), cmp_i64))
+            v[i] = v[i] > 0.f ? v[i] / penalty : v[i] * penalty;
+    /* the k best, descending (ties by the lower id) */
+    Candidate *c = malloc((size_t)K * sizeof(Candidate));
+    if (!c) { free(sorted), free(v), free(id); return -3; }
+    for (int64_t i = 0; i < K; i++) c[i].v = v[i], c[i].id = id[i];
+    qsort(c, (size_t)K, sizeof(Candidate), cmp_candidate);
+    for (int64_t a = 0; a < k; a++) v[a] = c[a].v, id[a] = c[a].id;
+    free(c);
+    if (v[0] == -INFINITY) { free(sorted), free(v), free(id); return -2; } /* nothing has any probability */
+    const float t = temperature > 1e-5f ? temperature : 1e-5f, top = v[0] / t;
+    double total = 0.0;
+    for (int64_t a = 0; a < k; a++) {
+        v[a] = expf(v[a] / t - top);
+        total += v[a];
+    }
+    double mass = 0.0, kept = 0.0;
+    int64_t keep = 0;
+    for (; keep < k; keep++) { /* head_probs: removed where (cumulative - p) > top_p */
+        const double p = v[keep] / total;
+        if (top_p < 1.f && mass > top_p) break;
+        mass += p;
+        kept += v[keep];
+    }
+    double at = u * kept, run = 0.0;
+    int64_t token = id[keep - 1];
+    for (int64_t a = 0; a < keep; a++) {
+        run += v[a];
+        if (at < run) { token = id[a]; break; }
+    }
+    free(sorted), free(v), free(id);
+    return token;
+}

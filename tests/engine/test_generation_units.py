@@ -75,7 +75,7 @@ def test_greedy_takes_the_first_maximum_on_every_path():
 
 def test_next_token_reads_greedy_cpu_logits_on_the_host_and_draws_the_rest_as_sample_tensor():
     """The turn loop's sampler: greedy over float32 CPU logits without a penalty is numpy's argmax as a host int (no
-    tensor made: None); a penalty, a temperature or other logits go through sample_tensor, whose tensor comes back
+    tensor made: None); a penalty on greedy, or other logits, go through sample_tensor, whose tensor comes back
     beside its value (the repetition window and a GPU's feed use it)."""
     no_ids = torch.tensor([], dtype=torch.long)
     logits = torch.tensor([0.5, 3.0, -1.0, 3.0, 2.0])
@@ -87,10 +87,11 @@ def test_next_token_reads_greedy_cpu_logits_on_the_host_and_draws_the_rest_as_sa
     assert token == 1 and ids.dtype == torch.long and ids.shape == (1,) and int(ids) == 1
     token, ids = next_token(logits.double(), greedy, no_ids, None)
     assert token == 1 and int(ids) == 1
-    settings = GenerationSettings(temperature=0.8, top_k=3, seed=5)
+    settings = GenerationSettings(temperature=0.8, top_k=3, seed=5)  # (float32 CPU logits: tests/engine/test_sample_kernel.py)
     for seed in range(5):
-        token, ids = next_token(logits, settings, no_ids, torch.Generator().manual_seed(seed))
-        assert token == int(ids) == int(sample_tensor(logits, settings, no_ids, torch.Generator().manual_seed(seed)))
+        token, ids = next_token(logits.double(), settings, no_ids, torch.Generator().manual_seed(seed))
+        assert token == int(ids) == int(sample_tensor(logits.double(), settings, no_ids,
+                                                      torch.Generator().manual_seed(seed)))
 
 
 def test_generation_settings_are_validated():
