@@ -308,11 +308,15 @@ class _HostReads(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
-def test_a_decode_step_of_the_turn_loop_reads_one_value_on_the_host(sampled, tiny_model):
+def test_a_decode_step_of_the_turn_loop_reads_one_value_on_the_host(sampled, tiny_model, monkeypatch):
     """The turn loop with the static step: the sampled token id is the only value a decode step reads on the
-    host (on a GPU, its one sync); the token is fed back and the repetition window kept on the device."""
+    host (on a GPU, its one sync); the token is fed back and the repetition window kept on the device. (Run on the
+    CPU here, where CPU logits would be sampled by the CPU's kernel: turned off, as a GPU's logits never reach it.)"""
+    from engine import sampling
     from engine.config import GenerationSettings
     from engine.generate import TurnPlan, run_turn
+
+    monkeypatch.setattr(sampling, "_kernel_sampling", lambda: False)
 
     model, decoder = _installed(tiny_model)
     decoder.static = StaticDecodeStep(decoder.w)
