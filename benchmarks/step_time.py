@@ -1,7 +1,8 @@
 """Where a decoded token's time goes on the CPU: the fused C step against the Python around it.
 
-The default model (GGUF blocks), a document prompt, greedy, EOS ignored, 2 threads; each turn goes through the path
-ChatSession.send takes (engine.generate.run_turn). The fused step's C call is timed from Python on every token
+The default model (GGUF blocks), a document prompt, greedy (or the app's default sampling: --sampling app), EOS
+ignored, 2 threads; each turn goes through the path ChatSession.send takes (engine.generate.run_turn). The fused
+step's C call is timed from Python on every token
 (FusedDecodeStep.step's library call, wrapped); the rest of a token's time (the turn loop, sampling, the cache's
 per-token plan, the embedding row, the detokenizer) is the token's time less that. The bandwidth bound of a token is
 the bytes a step reads (the matrices as held + the KV it attends) over a read bandwidth, two ways: this machine's
@@ -11,7 +12,8 @@ the same loop reads one buffer at 34 GB/s and the next at 55, by where its pages
 the bound that holds for its steps). `--profile` adds the Python functions that take the most of the decode loop
 (cProfile from the first reply token on, one extra turn).
 
-Usage: python -m benchmarks.step_time [--contexts 128,1024] [--turns 3] [--new-tokens 200] [--folder step-time]
+Usage: python -m benchmarks.step_time [--contexts 128,1024] [--turns 3] [--new-tokens 200] [--sampling greedy|app]
+       [--folder step-time]
 Writes results/<folder>/<folder>.json and .md.
 """
 
@@ -44,8 +46,9 @@ class _TimedLibrary:
         return getattr(self._lib, name)
 
 
-def measure(model, ids: list[int], question: int, new_tokens: int) -> dict:
-    """One turn: its decode tokens' median-free totals (decode seconds, C step seconds, tokens)."""
+def measure(model, ids: list[int], question: int, new_tokens: int, seed: int | None = None) -> dict:
+    """One turn: its decode tokens' median-free totals (decode seconds, C step seconds, tokens); greedy, or the app's
+    default sampling with `seed`."""
     from engine.models import adapter
 
     from .speed.core import engine_turn
@@ -54,7 +57,7 @@ def measure(model, ids: list[int], question: int, new_tokens: int) -> dict:
     timed = _TimedLibrary(fused._lib)
     fused._lib = timed
     try:
-        turn = engine_turn(model, ids, question, new_tokens)
+        turn = engine_turn(model, ids, question, new_tokens, seed=seed)
     finally:
         fused._lib = timed._lib
     steps = timed.seconds  # every decode step fed a generated token (the last sampled one is not fed)
@@ -64,7 +67,8 @@ def measure(model, ids: list[int], question: int, new_tokens: int) -> dict:
             "kv_read_per_token": turn["kv_read_per_token"], "steps": len(steps)}
 
 
-def profile_turn(model, ids: list[int], question: int, new_tokens: int, top: int = 18) -> list[dict]:
+def profile_turn(model, ids: list[int], question: int, new_tokens: int, top: int = 18,
+                 seed: int | None = None) -> list[dict]:
     """The Python functions with the most own time in one turn's decode loop (cProfile from the first reply token on:
     the prompt's reading is not in it), per decoded token."""
     import cProfile
@@ -74,7 +78,8 @@ def profile_turn(model, ids: list[int], question: int, new_tokens: int, top: int
     from engine.generate import TurnPlan, run_turn
     from engine.sampling import GenerationSettings
 
-    settings = GenerationSettings(max_new_tokens=new_tokens, greedy=True, ignore_eos=True, repetition_penalty=1.0)
+    settings = GenerationSettings(max_new_tokens=new_tokens, greedy=True, ignore_eos=True, repetition_penalty=1.0) \
+        if seed is None else GenerationSettings(max_new_tokens=new_tokens, ignore_eos=True, seed=seed)
     cache = model.new_cache()
     plan = TurnPlan(list(ids), question, model.prefill_chunk, model.headroom_tokens(cache), model.context_limit)
     profiler, started = cProfile.Profile(), False
@@ -95,6 +100,9 @@ def main(argv=None) -> int:
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=200)
     parser.add_argument("--profile", action="store_true", help="also list the Python functions of the decode loop")
+    parser.add_argument("--sampling", choices=("greedy", "app"), default="greedy",
+                        help="greedy, or the app's default sampling (temperature 0.7, top-k 50, top-p 0.9, repetition "
+                             "penalty 1.1; seeded by turn)")
     parser.add_argument("--folder", default="step-time", help="the results folder's name")
     args = parser.parse_args(argv)
 
@@ -118,9 +126,10 @@ def main(argv=None) -> int:
         ids, question = prompts(context)
         engine_turn(model, ids[:32], 16, 8)  # warm-up
         turns = []
-        for _ in range(args.turns):
+        for turn in range(args.turns):
             read_s = fused.read_seconds(21)
-            turns.append({**measure(model, ids, question, args.new_tokens), "weights_read_ms": 1e3 * read_s})
+            seed = turn if args.sampling == "app" else None
+            turns.append({**measure(model, ids, question, args.new_tokens, seed), "weights_read_ms": 1e3 * read_s})
         row = {"prompt_tokens": len(ids), "turns": turns}
         for key in ("token_ms", "step_ms", "python_ms", "kv_read_per_token", "weights_read_ms"):
             row[key] = statistics.median(t[key] for t in turns)
@@ -133,11 +142,13 @@ def main(argv=None) -> int:
             row[f"{bound}_share_token"] = row[f"{bound}_ms"] / row["token_ms"]
             row[f"{bound}_share_step"] = row[f"{bound}_ms"] / row["step_ms"]
         if args.profile:
-            row["profile"] = profile_turn(model, ids, question, args.new_tokens)
+            row["profile"] = profile_turn(model, ids, question, args.new_tokens,
+                                          seed=0 if args.sampling == "app" else None)
         rows.append(row)
     m = machine()
     lines = [f"A decoded token's time, default model (GGUF blocks, {x_mode()} x), {m['cpu']}, {THREADS} threads, read "
-             f"bandwidth {bandwidth / 1e9:.1f} GB/s; {args.new_tokens} new tokens, medians of {args.turns} turns", "",
+             f"bandwidth {bandwidth / 1e9:.1f} GB/s; {args.new_tokens} new tokens, {args.sampling} sampling, medians "
+             f"of {args.turns} turns", "",
              "| prompt tokens | per token | in the C step | Python around it | bytes read | bound at the machine's "
              "bandwidth | share (token / step alone) | the weights' own read rate | bound at it | share (token / step "
              "alone) |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -153,7 +164,8 @@ def main(argv=None) -> int:
                       "Python itself; per decoded token):", "", "| function | own µs | calls |", "|---|---|---|"]
             lines += [f"| `{p['function']}` | {p['own_us_per_token']:.1f} | {p['calls_per_token']:.1f} |"
                       for p in r["profile"]]
-    payload = {"machine": m, "threads": THREADS, "x_mode": x_mode(), "bandwidth_bytes_per_s": bandwidth,
+    payload = {"machine": m, "threads": THREADS, "x_mode": x_mode(), "sampling": args.sampling,
+               "bandwidth_bytes_per_s": bandwidth,
                "weight_bytes": weights, "new_tokens": args.new_tokens, "rows": rows}
     path = write_results(args.folder, payload, "\n".join(lines) + "\n")
     print("\n".join(lines))

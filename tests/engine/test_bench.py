@@ -191,3 +191,5 @@ def test_step_time_splits_a_token_into_the_c_step_and_the_python_around_it(defau
     # held to it (a dozen steps with the Python at ~7 % of a token: one slow step in a loaded run can tip it)
     assert 0 < got["step_ms"] and 0 < got["python_ms"] < got["token_ms"]
     assert got["kv_read_per_token"] > 0
+    sampled = step_time.measure(default_model, ids, 4, 12, seed=0)  # --sampling app: the app's default sampling
+    assert sampled["steps"] == 11 and 0 < sampled["python_ms"] < sampled["token_ms"]
