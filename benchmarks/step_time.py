@@ -2,8 +2,7 @@
 
 The default model (GGUF blocks), a document prompt, greedy (or the app's default sampling: --sampling app), EOS
 ignored, 2 threads; each turn goes through the path ChatSession.send takes (engine.generate.run_turn). The fused
-step's C call is timed from Python on every token
-(FusedDecodeStep.step's library call, wrapped); the rest of a token's time (the turn loop, sampling, the cache's
+step's C call is timed from Python on every token (FusedDecodeStep.step's library call, wrapped); the rest of a token's time (the turn loop, sampling, the cache's
 per-token plan, the embedding row, the detokenizer) is the token's time less that. The bandwidth bound of a token is
 the bytes a step reads (the matrices as held + the KV it attends) over a read bandwidth, two ways: this machine's
 (benchmarks.speed.core.read_bandwidth: 1 GiB buffers, the best of several) and the rate at which the step's own
