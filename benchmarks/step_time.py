@@ -2,14 +2,14 @@
 
 The default model (GGUF blocks), a document prompt, greedy (or the app's default sampling: --sampling app), EOS
 ignored, 2 threads; each turn goes through the path ChatSession.send takes (engine.generate.run_turn). The fused
-step's C call is timed from Python on every token (FusedDecodeStep.step's library call, wrapped); the rest of a token's time (the turn loop, sampling, the cache's
-per-token plan, the embedding row, the detokenizer) is the token's time less that. The bandwidth bound of a token is
-the bytes a step reads (the matrices as held + the KV it attends) over a read bandwidth, two ways: this machine's
-(benchmarks.speed.core.read_bandwidth: 1 GiB buffers, the best of several) and the rate at which the step's own
-matrices are read where they sit, with nothing else done (FusedDecodeStep.read_seconds, before every turn: on a VM
-the same loop reads one buffer at 34 GB/s and the next at 55, by where its pages land, so the model's own pages are
-the bound that holds for its steps). `--profile` adds the Python functions that take the most of the decode loop
-(cProfile from the first reply token on, one extra turn).
+step's C call is timed from Python on every token (FusedDecodeStep.step's library call, wrapped); the rest of a
+token's time (the turn loop, sampling, the cache's per-token plan, the embedding row, the detokenizer) is the token's
+time less that. The bandwidth bound of a token is the bytes a step reads (the matrices as held + the KV it attends)
+over a read bandwidth, two ways: this machine's (benchmarks.speed.core.read_bandwidth: 1 GiB buffers, the best of
+several) and the rate at which the step's own matrices are read where they sit, with nothing else done
+(FusedDecodeStep.read_seconds, before every turn: on a VM the same loop reads one buffer at 34 GB/s and the next at
+55, by where its pages land, so the model's own pages are the bound that holds for its steps). `--profile` adds the
+Python functions that take the most of the decode loop (cProfile from the first reply token on, one extra turn).
 
 Usage: python -m benchmarks.step_time [--contexts 128,1024] [--turns 3] [--new-tokens 200] [--sampling greedy|app]
        [--folder step-time]
