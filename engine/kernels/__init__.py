@@ -1,6 +1,6 @@
 """Our CPU kernels: the C source and its build (library), weights held for it (packed; GGUF blocks: gguf_blocks), the one integer
-quantizer (quant) and the whole-decoder decode step in one call (fused). Nothing here knows transformers
-or the cache's policies: the fused step takes plain tensors and a decay."""
+quantizer (quant), the whole-decoder decode step in one call (fused) and top-k sampling in one call (sample). Nothing
+here knows transformers or the cache's policies: the fused step takes plain tensors and a decay."""
 
 from .fused import FusedDecodeStep
 from .gguf_blocks import GGUFMatrix, GGUFWeight
