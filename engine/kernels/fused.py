@@ -134,6 +134,8 @@ class FusedDecodeStep:
         model.lm_head_bias = vec(w.lm_head_bias, vocab)
         self._model = model
         self._caches = (_StepCache * len(layers))()
+        self._specs = list(self._caches)  # each a view of its element (indexing the array makes a new one each time)
+        self._work_entries = -1  # the most entries per layer self._work has room for (-1: none yet)
         self._cache_key: list = [None] * len(layers)
         self._work = torch.empty(0)
         self.vocab, self.hidden = vocab, hidden
@@ -190,18 +192,21 @@ class FusedDecodeStep:
             self._cache_key = [None] * len(layers)
         self._model.kv_bf16 = kv_bf16
         most = 0
-        for index, layer in enumerate(layers):
-            spec = self._caches[index]
-            spec.by_callback = int(by_python[index])
-            if by_python[index]:
+        keys = self._cache_key
+        for index, (spec, layer, python) in enumerate(zip(self._specs, layers, by_python, strict=True)):
+            spec.by_callback = int(python)
+            if python:
                 continue
-            if self._cache_key[index] != (layer.storage_version, layer.merged_any):
+            if keys[index] != (layer.storage_version, layer.merged_any):
                 self._refresh(index, layer)
-            spec.length = layer.length
-            most = max(most, layer.length + 1)
-        needed = self._lib.dsv41_step_work_floats(ctypes.byref(self._model), most)
-        if self._work.numel() < needed:
-            self._work = torch.empty(needed + needed // 4, dtype=torch.float32)
+            length = spec.length = layer.length
+            if length >= most:
+                most = length + 1
+        if most > self._work_entries:  # (the floats a step needs grow with its longest layer)
+            needed = self._lib.dsv41_step_work_floats(ctypes.byref(self._model), most)
+            if self._work.numel() < needed:
+                self._work = torch.empty(needed + needed // 4, dtype=torch.float32)
+            self._work_entries = most
         logits = torch.empty(self.vocab, dtype=torch.float32)
         self._call = {"cache": cache, "error": None}
         try:

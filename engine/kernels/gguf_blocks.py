@@ -352,6 +352,25 @@ class GGUFWeight(KernelMatrix):
             return self.row_into(int(index.reshape(())), torch.empty(self.shape[1]))[None].to(dtype)
         return self.parts[0].select_rows(index).dequantize().to(dtype)
 
+    def row_writer(self, out: torch.Tensor):
+        """row_into bound to `out` once: a function of a row number (range-checked) that writes that row's values
+        into `out`. A decode step's embedding: the checks of `out` and the lookups are done here, not per token."""
+        self.row_into(0, out)  # checks out (and the matrix) once
+        part = self.parts[0]
+        write, kind, base, stride = part._lib().dsv41_gguf_dequant, part.kernel_type, part.data.data_ptr(), \
+            part.data.stride(0)
+        rows, blocks, target = part.rows, part.cols // BY_TYPE[part.type_id][1], out.data_ptr()
+        keep = (part.data, out)  # what the pointers point into, alive as long as the function
+
+        def into(row: int) -> torch.Tensor:
+            if not 0 <= row < rows:
+                raise IndexError(f"row {row} of a matrix of {rows} rows")
+            if write(kind, base + row * stride, target, blocks, blocks, 1) != 0:
+                raise RuntimeError(f"dequantising a {part.format} row failed")
+            return keep[1]
+
+        return into
+
     def row_into(self, row: int, out: torch.Tensor) -> torch.Tensor:
         """Row `row`'s values into `out` (float32 [cols], contiguous, on the CPU), read where the row is held: one
         kernel call and no tensor made (a decode step's embedding). Returns out."""

@@ -178,7 +178,7 @@ class Decoder:
         # cos / sin by position for the fused step (None: a rotary whose values depend on the length)
         self.rope = None if str(weights.rope_type).startswith(LENGTH_DEPENDENT_ROPE) or self.fused is None else \
             RopeTable(weights.rotary, weights.final_norm.dtype, weights.final_norm.device)
-        self._row = None  # forward_token's embedding row (GGUF blocks), made on first use
+        self._row = None  # forward_token's embedding row writer (GGUF blocks), made on first use
 
     @torch.inference_mode()
     def forward_token(self, token: int, position: int, cache) -> torch.Tensor | None:
@@ -194,8 +194,8 @@ class Decoder:
         w = self.w
         if isinstance(w.embed, GGUFWeight) and len(w.embed.parts) == 1:  # read where it is held
             if self._row is None:
-                self._row = torch.empty(w.embed.shape[1])
-            x = w.embed.row_into(token, self._row)
+                self._row = w.embed.row_writer(torch.empty(w.embed.shape[1]))
+            x = self._row(token)
             if w.final_norm.dtype != torch.float32:  # forward() rounds the row to the model's dtype first
                 x = x.to(w.final_norm.dtype).float()
         else:

@@ -342,6 +342,13 @@ def test_the_default_model_holds_its_gguf_exactly(default_model):
         w.embed.row_into(-1, row)
     with pytest.raises(ValueError):
         w.embed.row_into(0, torch.empty(575))
+    write = w.embed.row_writer(row)  # bound to the buffer once (Decoder.forward_token's)
+    for token in (49151, 7, 0):
+        assert write(token) is row and torch.equal(row, embed[token])
+    with pytest.raises(IndexError):
+        write(49152)
+    with pytest.raises(ValueError):
+        w.embed.row_writer(torch.empty(576, dtype=torch.bfloat16))
     file_bytes = sum(e.nbytes for e in tensor_index(default_gguf()).values())
     assert file_bytes <= default_model.weights_bytes < file_bytes + 4096
 
