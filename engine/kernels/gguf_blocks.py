@@ -353,10 +353,15 @@ class GGUFWeight(KernelMatrix):
         return self.parts[0].select_rows(index).dequantize().to(dtype)
 
     def row_writer(self, out: torch.Tensor):
-        """row_into bound to `out` once: a function of a row number (range-checked) that writes that row's values
-        into `out`. A decode step's embedding: the checks of `out` and the lookups are done here, not per token."""
-        self.row_into(0, out)  # checks out (and the matrix) once
+        """A function of a row number (range-checked) that writes that row's values into `out` (float32 [cols],
+        contiguous, on the CPU), read where the row is held: one kernel call and no tensor made. Bound once, so a
+        decode step's embedding checks `out` and looks up the pointers here, not per token."""
+        if len(self.parts) != 1:
+            raise ValueError("row_writer() of a stacked GGUFWeight")
         part = self.parts[0]
+        if out.dtype != torch.float32 or out.shape != (part.cols,) or not out.is_contiguous() or \
+                out.device.type != "cpu":
+            raise ValueError(f"out must be a contiguous float32 [{part.cols}] on the CPU")
         write, kind, base, stride = part._lib().dsv41_gguf_dequant, part.kernel_type, part.data.data_ptr(), \
             part.data.stride(0)
         rows, blocks, target = part.rows, part.cols // BY_TYPE[part.type_id][1], out.data_ptr()
@@ -365,26 +370,13 @@ class GGUFWeight(KernelMatrix):
         def into(row: int) -> torch.Tensor:
             if not 0 <= row < rows:
                 raise IndexError(f"row {row} of a matrix of {rows} rows")
-            if write(kind, base + row * stride, target, blocks, blocks, 1) != 0:
-                raise RuntimeError(f"dequantising a {part.format} row failed")
+            status = write(kind, base + row * stride, target, blocks, blocks, 1)
+            if status != 0:
+                raise RuntimeError(f"dequantising a {part.format} row failed ({status})")
             return keep[1]
 
         return into
 
     def row_into(self, row: int, out: torch.Tensor) -> torch.Tensor:
-        """Row `row`'s values into `out` (float32 [cols], contiguous, on the CPU), read where the row is held: one
-        kernel call and no tensor made (a decode step's embedding). Returns out."""
-        if len(self.parts) != 1:
-            raise ValueError("row_into() of a stacked GGUFWeight")
-        part = self.parts[0]
-        if not 0 <= row < part.rows:
-            raise IndexError(f"row {row} of a matrix of {part.rows} rows")
-        if out.dtype != torch.float32 or out.shape != (part.cols,) or not out.is_contiguous() or \
-                out.device.type != "cpu":
-            raise ValueError(f"out must be a contiguous float32 [{part.cols}] on the CPU")
-        blocks = part.cols // BY_TYPE[part.type_id][1]
-        status = part._lib().dsv41_gguf_dequant(part.kernel_type, part.data.data_ptr() + row * part.data.stride(0),
-                                                out.data_ptr(), blocks, blocks, 1)
-        if status != 0:
-            raise RuntimeError(f"dequantising a {part.format} row failed ({status})")
-        return out
+        """Row `row`'s values into `out` (row_writer's, once). Returns out."""
+        return self.row_writer(out)(row)

@@ -182,27 +182,33 @@ class Decoder:
 
     @torch.inference_mode()
     def forward_token(self, token: int, position: int, cache) -> torch.Tensor | None:
-        """One decode token given as numbers, through the fused CPU step: logits [1, 1, V], the values forward()
-        gives for [[token]] at `position`, with no id or position tensor made on the way (DSV41Cache.begin_token
-        begins it). None where the fused step does not run this token (no fused step, a GPU static step, a rotary
-        whose values depend on the length, or DSV41Cache.fused_plan says no): forward() runs it then."""
-        if self.fused is None or self.static is not None or self.rope is None:
+        """One decode token given as numbers, through the fused CPU step: logits [1, 1, V], with no id or position
+        tensor made on the way where RoPE comes from the table (DSV41Cache.begin_token begins it; forward() comes
+        here for one token too). None where the fused step does not run this token (no fused step, a GPU static
+        step, or DSV41Cache.fused_plan says no): forward()'s per-op step runs it then."""
+        if self.fused is None or self.static is not None:
             return None
         plan = cache.fused_plan()
         if plan is None:
             return None
         w = self.w
+        dtype = w.final_norm.dtype
         if isinstance(w.embed, GGUFWeight) and len(w.embed.parts) == 1:  # read where it is held
             if self._row is None:
                 self._row = w.embed.row_writer(torch.empty(w.embed.shape[1]))
             x = self._row(token)
-            if w.final_norm.dtype != torch.float32:  # forward() rounds the row to the model's dtype first
-                x = x.to(w.final_norm.dtype).float()
+            if dtype != torch.float32:  # the row as the model's dtype holds it, as the per-op step reads it
+                x = x.to(dtype).float()
         else:
             ids = torch.tensor([token])
-            x = (w.embed.rows(ids, w.final_norm.dtype) if isinstance(w.embed, KernelMatrix)
+            x = (w.embed.rows(ids, dtype) if isinstance(w.embed, KernelMatrix)
                  else F.embedding(ids, w.embed))[0].float().contiguous()
-        cos, sin = self.rope.row32(position)
+        if self.rope is not None:
+            cos, sin = self.rope.row32(position)
+        else:  # a rotary whose values depend on the length: the module, for this position
+            probe = torch.empty(1, 1, 1, dtype=dtype, device=w.final_norm.device)
+            cos, sin = w.rotary(probe, torch.tensor([[position]]))
+            cos, sin = cos[0, 0].float().contiguous(), sin[0, 0].float().contiguous()
         return self.fused.step(x, position, cos, sin, cache, plan.by_python, score=plan.score,
                                decay=plan.decay).view(1, 1, -1)
 
@@ -214,23 +220,15 @@ class Decoder:
             plan = cache.static_plan()
             if plan is not None:
                 return self.static.step(input_ids, cache, plan).view(1, 1, -1)
+        if input_ids.shape[1] == 1 and self.fused is not None:  # (CPU only: the ids are read on the host)
+            logits = self.forward_token(int(input_ids[0, 0]), int(position_ids[0, 0]), cache)
+            if logits is not None:
+                return logits
         if isinstance(w.embed, KernelMatrix):
             x = w.embed.rows(input_ids[0], w.final_norm.dtype)  # [T, D]
         else:
             x = F.embedding(input_ids[0], w.embed)
         t = x.shape[0]
-        if t == 1 and self.fused is not None:
-            plan = cache.fused_plan()
-            if plan is not None:
-                position = int(position_ids[0, 0])
-                if self.rope is not None:
-                    cos, sin = self.rope.row32(position)
-                else:
-                    cos, sin = w.rotary(x[None], position_ids)
-                    cos, sin = cos[0, 0].float().contiguous(), sin[0, 0].float().contiguous()
-                logits = self.fused.step(x[0].float().contiguous(), position, cos, sin, cache, plan.by_python,
-                                         score=plan.score, decay=plan.decay)
-                return logits.view(1, 1, -1)
         cos, sin = w.rotary(x[None], position_ids)
         cos, sin = cos[0, :, None, :].to(x.dtype), sin[0, :, None, :].to(x.dtype)  # [T, 1, d]
         rot = rope_matrix(cos[0, 0], sin[0, 0]) if t == 1 else None

@@ -158,6 +158,41 @@ def test_the_fused_step_takes_rope_from_the_table_and_calls_the_module_only_to_b
         assert torch.allclose(fused_logits, per_op, atol=1e-5, rtol=1e-4)
 
 
+def test_the_fused_step_takes_a_length_dependent_rope_from_the_module():
+    """A rotary whose values depend on the length (dynamic scaling, past max_position_embeddings) has no table: the
+    fused step (through adapter.forward and adapter.forward_token alike) gets the module's cos / sin for each token's
+    position, and answers as the per-op step does."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from engine.kernels import load
+
+    if load() is None:
+        pytest.skip("no C compiler: no fused step")
+    from .test_cache import make_cache
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=16,
+        rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})).eval()
+    adapter.install(model)
+    decoder = adapter.runtime(model).decoder
+    assert decoder.fused is not None and decoder.rope is None
+    fused = decoder.fused
+    ids = torch.randint(0, 256, (1, 30), generator=torch.Generator().manual_seed(4))
+    outs = []
+    for way in ("forward", "token", "per-op"):
+        decoder.fused = None if way == "per-op" else fused
+        cache = make_cache(model, kv_cache_ratio=1.0, csa2_topk=0)
+        adapter.forward(model, ids[:, :8], cache, prefill=True)
+        outs.append(torch.cat([adapter.forward_token(model, int(ids[0, i]), cache) if way == "token"
+                               else adapter.forward(model, ids[:, i:i + 1], cache, prefill=False)
+                               for i in range(8, 30)], dim=1))  # positions 8..29: past 16, the scaling grows
+    decoder.fused = fused
+    assert torch.equal(outs[0], outs[1])
+    assert torch.allclose(outs[0], outs[2], atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_residual_linear_is_residual_plus_linear(dtype, with_bias):
