@@ -75,10 +75,10 @@ def profile_turn(model, ids: list[int], question: int, new_tokens: int, top: int
 
     from engine.events import TokenText
     from engine.generate import TurnPlan, run_turn
-    from engine.sampling import GenerationSettings
 
-    settings = GenerationSettings(max_new_tokens=new_tokens, greedy=True, ignore_eos=True, repetition_penalty=1.0) \
-        if seed is None else GenerationSettings(max_new_tokens=new_tokens, ignore_eos=True, seed=seed)
+    from .speed.core import turn_settings
+
+    settings = turn_settings(new_tokens, seed)
     cache = model.new_cache()
     plan = TurnPlan(list(ids), question, model.prefill_chunk, model.headroom_tokens(cache), model.context_limit)
     profiler, started = cProfile.Profile(), False

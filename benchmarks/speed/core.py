@@ -280,12 +280,19 @@ def kv_read_per_step(cache) -> int:
     return total
 
 
+def turn_settings(new_tokens: int, seed: int | None = None) -> GenerationSettings:
+    """A benchmark turn's sampling, EOS ignored: greedy; with `seed`, the app's default sampling instead
+    (temperature, top-k, top-p, repetition penalty: GenerationSettings' defaults)."""
+    if seed is None:
+        return GenerationSettings(max_new_tokens=new_tokens, greedy=True, ignore_eos=True, repetition_penalty=1.0)
+    return GenerationSettings(max_new_tokens=new_tokens, ignore_eos=True, seed=seed)
+
+
 def engine_turn(model, ids: list[int], question_tokens: int, new_tokens: int, *, memory: bool = False,
                 seed: int | None = None) -> dict:
-    """One turn of our engine on exactly these token ids (the path ChatSession.send takes), greedy; with `seed`, the
-    app's default sampling instead (temperature, top-k, top-p, repetition penalty: GenerationSettings' defaults)."""
-    settings = GenerationSettings(max_new_tokens=new_tokens, greedy=True, ignore_eos=True, repetition_penalty=1.0) \
-        if seed is None else GenerationSettings(max_new_tokens=new_tokens, ignore_eos=True, seed=seed)
+    """One turn of our engine on exactly these token ids (the path ChatSession.send takes), with
+    turn_settings(new_tokens, seed)."""
+    settings = turn_settings(new_tokens, seed)
     result = TurnResult([], 0, 0, False)
     done = None
     with PeakMemory(model.device) if memory else _NoPeak() as peak:  # the cache's allocation counts too
