@@ -464,12 +464,34 @@ static int64_t gguf_block_bytes(int64_t type) {
 /* The "split" row layout of the 32-weight formats (type | GGUF_SPLIT): a row's blocks rearranged, bytes unchanged,
  * as [every block's d (f16)] [every block's m (f16), Q4_1] [every block's integers], so the kernels read a row's
  * scales as one vector instead of gathering them from 18-, 20- or 34-byte strides. Lossless both ways
- * (dsv41_gguf_split); every entry point taking a type takes the flag. */
+ * (dsv41_gguf_split); every entry point taking a type takes the flag.
+ *
+ * Q4_0 / Q4_1 integers (16 bytes a block) go further: each whole group of 16 blocks (256 bytes) is interleaved by
+ * 4-byte words: its chunk s (64 bytes, s = 0..3) holds bytes 4s..4s + 3 of each of the group's 16 blocks in turn
+ * (block i at 4i). A vector of a chunk then has one block per 32-bit lane, the same block in
+ * that lane for all four chunks: the integer dot products of a block's 32 weights add up in its lane before the one
+ * conversion and multiply-add by its scale, for the 16 blocks at once (instead of a conversion, a scale pick and a
+ * multiply-add per four blocks a chunk). The row's last blocks that fill no group of 16 stay block after block. */
 #define GGUF_SPLIT 256
+#define Q4_GROUP 16 /* blocks a group of interleaved Q4 integers */
 
 static inline int64_t split_scale_bytes(int64_t type) { return type == 3 ? 4 : 2; } /* a block's scales */
 
 static inline int gguf_splittable(int64_t type) { return type == 2 || type == 3 || type == 8; }
+
+/* Where byte k (0..15) of block bi's integers lies among a split Q4 row's integers (the row has `blocks` blocks) */
+static inline int64_t q4_split_at(int64_t bi, int k, int64_t blocks) {
+    if (bi >= blocks / Q4_GROUP * Q4_GROUP) return bi * 16 + k;
+    return (bi / Q4_GROUP) * 16 * Q4_GROUP + (k / 4) * 4 * Q4_GROUP + (bi % Q4_GROUP) * 4 + k % 4;
+}
+
+/* Block bi's 16 bytes of integers from a split Q4 row's integers q (reassembled from four words in a group) */
+static inline const uint8_t *q4_split_block(const uint8_t *q, int64_t bi, int64_t blocks, uint8_t *tmp) {
+    if (bi >= blocks / Q4_GROUP * Q4_GROUP) return q + bi * 16;
+    const uint8_t *at = q + q4_split_at(bi, 0, blocks);
+    for (int s = 0; s < 4; s++) memcpy(tmp + 4 * s, at + 4 * Q4_GROUP * s, 4);
+    return tmp;
+}
 
 /* block bi of a split row, reassembled in the file's order into out (gguf_block_bytes(type) bytes) */
 static inline void split_block(int64_t type, const uint8_t *row, int64_t blocks, int64_t bi, uint8_t *out) {
@@ -477,7 +499,12 @@ static inline void split_block(int64_t type, const uint8_t *row, int64_t blocks,
     if (size <= sb) return;
     memcpy(out, row + 2 * bi, 2);
     if (type == 3) memcpy(out + 2, row + 2 * blocks + 2 * bi, 2);
-    memcpy(out + sb, row + sb * blocks + bi * (size - sb), (size_t)(size - sb));
+    if (type == 8)
+        memcpy(out + sb, row + sb * blocks + bi * (size - sb), (size_t)(size - sb));
+    else if (bi >= blocks / Q4_GROUP * Q4_GROUP)
+        memcpy(out + sb, row + sb * blocks + bi * 16, 16);
+    else
+        q4_split_block(row + sb * blocks, bi, blocks, out + sb); /* the four words written to out */
 }
 
 static inline void k_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
@@ -690,7 +717,10 @@ int dsv41_gguf_split(int64_t type, void *data, int64_t rows, int64_t cols, int t
                 const uint8_t *b = tmp + bi * size;
                 memcpy(row + 2 * bi, b, 2);
                 if (type == 3) memcpy(row + 2 * blocks + 2 * bi, b + 2, 2);
-                memcpy(row + sb * blocks + bi * qb, b + sb, (size_t)qb);
+                if (type == 8)
+                    memcpy(row + sb * blocks + bi * qb, b + sb, (size_t)qb);
+                else
+                    for (int s = 0; s < 4; s++) memcpy(row + sb * blocks + q4_split_at(bi, 4 * s, blocks), b + sb + 4 * s, 4);
             } else
                 split_block(type, tmp, blocks, bi, row + bi * size);
         }
@@ -763,7 +793,9 @@ static inline void block_bf16(int64_t type, int64_t per, int split, const uint8_
     if (per == 32 && split) { /* read in place: a row's scales side by side, then its blocks' integers */
         const int64_t sb = split_scale_bytes(type), qb = gguf_block_bytes(type) - sb, b = i % row_blocks;
         const uint8_t *row = base + (i / row_blocks) * row_blocks * (sb + qb);
-        small_values_bf16(type, row + 2 * b, row + 2 * row_blocks + 2 * b, row + sb * row_blocks + b * qb, o);
+        uint8_t q[16];
+        small_values_bf16(type, row + 2 * b, row + 2 * row_blocks + 2 * b,
+                          type == 8 ? row + sb * row_blocks + b * qb : q4_split_block(row + sb * row_blocks, b, row_blocks, q), o);
         return;
     }
 #endif
@@ -928,6 +960,36 @@ static inline int64_t row_group4(const uint8_t *w, int64_t r, int64_t r1, int64_
 
 #endif
 
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+static inline int32_t i32_at(const uint8_t *b) { int32_t v; memcpy(&v, b, 4); return v; }
+/* Block bi's 16 bytes of integers from a Q4 row's integers q: in place in the file's layout (step: the blocks'
+ * stride), or from the split layout (step 0), where a block of a whole group of 16 is four words 64 bytes apart */
+static inline __m128i q4_block_bytes(const uint8_t *q, int64_t bi, int64_t step, int64_t blocks) {
+    if (step) return _mm_loadu_si128((const __m128i *)(q + bi * step));
+    if (bi >= blocks / Q4_GROUP * Q4_GROUP) return _mm_loadu_si128((const __m128i *)(q + bi * 16));
+    const uint8_t *at = q + q4_split_at(bi, 0, blocks);
+    return _mm_set_epi32(i32_at(at + 12 * Q4_GROUP), i32_at(at + 8 * Q4_GROUP), i32_at(at + 4 * Q4_GROUP), i32_at(at));
+}
+#endif
+
+#if defined(__AVX512F__)
+/* float32 x for the whole groups of 16 interleaved Q4 blocks (the first `grouped` blocks): per group, quarter u (its
+ * blocks 4u..4u + 3) and chunk s, 16 floats against the low nibbles (lane 4i + t: weight 4s + t of block 4u + i),
+ * then 16 against the high ones (weight 16 + 4s + t): 512 floats a group */
+static inline void q4_float_x(const float *x, int64_t grouped, float *xg) {
+    for (int64_t q = 0; q < grouped / 4; q++) /* four blocks: xg + (16 (q / 4) + 4 (q % 4) + s) 32 + 16 half */
+        for (int s = 0; s < 4; s++)
+            for (int half = 0; half < 2; half++) {
+                const float *from = x + q * 128 + 16 * half + 4 * s;
+                __m512 v = _mm512_castps128_ps512(_mm_loadu_ps(from));
+                v = _mm512_insertf32x4(v, _mm_loadu_ps(from + 32), 1);
+                v = _mm512_insertf32x4(v, _mm_loadu_ps(from + 64), 2);
+                v = _mm512_insertf32x4(v, _mm_loadu_ps(from + 96), 3);
+                _mm512_storeu_ps(xg + (16 * (q / 4) + 4 * (q % 4) + s) * 32 + 16 * half, v);
+            }
+}
+#endif
+
 /* Q4_0 / Q4_1 rows on float32 x, 32 weights a block: sum_b d_b * (q_b . x_b) [+ m_b * sum(x_b) for Q4_1, - 8 d_b
  * sum(x_b) for Q4_0], the dot of each block's nibbles with x in float32 lanes, scaled by the block's d into the row's
  * accumulator (the values multiplied are d * q exactly; only the order of the float32 sums differs from
@@ -953,7 +1015,6 @@ static void rows_small_blocks(int64_t type, int split, const uint8_t *w, const f
     const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     const __m512i gather_at = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                                  _mm512_set1_epi32((int)size));
-    (void)xperm;
     (void)d_step;
     for (; r < r1; r += 4) {
         const int64_t n = r1 - r < 4 ? r1 - r : 4; /* the last group may be short: its missing rows repeat the
@@ -973,6 +1034,31 @@ static void rows_small_blocks(int64_t type, int split, const uint8_t *w, const f
                 if (!with_min) m = _mm512_mul_ps(d, _mm512_set1_ps(-8.f));
                 extra[j] = _mm512_fmadd_ps(m, _mm512_maskz_loadu_ps(live, xsum + c), extra[j]);
             }
+            if (split && nb == Q4_GROUP) {
+                /* an interleaved group, a quarter (four blocks) at a time: 16 bytes of chunk s widened are bytes
+                 * 4s..4s + 3 of the quarter's blocks, against x as q4_float_x lays it out; each block's sum over its
+                 * four chunks in its four lanes, then times its d */
+                const float *xg = xperm + c * 32;
+                for (int u = 0; u < 4; u++) {
+                    __m512 t[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+                    for (int s = 0; s < 4; s++) {
+                        const __m512 xl = _mm512_loadu_ps(xg + (4 * u + s) * 32), xh = _mm512_loadu_ps(xg + (4 * u + s) * 32 + 16);
+#pragma GCC unroll 4
+                        for (int j = 0; j < 4; j++) {
+                            const uint8_t *b = rowp[j] + q_at + c * 16 + 64 * s + 16 * u;
+                            if (u == 0) _mm_prefetch((const char *)(b + 16 * row_bytes), _MM_HINT_T0);
+                            const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b));
+                            t[j] = _mm512_fmadd_ps(_mm512_permutexvar_ps(v, iota), xl, t[j]);
+                            t[j] = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), iota), xh, t[j]);
+                        }
+                    }
+                    const __m512i pick = _mm512_add_epi32(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
+                                                          _mm512_set1_epi32(4 * u));
+                    for (int j = 0; j < 4; j++)
+                        a[j] = _mm512_fmadd_ps(t[j], _mm512_permutexvar_ps(pick, _mm512_loadu_ps(scale[j])), a[j]);
+                }
+                continue;
+            }
             for (int64_t k = 0; k < nb; k++) {
                 const int64_t bi = c + k;
                 const float *xb = x + bi * 32;
@@ -981,7 +1067,7 @@ static void rows_small_blocks(int64_t type, int split, const uint8_t *w, const f
                 for (int j = 0; j < 4; j++) {
                     const uint8_t *b = rowp[j] + q_at + bi * q_step;
                     _mm_prefetch((const char *)(b + 16 * row_bytes), _MM_HINT_T0); /* four groups of rows ahead */
-                    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b));
+                    const __m512i v = _mm512_cvtepu8_epi32(q4_block_bytes(rowp[j] + q_at, bi, split ? 0 : q_step, blocks));
                     __m512 t = _mm512_mul_ps(_mm512_permutexvar_ps(v, iota), x0);
                     t = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), iota), x1, t);
                     a[j] = _mm512_fmadd_ps(t, _mm512_set1_ps(scale[j][k]), a[j]);
@@ -1016,7 +1102,7 @@ static void rows_small_blocks(int64_t type, int split, const uint8_t *w, const f
                 _mm_prefetch((const char *)(b + 16 * row_bytes), _MM_HINT_T0); /* four groups of rows ahead */
                 const float dv = f16_load(ds);
                 const __m256 d = _mm256_set1_ps(dv);
-                const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)b));
+                const __m256i v = _mm256_broadcastsi128_si256(q4_block_bytes(rowp[j] + q_at, bi, split ? 0 : q_step, blocks));
                 __m256 t0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(v, shift_a), nib)),
                                           _mm256_loadu_ps(xp));
                 __m256 t1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(v, shift_b), nib)),
@@ -1036,6 +1122,16 @@ static void rows_small_blocks(int64_t type, int split, const uint8_t *w, const f
 }
 #endif
 
+/* x for a whole group of 16 interleaved Q4 blocks (q4_split_at), `planes` bytes a value (int8 x: 1; int16 x: 2, its
+ * high byte, the low one 128 bytes after): chunk s of the group's weights takes 128 planes bytes of x, for each
+ * plane 64 bytes against the chunk's low nibbles (weights 4s..4s + 3 of each block, 4 bytes a block) and 64 against
+ * its high ones (weights 16 + 4s..). Where weight i of block b's (high) byte lies; the group of 16 blocks takes
+ * 512 planes bytes, what 16 blocks take in the layouts of one block or four after another, so a row's last blocks
+ * outside the groups keep those layouts at the same places. */
+static inline int64_t q4_x_at(int64_t b, int i, int planes) {
+    return (b / Q4_GROUP) * 32 * Q4_GROUP * planes + ((i % 16) / 4) * 128 * planes + (i / 16) * 64 + (b % Q4_GROUP) * 4 + i % 4;
+}
+
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
 #define DSV41_Q4_INT16_AVX2 1
 /* The int16 mode's Q4 product on AVX2 (no VNNI): x rounded to int16 per block of 32 as on AVX-512 (scale max |x| /
@@ -1044,7 +1140,8 @@ static void rows_small_blocks(int64_t type, int split, const uint8_t *w, const f
  * high ones), vpmaddubsw against h and against l (pair sums at most 2 * 15 * 128: no saturation), widened by
  * vpmaddwd with 256 and with 1 (x16_dot_avx2): the exact integer sum of q x16 over four weights a lane, converted exactly, times
  * d dx. About half the instructions of the float32 loop above, four rows at a time over the same x. */
-static void q16_blocks(const float *x, int64_t blocks, int8_t *xq, float *dx, float *xsum, float *xsum16) {
+static void q16_blocks(const float *x, int64_t blocks, int8_t *xq, float *dx, float *xsum, float *xsum16,
+                       int64_t grouped) {
     for (int64_t b = 0; b < blocks; b++) {
         const float *xs = x + b * 32;
         float amax = 0.f;
@@ -1060,8 +1157,14 @@ static void q16_blocks(const float *x, int64_t blocks, int8_t *xq, float *dx, fl
         int8_t *h = xq + b * 64, *l = h + 32;
         for (int i = 0; i < 32; i++) {
             const int32_t q = finite ? (int32_t)__builtin_lrintf(xs[i] * inv) : 0, hi = (q + 128) >> 8;
-            h[i] = (int8_t)hi;
-            l[i] = (int8_t)(q - hi * 256);
+            if (b < grouped) { /* a whole group of interleaved Q4 integers: q4_x_at */
+                int8_t *at = xq + q4_x_at(b, i, 2);
+                at[0] = (int8_t)hi;
+                at[128] = (int8_t)(q - hi * 256);
+            } else {
+                h[i] = (int8_t)hi;
+                l[i] = (int8_t)(q - hi * 256);
+            }
             sum[i / 16] += q;
         }
         dx[b] = amax / 32639.f;
@@ -1081,6 +1184,17 @@ static inline __m256i x16_dot_avx2_at(__m256i q, const int8_t *x) { /* h at x, l
     return x16_dot_avx2(q, _mm256_loadu_si256((const __m256i *)x), _mm256_loadu_si256((const __m256i *)(x + 32)));
 }
 
+/* Eight consecutive float16 numbers as float32 */
+static inline __m256 f16x8(const uint8_t *p) {
+#if defined(__F16C__)
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+#else
+    float f[8];
+    for (int i = 0; i < 8; i++) f[i] = f16_to_f32(u16_at(p + 2 * i));
+    return _mm256_loadu_ps(f);
+#endif
+}
+
 static void rows_q4_int16_avx2(int64_t type, int split, const uint8_t *w, const int8_t *xq, const float *dx,
                                const float *xsum, float *y, int64_t r0, int64_t r1, int64_t cols, int acc) {
     const int64_t size = gguf_block_bytes(type), blocks = cols / 32, row_bytes = blocks * size;
@@ -1089,6 +1203,7 @@ static void rows_q4_int16_avx2(int64_t type, int split, const uint8_t *w, const 
                   q_step = split ? size - split_scale_bytes(type) : size, d_step = split ? 2 : size,
                   m_at = split ? 2 * blocks : 2;
     const __m128i nib = _mm_set1_epi8(0x0F);
+    const __m256i nib32 = _mm256_set1_epi8(0x0F);
     for (int64_t r = r0; r < r1; r += 4) {
         const int64_t n = r1 - r < 4 ? r1 - r : 4; /* a short last group repeats its last row, not stored */
         __m256 a[4];
@@ -1098,7 +1213,35 @@ static void rows_q4_int16_avx2(int64_t type, int split, const uint8_t *w, const 
             rowp[j] = w + (r + (j < n ? j : n - 1)) * row_bytes;
             a[j] = _mm256_setzero_ps();
         }
-        for (int64_t bi = 0; bi < blocks; bi++) {
+        const int64_t grouped = split ? blocks / Q4_GROUP * Q4_GROUP : 0;
+        __m256 ev[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (int64_t c = 0; c < grouped; c += Q4_GROUP) /* whole groups of interleaved blocks, eight a ymm */
+            for (int hv = 0; hv < 2; hv++) {
+                __m256i t[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
+                for (int s = 0; s < 4; s++) {
+                    const int8_t *xg = xq + q4_x_at(c, 4 * s, 2) + 32 * hv;
+                    const __m256i lh = _mm256_loadu_si256((const __m256i *)xg), hh = _mm256_loadu_si256((const __m256i *)(xg + 64)),
+                                  ll = _mm256_loadu_si256((const __m256i *)(xg + 128)), hl = _mm256_loadu_si256((const __m256i *)(xg + 192));
+#pragma GCC unroll 4
+                    for (int j = 0; j < 4; j++) {
+                        const uint8_t *b = rowp[j] + q_at + c * 16 + 64 * s + 32 * hv;
+                        if (s == 0) _mm_prefetch((const char *)(b + 16 * row_bytes), _MM_HINT_T0);
+                        const __m256i v = _mm256_loadu_si256((const __m256i *)b);
+                        const __m256i lo = _mm256_and_si256(v, nib32), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib32);
+                        t[j] = _mm256_add_epi32(t[j], _mm256_add_epi32(x16_dot_avx2(lo, lh, ll), x16_dot_avx2(hi, hh, hl)));
+                    }
+                }
+                const __m256 dxv = _mm256_loadu_ps(dx + c + 8 * hv), xs = _mm256_loadu_ps(xsum + c + 8 * hv);
+#pragma GCC unroll 4
+                for (int j = 0; j < 4; j++) {
+                    const __m256 d = f16x8(rowp[j] + 2 * (c + 8 * hv));
+                    const __m256 m = with_min ? f16x8(rowp[j] + m_at + 2 * (c + 8 * hv)) : _mm256_mul_ps(d, _mm256_set1_ps(-8.f));
+                    ev[j] = _mm256_fmadd_ps(m, xs, ev[j]);
+                    a[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t[j]), _mm256_mul_ps(d, dxv), a[j]);
+                }
+            }
+        for (int j = 0; j < 4; j++) extra[j] = hsum256(ev[j]);
+        for (int64_t bi = grouped; bi < blocks; bi++) {
             const __m256i xh = _mm256_loadu_si256((const __m256i *)(xq + bi * 64)),
                           xl = _mm256_loadu_si256((const __m256i *)(xq + bi * 64 + 32));
             const float dxb = dx[bi], xs = xsum[bi];
@@ -1297,23 +1440,39 @@ static inline __attribute__((always_inline)) void q4_group_scales(const uint8_t 
  * picks and multiply-adds and a two-part load: the default model's matrices on int16 x, 2 cores of an AMD EPYC, 3.28
  * -> 2.86 ms a step. x (q4_quads): per group of four blocks 64 bytes of (int16 x: the high bytes of) weights 0..15 of
  * each block, then 64 of 16..31; int16 x then the low bytes likewise; a missing block's x is zeros. */
-static void q4_quads(const float *x, int64_t blocks, int planes, int8_t *xq, float *dx, float *xsum) {
+/* Sixteen bytes of x (weights 16 half .. + 15 of a block, one plane) to where the layout wants them: in place (at),
+ * or for a block of a whole interleaved group four words 128 planes bytes apart (q4_x_at) */
+static inline void q4_x_store(int8_t *at, __m128i v, int grouped, int planes) {
+    if (!grouped) {
+        _mm_storeu_si128((__m128i *)at, v);
+        return;
+    }
+    for (int s = 0; s < 4; s++) {
+        const int32_t word = _mm_cvtsi128_si32(v);
+        memcpy(at + 128 * planes * s, &word, 4);
+        v = _mm_srli_si128(v, 4);
+    }
+}
+
+static void q4_quads(const float *x, int64_t blocks, int planes, int8_t *xq, float *dx, float *xsum, int64_t grouped) {
     const float top = planes == 2 ? Q4_X16_MAX : 127.f;
     const __m512i b128 = _mm512_set1_epi32(128);
     for (int64_t b = 0; b < blocks; b++) {
         const float amax = block_amax(x + b * 32, 32);
         const float inv = amax > 0.f ? top / amax : 0.f;
         dx[b] = amax / top;
-        int8_t *quad = xq + (b / 4) * 128 * planes + (b % 4) * 16;
+        const int in_group = b < grouped;
         int32_t total = 0;
         for (int half = 0; half < 2; half++) { /* weights 0..15, then 16..31 */
+            /* the high (or only) bytes of these 16 weights: four words of an interleaved group, or 16 in a quad */
+            int8_t *at = in_group ? xq + q4_x_at(b, 16 * half, planes) : xq + (b / 4) * 128 * planes + (b % 4) * 16 + 64 * half;
             const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + b * 32 + 16 * half), _mm512_set1_ps(inv)));
             if (planes == 2) {
                 const __m512i h = _mm512_srai_epi32(_mm512_add_epi32(q, b128), 8);
-                _mm_storeu_si128((__m128i *)(quad + 64 * half), _mm512_cvtepi32_epi8(h));
-                _mm_storeu_si128((__m128i *)(quad + 128 + 64 * half), _mm512_cvtepi32_epi8(_mm512_sub_epi32(q, _mm512_slli_epi32(h, 8))));
+                q4_x_store(at, _mm512_cvtepi32_epi8(h), in_group, planes);
+                q4_x_store(at + 128, _mm512_cvtepi32_epi8(_mm512_sub_epi32(q, _mm512_slli_epi32(h, 8))), in_group, planes);
             } else {
-                _mm_storeu_si128((__m128i *)(quad + 64 * half), _mm512_cvtsepi32_epi8(q));
+                q4_x_store(at, _mm512_cvtsepi32_epi8(q), in_group, planes);
             }
             total += _mm512_reduce_add_epi32(q);
         }
@@ -1348,6 +1507,29 @@ static inline __attribute__((always_inline)) void rows_q4_int(const int planes, 
             const __mmask16 live = (__mmask16)((1u << nb) - 1u);
             __m512 scale[4];
             q4_group_scales(rowp, c, live, split, with_min, m_at, gather_at, size, dx, xsum, scale, extra);
+            if (split && nb == Q4_GROUP) { /* an interleaved group: lane i block c + i in all four chunks */
+                __m512i th[4], tl[4];
+                for (int j = 0; j < 4; j++) th[j] = tl[j] = _mm512_setzero_si512();
+                for (int s = 0; s < 4; s++) {
+                    group_stream_to(&st, w, r, row_bytes, c + 4 * s + 4, blocks);
+                    const int8_t *xg = xq + q4_x_at(c, 4 * s, planes);
+                    const __m512i hl = _mm512_loadu_si512((const void *)xg), hh = _mm512_loadu_si512((const void *)(xg + 64));
+                    const __m512i ll = planes == 2 ? _mm512_loadu_si512((const void *)(xg + 128)) : hl,
+                                  lh = planes == 2 ? _mm512_loadu_si512((const void *)(xg + 192)) : hh;
+#pragma GCC unroll 4
+                    for (int j = 0; j < 4; j++) {
+                        const __m512i v = _mm512_loadu_si512((const void *)(rowp[j] + q_at + c * 16 + 64 * s));
+                        const __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+                        th[j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(th[j], lo, hl), hi, hh);
+                        if (planes == 2) tl[j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(tl[j], lo, ll), hi, lh);
+                    }
+                }
+                for (int j = 0; j < 4; j++) {
+                    const __m512i dot = planes == 2 ? _mm512_add_epi32(_mm512_slli_epi32(th[j], 8), tl[j]) : th[j];
+                    a[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale[j], a[j]);
+                }
+                continue;
+            }
             for (int64_t k = 0; k < nb; k += 4) {
                 const int64_t bi = c + k, nq = nb - k < 4 ? nb - k : 4;
                 const __mmask64 bytes = nq == 4 ? ~(__mmask64)0 : (((__mmask64)1 << (16 * nq)) - 1);
@@ -1660,10 +1842,22 @@ static void rows_q4_bf16(int64_t type, const uint8_t *w, const uint16_t *xt, con
                 const __mmask64 bytes = left == 4 ? ~(__mmask64)0 : (((__mmask64)1 << (16 * left)) - 1);
                 const uint16_t *xg = xt + (bi / 4) * Q4_BF16_GROUP;
                 const __m512i pick = _mm512_add_epi32(_mm512_set1_epi32((int)k), group_lane); /* lane: its block's d */
+                /* in an interleaved group (q4_split_at) the four blocks' 16 bytes come from the four chunks: position
+                 * 4i + s of the vector is chunk s's word k + i */
+                const __m512i quad_lane = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+                const __m512i from = _mm512_add_epi32(_mm512_add_epi32(quad_lane, _mm512_set1_epi32((int)k)),
+                                                      _mm512_set_epi32(16, 0, 16, 0, 16, 0, 16, 0, 16, 0, 16, 0, 16, 0, 16, 0));
+                const int grouped = nb == Q4_GROUP;
 #pragma GCC unroll 4
                 for (int j = 0; j < 4; j++) {
-                    const uint8_t *b0 = rowp[j] + q_at + bi * 16;
-                    const __m512i v = _mm512_maskz_loadu_epi8(bytes, b0); /* a missing block: nibbles 0, x 0 */
+                    const uint8_t *b0 = rowp[j] + q_at + bi * 16, *g = rowp[j] + q_at + c * 16;
+                    const __m512i v = grouped
+                        ? _mm512_mask_blend_epi32(0xCCCC,
+                                                  _mm512_permutex2var_epi32(_mm512_loadu_si512((const void *)g), from,
+                                                                            _mm512_loadu_si512((const void *)(g + 64))),
+                                                  _mm512_permutex2var_epi32(_mm512_loadu_si512((const void *)(g + 128)), from,
+                                                                            _mm512_loadu_si512((const void *)(g + 192))))
+                        : _mm512_maskz_loadu_epi8(bytes, b0); /* a missing block: nibbles 0, x 0 */
                     /* (shifted & 0x78) | 0x4180 */
                     const __m512bh q0 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_slli_epi16(v, 3), mantissa, exponent, 0xEA);
                     const __m512bh q1 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 1), mantissa, exponent, 0xEA);
@@ -2292,7 +2486,7 @@ int dsv41_mv_gguf(int64_t type, const void *w, const float *x, float *y, int64_t
         if (!(buf = at = x_scratch(stack, xq_bytes + 8 * b32 + pad))) return -2;
         int8_t *xq = carve(&at, xq_bytes);
         float *dx = carve(&at, 4 * b32), *xsum = carve(&at, 4 * b32);
-        q4_quads(x, (int64_t)b32, planes, xq, dx, xsum);
+        q4_quads(x, (int64_t)b32, planes, xq, dx, xsum, split ? (int64_t)b32 / Q4_GROUP * Q4_GROUP : 0);
         if (planes == 2) ON_ROWS(rows_q4_int16(type, split, wb, xq, dx, xsum, y, r0, r1, cols, acc))
         else ON_ROWS(rows_q4_vnni(type, split, wb, xq, dx, xsum, y, r0, r1, cols, acc))
         if (buf != stack) free(buf);
@@ -2304,7 +2498,7 @@ int dsv41_mv_gguf(int64_t type, const void *w, const float *x, float *y, int64_t
         if (!(buf = at = x_scratch(stack, 64 * b32 + 8 * b32 + pad))) return -2;
         int8_t *xq = carve(&at, 64 * b32);
         float *dx = carve(&at, 4 * b32), *xsum = carve(&at, 4 * b32);
-        q16_blocks(x, (int64_t)b32, xq, dx, xsum, NULL);
+        q16_blocks(x, (int64_t)b32, xq, dx, xsum, NULL, split ? (int64_t)b32 / Q4_GROUP * Q4_GROUP : 0);
         ON_ROWS(rows_q4_int16_avx2(type, split, wb, xq, dx, xsum, y, r0, r1, cols, acc))
         if (buf != stack) free(buf);
         return 0;
@@ -2313,7 +2507,7 @@ int dsv41_mv_gguf(int64_t type, const void *w, const float *x, float *y, int64_t
         if (!(buf = at = x_scratch(stack, 64 * b32 + 16 * b32 + pad))) return -2;
         int8_t *xq = carve(&at, 64 * b32);
         float *dx = carve(&at, 4 * b32), *xsum = carve(&at, 4 * b32), *xsum16 = carve(&at, 8 * b32);
-        q16_blocks(x, (int64_t)b32, xq, dx, xsum, type == 14 ? xsum16 : NULL);
+        q16_blocks(x, (int64_t)b32, xq, dx, xsum, type == 14 ? xsum16 : NULL, 0);
         if (type == 12) ON_ROWS(rows_q4k_int16_avx2(wb, xq, dx, xsum, y, r0, r1, cols, acc))
         else if (type == 13) ON_ROWS(rows_q5k_int16_avx2(wb, xq, dx, xsum, y, r0, r1, cols, acc))
         else ON_ROWS(rows_q6k_int16_avx2(wb, xq, dx, xsum16, y, r0, r1, cols, acc))
@@ -2329,8 +2523,10 @@ int dsv41_mv_gguf(int64_t type, const void *w, const float *x, float *y, int64_t
     if (per == 32) {
         const int64_t blocks = (int64_t)b32;
 #if defined(__AVX512F__)
-        if (!(buf = at = x_scratch(stack, 4 * b32 + pad))) return -2;
-        float *xperm = NULL;
+        const int64_t grouped = split ? blocks / Q4_GROUP * Q4_GROUP : 0;
+        if (!(buf = at = x_scratch(stack, 4 * b32 + 128 * (size_t)grouped + pad))) return -2;
+        float *xperm = carve(&at, 128 * (size_t)grouped);
+        q4_float_x(x, grouped, xperm);
 #else /* x in the lane order the AVX2 Q4 loop reads nibbles in (rows_small_blocks) */
         if (!(buf = at = x_scratch(stack, 4 * b32 + 4 * (size_t)cols + pad))) return -2;
         float *xperm = carve(&at, 4 * (size_t)cols);

@@ -95,7 +95,9 @@ def float_activations(library=None):
 # The 32-weight formats also have a "split" row layout (cpu_kernels.c, GGUF_SPLIT): a row's blocks rearranged as
 # [every block's d] [every block's m (Q4_1)] [every block's integers], the same bytes, so the kernels read a row's
 # scales as one vector instead of gathering them from 18-, 20- or 34-byte strides (one Q4_1 call of the default
-# model's step 4.17 -> 3.57 ms, benchmarks/gguf_blocks.py).
+# model's step 4.17 -> 3.57 ms, benchmarks/gguf_blocks.py). Q4_0 / Q4_1 integers are further interleaved by 4-byte
+# words in whole groups of 16 blocks (a vector lane holds one block in all four 64-byte chunks of its group, so a
+# block's integer sums add up in its lane before its one scale); the blocks past the last group stay in order.
 SPLITTABLE = {2, 3, 8}
 
 

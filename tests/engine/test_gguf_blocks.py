@@ -161,7 +161,7 @@ def test_k_quant_products_hold_on_long_rows_and_every_row_of_a_thread(name, isa)
 def test_the_int16_mode_is_the_default_with_avx512_vnni_and_computes_the_same_on_every_build():
     """The int16 route needs AVX-512 VNNI: a build without it has no int16 mode (its default is the bf16 terms where
     AVX-512 BF16 is); a build with VNNI but not BF16 has it as its default, and its int16 products are the native
-    build's bit for bit; the Q4 formats give the same bits held split or in the file's order. The AVX2 build has an
+    build's bit for bit, held split or in the file's order. The AVX2 build has an
     int16 route for Q4_0 / Q4_1 and the k-quants (vpmaddubsw), its default too: W times the same rounded x, split or
     not (the k-quants: the test above)."""
     if "int16" not in gguf_blocks.x_modes():
@@ -177,8 +177,9 @@ def test_the_int16_mode_is_the_default_with_avx512_vnni_and_computes_the_same_on
         scale = w.abs() @ x.double().abs()
         with gguf_blocks.activations("int16", avx2):
             got = matrix.matvec(x, library=avx2)
-            assert torch.equal(matrix.as_split(avx2).matvec(x, library=avx2), got)
-        assert ((got.double() - w @ int16_rounded(x, 32)).abs() <= 1e-7 * scale).all()
+            held_split = matrix.as_split(avx2).matvec(x, library=avx2)
+        for product in (got, held_split):  # the same integer sums, added in another order
+            assert ((product.double() - w @ int16_rounded(x, 32)).abs() <= 1e-7 * scale).all()
         assert (got.double() - w @ x.double()).abs().max() > 4e-8 * float(scale.max())
     no_vnni = cpu_kernels.build(("-mno-avx512vnni",))
     assert "int16" not in gguf_blocks.x_modes(no_vnni) and "int8" not in gguf_blocks.x_modes(no_vnni)
@@ -194,7 +195,7 @@ def test_the_int16_mode_is_the_default_with_avx512_vnni_and_computes_the_same_on
         with gguf_blocks.activations("int16"), gguf_blocks.activations("int16", no_bf16):
             assert torch.equal(matrix.matvec(x), matrix.matvec(x, library=no_bf16))
             if name in ("Q4_0", "Q4_1"):
-                assert torch.equal(matrix.as_split().matvec(x), matrix.matvec(x))
+                assert torch.equal(matrix.as_split().matvec(x), matrix.as_split(no_bf16).matvec(x, library=no_bf16))
 
 
 @pytest.mark.parametrize("isa", ["native", "avx2"])
@@ -323,9 +324,12 @@ def test_shapes_and_types_that_are_not_held_are_refused():
 @pytest.mark.parametrize("isa", ["native", "avx2"])
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0"])
 def test_the_split_row_layout_is_the_same_matrix(name, isa):
-    """The 32-weight formats held split (a row's scales side by side, then its integers): the same bytes
-    rearranged, back to the file's exactly, the same values bit for bit, the same products (the kernels do the same
-    float32 operations in the same order, whether x is float32 or int8-rounded)."""
+    """The 32-weight formats held split (a row's scales side by side, then its integers; Q4's integers interleaved by
+    words in whole groups of 16 blocks): the same bytes rearranged, back to the file's exactly, the same values bit
+    for bit, the same products (Q8_0 and the nine blocks after the group: the same float32 operations in the same
+    order; Q4 in a group: on rounded x the same integer sums, a block's added up in its lane before its scale, on
+    float32 x the same products of q and x, a block's summed in its lanes before its d: the float32 sums in another
+    order)."""
     library = cpu_kernels.build(("-mno-avx512f",)) if isa == "avx2" else None
     rows, cols = 37, 800  # 25 blocks a row: a full vector of 16 scales and a partial one of 9
     data = torch.from_numpy(blocks_of(name, rows, cols, seed=5))
@@ -336,16 +340,28 @@ def test_the_split_row_layout_is_the_same_matrix(name, isa):
     # the layout itself: row 0's first block d first, its integers after all the scales
     scales = 4 if name == "Q4_1" else 2
     assert torch.equal(split.data[0, :2], data[0, :2])
-    assert torch.equal(split.data[0, 25 * scales:25 * scales + FORMATS[name][2] - scales], data[0, scales:FORMATS[name][2]])
+    size = FORMATS[name][2]
+    integers, in_file = split.data[0, 25 * scales:], data[0].view(25, size)[:, scales:]
+    if name == "Q8_0":
+        assert torch.equal(integers.view(25, size - scales), in_file)
+    else:  # chunk s of the first group: bytes 4s..4s + 3 of its 16 blocks in turn; the 9 blocks after, one by one
+        assert torch.equal(integers[:256].view(4, 16, 4).permute(1, 0, 2).reshape(16, 16), in_file[:16])
+        assert torch.equal(integers[256:].view(9, 16), in_file[16:])
     assert torch.equal(split.dequantize(library).view(torch.int32), file.dequantize(library).view(torch.int32))
     bf16 = torch.empty(rows, cols, dtype=torch.bfloat16)
     assert torch.equal(split.dequantize(library, out=bf16).clone(), file.dequantize(library, out=bf16.clone()))
     x = torch.randn(cols, generator=torch.Generator().manual_seed(6))
+    size_of_terms = file.dequantize(library).double().abs() @ x.double().abs()
     for mode in set(gguf_blocks.x_modes(library)) - {"bf16"}:  # bf16 x: split rows only (the test above)
         with gguf_blocks.activations(mode, library):
-            assert torch.equal(split.matvec(x, library=library), file.matvec(x, library=library))
             y = torch.randn(rows)
-            assert torch.equal(split.matvec(x, y.clone(), True, library), file.matvec(x, y.clone(), True, library))
+            pairs = [(split.matvec(x, library=library), file.matvec(x, library=library)),
+                     (split.matvec(x, y.clone(), True, library) - y, file.matvec(x, y.clone(), True, library) - y)]
+            for held_split, in_order in pairs:
+                if name == "Q8_0":
+                    assert torch.equal(held_split, in_order)
+                else:
+                    assert ((held_split.double() - in_order.double()).abs() <= 1e-6 * size_of_terms).all()
     picked = torch.tensor([5, 0, 36])
     assert torch.equal(split.select_rows(picked).dequantize(library), file.dequantize(library)[picked])
 
