@@ -2,6 +2,9 @@
 process: the same weights (held once), two builds of engine/kernels/cpu_kernels.c loaded side by side, each a fused
 decode step of its own, taking turns round by round (the order alternates), so the machine's drift between fresh
 processes does not decide the ratio. Each round's decode tok/s on this tree over the revision's, median and range.
+With DSV41_CPU_KERNEL_FLAGS (e.g. -mno-avx512f) both builds are that variant. The weights are held once, in this
+tree's layout: a revision that held Q4 rows in another split layout (before the interleaved groups of 16 blocks)
+reads the same bytes as other values, the same work for other tokens (greedy, the end of text ignored).
 
 Usage: python -m benchmarks.kernels_ab --rev 7fe8efd [--contexts 128,1024,4096] [--rounds 6] [--new-tokens 64]
        [--folder kernels-ab]
@@ -11,6 +14,7 @@ Writes results/<folder>/<folder>.json and .md.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import tempfile
@@ -32,8 +36,8 @@ def build_at(rev: str):
         path = Path(folder) / "cpu_kernels.c"
         path.write_bytes(source)
         ours, library.SOURCE = library.SOURCE, path
-        try:
-            return library.build()
+        try:  # the same variant as this tree's (DSV41_CPU_KERNEL_FLAGS=-mno-avx512f: both AVX2 builds)
+            return library.build(tuple(os.environ.get("DSV41_CPU_KERNEL_FLAGS", "").split()))
         finally:
             library.SOURCE = ours
 
