@@ -1139,7 +1139,10 @@ static inline int64_t q4_x_at(int64_t b, int i, int planes) {
  * then 32 l); a block's 32 nibbles as unsigned bytes in one ymm (bytes 0-15 the low nibbles: weights 0-15, 16-31 the
  * high ones), vpmaddubsw against h and against l (pair sums at most 2 * 15 * 128: no saturation), widened by
  * vpmaddwd with 256 and with 1 (x16_dot_avx2): the exact integer sum of q x16 over four weights a lane, converted exactly, times
- * d dx. About half the instructions of the float32 loop above, four rows at a time over the same x. */
+ * d dx. About half the instructions of the float32 loop above, four rows at a time over the same x. The whole
+ * groups of a split row (interleaved, q4_split_at) go eight blocks a ymm, a block's sums in its own lane over the
+ * group's four chunks, then one conversion and multiply-add per eight blocks; their x as q4_x_at lays it out
+ * (q16_blocks' `grouped`: the first blocks that many). */
 static void q16_blocks(const float *x, int64_t blocks, int8_t *xq, float *dx, float *xsum, float *xsum16,
                        int64_t grouped) {
     for (int64_t b = 0; b < blocks; b++) {
@@ -1430,16 +1433,6 @@ static inline __attribute__((always_inline)) void q4_group_scales(const uint8_t 
     }
 }
 
-/* Q4_0 / Q4_1 on integer x, four blocks a vector: the 64 bytes of nibbles of blocks 4g .. 4g + 3 (one load where the
- * row is held split, four where the blocks keep their scales between them) give their low nibbles (each block's
- * weights 0..15) and high ones (16..31) as two vectors whose lanes 4i .. 4i + 3 both belong to block 4g + i. planes 1
- * (int8 x): two vpdpbusd, the low and high nibbles against x. planes 2 (int16 x): four, against x's high bytes, the
- * sum shifted by 8, then against its low bytes, which leave each lane the exact integer sum of q x16 over its eight
- * weights (below 2^24: 8 * 15 * 127 * 256 + 8 * 15 * 128, so its float32 conversion is exact). Then one conversion
- * and one multiply-add by d dx per 128 weights. Taking two blocks a vector instead cost twice the conversions, scale
- * picks and multiply-adds and a two-part load: the default model's matrices on int16 x, 2 cores of an AMD EPYC, 3.28
- * -> 2.86 ms a step. x (q4_quads): per group of four blocks 64 bytes of (int16 x: the high bytes of) weights 0..15 of
- * each block, then 64 of 16..31; int16 x then the low bytes likewise; a missing block's x is zeros. */
 /* Sixteen bytes of x (weights 16 half .. + 15 of a block, one plane) to where the layout wants them: in place (at),
  * or for a block of a whole interleaved group four words 128 planes bytes apart (q4_x_at) */
 static inline void q4_x_store(int8_t *at, __m128i v, int grouped, int planes) {
@@ -1454,6 +1447,20 @@ static inline void q4_x_store(int8_t *at, __m128i v, int grouped, int planes) {
     }
 }
 
+/* Q4_0 / Q4_1 on integer x, four blocks a vector: the 64 bytes of nibbles of blocks 4g .. 4g + 3 (one load where the
+ * row is held split, four where the blocks keep their scales between them) give their low nibbles (each block's
+ * weights 0..15) and high ones (16..31) as two vectors whose lanes 4i .. 4i + 3 both belong to block 4g + i. planes 1
+ * (int8 x): two vpdpbusd, the low and high nibbles against x. planes 2 (int16 x): four, against x's high bytes, the
+ * sum shifted by 8, then against its low bytes, which leave each lane the exact integer sum of q x16 over its eight
+ * weights (below 2^24: 8 * 15 * 127 * 256 + 8 * 15 * 128, so its float32 conversion is exact). Then one conversion
+ * and one multiply-add by d dx per 128 weights. Taking two blocks a vector instead cost twice the conversions, scale
+ * picks and multiply-adds and a two-part load: the default model's matrices on int16 x, 2 cores of an AMD EPYC, 3.28
+ * -> 2.86 ms a step. That loop now takes the blocks of a split row past its last whole group of 16 (and rows in the
+ * file's order); a whole group, interleaved (q4_split_at), adds each block's sums in its own lane over the group's
+ * four chunks and converts and multiply-adds once (design.md, "Interleaved groups"). x (q4_quads): per group of four
+ * blocks 64 bytes of (int16 x: the high bytes of) weights 0..15 of each block, then 64 of 16..31; int16 x then the
+ * low bytes likewise; a missing block's x is zeros; the blocks of whole interleaved groups (`grouped`) as q4_x_at
+ * lays them out, in the same bytes. */
 static void q4_quads(const float *x, int64_t blocks, int planes, int8_t *xq, float *dx, float *xsum, int64_t grouped) {
     const float top = planes == 2 ? Q4_X16_MAX : 127.f;
     const __m512i b128 = _mm512_set1_epi32(128);
