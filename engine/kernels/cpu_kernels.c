@@ -477,7 +477,42 @@ static int64_t gguf_block_bytes(int64_t type) {
 
 static inline int64_t split_scale_bytes(int64_t type) { return type == 3 ? 4 : 2; } /* a block's scales */
 
-static inline int gguf_splittable(int64_t type) { return type == 2 || type == 3 || type == 8; }
+/* Q4_K rows have a split layout where the build has AVX-512 VNNI (its int16 products read it; k4_split_at) */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define K4_SPLIT 1
+#endif
+
+static inline int gguf_splittable(int64_t type) {
+#if defined(K4_SPLIT)
+    if (type == 12) return 1;
+#endif
+    return type == 2 || type == 3 || type == 8;
+}
+
+/* Whether rows of `type` have a split layout in this build (1 or 0) */
+int dsv41_gguf_splittable(int64_t type) { return gguf_splittable(type); }
+
+/* The split layout of Q4_K rows: each whole group of four blocks (576 bytes) as the four blocks' 16-byte heads (d,
+ * dmin, the twelve bytes of six-bit scales and minimums) side by side, then their 512 bytes of nibbles as eight
+ * 64-byte vectors: vector s holds word s (bytes 4s..4s + 3) of each block's four 32-byte chunks, block b's chunk c at
+ * 4 (4b + c). A lane of a vector then holds one (block, chunk) in all eight: the low nibbles are 32 weights of one
+ * sub-block, the high ones 32 of the next, so a sub-block's integer sums add up in one lane before its one scale,
+ * and one 64-byte load gives the four blocks' scales, one block a 128-bit lane. The blocks past the last whole
+ * group stay as in the file, at the same places. Where byte k (0..143) of block bi lies in such a row: */
+static inline int64_t k4_split_at(int64_t bi, int k, int64_t blocks) {
+    if (bi >= blocks / 4 * 4 || k < 0) return bi * 144 + k;
+    const int64_t group = (bi / 4) * 576;
+    const int b = (int)(bi % 4);
+    if (k < 16) return group + 16 * b + k;
+    const int q = k - 16;
+    return group + 64 + 64 * ((q % 32) / 4) + 4 * (4 * b + q / 32) + q % 4;
+}
+
+/* Q4_K block bi of a split row into out (144 bytes, the file's order) */
+static inline void k4_split_block(const uint8_t *row, int64_t blocks, int64_t bi, uint8_t *out) {
+    memcpy(out, row + k4_split_at(bi, 0, blocks), 16);
+    for (int k = 16; k < 144; k += 4) memcpy(out + k, row + k4_split_at(bi, k, blocks), 4);
+}
 
 /* Where byte k (0..15) of block bi's integers lies among a split Q4 row's integers (the row has `blocks` blocks) */
 static inline int64_t q4_split_at(int64_t bi, int k, int64_t blocks) {
@@ -495,6 +530,10 @@ static inline const uint8_t *q4_split_block(const uint8_t *q, int64_t bi, int64_
 
 /* block bi of a split row, reassembled in the file's order into out (gguf_block_bytes(type) bytes) */
 static inline void split_block(int64_t type, const uint8_t *row, int64_t blocks, int64_t bi, uint8_t *out) {
+    if (type == 12) {
+        k4_split_block(row, blocks, bi, out);
+        return;
+    }
     const int64_t sb = split_scale_bytes(type), size = gguf_block_bytes(type);
     if (size <= sb) return;
     memcpy(out, row + 2 * bi, 2);
@@ -695,7 +734,7 @@ int dsv41_gguf_dequant(int64_t type, const void *blocks, float *out, int64_t n_b
     const uint8_t *base = (const uint8_t *)blocks;
 #pragma omp parallel for schedule(static) num_threads(threads) if (n_blocks >= 4096)
     for (int64_t i = 0; i < n_blocks; i++) {
-        uint8_t tmp[64];
+        uint8_t tmp[256]; /* a block reassembled from the split layout (Q4_K: 144 bytes) */
         block_floats(type, per, block_at(type, split, base, i, row_blocks, tmp), out + i * per);
     }
     return 0;
@@ -704,8 +743,8 @@ int dsv41_gguf_dequant(int64_t type, const void *blocks, float *out, int64_t n_b
 /* Rows of the 32-weight formats rearranged in place between the file's layout and the split one (to_split: file ->
  * split; else back). Returns 0, -1 for a type without a split layout, -2 without memory. */
 int dsv41_gguf_split(int64_t type, void *data, int64_t rows, int64_t cols, int to_split) {
-    if (!gguf_splittable(type) || cols % 32) return -1;
-    const int64_t size = gguf_block_bytes(type), blocks = cols / 32, row_bytes = blocks * size,
+    if (!gguf_splittable(type) || cols % gguf_block_weights(type)) return -1;
+    const int64_t size = gguf_block_bytes(type), blocks = cols / gguf_block_weights(type), row_bytes = blocks * size,
                   sb = split_scale_bytes(type), qb = size - sb;
     uint8_t *tmp = malloc((size_t)row_bytes);
     if (!tmp) return -2;
@@ -713,7 +752,11 @@ int dsv41_gguf_split(int64_t type, void *data, int64_t rows, int64_t cols, int t
         uint8_t *row = (uint8_t *)data + r * row_bytes;
         memcpy(tmp, row, (size_t)row_bytes);
         for (int64_t bi = 0; bi < blocks; bi++) {
-            if (to_split) {
+            if (to_split && type == 12) {
+                const uint8_t *b = tmp + bi * size;
+                memcpy(row + k4_split_at(bi, 0, blocks), b, 16);
+                for (int k = 16; k < 144; k += 4) memcpy(row + k4_split_at(bi, k, blocks), b + k, 4);
+            } else if (to_split) {
                 const uint8_t *b = tmp + bi * size;
                 memcpy(row + 2 * bi, b, 2);
                 if (type == 3) memcpy(row + 2 * blocks + 2 * bi, b + 2, 2);
@@ -800,7 +843,7 @@ static inline void block_bf16(int64_t type, int64_t per, int split, const uint8_
     }
 #endif
     float vals[256];
-    uint8_t tmp[64];
+    uint8_t tmp[256]; /* a block reassembled from the split layout (Q4_K: 144 bytes) */
     const uint8_t *b = block_at(type, split, base, i, row_blocks, tmp);
 #if defined(__AVX512F__)
     if (per == 32) {
@@ -1626,13 +1669,94 @@ static void q4k_int_x(const float *x, int64_t blocks, int planes, int8_t *xq, fl
         }
 }
 
+/* q4k_int_x's int16 x with the first `grouped` blocks (whole groups of four) laid out for split Q4_K rows
+ * (k4_group_int16): per group 2048 bytes, for each of the eight nibble vectors s 256 bytes: x's high bytes against
+ * the low nibbles (lane 4b + c: weights 4s..4s + 3 of block b's sub-block 2c), against the high ones (sub-block
+ * 2c + 1), then the low bytes likewise; side[64 g ..]: dx of sub-block 2c / 2c + 1 by lane, then their sums as
+ * rounded. The blocks after the groups as q4k_int_x lays them out, at the same places; dx and xsum for every block. */
+static void q4k_int16_x(const float *x, int64_t blocks, int64_t grouped, int8_t *xq, float *dx, float *xsum,
+                        float *side) {
+    q4k_int_x(x + grouped * 256, blocks - grouped, 2, xq + grouped * 512, dx + grouped * 8, xsum + grouped * 16);
+    for (int64_t b = 0; b < grouped; b++)
+        for (int j = 0; j < 8; j++) {
+            _Alignas(16) int8_t hi[32], lo[32];
+            int64_t sum;
+            float *scale = &dx[b * 8 + j];
+            x_split(x + b * 256 + 32 * j, 32, 2, scale, hi, lo, &sum);
+            xsum[b * 16 + j] = 0.f;
+            xsum[b * 16 + 8 + j] = *scale * (float)sum;
+            const int lane = 4 * (int)(b % 4) + j / 2, high = j % 2;
+            int8_t *at = xq + (b / 4) * 2048 + 64 * high + 4 * lane;
+            for (int s = 0; s < 8; s++) {
+                memcpy(at + 256 * s, hi + 4 * s, 4);
+                memcpy(at + 256 * s + 128, lo + 4 * s, 4);
+            }
+            float *sg = side + (b / 4) * 64 + 16 * high + lane;
+            sg[0] = *scale;
+            sg[32] = xsum[b * 16 + 8 + j];
+        }
+}
+
 /* planes 1: int8 x (the int8 mode, Q4_K only: one vpdpbusd per 64 nibbles); 2: int16 x, 256 (q . h) + (q . l).
  * five: Q5_K (the same x; each nibble's fifth bit from qh, bit 2c of byte l for the low nibbles of chunk c, bit
  * 2c + 1 for its high ones, put in bit 4 of the byte as 16 + q: the same ternary-logic merge as Q6_K's pairs). */
+/* One group of four Q4_K blocks of a split row (k4_split_at) on int16 x laid out by q4k_int16_x: the four heads as
+ * one vector (block b in 128-bit lane b) give in one pass each lane 4b + c its d sc and dmin m for sub-blocks 2c and
+ * 2c + 1 (vpshufb gathers each dword's scale byte and its high bits' byte; masks and shifts finish the six-bit
+ * values); the eight nibble vectors add each lane's sub-block sums on x's high and low bytes; then one conversion
+ * and multiply-add for each of the two sub-blocks a lane holds. side: the group's 64 floats (dx of sub-block 2c /
+ * 2c + 1 by lane, then their sums as rounded). */
+static inline __attribute__((always_inline)) void k4_group_int16(const uint8_t *group, const int8_t *xg,
+                                                                  const float *side, __m512 *a, __m512 *off) {
+#define K4_S(k) (4 + (k)) /* scale byte k of a head */
+    const __m512i idx_slo = _mm512_broadcast_i32x4(_mm_setr_epi8(K4_S(0), -1, -1, -1, K4_S(2), -1, -1, -1, K4_S(8), K4_S(0), -1, -1, K4_S(10), K4_S(2), -1, -1));
+    const __m512i idx_shi = _mm512_broadcast_i32x4(_mm_setr_epi8(K4_S(1), -1, -1, -1, K4_S(3), -1, -1, -1, K4_S(9), K4_S(1), -1, -1, K4_S(11), K4_S(3), -1, -1));
+    const __m512i idx_mlo = _mm512_broadcast_i32x4(_mm_setr_epi8(K4_S(4), -1, -1, -1, K4_S(6), -1, -1, -1, K4_S(8), K4_S(4), -1, -1, K4_S(10), K4_S(6), -1, -1));
+    const __m512i idx_mhi = _mm512_broadcast_i32x4(_mm_setr_epi8(K4_S(5), -1, -1, -1, K4_S(7), -1, -1, -1, K4_S(9), K4_S(5), -1, -1, K4_S(11), K4_S(7), -1, -1));
+#undef K4_S
+    const __m512i idx_d = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, -1, -1, 0, 1, -1, -1, 0, 1, -1, -1, 0, 1, -1, -1));
+    const __m512i idx_dmin = _mm512_broadcast_i32x4(_mm_setr_epi8(2, 3, -1, -1, 2, 3, -1, -1, 2, 3, -1, -1, 2, 3, -1, -1));
+    /* sub-blocks 0-3: byte & 63 (a minimum: of the byte 4 on); 4-7: byte & 15 (a minimum: byte >> 4), and the two
+     * high bits of byte j - 4 (of byte j for a minimum) as bits 4-5: (dword >> 10) & 0x30 */
+    const __m512i keep_a = _mm512_broadcast_i32x4(_mm_setr_epi32(63, 63, 15, 15)),
+                  keep_b = _mm512_broadcast_i32x4(_mm_setr_epi32(0, 0, 0x30, 0x30)),
+                  shift_m = _mm512_broadcast_i32x4(_mm_setr_epi32(0, 0, 4, 4)), nib = _mm512_set1_epi8(0x0F);
+    const __m512i head = _mm512_loadu_si512((const void *)group);
+    const __m512i tsl = _mm512_shuffle_epi8(head, idx_slo), tsh = _mm512_shuffle_epi8(head, idx_shi),
+                  tml = _mm512_shuffle_epi8(head, idx_mlo), tmh = _mm512_shuffle_epi8(head, idx_mhi);
+    const __m512i slo = _mm512_or_si512(_mm512_and_si512(tsl, keep_a), _mm512_and_si512(_mm512_srli_epi32(tsl, 10), keep_b));
+    const __m512i shi = _mm512_or_si512(_mm512_and_si512(tsh, keep_a), _mm512_and_si512(_mm512_srli_epi32(tsh, 10), keep_b));
+    const __m512i mlo = _mm512_or_si512(_mm512_and_si512(_mm512_srlv_epi32(tml, shift_m), keep_a),
+                                        _mm512_and_si512(_mm512_srli_epi32(tml, 10), keep_b));
+    const __m512i mhi = _mm512_or_si512(_mm512_and_si512(_mm512_srlv_epi32(tmh, shift_m), keep_a),
+                                        _mm512_and_si512(_mm512_srli_epi32(tmh, 10), keep_b));
+    const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_shuffle_epi8(head, idx_d)));
+    const __m512 dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_shuffle_epi8(head, idx_dmin)));
+    *off = _mm512_fmadd_ps(_mm512_mul_ps(dmin, _mm512_cvtepi32_ps(mlo)), _mm512_loadu_ps(side + 32), *off);
+    *off = _mm512_fmadd_ps(_mm512_mul_ps(dmin, _mm512_cvtepi32_ps(mhi)), _mm512_loadu_ps(side + 48), *off);
+    __m512i lh = _mm512_setzero_si512(), ll = lh, hh = lh, hl = lh;
+    for (int s = 0; s < 8; s++) {
+        const __m512i v = _mm512_loadu_si512((const void *)(group + 64 + 64 * s));
+        const __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+        const int8_t *xs = xg + 256 * s;
+        lh = _mm512_dpbusd_epi32(lh, lo, _mm512_loadu_si512((const void *)xs));
+        hh = _mm512_dpbusd_epi32(hh, hi, _mm512_loadu_si512((const void *)(xs + 64)));
+        ll = _mm512_dpbusd_epi32(ll, lo, _mm512_loadu_si512((const void *)(xs + 128)));
+        hl = _mm512_dpbusd_epi32(hl, hi, _mm512_loadu_si512((const void *)(xs + 192)));
+    }
+    /* a lane's 32 weights: at most 32 * 15 * 32767 < 2^24, converted exactly */
+    const __m512 flo = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(lh, 8), ll));
+    const __m512 fhi = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(hh, 8), hl));
+    *a = _mm512_fmadd_ps(flo, _mm512_mul_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(slo)), _mm512_loadu_ps(side)), *a);
+    *a = _mm512_fmadd_ps(fhi, _mm512_mul_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(shi)), _mm512_loadu_ps(side + 16)), *a);
+}
+
+/* grouped: the first blocks of each row in split groups of four (Q4_K on int16 x only: k4_group_int16, x and side
+ * from q4k_int16_x); the rest in the file's layout (at the same places in a split row) */
 static inline __attribute__((always_inline)) void rows_k4_int(const int planes, const int five, const uint8_t *w,
                                                                const int8_t *xq, const float *dx, const float *xsum,
                                                                float *y, int64_t r0, int64_t r1, int64_t cols,
-                                                               int acc) {
+                                                               int acc, int64_t grouped, const float *side) {
     const int64_t size = five ? 176 : 144, blocks = cols / 256, row_bytes = blocks * size, q_at = five ? 48 : 16;
     const __m512i nib = _mm512_set1_epi8(0x0F), keep5 = _mm512_set1_epi8(0x1F);
     const __m512i lanes8 = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
@@ -1643,7 +1767,11 @@ static inline __attribute__((always_inline)) void rows_k4_int(const int planes, 
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t *row = w + r * row_bytes;
         __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), off = _mm512_setzero_ps();
-        for (int64_t bi = 0; bi < blocks; bi++) {
+        for (int64_t bi = 0; bi < grouped; bi += 4) {
+            stream_to(&st, (const char *)row + bi * size + 4 * size + K_AHEAD);
+            k4_group_int16(row + bi * size, xq + bi * 512, side + (bi / 4) * 64, &a0, &off);
+        }
+        for (int64_t bi = grouped; bi < blocks; bi++) {
             const uint8_t *b = row + bi * size;
             stream_to(&st, (const char *)b + size + K_AHEAD);
             const __m512 dsm = k_scales_mins(b);
@@ -1678,15 +1806,15 @@ static inline __attribute__((always_inline)) void rows_k4_int(const int planes, 
 }
 static void rows_q4k_int8(const uint8_t *w, const int8_t *xq, const float *dx, const float *xsum, float *y,
                           int64_t r0, int64_t r1, int64_t cols, int acc) {
-    rows_k4_int(1, 0, w, xq, dx, xsum, y, r0, r1, cols, acc);
+    rows_k4_int(1, 0, w, xq, dx, xsum, y, r0, r1, cols, acc, 0, NULL);
 }
 static void rows_q4k_int16(const uint8_t *w, const int8_t *xq, const float *dx, const float *xsum, float *y,
-                           int64_t r0, int64_t r1, int64_t cols, int acc) {
-    rows_k4_int(2, 0, w, xq, dx, xsum, y, r0, r1, cols, acc);
+                           int64_t r0, int64_t r1, int64_t cols, int acc, int64_t grouped, const float *side) {
+    rows_k4_int(2, 0, w, xq, dx, xsum, y, r0, r1, cols, acc, grouped, side);
 }
 static void rows_q5k_int16(const uint8_t *w, const int8_t *xq, const float *dx, const float *xsum, float *y,
                            int64_t r0, int64_t r1, int64_t cols, int acc) {
-    rows_k4_int(2, 1, w, xq, dx, xsum, y, r0, r1, cols, acc);
+    rows_k4_int(2, 1, w, xq, dx, xsum, y, r0, r1, cols, acc, 0, NULL);
 }
 
 /* Q6_K: a block's x as 256 high bytes, then 256 low ones, in the order of its weights; dx[b * 16 + s] the scale of
@@ -2341,7 +2469,7 @@ static void rows_gguf(int64_t type, int split, const uint8_t *w, const float *x,
                       int64_t cols, int acc) {
     const int64_t per = gguf_block_weights(type), size = gguf_block_bytes(type), blocks = cols / per;
     float vals[256];
-    uint8_t tmp[64];
+    uint8_t tmp[256]; /* a block reassembled from the split layout (Q4_K: 144 bytes) */
     (void)size;
     for (int64_t r = r0; r < r1; r++) {
         float s = 0.f;
@@ -2429,15 +2557,35 @@ int dsv41_mv_gguf(int64_t type, const void *w, const float *x, float *y, int64_t
     _Alignas(64) char stack[X_STACK];
     char *buf, *at;
     (void)b32, (void)b256, (void)pad, (void)stack, (void)buf, (void)at; /* unused in a build without AVX2 */
+    if (type == 12 && split && gguf_x_mode != X_INT16) {
+        /* split Q4_K rows in another x mode than int16 (whose loop reads them in place): 64 rows at a time put back
+         * in the file's order, then multiplied as such */
+        const int64_t blocks = cols / 256, row_bytes = blocks * 144, chunk = 64;
+        uint8_t *in_order = malloc((size_t)(chunk * row_bytes));
+        if (!in_order) return -2;
+        int status = 0;
+        for (int64_t r = 0; r < rows && !status; r += chunk) {
+            const int64_t n = rows - r < chunk ? rows - r : chunk;
+#pragma omp parallel for schedule(static) num_threads(threads)
+            for (int64_t i = 0; i < n * blocks; i++)
+                k4_split_block(wb + (r + i / blocks) * row_bytes, blocks, i % blocks, in_order + i * 144);
+            status = dsv41_mv_gguf(12, in_order, x, y + r, n, cols, acc, threads);
+        }
+        free(in_order);
+        return status;
+    }
 #if defined(DSV41_Q4_VNNI)
     if ((type == 12 || type == 13 || type == 14) && gguf_x_mode == X_INT16) {
-        if (!(buf = at = x_scratch(stack, 512 * b256 + 64 * b256 + 64 * b256 + pad))) return -2;
+        if (!(buf = at = x_scratch(stack, 512 * b256 + 64 * b256 + 64 * b256 + 64 * b256 + pad))) return -2;
         int8_t *xq = carve(&at, 512 * b256);
-        float *dx = carve(&at, 64 * b256), *xsum = carve(&at, 64 * b256);
-        if (type == 12 || type == 13) {
+        float *dx = carve(&at, 64 * b256), *xsum = carve(&at, 64 * b256), *side = carve(&at, 64 * b256);
+        if (type == 12) {
+            const int64_t grouped = split ? (int64_t)b256 / 4 * 4 : 0; /* k4_split_at */
+            q4k_int16_x(x, (int64_t)b256, grouped, xq, dx, xsum, side);
+            ON_ROWS(rows_q4k_int16(wb, xq, dx, xsum, y, r0, r1, cols, acc, grouped, side))
+        } else if (type == 13) {
             q4k_int_x(x, (int64_t)b256, 2, xq, dx, xsum);
-            if (type == 12) ON_ROWS(rows_q4k_int16(wb, xq, dx, xsum, y, r0, r1, cols, acc))
-            else ON_ROWS(rows_q5k_int16(wb, xq, dx, xsum, y, r0, r1, cols, acc))
+            ON_ROWS(rows_q5k_int16(wb, xq, dx, xsum, y, r0, r1, cols, acc))
         } else {
             q6k_int16_x(x, (int64_t)b256, xq, dx, xsum);
             ON_ROWS(rows_q6k_int16(wb, xq, dx, xsum, y, r0, r1, cols, acc))

@@ -98,7 +98,26 @@ def float_activations(library=None):
 # model's step 4.17 -> 3.57 ms, benchmarks/gguf_blocks.py). Q4_0 / Q4_1 integers are further interleaved by 4-byte
 # words in whole groups of 16 blocks (a vector lane holds one block in all four 64-byte chunks of its group, so a
 # block's integer sums add up in its lane before its one scale); the blocks past the last group stay in order.
+# Q4_K has a split layout where the build has AVX-512 VNNI (splittable): groups of four blocks, heads first, nibbles
+# interleaved by words, read in place by its int16 products (the other x modes put 64 rows at a time back in order).
 SPLITTABLE = {2, 3, 8}
+
+
+def held_split(type_id: int) -> bool:
+    """Whether a decoder weight of this type is held split: the 32-weight formats always; Q4_K where the build has
+    its split layout and the Q4 products take x as int16 when the weights load (the default there). In another x mode
+    its products would put the rows back in the file's order first, so it stays in that order; a mode changed after
+    loading still gives the same products, the int16 route's from the file's order, the others' through that copy."""
+    return type_id in SPLITTABLE or (splittable(type_id) and x_mode() == "int16")
+
+
+def splittable(type_id: int, library=None) -> bool:
+    """Whether rows of this GGUF type have a split layout with these kernels (Q4_K: where the build has AVX-512
+    VNNI)."""
+    if type_id in SPLITTABLE:
+        return True
+    lib = library if library is not None else load()
+    return lib is not None and bool(lib.lib.dsv41_gguf_splittable(type_id))
 
 
 def cpu_has_amx() -> bool:
@@ -139,7 +158,7 @@ class GGUFMatrix:
             raise ValueError(f"{self.format}: {tuple(self.data.shape)} bytes do not hold rows of {self.cols} weights")
         if self.data.device.type != "cpu":
             raise ValueError(f"{self.format} blocks are multiplied on the CPU; these are on {self.data.device}")
-        if self.split and self.type_id not in SPLITTABLE:
+        if self.split and not splittable(self.type_id):
             raise ValueError(f"{self.format} has no split layout")
         self.data = self.data.contiguous()
 
@@ -158,7 +177,7 @@ class GGUFMatrix:
 
     def as_split(self, library=None) -> GGUFMatrix:
         """This matrix in the split row layout (a copy; itself when already so or when its format has none)."""
-        if self.split or self.type_id not in SPLITTABLE:
+        if self.split or not splittable(self.type_id, library):
             return self
         return GGUFMatrix(self.type_id, self._rearrange(self.data.clone(), True, library), self.cols, split=True)
 
@@ -239,6 +258,8 @@ class GGUFMatrix:
         """Whether every weight is a finite number (damaged bytes decode to NaN / infinite scales), read from the
         blocks' float16 scales alone: no dequantised copy."""
         _, per, size = BY_TYPE[self.type_id]
+        if self.split and self.type_id not in SPLITTABLE:  # Q4_K: its heads among the nibbles (read in the file's order)
+            return GGUFMatrix(self.type_id, self.file_blocks(), self.cols).finite()
         if self.split:  # a row's scales come first, side by side
             scales = self.data[:, :self.cols // per * (4 if self.type_id == 3 else 2)]
             return bool(torch.isfinite(scales.contiguous().view(torch.float16)).all())
@@ -291,7 +312,7 @@ class GGUFWeight(KernelMatrix):
         for group in groups:
             data = torch.cat([p.data for p in group]) if len(group) > 1 else group[0].data.clone()
             run = GGUFMatrix(group[0].type_id, data, self.shape[1], group[0].split)
-            if run.type_id in SPLITTABLE and not run.split:  # data is this run's own copy: rearranged in place
+            if held_split(run.type_id) and not run.split:  # data is this run's own copy: rearranged in place
                 run._rearrange(data, True)
                 run.split = True
             self.runs.append(run)

@@ -366,19 +366,85 @@ def test_the_split_row_layout_is_the_same_matrix(name, isa):
     assert torch.equal(split.select_rows(picked).dequantize(library), file.dequantize(library)[picked])
 
 
-def test_a_split_matrix_with_a_damaged_scale_is_not_finite_and_k_quants_have_no_split_layout():
+def test_a_split_matrix_with_a_damaged_scale_is_not_finite_and_q5_k_q6_k_have_no_split_layout():
     data = torch.from_numpy(blocks_of("Q4_1", 8, 576, seed=7))
     split = GGUFMatrix(3, data, 576).as_split()
     assert split.finite()
     split.data[3, 2 * 18 + 4:2 * 18 + 6] = torch.tensor([0x00, 0x7E], dtype=torch.uint8)  # an m scale: f16 NaN
     assert not split.finite()
-    q4k = GGUFMatrix(12, torch.from_numpy(blocks_of("Q4_K", 2, 256)), 256)
-    assert q4k.as_split() is q4k
+    q6k = GGUFMatrix(14, torch.from_numpy(blocks_of("Q6_K", 2, 256)), 256)
+    assert q6k.as_split() is q6k
     with pytest.raises(ValueError, match="no split layout"):
-        GGUFMatrix(12, q4k.data, 256, split=True)
-    lib = cpu_kernels.load().lib  # the flag on a k-quant type is refused by the kernels too
-    assert lib.dsv41_mv_gguf(12 | 256, q4k.data.data_ptr(), torch.zeros(256).data_ptr(), torch.zeros(2).data_ptr(),
+        GGUFMatrix(14, q6k.data, 256, split=True)
+    lib = cpu_kernels.load().lib  # the flag on a type without a split layout is refused by the kernels too
+    assert lib.dsv41_mv_gguf(14 | 256, q6k.data.data_ptr(), torch.zeros(256).data_ptr(), torch.zeros(2).data_ptr(),
                              2, 256, 0, 1) == -1
+    avx2 = cpu_kernels.build(("-mno-avx512f",))  # Q4_K is held split only where AVX-512 VNNI reads it
+    q4k = GGUFMatrix(12, torch.from_numpy(blocks_of("Q4_K", 2, 256)), 256)
+    assert not gguf_blocks.splittable(12, avx2) and q4k.as_split(avx2) is q4k
+    assert avx2.lib.dsv41_mv_gguf(12 | 256, q4k.data.data_ptr(), torch.zeros(256).data_ptr(),
+                                  torch.zeros(2).data_ptr(), 2, 256, 0, 1) == -1
+
+
+def test_q4_k_rows_held_split_are_the_same_matrix():
+    """Where AVX-512 VNNI is, Q4_K rows are held split: each whole group of four blocks as their four 16-byte heads,
+    then their nibbles as eight 64-byte vectors, vector s holding bytes 4s..4s + 3 of each block's four 32-byte
+    chunks (block b's chunk c at 4 (4b + c)); the blocks after the last group as in the file. The same bytes, back to
+    the file's exactly, the same values; its int16 products read the groups in place (W times x rounded to int16 per
+    32, as the file's order gives: the same integer sums), every other x mode puts 64 rows at a time back in order
+    (the file's bits); a damaged head is found."""
+    if not gguf_blocks.splittable(12):
+        pytest.skip("this CPU has no AVX-512 VNNI: Q4_K stays in the file's order")
+    rows, cols = 70, 1536  # six blocks a row: one group and two after it; 70 rows: two chunks of the other modes
+    data = torch.from_numpy(blocks_of("Q4_K", rows, cols, seed=31))
+    file = GGUFMatrix(12, data, cols)
+    split = file.as_split()
+    assert split.split and split.nbytes == file.nbytes and not torch.equal(split.data, data)
+    assert torch.equal(split.file_blocks(), data)
+    blocks = data.view(rows, 6, 144)
+    assert torch.equal(split.data[:, :64], blocks[:, :4, :16].reshape(rows, 64))  # the group's heads
+    nibbles = blocks[:, :4, 16:].reshape(rows, 4, 4, 8, 4)  # [row, block, chunk, word, byte]
+    assert torch.equal(split.data[:, 64:576], nibbles.permute(0, 3, 1, 2, 4).reshape(rows, 512))
+    assert torch.equal(split.data[:, 576:], data[:, 576:])  # the two blocks after the group
+    assert torch.equal(split.dequantize().view(torch.int32), file.dequantize().view(torch.int32))
+    picked = torch.tensor([69, 0, 33])
+    assert torch.equal(split.select_rows(picked).dequantize(), file.dequantize()[picked])
+    x = torch.randn(cols, generator=torch.Generator().manual_seed(32)) * torch.rand(cols) * 3
+    w = torch.from_numpy(reference(data.numpy(), 12, rows, cols)).double()
+    scale = w.abs() @ x.double().abs()
+    y = torch.randn(rows)
+    for mode in gguf_blocks.x_modes():
+        with gguf_blocks.activations(mode):
+            held, in_order = split.matvec(x), file.matvec(x)
+            added = split.matvec(x, y.clone(), True) - y
+        if mode == "int16":
+            for product in (held, in_order, added):
+                assert ((product.double() - w @ int16_rounded(x, 32)).abs() <= 1e-7 * scale).all()
+        else:
+            assert torch.equal(held, in_order), mode
+    assert split.finite()
+    damaged = split.data.clone()
+    damaged[40, 16 * 2:16 * 2 + 2] = torch.tensor([0x00, 0x7C], dtype=torch.uint8)  # block 2's d: f16 infinity
+    assert not GGUFMatrix(12, damaged, cols, split=True).finite()
+
+
+def test_a_q4_k_weight_is_held_split_when_its_products_take_int16_x():
+    """A decoder's Q4_K weight is held split where the int16 route reads it (the default with AVX-512 VNNI); loaded
+    in another x mode it stays in the file's order, and a mode changed after loading gives the same products."""
+    if not gguf_blocks.splittable(12):
+        pytest.skip("this CPU has no AVX-512 VNNI: Q4_K stays in the file's order")
+    parts = [GGUFMatrix(12, torch.from_numpy(blocks_of("Q4_K", 8, 1024, seed=n)), 1024) for n in (1, 2)]
+    with gguf_blocks.activations("int16"):
+        held = gguf_blocks.GGUFWeight(parts)
+    with gguf_blocks.activations("float32"):
+        in_order = gguf_blocks.GGUFWeight(parts)
+    assert held.runs[0].split and not in_order.runs[0].split and held.nbytes == in_order.nbytes
+    x = torch.randn(1024, generator=torch.Generator().manual_seed(3))
+    with gguf_blocks.activations("float32"):
+        assert torch.equal(held.matvec(x), in_order.matvec(x))
+    with gguf_blocks.activations("int16"):
+        scale = float((in_order.runs[0].dequantize().double().abs() @ x.double().abs()).max())
+        assert (held.matvec(x) - in_order.matvec(x)).abs().max() <= 1e-6 * scale
 
 
 def test_a_stacked_weight_joins_neighbours_of_one_format_into_one_run():
@@ -412,7 +478,7 @@ def test_a_few_rows_multiply_the_blocks_dequantised_tile_by_tile(name, isa):
     rows, cols = 37, 1024 if FORMATS[name][1] == 256 else 800
     data = blocks_of(name, rows, cols, seed=11)
     matrices = [GGUFMatrix(FORMATS[name][0], torch.from_numpy(data), cols)]
-    if FORMATS[name][0] in gguf_blocks.SPLITTABLE:
+    if gguf_blocks.splittable(FORMATS[name][0], library):
         matrices.append(matrices[0].as_split(library))
     w = torch.from_numpy(reference(data, FORMATS[name][0], rows, cols)).bfloat16().double()
     for m in (1, 3, 4, 6, 17):
