@@ -500,7 +500,7 @@ int dsv41_gguf_splittable(int64_t type) { return gguf_splittable(type); }
  * and one 64-byte load gives the four blocks' scales, one block a 128-bit lane. The blocks past the last whole
  * group stay as in the file, at the same places. Where byte k (0..143) of block bi lies in such a row: */
 static inline int64_t k4_split_at(int64_t bi, int k, int64_t blocks) {
-    if (bi >= blocks / 4 * 4 || k < 0) return bi * 144 + k;
+    if (bi >= blocks / 4 * 4) return bi * 144 + k;
     const int64_t group = (bi / 4) * 576;
     const int b = (int)(bi % 4);
     if (k < 16) return group + 16 * b + k;

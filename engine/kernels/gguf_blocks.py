@@ -104,16 +104,13 @@ SPLITTABLE = {2, 3, 8}
 
 
 def held_split(type_id: int) -> bool:
-    """Whether a decoder weight of this type is held split: the 32-weight formats always; Q4_K where the build has
-    its split layout and the Q4 products take x as int16 when the weights load (the default there). In another x mode
-    its products would put the rows back in the file's order first, so it stays in that order; a mode changed after
-    loading still gives the same products, the int16 route's from the file's order, the others' through that copy."""
+    """Whether a decoder weight of this type is held split: the 32-weight formats always; Q4_K where it has the
+    layout and x is taken as int16 at load (the default there; in another mode it stays in the file's order)."""
     return type_id in SPLITTABLE or (splittable(type_id) and x_mode() == "int16")
 
 
 def splittable(type_id: int, library=None) -> bool:
-    """Whether rows of this GGUF type have a split layout with these kernels (Q4_K: where the build has AVX-512
-    VNNI)."""
+    """Whether rows of this GGUF type have a split layout with these kernels (Q4_K: with AVX-512 VNNI)."""
     if type_id in SPLITTABLE:
         return True
     lib = library if library is not None else load()
