@@ -92,14 +92,11 @@ def float_activations(library=None):
     return activations("float32", library)
 
 
-# The 32-weight formats also have a "split" row layout (cpu_kernels.c, GGUF_SPLIT): a row's blocks rearranged as
-# [every block's d] [every block's m (Q4_1)] [every block's integers], the same bytes, so the kernels read a row's
-# scales as one vector instead of gathering them from 18-, 20- or 34-byte strides (one Q4_1 call of the default
-# model's step 4.17 -> 3.57 ms, benchmarks/gguf_blocks.py). Q4_0 / Q4_1 integers are further interleaved by 4-byte
-# words in whole groups of 16 blocks (a vector lane holds one block in all four 64-byte chunks of its group, so a
-# block's integer sums add up in its lane before its one scale); the blocks past the last group stay in order.
-# Q4_K has a split layout where the build has AVX-512 VNNI (splittable): groups of four blocks, heads first, nibbles
-# interleaved by words, read in place by its int16 products (the other x modes put 64 rows at a time back in order).
+# The 32-weight formats also have a "split" row layout (cpu_kernels.c, GGUF_SPLIT): the same bytes as [every block's
+# d] [every block's m (Q4_1)] [every block's integers], a row's scales one vector load; Q4_0 / Q4_1 integers further
+# interleaved by words in whole groups of 16 blocks (a lane holds one block in all four chunks of its group). Q4_K has
+# one where the build has AVX-512 VNNI (splittable): groups of four blocks, heads first, nibbles interleaved by words.
+# design.md, "Interleaved groups" and "Q4_K groups".
 SPLITTABLE = {2, 3, 8}
 
 
