@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from .config import GenerationSettings
+from .kernels import sample as sample_kernel
 
 __all__ = ["GenerationSettings", "apply_repetition_penalty", "head_probs", "logits_to_probs", "next_token", "sample",
            "sample_tensor"]
@@ -80,10 +81,8 @@ def next_token(logits: torch.Tensor, settings: GenerationSettings, seen_ids: tor
             and _kernel_sampling():
         # the same distribution in one kernel call (engine.kernels.sample; through torch, ~12 ops a token cost
         # 0.55 ms a token more than greedy in the decode loop), drawn at a number from the same generator
-        from .kernels.sample import sample_head
-
         u = float(torch.rand((), generator=generator, dtype=torch.float64))
-        token = sample_head(logits, seen_ids, settings.repetition_penalty, settings.top_k, settings.temperature,
+        token = sample_kernel.sample_head(logits, seen_ids, settings.repetition_penalty, settings.top_k, settings.temperature,
                             settings.top_p, u)
         if token is not None:
             return token, None
@@ -92,9 +91,7 @@ def next_token(logits: torch.Tensor, settings: GenerationSettings, seen_ids: tor
 
 
 def _kernel_sampling() -> bool:
-    from .kernels.sample import available
-
-    return available()
+    return sample_kernel.available()
 
 
 def sample(logits: torch.Tensor, settings: GenerationSettings, seen_ids: torch.Tensor,

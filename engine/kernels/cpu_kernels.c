@@ -538,12 +538,11 @@ static inline void split_block(int64_t type, const uint8_t *row, int64_t blocks,
     if (size <= sb) return;
     memcpy(out, row + 2 * bi, 2);
     if (type == 3) memcpy(out + 2, row + 2 * blocks + 2 * bi, 2);
+    uint8_t q[16];
     if (type == 8)
         memcpy(out + sb, row + sb * blocks + bi * (size - sb), (size_t)(size - sb));
-    else if (bi >= blocks / Q4_GROUP * Q4_GROUP)
-        memcpy(out + sb, row + sb * blocks + bi * 16, 16);
     else
-        q4_split_block(row + sb * blocks, bi, blocks, out + sb); /* the four words written to out */
+        memcpy(out + sb, q4_split_block(row + sb * blocks, bi, blocks, q), 16);
 }
 
 static inline void k_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
