@@ -7,7 +7,8 @@ bytes read per step, GB/s, and the share of this machine's read bandwidth (the b
 matrix-vector product over 1 GiB, as `python -m engine bench` measures it). Medians of 21, interleaved. Also
 the kernels alone: every 576-column Q4_1 matrix of the step joined into one, one call each way (a call per small
 matrix from Python costs about as much as the product itself); and the k-quants, which the default model does not
-use, on six 4096 x 4096 matrices of random blocks each, in every x mode and on the AVX2 build.
+use, on six 4096 x 4096 matrices of random blocks each, in every x mode and on the AVX2 build, and Q4_K held
+split in its int16 mode (six from memory; one 2048 x 4096 matrix in the caches, split and in the file's order).
 
 Usage: python -m benchmarks.gguf_blocks [--folder gguf-blocks]      Writes results/<folder>/<folder>.json and .md.
 """
@@ -23,7 +24,7 @@ from pathlib import Path
 import torch
 
 from engine import kernels as cpu_kernels
-from engine.kernels.gguf_blocks import FORMATS, GGUFMatrix, activations, x_mode, x_modes
+from engine.kernels.gguf_blocks import FORMATS, GGUFMatrix, activations, splittable, x_mode, x_modes
 
 from .common import machine, write_results
 from .speed.core import read_bandwidth
@@ -62,6 +63,11 @@ def kquant_blocks(name: str, rows: int, cols: int, rng) -> GGUFMatrix:
     return GGUFMatrix(type_id, torch.from_numpy(raw.reshape(rows, -1)), cols)
 
 
+def _int16_product(matrix: GGUFMatrix, x: torch.Tensor, out: torch.Tensor) -> None:
+    with activations("int16"):
+        matrix.matvec(x, out)
+
+
 def kquant_variants(avx2) -> dict:
     """The k-quants (which the default model does not use: its rows of 576 do not divide into blocks of 256) on six
     4096 x 4096 matrices of random blocks each (more than the caches hold), in every way this build takes x, and on
@@ -81,6 +87,14 @@ def kquant_variants(avx2) -> dict:
                     m.matvec(x, out, library=library)
         for mode in x_modes():
             variants[f"{name}, six 4096 x 4096 matrices, {mode} x"] = (lambda run=run, mode=mode: run(mode=mode), nbytes)
+        if name == "Q4_K" and "int16" in x_modes() and splittable(12):  # the split layout its int16 route reads
+            held = [m.as_split() for m in mats]
+            variants["Q4_K, six 4096 x 4096 matrices, held split, int16 x"] = (
+                lambda run=run, held=held: run(mats=held, mode="int16"), nbytes)
+            for label, whole in (("in the file's order", mats[0]), ("held split", held[0])):  # 4.7 MB: in the caches
+                part = GGUFMatrix(12, whole.data[:2048], 4096, whole.split)
+                variants[f"Q4_K, one 2048 x 4096 matrix (in the caches), {label}, int16 x"] = (
+                    lambda part=part: _int16_product(part, x, out[:2048]), part.nbytes)
         if avx2 is not None:  # the AVX2 build in each of its modes (float32; int16 for Q4_K and Q6_K)
             for mode in x_modes(avx2):
                 variants[f"{name}, six 4096 x 4096 matrices, the AVX2 build, {mode} x"] = (
