@@ -3426,6 +3426,54 @@ uint64_t dsv41_step_read(const StepModel *m, const StepLayer *layers, int thread
     return seen;
 }
 
+/* What the Q4 products' order of reading costs alone: every byte of `rows` split Q4_0 / Q4_1 rows (type 2 / 3,
+ * `blocks` blocks a row) read with wide loads and summed (as dsv41_step_read), each thread its share of the rows
+ * (thread_rows); pattern 0: linearly; 1: in the order rows_q4_int reads them, nothing computed (four rows a group:
+ * each row's scales of 16 blocks, then 64 bytes of integers of each row in turn, a group's last blocks one load a
+ * row, the rows ahead streamed into L2 as the product does). benchmarks/read_pattern.py times the two. Returns the
+ * sum of the bytes (the same either way: each is read once), or 0 without AVX-512. */
+uint64_t dsv41_q4_read_pattern(int64_t type, const uint8_t *w, int64_t rows, int64_t blocks, int pattern, int threads) {
+    uint64_t total = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    const int64_t size = gguf_block_bytes(type), row_bytes = blocks * size, sb = split_scale_bytes(type),
+                  q_at = sb * blocks;
+#pragma omp parallel num_threads(threads) reduction(+ : total)
+    {
+        int64_t r0, r1;
+        thread_rows(rows, &r0, &r1);
+        const __m512i z = _mm512_setzero_si512();
+        __m512i acc = z;
+        if (pattern == 0) {
+            total += read_span((const char *)w + r0 * row_bytes, (r1 - r0) * row_bytes);
+        } else {
+            Stream st = group_stream(w, r0, r1, row_bytes);
+            for (int64_t r = r0; r < r1; r += 4) {
+                const int64_t n = r1 - r < 4 ? r1 - r : 4;
+                for (int64_t c = 0; c < blocks; c += 16) {
+                    const int64_t nb = blocks - c < 16 ? blocks - c : 16;
+                    const __mmask16 live = (__mmask16)((1u << nb) - 1u);
+                    for (int64_t j = 0; j < n; j++)
+                        for (int64_t k = 0; k < sb / 2; k++) /* d (and Q4_1's m) of blocks c.. */
+                            acc = _mm512_add_epi64(acc, _mm512_sad_epu8(_mm512_castsi256_si512(_mm256_maskz_loadu_epi16(
+                                      live, w + (r + j) * row_bytes + 2 * blocks * k + 2 * c)), z));
+                    for (int64_t at = 0; at < 16 * nb; at += 64) {
+                        group_stream_to(&st, w, r, row_bytes, c + at / 16 + 4, blocks);
+                        const __mmask64 bytes = 16 * nb - at >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << (16 * nb - at)) - 1);
+                        for (int64_t j = 0; j < n; j++)
+                            acc = _mm512_add_epi64(acc, _mm512_sad_epu8(_mm512_maskz_loadu_epi8(
+                                      bytes, w + (r + j) * row_bytes + q_at + 16 * c + at), z));
+                    }
+                }
+            }
+        }
+        total += (uint64_t)_mm512_reduce_add_epi64(acc);
+    }
+#else
+    (void)type, (void)w, (void)rows, (void)blocks, (void)pattern, (void)threads;
+#endif
+    return total;
+}
+
 /* ---------------------------------------------------------------------------------------------------------
  * Rows of a cache layer moved in place (engine/kernels/rows.py). A layer (hot or cold) keeps several tensors
  * laid out [heads, capacity, row] with one capacity for all (keys, values, their int8 scales, positions,

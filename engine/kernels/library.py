@@ -208,6 +208,8 @@ def _bind_step(lib: ctypes.CDLL) -> None:
     lib.dsv41_step_matrices.restype = cint
     lib.dsv41_step_read.argtypes = [ptr, ptr, cint]
     lib.dsv41_step_read.restype = ctypes.c_uint64
+    lib.dsv41_q4_read_pattern.argtypes = [i64, ptr, i64, i64, cint, cint]
+    lib.dsv41_q4_read_pattern.restype = ctypes.c_uint64
     lib.dsv41_step_attention.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, cint, f32, cint]
     lib.dsv41_step_attention.restype = cint
     lib.dsv41_sample_head.argtypes = [ptr, i64, ptr, i64, f32, i64, f32, f32, ctypes.c_double]

@@ -59,10 +59,15 @@ def test_every_format_dequantises_bit_for_bit_as_the_gguf_package(name):
 @pytest.mark.parametrize("isa", ["native", "avx2"])
 @pytest.mark.parametrize("name", sorted(FORMATS))
 def test_the_product_is_w_x_with_float32_accumulation(name, isa):
-    library = cpu_kernels.build(("-mno-avx512f",)) if isa == "avx2" else None
     # rows not a multiple of the threads' groups of four; for the 32-weight formats 800 columns = 25 blocks, so
-    # the AVX-512 loop's scales come in a full gather of 16 blocks and a partial one of 9
-    rows, cols = 37, 1024 if FORMATS[name][1] == 256 else 800
+    # the AVX-512 loop's scales come in a full gather of 16 blocks and a partial one of 9 (a split row's last block
+    # alone), and 576 = 18 (the default model's rows: a split row's group of 16, then a pair)
+    for cols in (1024,) if FORMATS[name][1] == 256 else (800, 576):
+        check_product(name, isa, 37, cols)
+
+
+def check_product(name: str, isa: str, rows: int, cols: int) -> None:
+    library = cpu_kernels.build(("-mno-avx512f",)) if isa == "avx2" else None
     data = blocks_of(name, rows, cols, seed=1)
     matrix = GGUFMatrix(FORMATS[name][0], torch.from_numpy(data), cols)
     x = torch.randn(cols, generator=torch.Generator().manual_seed(2))
@@ -540,3 +545,19 @@ def test_the_x_mode_is_chosen_by_environment_and_a_wrong_one_keeps_the_default()
     assert mode == "float32" and not err.strip()
     (mode, default), err = run("bf17")
     assert mode == default and "DSV41_GGUF_X=bf17" in err  # the default: bf16 terms where the CPU has AVX-512 BF16
+
+
+@pytest.mark.parametrize("type_id", [2, 3])
+def test_the_read_order_probe_reads_every_byte_of_the_rows_once_either_way(type_id):
+    """benchmarks/read_pattern.py times dsv41_q4_read_pattern's two orders over the same rows: each must read every
+    byte once (a row count that is no multiple of the four-row groups, a group of 16 blocks and nine after it)."""
+    library = cpu_kernels.load()
+    if library is None or library.isa != 512:
+        pytest.skip("the probe reads in the AVX-512 loop's order")
+    rows, blocks = 37, 25
+    data = torch.randint(0, 256, (rows * blocks * FORMATS["Q4_0" if type_id == 2 else "Q4_1"][2],), dtype=torch.uint8,
+                         generator=torch.Generator().manual_seed(4))
+    expected = int(data.sum())
+    for threads in (1, 2):
+        assert [library.lib.dsv41_q4_read_pattern(type_id, data.data_ptr(), rows, blocks, pattern, threads)
+                for pattern in (0, 1)] == [expected, expected]
