@@ -10,9 +10,12 @@ several) and the rate at which the step's own matrices are read where they sit, 
 (FusedDecodeStep.read_seconds, before every turn: on a VM the same loop reads one buffer at 34 GB/s and the next at
 55, by where its pages land, so the model's own pages are the bound that holds for its steps). `--profile` adds the
 Python functions that take the most of the decode loop (cProfile from the first reply token on, one extra turn).
+`--paired` reads the step's weights once right after every step (timed apart, left out of the token's time) and
+gives each step's share of the bound at that read's rate: on a VM whose bandwidth swings within seconds, a bound
+measured before a turn does not hold for every step in it.
 
 Usage: python -m benchmarks.step_time [--contexts 128,1024] [--turns 3] [--new-tokens 200] [--sampling greedy|app]
-       [--folder step-time]
+       [--paired] [--folder step-time]
 Writes results/<folder>/<folder>.json and .md.
 """
 
@@ -29,41 +32,63 @@ from .gguf_llamacpp import THREADS, _held_weight_bytes, prompts
 
 
 class _TimedLibrary:
-    """The kernel library with its decode step call timed (every other symbol passed through)."""
+    """The kernel library with its decode step call timed (every other symbol passed through); `read` (the step's
+    dsv41_step_read arguments): right after each step, the step's weights read once on their own pages, timed."""
 
-    def __init__(self, lib):
+    def __init__(self, lib, read: tuple | None = None):
         self._lib = lib
+        self._read = read
         self.seconds: list[float] = []
+        self.read_seconds: list[float] = []
 
     def dsv41_decode_step(self, *args):
         started = time.perf_counter()
         status = self._lib.dsv41_decode_step(*args)
         self.seconds.append(time.perf_counter() - started)
+        if self._read is not None:
+            started = time.perf_counter()
+            self._lib.dsv41_step_read(*self._read)
+            self.read_seconds.append(time.perf_counter() - started)
         return status
 
     def __getattr__(self, name):
         return getattr(self._lib, name)
 
 
-def measure(model, ids: list[int], question: int, new_tokens: int, seed: int | None = None) -> dict:
+def measure(model, ids: list[int], question: int, new_tokens: int, seed: int | None = None,
+            paired: bool = False) -> dict:
     """One turn: its decode tokens' median-free totals (decode seconds, C step seconds, tokens); greedy, or the app's
-    default sampling with `seed`."""
+    default sampling with `seed`. `paired`: each step is followed by a read of the step's weights (timed apart and
+    left out of the token's time), and `paired_share_step` is the median over steps of (the step's bytes at the rate
+    that read ran at) / (the step's time): the bound taken milliseconds from the step it bounds."""
+    import ctypes
+
     from engine.models import adapter
 
     from .speed.core import engine_turn
 
     fused = adapter.runtime(model.hf_model).decoder.fused
-    timed = _TimedLibrary(fused._lib)
+    read = (ctypes.byref(fused._model), fused._layers, torch.get_num_threads()) if paired else None
+    timed = _TimedLibrary(fused._lib, read)
     fused._lib = timed
     try:
         turn = engine_turn(model, ids, question, new_tokens, seed=seed)
     finally:
         fused._lib = timed._lib
     steps = timed.seconds  # every decode step fed a generated token (the last sampled one is not fed)
-    token_s = 1.0 / turn["decode_tok_s"]
+    token_s = 1.0 / turn["decode_tok_s"] - sum(timed.read_seconds) / max(len(steps), 1)
     step_s = statistics.median(steps)
-    return {"token_ms": 1e3 * token_s, "step_ms": 1e3 * step_s, "python_ms": 1e3 * (token_s - sum(steps) / len(steps)),
-            "kv_read_per_token": turn["kv_read_per_token"], "steps": len(steps)}
+    row = {"token_ms": 1e3 * token_s, "step_ms": 1e3 * step_s, "python_ms": 1e3 * (token_s - sum(steps) / len(steps)),
+           "kv_read_per_token": turn["kv_read_per_token"], "steps": len(steps)}
+    if paired:
+        weights = _held_weight_bytes(model)
+        read_bytes = weights + turn["kv_read_per_token"]
+        # each step against the read right after it (the KV's bytes at the weights' rate)
+        shares = [read_bytes / weights * r / st for st, r in zip(steps, timed.read_seconds, strict=True)]
+        row["paired_share_step"] = statistics.median(shares)
+        row["paired_read_ms"] = 1e3 * statistics.median(timed.read_seconds)
+        row["paired_share_token"] = row["paired_share_step"] * step_s / token_s
+    return row
 
 
 def profile_turn(model, ids: list[int], question: int, new_tokens: int, top: int = 18,
@@ -102,6 +127,9 @@ def main(argv=None) -> int:
     parser.add_argument("--sampling", choices=("greedy", "app"), default="greedy",
                         help="greedy, or the app's default sampling (temperature 0.7, top-k 50, top-p 0.9, repetition "
                              "penalty 1.1; seeded by turn)")
+    parser.add_argument("--paired", action="store_true",
+                        help="also read the step's weights right after every step, for a bound measured beside each "
+                             "step (the share columns then pair each step with its own read)")
     parser.add_argument("--folder", default="step-time", help="the results folder's name")
     args = parser.parse_args(argv)
 
@@ -128,9 +156,11 @@ def main(argv=None) -> int:
         for turn in range(args.turns):
             read_s = fused.read_seconds(21)
             seed = turn if args.sampling == "app" else None
-            turns.append({**measure(model, ids, question, args.new_tokens, seed), "weights_read_ms": 1e3 * read_s})
+            turns.append({**measure(model, ids, question, args.new_tokens, seed, paired=args.paired),
+                          "weights_read_ms": 1e3 * read_s})
         row = {"prompt_tokens": len(ids), "turns": turns}
-        for key in ("token_ms", "step_ms", "python_ms", "kv_read_per_token", "weights_read_ms"):
+        keys = ["token_ms", "step_ms", "python_ms", "kv_read_per_token", "weights_read_ms"]
+        for key in keys + (["paired_share_step", "paired_share_token", "paired_read_ms"] if args.paired else []):
             row[key] = statistics.median(t[key] for t in turns)
         read = weights + row["kv_read_per_token"]
         row["bytes_per_token"] = read
@@ -157,6 +187,13 @@ def main(argv=None) -> int:
                      f"{100 * r['bound_share_token']:.0f} % / {100 * r['bound_share_step']:.0f} % | "
                      f"{r['own_rate_bytes_per_s'] / 1e9:.1f} GB/s | {r['own_bound_ms']:.2f} ms | "
                      f"{100 * r['own_bound_share_token']:.0f} % / {100 * r['own_bound_share_step']:.0f} % |")
+    if args.paired:
+        lines += ["", "Each step paired with a read of the step's weights right after it (the bound milliseconds from "
+                  "the step; the median over steps, then over turns):", "",
+                  "| prompt tokens | the weights read | share of the paired bound (token / step alone) |",
+                  "|---|---|---|"]
+        lines += [f"| {r['prompt_tokens']:,} | {r['paired_read_ms']:.2f} ms | {100 * r['paired_share_token']:.0f} % / "
+                  f"{100 * r['paired_share_step']:.0f} % |" for r in rows]
     for r in rows:
         if "profile" in r:
             lines += ["", f"Python functions by own time, {r['prompt_tokens']:,}-token prompt (cProfile, which slows "
