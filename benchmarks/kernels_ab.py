@@ -6,8 +6,13 @@ With DSV41_CPU_KERNEL_FLAGS (e.g. -mno-avx512f) both builds are that variant. Th
 tree's layout: a revision that held Q4 rows in another split layout (before the interleaved groups of 16 blocks)
 reads the same bytes as other values, the same work for other tokens (greedy, the end of text ignored).
 
+`--products SECONDS` adds the step's products alone (dsv41_step_matrices), both builds each round with a read of the
+weights (dsv41_step_read) right after each, for that long (thousands of rounds): their ratio over all rounds and over
+the quarters of rounds whose reads were fastest and slowest, where whole turns are too noisy to tell a few percent
+(on a VM whose bandwidth swings within seconds, the products' time depends on the minute).
+
 Usage: python -m benchmarks.kernels_ab --rev 7fe8efd [--contexts 128,1024,4096] [--rounds 6] [--new-tokens 64]
-       [--folder kernels-ab]
+       [--products 60] [--folder kernels-ab]            (--contexts "" with --products: the products alone)
 Writes results/<folder>/<folder>.json and .md.
 """
 
@@ -42,12 +47,64 @@ def build_at(rev: str):
             library.SOURCE = ours
 
 
+def products_rounds(steps: dict, seconds: float) -> list[dict]:
+    """Rounds of every step's products alone (the order alternating), each followed by a read of the weights
+    (the first step's dsv41_step_read), for `seconds`: per round and build, products and read seconds."""
+    import ctypes
+    import time
+
+    first = next(iter(steps.values()))
+    read = (first._lib.dsv41_step_read, (ctypes.byref(first._model), first._layers, THREADS))
+    calls = {}
+    for name, step in steps.items():
+        work = torch.full((step._lib.dsv41_step_work_floats(ctypes.byref(step._model), 1),), 0.01)
+        logits = torch.empty(step.vocab)
+        calls[name] = (step._lib.dsv41_step_matrices,
+                       (ctypes.byref(step._model), step._layers, logits.data_ptr(), work.data_ptr(), THREADS), work,
+                       logits)
+    rounds, end = [], time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        record = {}
+        for name in (list(calls) if len(rounds) % 2 == 0 else list(calls)[::-1]):
+            fn, args = calls[name][:2]
+            started = time.perf_counter()
+            fn(*args)
+            record[name] = time.perf_counter() - started
+            started = time.perf_counter()
+            read[0](*read[1])
+            record[f"read {name}"] = time.perf_counter() - started
+        rounds.append(record)
+    return rounds
+
+
+def products_summary(rounds: list[dict], ours: str, theirs: str) -> dict:
+    """Ratio of their products' time over ours (above 1: ours faster) in all rounds and in the quarters whose reads
+    were fastest / slowest, with each build's products over read."""
+    reads = sorted(min(r[f"read {ours}"], r[f"read {theirs}"]) for r in rounds)
+    fast, slow = reads[len(reads) // 4], reads[3 * len(reads) // 4]
+    out = {}
+    for label, keep in (("all", lambda r: True),
+                        ("fastest reads", lambda r: max(r[f"read {ours}"], r[f"read {theirs}"]) <= fast),
+                        ("slowest reads", lambda r: min(r[f"read {ours}"], r[f"read {theirs}"]) >= slow)):
+        sub = [r for r in rounds if keep(r)]
+        if sub:
+            out[label] = {"rounds": len(sub), "read_ms": 1e3 * statistics.median(r[f"read {ours}"] for r in sub),
+                          "ours_ms": 1e3 * statistics.median(r[ours] for r in sub),
+                          "theirs_ms": 1e3 * statistics.median(r[theirs] for r in sub),
+                          "ratio": statistics.median(r[theirs] / r[ours] for r in sub),
+                          "ours_share": statistics.median(r[f"read {ours}"] / r[ours] for r in sub),
+                          "theirs_share": statistics.median(r[f"read {theirs}"] / r[theirs] for r in sub)}
+    return out
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.kernels_ab", description=__doc__.splitlines()[0])
     parser.add_argument("--rev", required=True, help="the git revision whose kernels to compare against")
     parser.add_argument("--contexts", default="128,1024,4096")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--products", type=float, default=0.0,
+                        help="seconds of the products alone, each build with a read after it (see above)")
     parser.add_argument("--folder", default="kernels-ab")
     args = parser.parse_args(argv)
 
@@ -66,7 +123,7 @@ def main(argv=None) -> int:
     decoder = runtime(model.hf_model).decoder
     steps = {"this tree": decoder.fused, rev: FusedDecodeStep(decoder.w, theirs)}
     rows = []
-    for context in (int(c) for c in args.contexts.split(",")):
+    for context in (int(c) for c in args.contexts.split(",") if c):
         ids, question = prompts(context)
         engine_turn(model, ids[:32], 16, 8)
         runs: dict[str, list[float]] = {name: [] for name in steps}
@@ -83,12 +140,24 @@ def main(argv=None) -> int:
     lines = [f"Decode tok/s, default model (GGUF blocks, dense), {m['cpu']}, {THREADS} threads, {args.new_tokens} new "
              f"tokens, {args.rounds} rounds in one process, this tree's kernels against {rev}'s", "",
              f"| prompt tokens | {rev} | this tree | this tree / {rev}, median (range) |", "|---|---|---|---|"]
+    if not rows:
+        lines = [f"The default model's decode-step products (GGUF blocks), {m['cpu']}, {THREADS} threads, this tree's "
+                 f"kernels against {rev}'s"]
     for r in rows:
         lines.append(f"| {r['prompt_tokens']:,} | {r['medians'][rev]:.1f} | {r['medians']['this tree']:.1f} | "
                      f"×{r['ratio_median']:.2f} (×{r['ratio_min']:.2f}–{r['ratio_max']:.2f}) |")
+    products = products_summary(products_rounds(steps, args.products), "this tree", rev) if args.products else {}
+    if products:
+        lines += ["", f"The step's products alone, both builds each round with a read of the weights after each, "
+                  f"{args.products:.0f} s ({products['all']['rounds']} rounds):", "",
+                  f"| rounds | the read | {rev} | this tree | {rev} / this tree | products / read ({rev}, this tree) |",
+                  "|---|---|---|---|---|---|"]
+        for label, p in products.items():
+            lines.append(f"| {label} ({p['rounds']}) | {p['read_ms']:.2f} ms | {p['theirs_ms']:.2f} ms | "
+                         f"{p['ours_ms']:.2f} ms | ×{p['ratio']:.3f} | {p['theirs_share']:.2f}, {p['ours_share']:.2f} |")
     table = "\n".join(lines) + "\n"
     write_results(args.folder, {"machine": m, "threads": THREADS, "rev": rev, "new_tokens": args.new_tokens,
-                                "rounds": args.rounds, "rows": rows}, table)
+                                "rounds": args.rounds, "rows": rows, "products": products}, table)
     print(table)
     return 0
 

@@ -65,10 +65,13 @@ static inline void stream_to(Stream *st, const char *target) {
  * GROUPS_AHEAD groups further on are prefetched into L2 as one linear stream, advanced by the share of the group read
  * so far (`done` of `blocks`), in place of a prefetch into L1 per row and block. Measured on the default model's
  * matrices, 2 cores, the builds taking turns in one process: the Q8_0 head 1.60 -> 0.91 ms, the layers' Q4_1
- * products 2.72 -> 2.47 ms on bf16 x and 2.64 -> 2.16 on int8 x, with 3 groups ahead (2: 0.84x the time, 4: 0.82x,
- * 1: slower than per-row prefetching). The float32-x Q4 loop is bound by its instructions and lost 7 % to the
- * stream's own work, so it keeps its per-row prefetch. */
-#define GROUPS_AHEAD 3
+ * products 2.72 -> 2.47 ms on bf16 x and 2.64 -> 2.16 on int8 x (1 group ahead: slower than per-row prefetching).
+ * Eight groups ahead against three, the step's products alone on int16 x with a read of the weights after each
+ * build, thousands of rounds (benchmarks/kernels_ab.py --products): x1.03-1.04 in two runs (x1.035-1.055 in the
+ * rounds whose reads were fastest, x1.015 in the slowest); 6: x1.03, 12: x0.99, 16: x0.98; no stream: x0.57. The
+ * float32-x Q4 loop is bound by its instructions and lost 7 % to the stream's own work, so it keeps its per-row
+ * prefetch. */
+#define GROUPS_AHEAD 8
 static inline Stream group_stream(const uint8_t *w, int64_t r0, int64_t r1, int64_t row_bytes) {
     Stream st = {(const char *)w + (r0 + 4 * GROUPS_AHEAD) * row_bytes, (const char *)(w + r1 * row_bytes)};
     return st;
