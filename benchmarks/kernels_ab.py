@@ -12,7 +12,8 @@ the quarters of rounds whose reads were fastest and slowest, where whole turns a
 (on a VM whose bandwidth swings within seconds, the products' time depends on the minute).
 
 Usage: python -m benchmarks.kernels_ab --rev 7fe8efd [--contexts 128,1024,4096] [--rounds 6] [--new-tokens 64]
-       [--products 60] [--folder kernels-ab]            (--contexts "" with --products: the products alone)
+       [--products 60] [--model default|PATH.gguf] [--folder kernels-ab]   (--contexts "" with --products: the
+       products alone)
 Writes results/<folder>/<folder>.json and .md.
 """
 
@@ -105,6 +106,7 @@ def main(argv=None) -> int:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--products", type=float, default=0.0,
                         help="seconds of the products alone, each build with a read after it (see above)")
+    parser.add_argument("--model", default="default", help="the model (a .gguf path: its products; default: ours)")
     parser.add_argument("--folder", default="kernels-ab")
     args = parser.parse_args(argv)
 
@@ -118,7 +120,7 @@ def main(argv=None) -> int:
     rev = subprocess.run(["git", "rev-parse", "--short", args.rev], cwd=ROOT, capture_output=True, text=True,
                          check=True).stdout.strip()
     theirs = build_at(args.rev)
-    model = DSV41Model.from_pretrained(DSV41Config(model_path="default", max_seq_len=8192, kv_cache_ratio=1.0,
+    model = DSV41Model.from_pretrained(DSV41Config(model_path=args.model, max_seq_len=8192, kv_cache_ratio=1.0,
                                                    csa2_topk=0))
     decoder = runtime(model.hf_model).decoder
     steps = {"this tree": decoder.fused, rev: FusedDecodeStep(decoder.w, theirs)}
@@ -137,11 +139,12 @@ def main(argv=None) -> int:
                      "ratio_min": min(ratios), "ratio_max": max(ratios),
                      "medians": {name: statistics.median(v) for name, v in runs.items()}})
     m = machine()
-    lines = [f"Decode tok/s, default model (GGUF blocks, dense), {m['cpu']}, {THREADS} threads, {args.new_tokens} new "
+    name = "default model" if args.model == "default" else Path(args.model).name
+    lines = [f"Decode tok/s, {name} (GGUF blocks, dense), {m['cpu']}, {THREADS} threads, {args.new_tokens} new "
              f"tokens, {args.rounds} rounds in one process, this tree's kernels against {rev}'s", "",
              f"| prompt tokens | {rev} | this tree | this tree / {rev}, median (range) |", "|---|---|---|---|"]
     if not rows:
-        lines = [f"The default model's decode-step products (GGUF blocks), {m['cpu']}, {THREADS} threads, this tree's "
+        lines = [f"{name}: the decode step's products (GGUF blocks), {m['cpu']}, {THREADS} threads, this tree's "
                  f"kernels against {rev}'s"]
     for r in rows:
         lines.append(f"| {r['prompt_tokens']:,} | {r['medians'][rev]:.1f} | {r['medians']['this tree']:.1f} | "
