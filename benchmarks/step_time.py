@@ -128,8 +128,8 @@ def main(argv=None) -> int:
                         help="greedy, or the app's default sampling (temperature 0.7, top-k 50, top-p 0.9, repetition "
                              "penalty 1.1; seeded by turn)")
     parser.add_argument("--paired", action="store_true",
-                        help="also read the step's weights right after every step, for a bound measured beside each "
-                             "step (the share columns then pair each step with its own read)")
+                        help="also read the step's weights right after every step: a table of each step's share of "
+                             "the bound at its own read's rate")
     parser.add_argument("--folder", default="step-time", help="the results folder's name")
     args = parser.parse_args(argv)
 

@@ -82,8 +82,8 @@ def next_token(logits: torch.Tensor, settings: GenerationSettings, seen_ids: tor
         # the same distribution in one kernel call (engine.kernels.sample; through torch, ~12 ops a token cost
         # 0.55 ms a token more than greedy in the decode loop), drawn at a number from the same generator
         u = float(torch.rand((), generator=generator, dtype=torch.float64))
-        token = sample_kernel.sample_head(logits, seen_ids, settings.repetition_penalty, settings.top_k, settings.temperature,
-                            settings.top_p, u)
+        token = sample_kernel.sample_head(logits, seen_ids, settings.repetition_penalty, settings.top_k,
+                                          settings.temperature, settings.top_p, u)
         if token is not None:
             return token, None
     ids = sample_tensor(logits, settings, seen_ids, generator)

@@ -1699,9 +1699,6 @@ static void q4k_int16_x(const float *x, int64_t blocks, int64_t grouped, int8_t 
         }
 }
 
-/* planes 1: int8 x (the int8 mode, Q4_K only: one vpdpbusd per 64 nibbles); 2: int16 x, 256 (q . h) + (q . l).
- * five: Q5_K (the same x; each nibble's fifth bit from qh, bit 2c of byte l for the low nibbles of chunk c, bit
- * 2c + 1 for its high ones, put in bit 4 of the byte as 16 + q: the same ternary-logic merge as Q6_K's pairs). */
 /* One group of four Q4_K blocks of a split row (k4_split_at) on int16 x laid out by q4k_int16_x: the four heads as
  * one vector (block b in 128-bit lane b) give in one pass each lane 4b + c its d sc and dmin m for sub-blocks 2c and
  * 2c + 1 (vpshufb gathers each dword's scale byte and its high bits' byte; masks and shifts finish the six-bit
@@ -1753,6 +1750,9 @@ static inline __attribute__((always_inline)) void k4_group_int16(const uint8_t *
     *a = _mm512_fmadd_ps(fhi, _mm512_mul_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(shi)), _mm512_loadu_ps(side + 16)), *a);
 }
 
+/* planes 1: int8 x (the int8 mode, Q4_K only: one vpdpbusd per 64 nibbles); 2: int16 x, 256 (q . h) + (q . l).
+ * five: Q5_K (the same x; each nibble's fifth bit from qh, bit 2c of byte l for the low nibbles of chunk c, bit
+ * 2c + 1 for its high ones, put in bit 4 of the byte as 16 + q: the same ternary-logic merge as Q6_K's pairs). */
 /* grouped: the first blocks of each row in split groups of four (Q4_K on int16 x only: k4_group_int16, x and side
  * from q4k_int16_x); the rest in the file's layout (at the same places in a split row) */
 static inline __attribute__((always_inline)) void rows_k4_int(const int planes, const int five, const uint8_t *w,
