@@ -12,9 +12,9 @@ question asked alone in a fresh, uncompressed chat is the reference of what the 
 machine whose speed drifts during the run slows them alike (their TTFT ratios are paired).
 
 Usage: python -m benchmarks.followups [--words 640] [--ratios 0.5,0.3,0.2,0.1] [--out results/followups]
-       [--no-reference] [--mode chat|requests] [--documents 2010-Obama-1,...] [--cold-dtype int8|auto]
-       [--recall-min 256] [--no-cold-counts] [--count-tables 16] [--count-seed 0] [--count-cold-min 512]
-       [--no-content]
+       [--no-reference] [--float32-reference] [--mode chat|requests] [--documents 2010-Obama-1,...]
+       [--cold-dtype int8|auto] [--recall-min 256] [--reply-recalled 256] [--no-cold-counts] [--count-tables 16]
+       [--count-seed 0] [--count-cold-min 512] [--no-content]
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from engine import DSV41Config, DSV41Model
@@ -48,7 +49,35 @@ def run_case(model: DSV41Model, knobs: dict, case, mode: str = "chat") -> list[d
     every question is the next turn of one chat (SCBench's multi-turn mode). Mode "requests": the first question
     reads the document, and every later one is asked alone on a fork of the chat as it stood after that first turn
     (SCBench's multi-request mode, and how kvpress asks several questions about one compressed context)."""
-    model.config = model.config.replace(**knobs)
+    model.config = model.config.replace(**{k: v for k, v in knobs.items() if k != "attention"})
+    with float32_attention(model, knobs.get("attention") == "float32"):
+        return _run_case(model, case, mode)
+
+
+@contextmanager
+def float32_attention(model: DSV41Model, on: bool):
+    """Every chat made inside attends in float32 where the model's prefill attends in bf16 (the default model's
+    prefill chunks, a follow-up's question among them, through torch's bf16 flash kernel; DSV41Cache.prefill_bf16).
+    A tiered follow-up's question attends in float32 anyway (attention.question_attention, which also scores it),
+    so this reference differs from the tiered chat by the compression alone, not by the attention's rounding."""
+    if not on:
+        yield
+        return
+    plain = model.new_cache
+
+    def new_cache():
+        cache = plain()
+        cache.prefill_bf16 = False
+        return cache
+
+    model.new_cache = new_cache  # this instance only (forks make their caches through it too)
+    try:
+        yield
+    finally:
+        del model.new_cache
+
+
+def _run_case(model: DSV41Model, case, mode: str) -> list[dict]:
     path, facts, order = case[:3]
     content = case[3] if len(case) > 3 else ()
     first = session = model.chat_session()
@@ -123,7 +152,8 @@ def table(payload: dict) -> str:
              "|---|---|---|---|---|---|---|---|---|"]
     for row in payload["rows"]:
         k = row["knobs"]
-        name = "uncompressed" if k["kv_cache_ratio"] >= 1 else \
+        name = ("uncompressed" + (", float32 attention" if k.get("attention") == "float32" else "")
+                if k["kv_cache_ratio"] >= 1 else None) or \
             f"{k['ced_policy']} {k['kv_cache_ratio']}" + (" + cold tier" if k["cold_tier"] != "off" else "") \
             + (" (lossless)" if k.get("cold_tier_dtype") == "auto" else "")
         facts = [t for t in row["turns"] if t.get("kind", "fact") == "fact"]
@@ -145,15 +175,17 @@ def plot(payload: dict, out: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = payload["rows"]
-    base = rows[0] if rows[0]["knobs"]["kv_cache_ratio"] >= 1 else None
+    references = [r for r in rows if r["knobs"]["kv_cache_ratio"] >= 1]
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
     for tier, style in (("off", "o--"), ("ram", "s-")):
         points = sorted((r["knobs"]["kv_cache_ratio"], r["followups_right"]) for r in rows
-                        if r is not base and r["knobs"]["cold_tier"] == tier)
+                        if r["knobs"]["kv_cache_ratio"] < 1 and r["knobs"]["cold_tier"] == tier)
         if points:
             ax.plot(*zip(*points, strict=True), style, label="CED + cold tier" if tier == "ram" else "CED (discards)")
-    if base is not None:
-        ax.axhline(base["followups_right"], color="gray", linestyle=":", label="uncompressed")
+    for ref in references:
+        f32 = ref["knobs"].get("attention") == "float32"
+        ax.axhline(ref["followups_right"], color="tab:green" if f32 else "gray", linestyle="-." if f32 else ":",
+                   label="uncompressed, float32 attention" if f32 else "uncompressed")
     ax.set_xlabel("hot ratio (kv_cache_ratio)")
     ax.set_ylabel(f"follow-ups right (of {rows[0]['followups_total']})")
     ax.set_title(f"Follow-up questions, {payload['tokens']}-token documents")
@@ -172,6 +204,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=str(RESULTS / "followups"))
     parser.add_argument("--no-reference", action="store_true",
                         help="skip the questions asked alone and the uncompressed row (rows to compare with a run that has them)")
+    parser.add_argument("--float32-reference", action="store_true",
+                        help="a second uncompressed row whose attention sums in float32, as a tiered follow-up's "
+                             "question does (the first rounds q, k, v to bf16 for the prefill kernel, as the app runs)")
     parser.add_argument("--mode", choices=("chat", "requests"), default="chat",
                         help="chat: the questions are turns of one chat; requests: each follow-up is asked alone on a "
                              "fork of the chat after its first turn (kvpress's protocol)")
@@ -185,6 +220,9 @@ def main(argv=None) -> int:
     parser.add_argument("--recall-min", type=int, default=None,
                         help="entries a question recalls at least, per head (engine.cache.cold.RECALL_MIN; a "
                              "number past the document's length recalls everything: the recall's upper bound)")
+    parser.add_argument("--reply-recalled", type=int, default=None,
+                        help="entries a head a follow-up's reply keeps past the budget of what its question read "
+                             "(engine.cache.kv_cache.REPLY_RECALLED; a number past the document's length keeps all)")
     parser.add_argument("--no-cold-counts", action="store_true",
                         help="a follow-up's reply attends to the hot set alone (engine.cache.kv_cache.COUNT_COLD off: "
                              "no hot entry stands for the cold entries like it)")
@@ -205,6 +243,8 @@ def main(argv=None) -> int:
 
     if args.recall_min is not None:
         cold.RECALL_MIN = args.recall_min
+    if args.reply_recalled is not None:
+        kv_cache.REPLY_RECALLED = args.reply_recalled
     kv_cache.COUNT_COLD = not args.no_cold_counts
     if args.count_tables is not None:
         counts.COUNT_TABLES = args.count_tables
@@ -235,6 +275,8 @@ def main(argv=None) -> int:
                 done = ask(model.chat_session(), question, [load_document(str(path))])
                 alone_content.append(key in done.text.lower())
     configs = [] if args.no_reference else [dict(kv_cache_ratio=1.0, cold_tier="off", ced_policy="ced")]
+    if args.float32_reference and not args.no_reference:
+        configs.append(dict(kv_cache_ratio=1.0, cold_tier="off", ced_policy="ced", attention="float32"))
     configs += [dict(kv_cache_ratio=ratio, cold_tier=tier, ced_policy=policy)
                 | ({"cold_tier_dtype": args.cold_dtype} if tier != "off" else {}) for policy in args.policies.split(",")
                 for ratio in (float(r) for r in args.ratios.split(",")) for tier in args.tiers.split(",")]

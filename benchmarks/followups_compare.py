@@ -65,7 +65,8 @@ def _ours(folders: list[Path]) -> tuple[dict, dict]:
         for row in other["rows"]:
             k = row["knobs"]
             if k["kv_cache_ratio"] >= 1:
-                rows["uncompressed"] = row
+                if k.get("attention") != "float32":  # the app's uncompressed chat, as kvpress's peer runs it
+                    rows["uncompressed"] = row
             elif k["ced_policy"] == "ced" and k["cold_tier"] != "off":
                 rows[k["kv_cache_ratio"]] = row
     return dict(payload, fact_set_groups=sorted(groups)), _pooled(groups, "ours")

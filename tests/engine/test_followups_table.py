@@ -164,3 +164,29 @@ def test_followups_compare_pools_runs_on_other_fact_sets(tmp_path):
         compare(mine, theirs[:1])
     with pytest.raises(SystemExit, match="two runs of ours"):
         compare([mine[0], mine[0]], theirs)
+
+
+def test_the_float32_reference_row_is_named_apart_and_its_chats_attend_in_float32():
+    """benchmarks/followups.py --float32-reference: a second uncompressed row, named so, whose chats (forks
+    included, which make their caches through the model) attend without bf16 rounding; the model is left as it was."""
+    from types import SimpleNamespace
+
+    from benchmarks.followups import float32_attention
+
+    row = summarise({"kv_cache_ratio": 1.0, "cold_tier": "off", "ced_policy": "ced", "attention": "float32"},
+                    [{"turn": 0, "kind": "fact", "right": True, "ttft_s": 0.1, "hot_bytes": 1, "cold_bytes": 0,
+                      "uncompressed_bytes": 1}, {"turn": 1, "kind": "fact", "right": False, "ttft_s": 0.1,
+                                                 "hot_bytes": 1, "cold_bytes": 0, "uncompressed_bytes": 1}])
+    text = table({"words": 640, "tokens": 943, "alone_right": 0, "alone_total": 0, "documents": ["a"], "rows": [row]})
+    assert "| uncompressed, float32 attention | 1/1 | 0/1 |" in text
+
+    class Model:
+        def new_cache(self):
+            return SimpleNamespace(prefill_bf16=True)
+
+    model = Model()
+    with float32_attention(model, True):
+        assert model.new_cache().prefill_bf16 is False
+    assert model.new_cache().prefill_bf16 is True
+    with float32_attention(model, False):
+        assert model.new_cache().prefill_bf16 is True
