@@ -146,6 +146,10 @@ class DSV41Cache:
         # question's forward held, which the reply may attend to until the turn ends (None: the budget)
         self.answer_limit: int | None = None
         self.question_tokens = 0  # the current turn's question, its last tokens (start_prefill)
+        # Where the latest turn's question begins, and the turn's before it (start_prefill): a reply counts nothing
+        # for that earlier question and its answer (count_cold)
+        self.question_at: int | None = None
+        self.exchange_from: int | None = None
         self.counting = False  # the hot set's log counts stand for the cold tier (count_cold) until the turn ends
 
     @property
@@ -172,7 +176,7 @@ class DSV41Cache:
             self.seen, self.compactions, self.decode_steps, tuple(layer.length for layer in self.layers),
             tuple(layer.scores[:, :layer.length].clone() for layer in self.layers),
             tuple(None if layer.query_moment is None else layer.query_moment.clone() for layer in self.layers),
-            tuple(layer.query_count for layer in self.layers))
+            tuple(layer.query_count for layer in self.layers), self.question_at, self.exchange_from)
 
     @torch.inference_mode()
     def restore(self, checkpoint: Checkpoint) -> bool:
@@ -187,6 +191,7 @@ class DSV41Cache:
             layer.scores[:, :n] = scores
             layer.query_moment, layer.query_count = moment, count
         self.seen, self.decode_steps = checkpoint.seen, checkpoint.decode_steps
+        self.question_at, self.exchange_from = checkpoint.question_at, checkpoint.exchange_from
         self._fwd = Forward()
         return True
 
@@ -426,6 +431,8 @@ class DSV41Cache:
         self.uncount_cold()  # a turn that failed while replying did not reach finish_turn
         self.answer_limit = None
         self.question_tokens = question_tokens
+        if question_tokens:
+            self.exchange_from, self.question_at = self.question_at, self.seen + total - question_tokens
         self.recalled, self.recall_seconds = 0, 0.0  # this turn's (a turn without a question recalls nothing)
         streaming = headroom is not None and s.compressing and self.stored + total > headroom
         wants_probe = streaming and question_tokens > 0 and self.policy.waits_for_question
@@ -503,15 +510,22 @@ class DSV41Cache:
     def count_cold(self) -> None:
         """Before a follow-up's reply: every hot entry's logit gets log(1 + the cold entries it stands for)
         (counts.cold_counts), so the reply's attention gives the hot set about the share the whole conversation
-        would have, instead of the recent turns taking what the cold entries would have drawn. Measured in
-        docs/design.md ("What the reply counts"). Undone by uncount_cold when the turn ends."""
+        would have, instead of the recent turns taking what the cold entries would have drawn; the previous turn's
+        question and answer (from exchange_from to this turn's question) get none. Measured in docs/design.md
+        ("What the reply counts"). Undone by uncount_cold when the turn ends."""
         if self.cold is None or any(layer.merged_any for layer in self.layers):
             return  # merge counts of their own (a merge-mode cache): left as they are
         for layer, cold in zip(self.layers, self.cold, strict=True):
             if not layer.length or cold.length < COUNT_COLD_MIN:
                 continue  # too few cold entries for their bucket sizes to say much (COUNT_COLD_MIN)
             planes = count_planes(self.head_dim, layer.device)  # built once per device (cached)
-            layer.log_counts[:, : layer.length] = cold_counts(layer, cold, planes)
+            n = layer.length
+            layer.log_counts[:, :n] = cold_counts(layer, cold, planes)
+            if self.exchange_from is not None and self.question_at is not None:
+                # the previous question and its answer stand for nothing cold: counted for the cold entries like
+                # them (another sentence about the same thing), they drew replies back to that answer
+                at = layer.positions[:, :n]
+                layer.log_counts[:, :n].masked_fill_((at >= self.exchange_from) & (at < self.question_at), 0.0)
             layer.merged_any = True
             self.counting = True
 

@@ -48,7 +48,8 @@ def save_state(cache) -> tuple[dict[str, torch.Tensor], dict]:
             tensors[f"cold.{i}.{name}"] = getattr(cold, name)[:, : cold.length].contiguous().cpu()
         colds.append(cold.length)
     facts = {"format": FORMAT, "seen": cache.seen, "compactions": cache.compactions,
-             "decode_steps": cache.decode_steps, "layers": layers, "cold": colds if cache.cold is not None else None}
+             "decode_steps": cache.decode_steps, "question_at": cache.question_at, "layers": layers,
+             "cold": colds if cache.cold is not None else None}
     return tensors, facts
 
 
@@ -111,4 +112,6 @@ def load_state(cache, tensors: dict[str, torch.Tensor], facts: dict) -> None:
         cold.forget_buckets()  # other entries than the sizes counted (rebuilt by the next counts)
     cache.seen, cache.compactions = int(facts["seen"]), int(facts["compactions"])
     cache.decode_steps = int(facts["decode_steps"])
+    # where its last question began (DSV41Cache.count_cold); a state saved without it counts that exchange too
+    cache.question_at = None if facts.get("question_at") is None else int(facts["question_at"])
     cache.fit_sparse()

@@ -48,6 +48,8 @@ class Checkpoint:
     scores: tuple[torch.Tensor, ...]
     query_moments: tuple[torch.Tensor | None, ...]
     query_counts: tuple[int, ...]
+    question_at: int | None = None
+    exchange_from: int | None = None
 
 
 @dataclass

@@ -136,22 +136,29 @@ def _first_turn_then_question(cache):
 
 
 def test_a_follow_ups_reply_counts_the_cold_tier_until_its_turn_ends(monkeypatch):
-    cache = _cache()
+    cache = _cache(ced_recent_tokens=16)  # the previous exchange stays hot in part
     _first_turn_then_question(cache)
     cache.finish_prefill(answer_follows=True)
     assert cache.counting
     planes = count_planes(8, "cpu")
+    # the first turn's question began at 64 - 8, this one's at 64 + 4 reply tokens: that exchange counts nothing
+    assert (cache.exchange_from, cache.question_at) == (56, 68)
     for layer, cold in zip(cache.layers, cache.cold, strict=True):
         assert layer.merged_any
-        assert torch.equal(layer.log_counts[:, : layer.length], cold_counts(layer, cold, planes))
-        assert layer.log_counts[:, : layer.length].max() > 0
+        n = layer.length
+        exchange = (layer.positions[:, :n] >= 56) & (layer.positions[:, :n] < 68)
+        counts = cold_counts(layer, cold, planes)
+        assert exchange.any() and counts[exchange].max() > 0  # entries of it are hot, and would have counted
+        assert not layer.log_counts[:, :n][exchange].any()
+        assert torch.equal(layer.log_counts[:, :n][~exchange], counts[~exchange])
+        assert layer.log_counts[:, :n].max() > 0
     counted = _forward(cache, 1, seed=30)  # a reply step attends with the counts ...
     cache.finish_turn()
     assert not cache.counting
     for layer in cache.layers:  # ... and the turn ends with the hot set standing for itself alone
         assert not layer.merged_any and not layer.log_counts.any()
 
-    plain = _cache()  # the same turns without the counts: the reply's step attends differently
+    plain = _cache(ced_recent_tokens=16)  # the same turns without the counts: the reply's step attends differently
     _first_turn_then_question(plain)
     monkeypatch.setattr(kv_cache, "COUNT_COLD", False)
     plain.finish_prefill(answer_follows=True)
@@ -493,3 +500,25 @@ def test_the_hashing_without_avx512_is_the_same(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(vnni, plain, strict=True))
     assert torch.equal(vnni[1], vnni[2])  # from the kept sizes as from hashing the cold keys
     assert vnni[1][:, :30].mean() > 2 * vnni[1][:, 30:].mean()
+
+
+def test_where_the_last_question_began_survives_a_saved_state_and_an_undone_turn():
+    """A fork, a reopened chat (persist) and a turn stopped before its prompt was read (restore) keep the position
+    the previous exchange starts at, so their next reply leaves the same entries uncounted."""
+    cache = _cache()
+    _first_turn_then_question(cache)
+    cache.finish_prefill(answer_follows=True)
+    _forward(cache, 1, seed=30)
+    cache.finish_turn()
+    tensors, facts = persist.save_state(cache)
+    other = _cache()
+    persist.load_state(other, tensors, facts)
+    assert other.question_at == cache.question_at == 68
+    other.start_prefill(5, 5, None)
+    assert (other.exchange_from, other.question_at) == (68, other.seen)
+
+    checkpoint = cache.checkpoint()
+    cache.start_prefill(5, 5, None)
+    _forward(cache, 2, seed=40)  # stopped part-way through its question
+    assert cache.restore(checkpoint)
+    assert (cache.exchange_from, cache.question_at) == (56, 68)
