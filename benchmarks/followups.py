@@ -152,10 +152,7 @@ def table(payload: dict) -> str:
              "|---|---|---|---|---|---|---|---|---|"]
     for row in payload["rows"]:
         k = row["knobs"]
-        name = ("uncompressed" + (", float32 attention" if k.get("attention") == "float32" else "")
-                if k["kv_cache_ratio"] >= 1 else None) or \
-            f"{k['ced_policy']} {k['kv_cache_ratio']}" + (" + cold tier" if k["cold_tier"] != "off" else "") \
-            + (" (lossless)" if k.get("cold_tier_dtype") == "auto" else "")
+        name = _row_name(k)
         facts = [t for t in row["turns"] if t.get("kind", "fact") == "fact"]
         per_turn = " / ".join(f"{sum(t['right'] for t in facts if t['turn'] == i)}"
                               for i in sorted({t["turn"] for t in facts}))
@@ -165,6 +162,13 @@ def table(payload: dict) -> str:
                      f"{row['last_hot_bytes'] / 2**20:.1f} MiB | {row['last_cold_bytes'] / 2**20:.1f} MiB | "
                      f"{row['last_uncompressed_bytes'] / 2**20:.1f} MiB |")
     return "\n".join(lines) + "\n"
+
+
+def _row_name(k: dict) -> str:
+    if k["kv_cache_ratio"] >= 1:
+        return "uncompressed" + (", float32 attention" if k.get("attention") == "float32" else "")
+    return (f"{k['ced_policy']} {k['kv_cache_ratio']}" + (" + cold tier" if k["cold_tier"] != "off" else "")
+            + (" (lossless)" if k.get("cold_tier_dtype") == "auto" else ""))
 
 
 def plot(payload: dict, out: Path) -> None:
