@@ -55,7 +55,7 @@ def products_rounds(steps: dict, seconds: float) -> list[dict]:
     import time
 
     first = next(iter(steps.values()))
-    read = (first._lib.dsv41_step_read, (ctypes.byref(first._model), first._layers, THREADS))
+    read = (first._lib.dsv41_step_read, first.read_args())
     calls = {}
     for name, step in steps.items():
         work = torch.full((step._lib.dsv41_step_work_floats(ctypes.byref(step._model), 1),), 0.01)

@@ -61,14 +61,12 @@ def measure(model, ids: list[int], question: int, new_tokens: int, seed: int | N
     default sampling with `seed`. `paired`: each step is followed by a read of the step's weights (timed apart and
     left out of the token's time), and `paired_share_step` is the median over steps of (the step's bytes at the rate
     that read ran at) / (the step's time): the bound taken milliseconds from the step it bounds."""
-    import ctypes
-
     from engine.models import adapter
 
     from .speed.core import engine_turn
 
     fused = adapter.runtime(model.hf_model).decoder.fused
-    read = (ctypes.byref(fused._model), fused._layers, torch.get_num_threads()) if paired else None
+    read = fused.read_args() if paired else None
     timed = _TimedLibrary(fused._lib, read)
     fused._lib = timed
     try:

@@ -241,10 +241,14 @@ class FusedDecodeStep:
             raise MemoryError("the step's products found no memory for their scratch")
         return _median_seconds(self._lib.dsv41_step_matrices, args, reps)
 
+    def read_args(self) -> tuple:
+        """dsv41_step_read's arguments for this step's matrices (every byte of them read once, nothing else)."""
+        return ctypes.byref(self._model), self._layers, torch.get_num_threads()
+
     def read_seconds(self, reps: int = 11) -> float:
         """Median time of reading every byte of one step's matrices and nothing else (dsv41_step_read): the bandwidth
         bound for those bytes, measured on the pages they sit on."""
-        args = (ctypes.byref(self._model), self._layers, torch.get_num_threads())
+        args = self.read_args()
         self._lib.dsv41_step_read(*args)
         return _median_seconds(self._lib.dsv41_step_read, args, reps)
 
