@@ -149,7 +149,8 @@ def _print_stats(done) -> None:
     s = done.stats
     print(f"[{done.reason}] TTFT {s.ttft_s * 1000:.0f} ms · prefill {s.prefill_tokens} tok at {s.prefill_tok_s:.0f} tok/s"
           f" · decode {s.decode_tokens} tok at {s.decode_tok_s:.1f} tok/s · KV {s.kv_stored_tokens}/{s.tokens_seen} "
-          f"tokens (×{s.compression_ratio:.2f})", file=sys.stderr)
+          f"tokens, ×{s.compression_ratio:.2f} an uncompressed cache's bytes (positions and scores included)",
+          file=sys.stderr)
 
 
 def cmd_generate(args) -> int:
@@ -185,8 +186,8 @@ def cmd_chat(args) -> int:
     pending_docs: list = []
     for path in args.document:
         _attach(path, pending_docs)
-    print("Chat with the model. Commands: /doc PATH (attach to the next message), /memory, /reset, /quit. "
-          "Ctrl-C stops a reply.", file=sys.stderr)
+    print("Chat with the model. Commands: /doc PATH (attach to the next message), /doc (list what is attached), "
+          "/doc clear, /memory, /reset, /quit. Ctrl-C stops a reply.", file=sys.stderr)
     while True:
         try:
             line = input("> ")
@@ -203,22 +204,44 @@ def cmd_chat(args) -> int:
             continue
         if text == "/reset":
             session.reset()
-            print("(new conversation)", file=sys.stderr)
+            dropped = f"; {_names(pending_docs)} no longer attached" if pending_docs else ""
+            pending_docs = []
+            print(f"(new conversation{dropped})", file=sys.stderr)
             continue
-        if text.startswith("/doc"):
+        if text == "/doc" or text.startswith("/doc "):
             path = text[4:].strip()
-            if not path:
-                print("usage: /doc PATH", file=sys.stderr)
-            else:
+            if path == "clear":
+                print(f"({_names(pending_docs)} no longer attached)" if pending_docs else "(nothing was attached)",
+                      file=sys.stderr)
+                pending_docs = []
+            elif path:
                 _attach(path, pending_docs)
+            elif pending_docs:
+                print(f"(attached to the next message: {_names(pending_docs)}; /doc clear removes them)",
+                      file=sys.stderr)
+            else:
+                print("usage: /doc PATH attaches a file to the next message (nothing is attached now)",
+                      file=sys.stderr)
             continue
+        recorded = len(session.messages)
         try:
             done = _stream(session, text, pending_docs, args, threading.Event())
-            pending_docs = []
-            _print_stats(done)
         except EngineError as exc:
-            kept = f" {len(pending_docs)} attached document(s) stay attached." if pending_docs else ""
+            kept = f" {_names(pending_docs)} stay attached." if pending_docs else ""
             print(f"error: {exc}\n(the message was not sent; type it again to retry.{kept})", file=sys.stderr)
+            continue
+        _print_stats(done)
+        if len(session.messages) == recorded:
+            # stopped before anything was kept (Ctrl-C while the message or its documents were read): the turn
+            # was undone, so its documents wait for the next message as they did for this one
+            kept = f"; {_names(pending_docs)} stay attached" if pending_docs else ""
+            print(f"(the message was not kept: type it again to send it{kept})", file=sys.stderr)
+        else:
+            pending_docs = []
+
+
+def _names(docs: list) -> str:
+    return ", ".join(doc.name for doc in docs)
 
 
 def cmd_memory(args) -> int:

@@ -139,3 +139,75 @@ def test_the_engine_thread_runs_calls_in_order_and_hands_back_their_errors():
     with pytest.raises(ZeroDivisionError):
         thread.call(lambda: 1 / 0)
     assert thread.call(lambda: "still running") == "still running"
+
+
+def _fake_chat(monkeypatch, lines: list[str]):
+    """cmd_chat over a fake model: a message "stop" is stopped before anything is kept (as Ctrl-C while its
+    document is read), any other is answered and recorded; returns the documents each send was given."""
+    import builtins
+
+    from engine import cli
+    from engine.events import Done, TokenText
+    from engine.model import DSV41Model
+
+    sent = []
+
+    class Session:
+        messages: list = []
+
+        def send(self, prompt, documents, cancel=None, **settings):
+            sent.append([doc.name for doc in documents])
+            if prompt == "stop":
+                yield Done("cancelled", "")
+                return
+            self.messages = self.messages + [{"role": "user", "content": prompt},
+                                             {"role": "assistant", "content": "ok"}]
+            yield TokenText("ok", 1)
+            yield Done("eos", "ok")
+
+        def reset(self):
+            self.messages = []
+
+    class Model:
+        info = type("Info", (), {"display_name": "fake", "device": "cpu", "dtype": "float32", "weight_quant": "none",
+                                 "weight_storage": "", "prefill_bf16": False, "attention_backend": "sdpa",
+                                 "attention_kernels": "", "resolve_seconds": 0.0, "load_seconds": 0.0})()
+
+        def chat_session(self, system_prompt=None):
+            return Session()
+
+    feed = iter(lines)
+
+    def fake_input(prompt=""):
+        try:
+            return next(feed)
+        except StopIteration:
+            raise EOFError from None
+
+    monkeypatch.setattr(DSV41Model, "from_pretrained", staticmethod(lambda config, progress=None: Model()))
+    monkeypatch.setattr(builtins, "input", fake_input)
+    assert cli.main(["chat"]) == 0
+    return sent
+
+
+def test_a_message_stopped_before_anything_was_kept_leaves_its_documents_attached(monkeypatch, capsys, tmp_path):
+    doc = tmp_path / "spec.txt"
+    doc.write_text("The spec.")
+    sent = _fake_chat(monkeypatch, [f"/doc {doc}", "stop", "What is it about?", "And then?"])
+    err = capsys.readouterr().err
+    assert sent == [["spec.txt"], ["spec.txt"], []]  # the retry still carries the document; the next does not
+    assert "(the message was not kept: type it again to send it; spec.txt stay attached)" in err
+
+
+def test_the_terminal_chat_lists_clears_and_resets_attached_documents(monkeypatch, capsys, tmp_path):
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text("A.")
+    b.write_text("B.")
+    sent = _fake_chat(monkeypatch, [f"/doc {a}", "/doc", "/doc clear", "one", f"/doc {b}", "/reset", "two",
+                                    "/doc clear"])
+    err = capsys.readouterr().err
+    assert sent == [[], []]  # neither document reached a message
+    assert "(attached to the next message: a.txt; /doc clear removes them)" in err
+    assert "(a.txt no longer attached)" in err
+    assert "(new conversation; b.txt no longer attached)" in err
+    assert "(nothing was attached)" in err
