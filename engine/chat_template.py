@@ -149,10 +149,18 @@ def render(tokenizer, messages: list[dict], add_generation_prompt: bool) -> Rend
 
 
 def count_system(tokenizer, system_prompt: str | None) -> int:
-    """Tokens a system prompt takes at the start of a conversation, its template markers included (0: none)."""
-    if not system_prompt:
+    """Tokens a conversation starts with before its first user turn, template markers included: the system
+    prompt's, or without one whatever the template puts there by itself (a default system prompt; 0 if none)."""
+    if system_prompt:
+        return len(encode(tokenizer, render(tokenizer, [{"role": "system", "content": system_prompt}], False)))
+    user = [{"role": "user", "content": "x"}]
+    system = [{"role": "system", "content": "x"}]
+    try:  # the user turn's own tokens, measured after a system turn of ours; the rest of a chat with it alone
+        user_turn = (len(encode(tokenizer, render(tokenizer, system + user, False)))
+                     - len(encode(tokenizer, render(tokenizer, system, False))))
+        return max(len(encode(tokenizer, render(tokenizer, user, False))) - user_turn, 0)
+    except Exception:  # noqa: BLE001 - a template without system turns adds none by itself either
         return 0
-    return len(encode(tokenizer, render(tokenizer, [{"role": "system", "content": system_prompt}], False)))
 
 
 def encode(tokenizer, rendered: Rendered, start: int = 0, end: int | None = None) -> list[int]:

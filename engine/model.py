@@ -250,19 +250,18 @@ class DSV41Model:
         """What a conversation with `history` (user/assistant messages) holds, plus a pending prompt and
         documents. Where `session` holds exactly that history, its cache's count is used; otherwise the
         history is counted as the template renders it, under `system_prompt` when that is not the session's."""
-        system_tokens, history_tokens = 0, 0
-        if system_prompt is not None and (session is None or (session.system_prompt or "") != system_prompt):
-            system_tokens = chat_template.count_system(self.tokenizer, system_prompt)
-            history_tokens = self.count_chat(history)
-        elif session is not None:
+        if session is not None and (system_prompt is None or (session.system_prompt or "") == system_prompt):
             system = [m for m in session.messages if m.get("role") == "system"]
             system_tokens = session.system_tokens
-            if session.messages == system + history and session.cache.seen:
+            chat = system + history
+            if session.messages == chat and session.cache.seen:
                 history_tokens = max(session.cache.seen - system_tokens, 0)
-            else:
-                history_tokens = self.count_chat(history)
+                chat = None
         else:
-            history_tokens = self.count_chat(history)
+            system_tokens = chat_template.count_system(self.tokenizer, system_prompt)
+            chat = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + history
+        if chat is not None:  # the history as the template renders it after what the system part counted
+            history_tokens = max(self.count_chat(chat) - system_tokens, 0) if history else 0
         return ContextUsage(system_tokens, history_tokens, sum(self.document_tokens(d) for d in documents),
                             self.count_tokens(prompt), self.context_limit)
 
@@ -340,7 +339,8 @@ class DSV41Model:
 
         ids = chat_template.encode_text(self.tokenizer, text)
         if len(ids) + 1 > self.context_limit:
-            raise ContextOverflowError(len(ids) + 1, self.context_limit, {"prompt": len(ids)})
+            raise ContextOverflowError(len(ids) + 1, self.context_limit, {"prompt": len(ids)},
+                                       max_positions=self.max_positions)
         generation = self.generation_settings(**settings)
         plan = TurnPlan(ids, min(len(ids), 64), self.prefill_chunk, None, self.context_limit)
         return run_turn(self.hf_model, self.tokenizer, self.new_cache(), plan, generation, cancel=cancel,

@@ -9,6 +9,7 @@ end-of-prefill compaction (query-aware CED).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -106,6 +107,8 @@ class ChatSession:
     def prepare(self, prompt: str, documents: Sequence[str | Document] = ()) -> PreparedTurn:
         """Everything a turn needs, computed before any model work; raises if it cannot fit."""
         prompt = template.clean_text(prompt)
+        if isinstance(documents, (str, os.PathLike, Document)):
+            documents = [documents]  # one document given as itself rather than in a list
         docs = [d if isinstance(d, Document) else load_document(d) for d in documents]
         blocks = [template.clean_text(format_for_prompt(d)) for d in docs]
         user = {"role": "user", "content": user_content(prompt, docs)}
@@ -134,14 +137,22 @@ class ChatSession:
         question = min(len(tail_ids), MAX_QUESTION_WINDOW)
         doc_tokens = sum(self._count(b) for b in blocks)
         already = 0 if rebuild else self.cache.seen
-        prompt_tokens = self._count(prompt)
-        history = max(already + len(new_ids) - self.system_tokens - doc_tokens - prompt_tokens, 0)
+        # history: the earlier turns (as the cache holds them, or as the template renders them when re-read); the
+        # prompt part is this turn's own tokens but its documents, its template markers with it
+        if not any(m.get("role") != "system" for m in self.messages):
+            history = 0
+        elif rebuild:
+            history = len(template.encode(self.tokenizer, self._render(self.messages, False))) - self.system_tokens
+        else:
+            history = already - self.system_tokens
+        history = max(history, 0)
+        prompt_tokens = max(already + len(new_ids) - self.system_tokens - history - doc_tokens, 0)
         usage = ContextUsage(self.system_tokens, history, doc_tokens, prompt_tokens, self.context_limit)
         needed = already + len(new_ids) + 1
         if needed > self.context_limit:
             raise ContextOverflowError(needed, self.context_limit, {
                 "system": usage.system, "history": usage.history, "documents": usage.documents,
-                "prompt": usage.prompt})
+                "prompt": usage.prompt}, max_positions=self.model.max_positions)
         return PreparedTurn(user, delta, new_ids, question, usage, rebuild, docs, full, restored)
 
     def send(self, prompt: str, documents: Sequence[str | Document] = (), *, cancel: threading.Event | None = None,

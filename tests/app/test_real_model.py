@@ -156,6 +156,9 @@ def test_the_real_engine_provides_the_interface_and_keeps_a_short_document_whole
     (figures,) = results[0]
     per_token = default_model.kv_bytes_per_token()
     assert 10 < figures.tokens < 128
-    assert figures.kv_bytes == figures.kv_after == figures.tokens * per_token
+    system = default_model.context_usage(None, []).system  # the template's own system prompt, before the note
+    assert system > 0
+    assert figures.kv_bytes == figures.tokens * per_token
+    assert figures.kv_after == (system + figures.tokens) * per_token
     assert figures.kv_bytes > 4 * int(figures.tokens * 0.2 * per_token)
     assert default_model.config.kv_cache_ratio == 0.5  # worked out at the panel's value, not applied

@@ -76,3 +76,49 @@ def test_the_terminal_chat_survives_invalid_utf8_and_a_bad_attachment(tiny_folde
     assert "attached good.txt" in err
     assert err.count("[length]") + err.count("[eos]") == 3  # every prompt got its reply
     assert "not valid UTF-8" in err
+
+
+def test_a_turn_too_large_says_what_takes_the_room_and_only_the_remedies_that_help(chat_model, tiny_folder,
+                                                                                   tmp_path):
+    from engine import ContextOverflowError, DSV41Model
+    from engine.documents import load_document
+
+    from .conftest import turn
+
+    big = tmp_path / "big.txt"
+    big.write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    session = chat_model.chat_session()
+    with pytest.raises(ContextOverflowError) as err:
+        session.send("Summarise.", [str(big)])
+    parts, message = err.value.parts, str(err.value)
+    # a new chat: no history (the template's default system prompt counts as system), so "start a new chat"
+    # would not help; the document would
+    assert parts["history"] == 0 and parts["system"] > 0 and parts["documents"] > 1024
+    assert sum(parts.values()) + 1 == err.value.needed
+    assert "new chat" not in message and "shorter document" in message
+    assert chat_model.context_limit == chat_model.max_positions == 1024  # max_seq_len cannot go further
+    assert "max_seq_len" not in message and "already spans all 1024 of the model's positions" in message
+
+    turn(session, "Hello")
+    with pytest.raises(ContextOverflowError) as err:
+        session.send("word " * 1200)
+    assert err.value.parts["history"] > 0 and err.value.parts["documents"] == 0
+    assert "Start a new chat" in str(err.value) and "shorten the message" in str(err.value)
+    assert sum(err.value.parts.values()) + 1 == err.value.needed
+
+    short = DSV41Model.from_pretrained(DSV41Config(model_path=str(tiny_folder), max_seq_len=256))
+    with pytest.raises(ContextOverflowError) as err:
+        short.chat_session().send("Summarise.", [load_document(str(big))])
+    assert "raise max_seq_len (up to the model's 1024 positions)" in str(err.value)
+
+
+def test_one_document_may_be_given_as_itself(chat_model, tmp_path):
+    from .conftest import turn
+
+    doc = tmp_path / "note.txt"
+    doc.write_text("The pass code is ORCHID.")
+    session = chat_model.chat_session()
+    done, _ = turn(session, "What is the pass code?", str(doc))
+    assert done is not None and "ORCHID" in session.messages[-2]["content"]
+    done, _ = turn(session, "Again?", doc)  # a Path too
+    assert session.messages[-2]["content"].count("ORCHID") == 1

@@ -25,7 +25,12 @@ def test_the_system_prompt_is_the_templates_system_turn_and_a_change_rereads_the
     assert "You answer in French." in session.fed_text and "You are terse." not in session.fed_text
     assert agrees(session)
     session.set_system_prompt("")
-    assert session.system_tokens == 0 and session.messages[0]["role"] == "user"
+    assert session.messages[0]["role"] == "user"
+    # without a prompt of the user's, the system part is what the template puts before the first user turn
+    ids = template.encode(session.tokenizer, template.render(session.tokenizer, [{"role": "user", "content": "x"}],
+                                                             False))
+    start = session.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    assert session.system_tokens == template.count_system(session.tokenizer, None) == ids.index(start, 1) > 0
     usage = chat_model.context_usage(session, session.messages, "", system_prompt="Be kind.")
     assert usage.system == template.count_system(session.tokenizer, "Be kind.")
 
