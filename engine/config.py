@@ -260,17 +260,26 @@ class GenerationSettings:
     ignore_eos: bool = False  # benchmarks: always generate max_new_tokens
 
     def __post_init__(self):
+        def integer(v) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)  # True is not 1 token
+
+        def number(v) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool)
+
         checks = [
-            ("max_new_tokens", isinstance(self.max_new_tokens, int) and 1 <= self.max_new_tokens <= 1 << 20,
+            ("max_new_tokens", integer(self.max_new_tokens) and 1 <= self.max_new_tokens <= 1 << 20,
              "an integer in [1, 1048576]"),
-            ("temperature", isinstance(self.temperature, (int, float)) and 0 <= self.temperature <= 5, "in [0, 5]"),
-            ("top_p", isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1, "in (0, 1]"),
-            ("top_k", isinstance(self.top_k, int) and self.top_k >= 0, "an integer >= 0 (0 = off)"),
-            ("repetition_penalty", isinstance(self.repetition_penalty, (int, float)) and 1 <= self.repetition_penalty <= 3,
+            ("temperature", number(self.temperature) and 0 <= self.temperature <= 5, "in [0, 5]"),
+            ("top_p", number(self.top_p) and 0 < self.top_p <= 1, "in (0, 1]"),
+            ("top_k", integer(self.top_k) and self.top_k >= 0, "an integer >= 0 (0 = off)"),
+            ("repetition_penalty", number(self.repetition_penalty) and 1 <= self.repetition_penalty <= 3,
              "in [1, 3]"),
-            ("seed", self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)
-                                           and 0 <= self.seed <= MAX_SEED),
+            ("seed", self.seed is None or (integer(self.seed) and 0 <= self.seed <= MAX_SEED),
              f"None (random) or an integer in [0, {MAX_SEED}]"),
+            ("greedy", isinstance(self.greedy, bool), "true or false"),
+            ("ignore_eos", isinstance(self.ignore_eos, bool), "true or false"),
+            ("stop", isinstance(self.stop, (tuple, list)) and all(isinstance(x, str) for x in self.stop),
+             "a list of strings"),
         ]
         for name, ok, allowed in checks:
             if not ok:

@@ -31,8 +31,24 @@ def _sampling(body: dict) -> dict:
         settings["greedy"] = True
     stop = body.get("stop")
     if stop is not None:
+        if not (isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(x, str) for x in stop))):
+            raise ConfigError("stop", stop, "a string or a list of strings")
         settings["stop"] = (stop,) if isinstance(stop, str) else tuple(stop)
+    for name in ("stream", "ignore_eos"):
+        if body.get(name) is not None and not isinstance(body[name], bool):
+            raise ConfigError(name, body[name], "true or false")
     return settings
+
+
+def _text(content):
+    """A message's content as text: a string, or OpenAI's content parts, every one of them text."""
+    if not isinstance(content, list):
+        return content
+    if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+        kinds = sorted({str(p.get("type")) if isinstance(p, dict) else type(p).__name__ for p in content} - {"text"})
+        raise ConfigError("messages", ", ".join(kinds) or None,
+                          'content parts of type "text" with a string "text" (this model reads text only)')
+    return "".join(p["text"] for p in content)
 
 
 def parse_request(body: dict) -> tuple[str | None, list[dict], str, dict, dict]:
@@ -42,9 +58,9 @@ def parse_request(body: dict) -> tuple[str | None, list[dict], str, dict, dict]:
         raise ConfigError("messages", messages, "a non-empty list of {role, content}")
     system, turns = None, []
     for message in messages:
-        role, content = (message or {}).get("role"), (message or {}).get("content")
-        if isinstance(content, list):  # OpenAI's content parts: the text ones
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+        if not isinstance(message, dict):
+            raise ConfigError("messages", type(message).__name__, "a list of {role, content} objects")
+        role, content = message.get("role"), _text(message.get("content"))
         if role not in ROLES or not isinstance(content, str):
             raise ConfigError("messages", role, "roles system / user / assistant with text content")
         if role == "system":

@@ -2,8 +2,10 @@
 
     POST /v1/chat/completions   messages (system / user / assistant), max_tokens, temperature, top_p, seed, stop,
                                 stream (server-sent events); `usage`; top_k and repetition_penalty as vLLM takes
-                                them; our extensions: the cache knobs as extra fields (validated like the config)
-                                and `dsv41` (the memory report) in the response
+                                them; our extensions: the cache knobs as extra fields (validated like the config;
+                                they hold for that request, then the model's own come back) and `dsv41` (the
+                                memory report) in the response. The `model` field is not checked: one model is
+                                loaded (as llama.cpp's server does). Bad shapes and types are 400s naming the field
     POST /v1/completions        a raw text continuation of `prompt` (no chat template; a fresh cache each time)
     GET  /v1/models             the one loaded model (with max_model_len, as vLLM reports it)
     GET  /v1/dsv41/memory       the memory report of the last conversation
@@ -15,8 +17,9 @@ queue answers 429 with Retry-After. A chat client resends the whole conversation
 messages extend a kept conversation's reuses its cache (only the new turn is read, as in the app); another
 conversation gets a session (and cache) of its own, the least recently used of SESSIONS dropped. A request that
 cannot fit the context is refused before any work with the numbers (400, OpenAI's error shape, the numbers also
-under `dsv41`), never truncated. A client that disconnects mid-reply cancels it; the session's cache and transcript
-stay consistent (ChatSession). Binds to 127.0.0.1; another address needs an API key (`Authorization: Bearer <key>`).
+under `dsv41`), never truncated. A client that disconnects cancels its request at the next step, whether it waits
+in the queue, its prompt is being read (a stream's headers go out once it is accepted) or it is replying, streamed
+or not; the session's cache and transcript stay consistent (ChatSession). Binds to 127.0.0.1; another address needs an API key (`Authorization: Bearer <key>`).
 Every request's engine work runs on the thread the model runs on (engine.threads says why); the app serving its
 loaded model runs them on its own engine worker thread, between its own turns.
 """
@@ -24,6 +27,7 @@ loaded model runs them on its own engine worker thread, between its own turns.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import threading
 import time
@@ -81,8 +85,30 @@ def create_app(model, *, api_key: str | None = None, queue: int = QUEUE, name: s
     waiting = {"n": 0}
     model_id = name or model.info.display_name
 
+    lent: dict[str, tuple] = {}  # knob -> (the model's own value, the value a request set): see apply_knobs
+
     def authorised(request) -> bool:
-        return api_key is None or request.headers.get("authorization", "") == f"Bearer {api_key}"
+        if api_key is None:
+            return True
+        scheme, _, key = request.headers.get("authorization", "").strip().partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(key.strip().encode(), api_key.encode())
+
+    def apply_knobs(knobs: dict) -> None:
+        """A request's cache knobs hold for that request: what an earlier request set and this one does not ask
+        for goes back to the model's own value (unless the model's owner, the app serving its model, changed it
+        since: then it is theirs)."""
+        want = {}
+        for name, (own, set_to) in list(lent.items()):
+            if getattr(model.config, name) != set_to:
+                del lent[name]
+            elif name not in knobs:
+                want[name] = own
+                del lent[name]
+        for name, value in knobs.items():
+            lent[name] = (lent[name][0] if name in lent else getattr(model.config, name), value)
+            want[name] = value
+        if want:
+            model.reconfigure(None, **want)
 
     def unauthorised():
         return error(401, "Missing or wrong API key: send Authorization: Bearer <key>.", "authentication_error")
@@ -112,7 +138,9 @@ def create_app(model, *, api_key: str | None = None, queue: int = QUEUE, name: s
     async def model_route(request):
         if not authorised(request):
             return unauthorised()
-        return JSONResponse(model_facts(model, model_id))
+        facts = model_facts(model, model_id)
+        facts["cache_knobs"].update({name: own for name, (own, _) in list(lent.items())})  # the server's own
+        return JSONResponse(facts)
 
     async def tokens_route(request):
         body, refused = await json_body(request)
@@ -160,8 +188,7 @@ def create_app(model, *, api_key: str | None = None, queue: int = QUEUE, name: s
             try:
                 if cancel.is_set():
                     return put(("cancelled", None))
-                if knobs:
-                    model.reconfigure(None, **knobs)
+                apply_knobs(knobs)
                 session = None
                 try:
                     if chat:
@@ -172,6 +199,7 @@ def create_app(model, *, api_key: str | None = None, queue: int = QUEUE, name: s
                         stream = model.complete(prompt, cancel=cancel, **settings)
                 except ContextOverflowError as exc:
                     return put(("refused", exc))
+                put(("accepted", None))  # nothing refuses it from here on: a stream's headers may go out
                 for event in stream:
                     if isinstance(event, TokenText) and event.text:
                         put(("text", event.text))
@@ -202,11 +230,30 @@ def create_app(model, *, api_key: str | None = None, queue: int = QUEUE, name: s
         def release() -> None:
             waiting["n"] -= 1
 
+        getter: asyncio.Future | None = None
+        checked = [time.monotonic()]
+
+        async def next_event():
+            """The engine's next event; meanwhile (at most every quarter second, however fast the events come) a
+            client that went away, while the request waits in the queue, reads its prompt or replies, cancels it
+            at its next step."""
+            nonlocal getter
+            getter = getter or asyncio.ensure_future(events.get())
+            while True:
+                done, _ = await asyncio.wait({getter}, timeout=0.25)
+                if not cancel.is_set() and time.monotonic() - checked[0] >= 0.25:
+                    checked[0] = time.monotonic()
+                    if await request.is_disconnected():
+                        cancel.set()
+                if done:
+                    item, getter = getter.result(), None
+                    return item
+
         if not body.get("stream"):
             done, problem = None, None
             try:
                 while True:
-                    what, value = await events.get()
+                    what, value = await next_event()
                     if what == "done":
                         done = value
                     elif what in ("refused", "error"):
@@ -225,10 +272,11 @@ def create_app(model, *, api_key: str | None = None, queue: int = QUEUE, name: s
             return JSONResponse({"id": ident, "object": kind, "created": created, "model": model_id,
                                  "choices": [choice], "usage": usage(done), "dsv41": done["memory"]})
 
-        # streaming: the refusal must come before the first byte (a 400, not an event)
-        first = await events.get()
+        # streaming: the refusal must come before the first byte (a 400, not an event); once the request is accepted
+        # the headers go out, so that a client leaving during the prompt's read is seen (and cancels it)
+        first = await next_event()
         if first[0] == "refused":
-            await events.get()  # "end"
+            await next_event()  # "end"
             release()
             return overflow(first[1])
 
@@ -251,7 +299,9 @@ def create_app(model, *, api_key: str | None = None, queue: int = QUEUE, name: s
                     yield chunk("")
                 while True:
                     what, value = item
-                    if what == "text":
+                    if what == "accepted":
+                        pass
+                    elif what == "text":
                         yield chunk(value)
                     elif what == "done":
                         yield chunk(None, finish_reason(value["reason"]), {"usage": usage(value),
@@ -261,7 +311,7 @@ def create_app(model, *, api_key: str | None = None, queue: int = QUEUE, name: s
                     elif what == "end":
                         yield "data: [DONE]\n\n"
                         return
-                    item = await events.get()
+                    item = await next_event()
             finally:  # the client went away (or we are done): stop the reply at its next step
                 cancel.set()
                 release()

@@ -212,3 +212,88 @@ def test_the_background_server_says_when_its_port_is_taken(default_model):
     finally:
         first.stop()
     assert not first.running
+
+
+def test_bad_request_shapes_are_refused_with_400s_naming_the_field(server):
+    url, _ = server
+    hi = [{"role": "user", "content": "Hi"}]
+    cases = [({"messages": ["hi"]}, "messages"), ({"messages": hi, "stop": 5}, "stop"),
+             ({"messages": hi, "stop": [5]}, "stop"), ({"messages": hi, "stop": [5], "stream": True}, "stop"),
+             ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+              "messages"),
+             ({"messages": [{"role": "user", "content": ["hi"]}]}, "messages"),
+             ({"messages": hi, "stream": "no"}, "stream"), ({"messages": hi, "ignore_eos": "yes"}, "ignore_eos"),
+             ({"messages": hi, "max_tokens": True}, "max_new_tokens")]
+    for body, field in cases:
+        status, _, text = call(url, "/v1/chat/completions", body)
+        assert status == 400, (body, status, text)
+        error = json.loads(text)["error"]
+        assert error["code"] == "invalid_value" and field in error["message"], (body, error)
+    status, body = chat(url, [{"role": "user", "content": [{"type": "text", "text": "What is the capital of "},
+                                                           {"type": "text", "text": "France?"}]}])
+    assert status == 200 and "Paris" in body["choices"][0]["message"]["content"]  # text parts are read
+
+
+def test_the_api_keys_scheme_is_case_insensitive(server):
+    url, _ = server
+    request = urllib.request.Request(url + "/v1/models", headers={"Authorization": "bearer secret"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        assert response.status == 200
+
+
+def test_a_requests_cache_knobs_hold_for_that_request_only(server):
+    url, model = server
+    own = model.config.kv_cache_ratio
+    status, body = chat(url, [{"role": "user", "content": "Hi"}], kv_cache_ratio=0.3)
+    assert status == 200 and body["dsv41"]["kv_target_ratio"] == 0.3
+    status, _, text = call(url, "/v1/dsv41/model")
+    assert json.loads(text)["cache_knobs"]["kv_cache_ratio"] == own  # the server's own, not the last request's
+    status, body = chat(url, [{"role": "user", "content": "Hello"}])
+    assert status == 200 and body["dsv41"]["kv_target_ratio"] == own == model.config.kv_cache_ratio
+    # the model's owner (the app serving its model) changing a knob between requests keeps it
+    chat(url, [{"role": "user", "content": "Hi"}], kv_cache_ratio=0.3)
+    model.reconfigure(None, kv_cache_ratio=0.6)
+    status, body = chat(url, [{"role": "user", "content": "Hello"}])
+    assert body["dsv41"]["kv_target_ratio"] == 0.6
+    model.reconfigure(None, kv_cache_ratio=own)
+
+
+def _last_conversation_seen(url) -> int:
+    """Tokens the last chat's cache holds, once every request before this call is over (a completion queues behind
+    them)."""
+    status, _, _ = call(url, "/v1/completions", {"prompt": "One", "max_tokens": 1})
+    assert status == 200
+    return json.loads(call(url, "/v1/dsv41/memory")[2])["tokens_seen"]
+
+
+def _leave_after(url, body: dict, seconds: float) -> None:
+    """Send a chat request and close the connection after `seconds`, whatever came back by then."""
+    import http.client
+
+    host, port = url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=seconds)
+    connection.request("POST", "/v1/chat/completions", json.dumps(body),
+                       {"Content-Type": "application/json", "Authorization": "Bearer secret"})
+    try:
+        connection.getresponse().read(1)
+    except TimeoutError:
+        pass
+    connection.close()
+
+
+def test_a_client_that_goes_away_before_the_reply_stops_it(server, monkeypatch):
+    """Non-streaming, and streaming while the prompt is still being read: the request is cancelled at its next step
+    (a turn stopped before any reply is undone), not run to its end for nobody."""
+    url, model = server
+    settings = model.generation_settings
+    monkeypatch.setattr(model, "generation_settings", lambda **kw: settings(**{**kw, "ignore_eos": True}))
+    story = {"messages": [{"role": "user", "content": "Write a very long story about the sea."}],
+             "max_tokens": 3000, "temperature": 0}
+    _leave_after(url, story, 1.0)
+    seen = _last_conversation_seen(url)
+    assert 0 < seen < 1500  # the 3,000-token reply stopped soon after the client left (~20 s of tokens otherwise)
+
+    document = "The harbour records list every ship that docked in the spring. " * 250  # ~3,000 tokens to read
+    _leave_after(url, {**story, "stream": True,
+                       "messages": [{"role": "user", "content": document + "\nSummarise the records."}]}, 0.3)
+    assert _last_conversation_seen(url) == 0  # stopped while reading: the turn was undone
