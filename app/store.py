@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import store_repair
 from .format import pages as page_count
 from .paths import database_path
 from .protocol import AttachedDocument, HistoryTurn
@@ -108,15 +109,23 @@ class StoreUnavailable(Exception):
 
 class ConversationStore:
     """`read_only` is True when the data folder cannot be written (read-only, full, or missing and not
-    creatable): existing chats open to read, and `problem` says why nothing new can be saved and what to do."""
+    creatable): existing chats open to read, and `problem` says why nothing new can be saved and what to do.
+    A damaged database file is moved aside and replaced by a new one holding what could be read of it; `notice`
+    says so (None otherwise)."""
 
     def __init__(self, path: Path | str | None = None):
         self.path = Path(path) if path is not None else database_path()
         self.read_only = False
         self.problem: str | None = None
+        self.notice: str | None = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.db = self._open_writable()
+            try:
+                self.db = self._open_writable()
+            except sqlite3.DatabaseError as exc:
+                if not store_repair.is_damage(exc):
+                    raise
+                self.db = self._replace_damaged(exc)
             self.recovered = self._recover_interrupted()
         except (OSError, sqlite3.Error) as exc:
             self.db = self._open_read_only(exc)
@@ -127,6 +136,7 @@ class ConversationStore:
     def _open_writable(self) -> sqlite3.Connection:
         db = sqlite3.connect(str(self.path), timeout=5.0)
         try:
+            store_repair.check(db)
             db.row_factory = sqlite3.Row
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: a killed process loses no commit
@@ -148,6 +158,16 @@ class ConversationStore:
         except BaseException:
             db.close()
             raise
+        return db
+
+    def _replace_damaged(self, cause: BaseException) -> sqlite3.Connection:
+        aside = store_repair.set_aside(self.path)
+        db = self._open_writable()
+        kept = store_repair.salvage(aside, db)
+        read = (f"{kept} chat(s) could be read from it and are back in the list" if kept else
+                "nothing in it could be read")
+        self.notice = (f"The file that holds your chats was damaged ({cause}). It was moved to {aside} and a new one "
+                       f"started; {read}. Nothing was deleted: keep the moved file if a chat is missing.")
         return db
 
     def _open_read_only(self, cause: BaseException) -> sqlite3.Connection:

@@ -107,6 +107,8 @@ class MainWindow(QMainWindow):
                                          "what was shown is kept.", 8000)
         if self.store.read_only:  # a read-only or full data folder: say which, and what to do
             QTimer.singleShot(0, lambda: self.inform("Chats cannot be saved", self.store.problem))
+        elif self.store.notice:  # a damaged chats file was set aside and what it held copied back
+            QTimer.singleShot(0, lambda: self.inform("The chats file was damaged", self.store.notice))
         if autoload:
             QTimer.singleShot(0, self.model_panel.request_load)
 

@@ -190,3 +190,60 @@ def test_out_of_memory_alone_too_brings_the_old_model_back(qtbot, make_window, f
     assert calls == ["huge", "huge", "default"]
     assert window.facts is not None and window.facts.display_name == "FakeLM-1M"
     assert window.send_button.isEnabled()
+
+
+def _chats(store, n: int) -> list[int]:
+    ids = []
+    for i in range(n):
+        conv = store.create_conversation(f"chat {i}")
+        store.add_user_message(conv, f"question {i} " + "words " * 400)
+        store.finish_reply(store.add_reply(conv), f"answer {i} " + "more " * 400, "done")
+        ids.append(conv)
+    return ids
+
+
+def test_a_file_that_is_not_a_database_is_moved_aside_and_a_new_store_starts(data_dir):
+    data_dir.mkdir(parents=True)
+    junk = os.urandom(8192)
+    (data_dir / "conversations.sqlite3").write_bytes(junk)
+    store = ConversationStore()
+    assert not store.read_only and store.problem is None
+    moved = [p for p in data_dir.iterdir() if ".damaged-" in p.name]
+    assert len(moved) == 1 and moved[0].read_bytes() == junk  # nothing deleted
+    assert str(moved[0]) in store.notice and "nothing in it could be read" in store.notice
+    conv = store.create_conversation("after")  # the new store takes messages
+    store.add_user_message(conv, "hello")
+    assert [c.title for c in store.conversations()] == ["after"]
+
+
+def test_a_database_with_damaged_pages_keeps_what_can_still_be_read(data_dir):
+    store = ConversationStore()
+    ids = _chats(store, 12)
+    store.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    store.close()
+    path = data_dir / "conversations.sqlite3"
+    raw = bytearray(path.read_bytes())
+    page = 4096
+    pages = len(raw) // page
+    assert pages > 12
+    middle = (pages * 2 // 3) * page  # a page of message rows, past the first chats'
+    raw[middle: middle + page] = os.urandom(page)
+    path.write_bytes(bytes(raw))
+    store = ConversationStore()
+    assert not store.read_only and store.notice and "damaged" in store.notice
+    titles = [c.title for c in store.conversations()]
+    assert 0 < len(titles) <= len(ids)  # every conversation row sits on the first pages: read back
+    readable = [c.id for c in store.conversations() if store.messages(c.id)]
+    assert readable  # and the messages before the damaged page come back with them
+    assert store.db.execute("PRAGMA quick_check").fetchone()[0] == "ok"
+
+
+def test_the_window_says_when_the_chats_file_was_damaged(qtbot, data_dir, make_window):
+    data_dir.mkdir(parents=True)
+    (data_dir / "conversations.sqlite3").write_text("these are not chats\n" * 100)
+    window = make_window()
+    qtbot.waitUntil(lambda: bool(window.shown_messages), timeout=5000)
+    title, text = window.shown_messages[0]
+    assert title == "The chats file was damaged" and ".damaged-" in text
+    send(qtbot, window, "still works")
+    assert window.chat.bubbles[-2].text == "still works"
