@@ -168,9 +168,10 @@ class DSV41Model:
     def cache_settings(self) -> CacheSettings:
         return CacheSettings.from_config(self.config)
 
-    def new_cache(self) -> DSV41Cache:
-        settings = self.cache_settings()
-        initial = max(256, int(self.config.max_seq_len * self.config.kv_cache_ratio))
+    def new_cache(self, settings: CacheSettings | None = None) -> DSV41Cache:
+        """An empty cache at the model's knobs, or at `settings` (a server request's own)."""
+        settings = settings or self.cache_settings()
+        initial = max(256, int(self.config.max_seq_len * settings.kv_cache_ratio))
         return DSV41Cache(self.num_layers, self.kv_heads, self.head_dim, self.kv_dtype, self.device, settings,
                           backend=self.info.attention_backend, initial_capacity=initial,
                           prefill_bf16=adapter.prefill_bf16(self.hf_model),
@@ -332,9 +333,10 @@ class DSV41Model:
                 text = event.text
         return text
 
-    def complete(self, text: str, *, cancel=None, **settings) -> Iterator[Event]:
-        """A raw continuation of `text` (no chat template; its markers are plain text) in a cache of its own:
-        the server's /v1/completions. Raises ContextOverflowError before any work when it cannot fit."""
+    def complete(self, text: str, *, cancel=None, knobs: dict | None = None, **settings) -> Iterator[Event]:
+        """A raw continuation of `text` (no chat template; its markers are plain text) in a cache of its own (at
+        the model's cache knobs, `knobs` over them): the server's /v1/completions. Raises ContextOverflowError
+        before any work when it cannot fit."""
         from .generate import TurnPlan, run_turn
 
         ids = chat_template.encode_text(self.tokenizer, text)
@@ -343,7 +345,8 @@ class DSV41Model:
                                        max_positions=self.max_positions)
         generation = self.generation_settings(**settings)
         plan = TurnPlan(ids, min(len(ids), 64), self.prefill_chunk, None, self.context_limit)
-        return run_turn(self.hf_model, self.tokenizer, self.new_cache(), plan, generation, cancel=cancel,
+        cache = self.new_cache(self.cache_settings().replace(**knobs) if knobs else None)
+        return run_turn(self.hf_model, self.tokenizer, cache, plan, generation, cancel=cancel,
                         eos_ids=self.eos_ids)
 
     def warmup(self, sample_inputs=("你好", "请介绍一下你自己"), max_new_tokens: int = 4) -> list[float]:

@@ -3,7 +3,7 @@
     POST /v1/chat/completions   messages (system / user / assistant), max_tokens, temperature, top_p, seed, stop,
                                 stream (server-sent events); `usage`; top_k and repetition_penalty as vLLM takes
                                 them; our extensions: the cache knobs as extra fields (validated like the config;
-                                they hold for that request, then the model's own come back) and `dsv41` (the
+                                they apply to that conversation's cache alone, over the model's own) and `dsv41` (the
                                 memory report) in the response. The `model` field is not checked: one model is
                                 loaded (as llama.cpp's server does). Bad shapes and types are 400s naming the field
     POST /v1/completions        a raw text continuation of `prompt` (no chat template; a fresh cache each time)
@@ -85,30 +85,11 @@ def create_app(model, *, api_key: str | None = None, queue: int = QUEUE, name: s
     waiting = {"n": 0}
     model_id = name or model.info.display_name
 
-    lent: dict[str, tuple] = {}  # knob -> (the model's own value, the value a request set): see apply_knobs
-
     def authorised(request) -> bool:
         if api_key is None:
             return True
         scheme, _, key = request.headers.get("authorization", "").strip().partition(" ")
         return scheme.lower() == "bearer" and hmac.compare_digest(key.strip().encode(), api_key.encode())
-
-    def apply_knobs(knobs: dict) -> None:
-        """A request's cache knobs hold for that request: what an earlier request set and this one does not ask
-        for goes back to the model's own value (unless the model's owner, the app serving its model, changed it
-        since: then it is theirs)."""
-        want = {}
-        for name, (own, set_to) in list(lent.items()):
-            if getattr(model.config, name) != set_to:
-                del lent[name]
-            elif name not in knobs:
-                want[name] = own
-                del lent[name]
-        for name, value in knobs.items():
-            lent[name] = (lent[name][0] if name in lent else getattr(model.config, name), value)
-            want[name] = value
-        if want:
-            model.reconfigure(None, **want)
 
     def unauthorised():
         return error(401, "Missing or wrong API key: send Authorization: Bearer <key>.", "authentication_error")
@@ -138,9 +119,7 @@ def create_app(model, *, api_key: str | None = None, queue: int = QUEUE, name: s
     async def model_route(request):
         if not authorised(request):
             return unauthorised()
-        facts = model_facts(model, model_id)
-        facts["cache_knobs"].update({name: own for name, (own, _) in list(lent.items())})  # the server's own
-        return JSONResponse(facts)
+        return JSONResponse(model_facts(model, model_id))
 
     async def tokens_route(request):
         body, refused = await json_body(request)
@@ -188,15 +167,19 @@ def create_app(model, *, api_key: str | None = None, queue: int = QUEUE, name: s
             try:
                 if cancel.is_set():
                     return put(("cancelled", None))
-                apply_knobs(knobs)
                 session = None
                 try:
                     if chat:
                         session = conversations.session_for(system, history)
                         conversations.last = session
+                        # the request's knobs over the model's own, for this conversation's cache alone (the
+                        # model's, which the app serving its model shows and sets, never change)
+                        wanted = model.cache_settings().replace(**knobs)
+                        if session.cache.settings != wanted:
+                            session.apply_settings(wanted)
                         stream = session.send(prompt, cancel=cancel, **settings)
                     else:
-                        stream = model.complete(prompt, cancel=cancel, **settings)
+                        stream = model.complete(prompt, cancel=cancel, knobs=knobs, **settings)
                 except ContextOverflowError as exc:
                     return put(("refused", exc))
                 put(("accepted", None))  # nothing refuses it from here on: a stream's headers may go out

@@ -39,8 +39,8 @@ def ask(qtbot, window, text: str, timeout: int = 120_000):
 
 @pytest.fixture
 def served_model(default_model):
-    """The session's default model behind our server; the knobs the app sends with its requests reconfigure it,
-    so its own settings come back afterwards (other tests rely on them)."""
+    """The session's default model behind our server; its own settings come back afterwards whatever a test did
+    (other tests rely on them)."""
     saved = default_model.config
     try:
         yield default_model
@@ -86,11 +86,13 @@ def test_the_app_on_our_own_server(qtbot, make_window, served_model, data_dir):
         window.knob_panel.set_values({"kv_cache_ratio": 0.3}, notify=True)
         qtbot.waitUntil(lambda: "Sent to the server" in window.knob_panel.status.text(), timeout=5_000)
         ask(qtbot, window, "Thanks.")
-        assert default_model.config.kv_cache_ratio == 0.3
+        # ... to this conversation's cache on the server (the served model's own knobs stay as they were)
+        qtbot.waitUntil(lambda: window.memory_panel.report.kv_target_ratio == 0.3, timeout=10_000)
+        assert default_model.config.kv_cache_ratio == 0.5
         window.knob_panel.set_values({"kv_cache_ratio": 0.5}, notify=True)
         qtbot.waitUntil(lambda: window.facts.config["kv_cache_ratio"] == 0.5, timeout=5_000)
         ask(qtbot, window, "Bye.")
-        assert default_model.config.kv_cache_ratio == 0.5
+        qtbot.waitUntil(lambda: window.memory_panel.report.kv_target_ratio == 0.5, timeout=10_000)
         window.close()
 
 

@@ -82,8 +82,9 @@ def test_streaming_by_server_sent_events(server):
 
 def test_cache_knobs_are_extensions_validated_like_the_config(server):
     url, model = server
+    own = model.config.kv_cache_ratio
     status, body = chat(url, [{"role": "user", "content": "Hi"}], kv_cache_ratio=0.4)
-    assert status == 200 and body["dsv41"]["kv_target_ratio"] == 0.4 and model.config.kv_cache_ratio == 0.4
+    assert status == 200 and body["dsv41"]["kv_target_ratio"] == 0.4 and model.config.kv_cache_ratio == own
     status, body = chat(url, [{"role": "user", "content": "Hi"}], kv_cache_ratio=7)
     assert status == 400 and "kv_cache_ratio" in body["error"]["message"]
     status, _, text = call(url, "/v1/dsv41/memory")
@@ -241,21 +242,30 @@ def test_the_api_keys_scheme_is_case_insensitive(server):
         assert response.status == 200
 
 
-def test_a_requests_cache_knobs_hold_for_that_request_only(server):
+def test_a_requests_cache_knobs_apply_to_its_conversation_alone(server):
     url, model = server
     own = model.config.kv_cache_ratio
     status, body = chat(url, [{"role": "user", "content": "Hi"}], kv_cache_ratio=0.3)
     assert status == 200 and body["dsv41"]["kv_target_ratio"] == 0.3
+    assert model.config.kv_cache_ratio == own  # the model's own (the app's, when it serves its model) unchanged
     status, _, text = call(url, "/v1/dsv41/model")
-    assert json.loads(text)["cache_knobs"]["kv_cache_ratio"] == own  # the server's own, not the last request's
-    status, body = chat(url, [{"role": "user", "content": "Hello"}])
-    assert status == 200 and body["dsv41"]["kv_target_ratio"] == own == model.config.kv_cache_ratio
-    # the model's owner (the app serving its model) changing a knob between requests keeps it
-    chat(url, [{"role": "user", "content": "Hi"}], kv_cache_ratio=0.3)
+    assert json.loads(text)["cache_knobs"]["kv_cache_ratio"] == own
+    status, body = chat(url, [{"role": "user", "content": "Hello"}])  # another conversation, no knobs
+    assert status == 200 and body["dsv41"]["kv_target_ratio"] == own
+    # the same conversation resent without its knobs goes back to the model's own
+    first = [{"role": "user", "content": "Tell me about tea."}]
+    status, body = chat(url, first, kv_cache_ratio=0.3)
+    first.append({"role": "assistant", "content": body["choices"][0]["message"]["content"]})
+    status, body = chat(url, first + [{"role": "user", "content": "And coffee?"}])
+    assert status == 200 and body["dsv41"]["kv_target_ratio"] == own
+    assert body["usage"]["prompt_tokens"] < 20  # its own session (a new one would read the whole conversation)
+    # the model's owner changing a knob between requests reaches the requests that send none
     model.reconfigure(None, kv_cache_ratio=0.6)
-    status, body = chat(url, [{"role": "user", "content": "Hello"}])
-    assert body["dsv41"]["kv_target_ratio"] == 0.6
-    model.reconfigure(None, kv_cache_ratio=own)
+    try:
+        status, body = chat(url, [{"role": "user", "content": "Hello again"}])
+        assert body["dsv41"]["kv_target_ratio"] == 0.6
+    finally:
+        model.reconfigure(None, kv_cache_ratio=own)
 
 
 def _last_conversation_seen(url) -> int:
