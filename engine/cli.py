@@ -215,7 +215,8 @@ def cmd_chat(args) -> int:
                       file=sys.stderr)
                 pending_docs = []
             elif path:
-                _attach(path, pending_docs)
+                for one in _typed_paths(path):
+                    _attach(one, pending_docs)
             elif pending_docs:
                 print(f"(attached to the next message: {_names(pending_docs)}; /doc clear removes them)",
                       file=sys.stderr)
@@ -238,6 +239,23 @@ def cmd_chat(args) -> int:
             print(f"(the message was not kept: type it again to send it{kept})", file=sys.stderr)
         else:
             pending_docs = []
+
+
+def _typed_paths(text: str) -> list[str]:
+    """The file(s) a /doc line names as a terminal gives them: a path as typed (~ expanded; spaces and all), or the
+    quoted or backslash-escaped paths a file dragged into the terminal pastes (several, for several files)."""
+    import os
+    import shlex
+
+    if os.path.exists(os.path.expanduser(text)):
+        return [text]
+    try:
+        words = shlex.split(text)
+    except ValueError:  # an unbalanced quote: the text as it is (its error names it)
+        return [text]
+    if words and all(os.path.exists(os.path.expanduser(w)) for w in words):
+        return words
+    return [words[0]] if len(words) == 1 else [text]
 
 
 def _names(docs: list) -> str:

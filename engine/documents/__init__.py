@@ -66,6 +66,8 @@ def load_document(
     given = os.fspath(path)
     if isinstance(given, bytes):
         given = os.fsdecode(given)
+    if given.startswith("~"):
+        given = os.path.expanduser(given)  # typed, not run through a shell
     name = os.path.basename(os.path.normpath(given)) or given
     label = f'"{name}"'
 

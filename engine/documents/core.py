@@ -96,6 +96,8 @@ def _kind_for(path: str | os.PathLike[str]) -> str | None:
     if suffix in _TEXT_SUFFIXES:
         return "text"
     if not suffix:
+        if name.startswith(".") and name not in (".", ".."):
+            return "text"  # a dotfile (.bashrc, .gitignore, .editorconfig): configuration as text
         return _BARE_NAMES.get(name.lower())
     return None
 
@@ -176,8 +178,14 @@ _BLANK_RUN = re.compile(r"\n(?:[ \t]*\n){3,}")
 _LEADING_BLANK_LINES = re.compile(r"\A(?:[ \t]*\n)+")
 
 
+# Terminal escape sequences (a log's colours, a cursor move, a window title): markup for a terminal, noise to a model
+_TERMINAL_ESCAPES = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)|[@-Z\\-_])?")
+
+
 def _normalise(text: str) -> str:
     text = text.replace("\x00", "")
+    if "\x1b" in text:
+        text = _TERMINAL_ESCAPES.sub("", text)
     if text.startswith("\ufeff"):
         text = text[1:]
     text = text.replace("\r\n", "\n").replace("\r", "\n")

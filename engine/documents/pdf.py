@@ -73,10 +73,14 @@ def _pdf_text(data: bytes, label: str, fail, max_chars: int) -> tuple[str, int]:
             f"{label} is not a valid PDF file (no PDF header). It may be damaged or mislabelled.",
         )
 
+    # A PDF ends with %%EOF (within its last kilobyte; some writers add a little after it): without it the file
+    # was most likely cut short (an interrupted download or copy), which is what a user can fix
+    cut = "" if b"%%EOF" in data[-1024:] else (
+        " It looks incomplete (it does not end as a PDF does): download or copy it again.")
     try:
         reader = PdfReader(io.BytesIO(data), strict=False)
     except Exception as exc:
-        raise fail("unreadable", f"{label} could not be read as a PDF: {_reason_of(exc)}.") from None
+        raise fail("unreadable", f"{label} could not be read as a PDF: {_reason_of(exc)}.{cut}") from None
 
     try:
         encrypted = reader.is_encrypted
@@ -106,7 +110,7 @@ def _pdf_text(data: bytes, label: str, fail, max_chars: int) -> tuple[str, int]:
         page_list = reader.pages
         n_pages = len(page_list)
     except Exception as exc:
-        raise fail("unreadable", f"{label} could not be read as a PDF: {_reason_of(exc)}.") from None
+        raise fail("unreadable", f"{label} could not be read as a PDF: {_reason_of(exc)}.{cut}") from None
     if n_pages == 0:
         raise fail("unreadable", f"{label} could not be read as a PDF: it has no pages.")
 

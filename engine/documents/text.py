@@ -130,9 +130,27 @@ def _detect_legacy(data: bytes) -> tuple[str, str] | None:
         encoding = best.encoding
     if encoding.startswith("utf"):
         return None
-    if len(data) < 64 and encoding != "cp1252":
-        return None  # too little text to tell one code page from another
-    return encoding.replace("_", "-"), data.decode(encoding, errors="replace")
+    text = data.decode(encoding, errors="replace")
+    if len(data) < 64 and encoding != "cp1252" and (best.chaos > 0 or _mostly_latin(text)):
+        # too little text to tell one Latin code page from another ("crème" reads as Central European "crčme"
+        # just as well): Windows-1252 below. A short text in another script (a Chinese CSV, a Russian line)
+        # that decodes without a flaw is what it seems.
+        return None
+    return _code_page_name(encoding), text
+
+
+def _mostly_latin(text: str) -> bool:
+    """Whether most of the letters past ASCII in `text` are Latin ones (or there are none)."""
+    import unicodedata
+
+    letters = [ch for ch in text if ord(ch) > 127 and ch.isalpha()]
+    latin = sum(1 for ch in letters if unicodedata.name(ch, "").startswith("LATIN"))
+    return not letters or latin * 2 > len(letters)
+
+
+def _code_page_name(encoding: str) -> str:
+    """'cp1251' -> 'Windows-1251' (as the Windows-1252 fallback is named), else the codec's name."""
+    return f"Windows-{encoding[2:]}" if encoding.startswith("cp125") else encoding.replace("_", "-")
 
 
 # By how much text is written in them (Windows-1252 first), for ties between equally good code pages.

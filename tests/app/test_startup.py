@@ -59,3 +59,17 @@ def test_python_m_app_opens_and_loads_the_default_model(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "FACTS SmolLM2-135M-Instruct []" in result.stdout, result.stdout + result.stderr[-3000:]
     assert "ICON True STYLE True" in result.stdout
+
+
+def test_python_m_app_without_a_display_says_what_to_do_and_help_prints_usage(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("DISPLAY", "WAYLAND_DISPLAY", "QT_QPA_PLATFORM")}
+    env["DSV41_DATA_DIR"] = str(tmp_path / "data")
+    if sys.platform in ("win32", "darwin"):
+        return  # a display is always there
+    out = subprocess.run([sys.executable, "-m", "app"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 2 and "No display found" in out.stderr and "-m engine chat" in out.stderr
+    assert "Traceback" not in out.stderr and "Aborted" not in out.stderr
+    out = subprocess.run([sys.executable, "-m", "app", "--help"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0 and out.stdout.startswith("usage: python -m app") and "--selftest" in out.stdout

@@ -211,3 +211,19 @@ def test_the_terminal_chat_lists_clears_and_resets_attached_documents(monkeypatc
     assert "(a.txt no longer attached)" in err
     assert "(new conversation; b.txt no longer attached)" in err
     assert "(nothing was attached)" in err
+
+
+def test_a_doc_path_is_read_as_a_terminal_gives_it(tmp_path, monkeypatch):
+    from engine.cli import _typed_paths
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    spaced = tmp_path / "my file ünï 文件.txt"
+    spaced.write_text("x")
+    other = tmp_path / "b.txt"
+    other.write_text("y")
+    assert _typed_paths(str(spaced)) == [str(spaced)]  # typed as it is, spaces and all
+    assert _typed_paths(f"'{spaced}'") == [str(spaced)]  # a dragged file, quoted
+    assert _typed_paths(str(spaced).replace(" ", "\\ ")) == [str(spaced)]  # or escaped
+    assert _typed_paths(f"'{spaced}' {other}") == [str(spaced), str(other)]  # several dragged at once
+    assert _typed_paths("~/b.txt") == ["~/b.txt"]  # load_document expands ~
+    assert _typed_paths("'/nowhere/x.txt") == ["'/nowhere/x.txt"]  # unbalanced: as typed, its error names it

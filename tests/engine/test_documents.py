@@ -149,6 +149,39 @@ def test_legacy_western_encoding(tmp_path):
     assert load_document(path).text == body.rstrip()
 
 
+@pytest.mark.parametrize("text, encoding, named", [
+    ("姓名,年龄,城市\n张三,30,北京\n李四,25,上海\n", "gbk", "gb18030"),  # a CSV Excel saved in China
+    ("明日の会議は午後三時からです。", "cp932", "cp932"),
+    ("Привет, как дела? Всё хорошо.", "cp1251", "Windows-1251"),
+])
+def test_a_short_text_in_a_legacy_code_page_of_another_script_is_read(tmp_path, text, encoding, named):
+    path = tmp_path / "short.csv"
+    path.write_bytes(text.encode(encoding))
+    assert len(path.read_bytes()) < 64
+    doc = load_document(path)
+    assert doc.text == text.rstrip() and f"read as {named}" in " ".join(doc.notes)
+
+
+def test_a_short_latin_text_is_read_as_windows_1252_not_a_look_alike_code_page(tmp_path):
+    path = tmp_path / "menu.txt"
+    path.write_bytes("café crème brûlée".encode("cp1252"))  # the detector names Central European cp1250 for it
+    doc = load_document(path)
+    assert doc.text == "café crème brûlée" and "read as Windows-1252" in " ".join(doc.notes)
+
+
+def test_terminal_escape_sequences_are_taken_out(tmp_path):
+    path = tmp_path / "build.log"
+    path.write_bytes(b"\x1b[31mERROR\x1b[0m disk full\n\x1b]0;make\x07\x1b[1;32mOK\x1b[m done\n")
+    assert load_document(path).text == "ERROR disk full\nOK done"
+
+
+def test_dotfiles_are_text_and_a_home_path_is_expanded(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / ".bashrc").write_text("export EDITOR=vim\n")
+    doc = load_document("~/.bashrc")
+    assert doc.text == "export EDITOR=vim" and doc.path == str(tmp_path / ".bashrc")
+
+
 def test_legacy_chinese_gb18030(tmp_path):
     path = tmp_path / "gbk.txt"
     path.write_bytes(CHINESE.encode("gb18030"))
@@ -293,6 +326,7 @@ def test_pdf_truncated(tmp_path, pdf_bytes, fraction):
         load_document(path)
     err = assert_error(exc_info, "unreadable", "truncated.pdf")
     assert len(str(err)) > len('"truncated.pdf" could not be read as a PDF: ')  # the parser's reason
+    assert "looks incomplete" in str(err) and "download or copy it again" in str(err)  # and what to do
 
 
 def test_pdf_that_is_not_a_pdf(tmp_path):

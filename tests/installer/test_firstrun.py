@@ -271,6 +271,24 @@ def test_app_that_fails_to_start_gets_an_error_window(tmp_path, firstrun, monkey
     assert shown == []
     assert "xcb-cursor0" in commands.app_failure_hint(["xcb-cursor0 or libxcb-cursor0 is needed"])
     assert "setup --force" in commands.app_failure_hint(["ModuleNotFoundError: No module named 'PySide6'"])
+    # a display Qt cannot reach: Qt also names xcb-cursor0 then, but the display is what to fix
+    unreachable = ["qt.qpa.xcb: could not connect to display :99",
+                   "qt.qpa.plugin: From 6.5.0, xcb-cursor0 or libxcb-cursor0 is needed to load the Qt xcb platform plugin."]
+    hint = commands.app_failure_hint(unreachable)
+    assert "DISPLAY" in hint and "chat" in hint and "apt install" not in hint
+
+
+def test_the_no_display_message_names_only_commands_that_work(tmp_path, monkeypatch):
+    fresh = tmp_path / "venv" / "bin" / "python"  # before setup: no such python yet
+    assert "or directly" not in commands.no_display_message(fresh)
+    fresh.parent.mkdir(parents=True)
+    fresh.write_text("")
+    assert f"{fresh} -m engine chat" in commands.no_display_message(fresh)
+    monkeypatch.chdir(tmp_path)  # run from another folder: the bootstrap by its full path
+    script = Path(common.__file__).resolve().parent / "bootstrap.py"
+    assert common._bootstrap_cmd() in (f"python3 {script}", f'python3 "{script}"')
+    monkeypatch.chdir(script.parent.parent)
+    assert common._bootstrap_cmd() == "python3 installer/bootstrap.py"
 
 
 # ------------------------------------------------------------------------------- under Xvfb
