@@ -75,8 +75,9 @@ def run_checks() -> list[Check]:
     checks.extend(_gpu_checks(torch, cuda_avail))
     checks.append(_attention_check(torch, cuda_avail))
     try:
-        import bitsandbytes
+        from .loader import import_bitsandbytes
 
+        bitsandbytes = import_bitsandbytes()
         checks.append(Check("bitsandbytes", "ok", f"{bitsandbytes.__version__} (INT8/INT4 weights available)"))
     except Exception as exc:  # noqa: BLE001
         checks.append(Check("bitsandbytes", "warn", f"not importable ({type(exc).__name__})",

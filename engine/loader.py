@@ -323,11 +323,26 @@ def _own_small_tensors(model) -> None:
                         tensor.data = tensor.data.clone()
 
 
+def import_bitsandbytes():
+    """bitsandbytes, imported without its CPU backend's warning that an optional kernel from the hub's `kernels`
+    package is absent (it falls back to its own; the warning, printed at import, read like a failure)."""
+    import logging
+
+    quiet = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        import bitsandbytes
+    finally:
+        quiet.setLevel(level)
+    return bitsandbytes
+
+
 def _bnb_config(weight_quant: str, dtype):
     from transformers import BitsAndBytesConfig
 
     try:
-        import bitsandbytes  # noqa: F401
+        import_bitsandbytes()
     except Exception as exc:  # noqa: BLE001
         raise ModelLoadError(f"INT8/INT4 weights need bitsandbytes, which failed to import ({exc}). Install it "
                              "(pip install bitsandbytes) or choose weights 'none'.", reason="missing_library") from exc

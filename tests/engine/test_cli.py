@@ -227,3 +227,17 @@ def test_a_doc_path_is_read_as_a_terminal_gives_it(tmp_path, monkeypatch):
     assert _typed_paths(f"'{spaced}' {other}") == [str(spaced), str(other)]  # several dragged at once
     assert _typed_paths("~/b.txt") == ["~/b.txt"]  # load_document expands ~
     assert _typed_paths("'/nowhere/x.txt") == ["'/nowhere/x.txt"]  # unbalanced: as typed, its error names it
+
+
+def test_bitsandbytes_imports_without_its_optional_kernel_warning():
+    """Its CPU backend warns at import that the hub's `kernels` package is absent (an optional kernel it replaces
+    with its own): printed right after doctor's "No problems found", it read as a failure."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", "from engine.loader import import_bitsandbytes as f; print(f().__name__)"],
+                         capture_output=True, text=True, cwd=root, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "bitsandbytes", out.stderr[-1000:]
+    assert "gemm_4bit_forward" not in out.stderr and "pip install kernels" not in out.stderr
