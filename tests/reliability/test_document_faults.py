@@ -31,7 +31,7 @@ def test_a_real_legacy_file_is_detected_and_the_encoding_named(tmp_path):
     path.write_bytes((SPEECH + " “Quoted.”\n") .encode("cp1252") * 5)
     doc = load_document(path)
     assert "café" in doc.text and "“Quoted.”" in doc.text
-    assert doc.notes == ("not UTF-8: read as cp1252",)
+    assert doc.notes == ("not UTF-8: read as Windows-1252",)
 
 
 def test_clean_utf8_has_no_notes(tmp_path):
