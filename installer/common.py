@@ -23,13 +23,14 @@ APP_NAME = "DS-V4.1 Chat"
 
 
 def _bootstrap_cmd() -> str:
-    """How to run this bootstrap from where the user is: relative to the current folder when it is inside it (the
-    repository root, as the README says), else by its full path (a command suggested from elsewhere must work)."""
+    """How to run this bootstrap from where the user is: from the repository root as the README says, else by its
+    full path (a command suggested from elsewhere must work there)."""
     script = Path(__file__).resolve().parent / "bootstrap.py"
     try:
-        where = str(script.relative_to(Path.cwd().resolve()))
-    except (ValueError, OSError):
-        where = str(script)
+        at_root = Path.cwd().resolve() == script.parent.parent
+    except OSError:  # the current folder was removed
+        at_root = False
+    where = "installer/bootstrap.py" if at_root else str(script)
     return f'python3 "{where}"' if " " in where else f"python3 {where}"
 
 
