@@ -19,7 +19,8 @@ conversation gets a session (and cache) of its own, the least recently used of S
 cannot fit the context is refused before any work with the numbers (400, OpenAI's error shape, the numbers also
 under `dsv41`), never truncated. A client that disconnects cancels its request at the next step, whether it waits
 in the queue, its prompt is being read (a stream's headers go out once it is accepted) or it is replying, streamed
-or not; the session's cache and transcript stay consistent (ChatSession). Binds to 127.0.0.1; another address needs an API key (`Authorization: Bearer <key>`).
+or not; the session's cache and transcript stay consistent (ChatSession). Binds to 127.0.0.1; another address
+needs an API key (`Authorization: Bearer <key>`).
 Every request's engine work runs on the thread the model runs on (engine.threads says why); the app serving its
 loaded model runs them on its own engine worker thread, between its own turns.
 """
