@@ -88,6 +88,10 @@ class MainWindow(QMainWindow):
         self.doc_tokens: dict[str, int] = {}  # the engine's count per attachment key
         self.doc_figures: dict[str, DocumentFigures] = {}  # the engine's latest figures per attachment key
         self.editing_message_id: int | None = None
+        # what was in the box when an edit began (text, documents): back in the box when the edit ends
+        self._draft: tuple[str, dict] | None = None
+        # the user opened a new, empty chat (New chat): reloading the list must not open another one instead
+        self._new_chat = False
         self._showing = False  # a chat's own settings are being put back (not a change to save)
         self.loading = False
         self._after_load = None  # a callable to run once the next load succeeds (OOM retry)
@@ -467,7 +471,7 @@ class MainWindow(QMainWindow):
             self.knob_panel.show_pending(self._changed_knobs(knobs))
         else:
             self.knob_panel.show_applying()
-        self.client.reconfigure.emit(knobs)
+        self.client.reconfigure.emit((self.conversation_id, knobs))
 
     def _on_reconfigured(self, result, facts) -> None:
         self.facts = facts
@@ -592,7 +596,8 @@ class MainWindow(QMainWindow):
         self.conversations.populate(conversations, target)
         if target is not None and target != self.conversation_id:
             self.show_conversation(target)
-        elif target is None and self.conversation_id is None and ids and not self.conversations.search.text():
+        elif (target is None and self.conversation_id is None and ids and not self.conversations.search.text()
+              and not self._new_chat):
             self.show_conversation(ids[0])
             self.conversations.select(ids[0])
 
@@ -601,6 +606,8 @@ class MainWindow(QMainWindow):
             conversation_id = None
         self.cancel_edit()
         self.system_prompt.flush()  # an edit still waiting belongs to the chat being left
+        self.knob_panel.flush()  # so does a knob change still waiting
+        self._new_chat = False
         changed = conversation_id != self.conversation_id
         self.conversation_id = conversation_id
         if changed or conversation_id is None:
@@ -633,6 +640,7 @@ class MainWindow(QMainWindow):
         self.conversations.list.clearSelection()
         self.conversations.list.setCurrentItem(None)
         self.show_conversation(None)
+        self._new_chat = True
         self.composer.setFocus()
 
     def delete_conversation(self, conversation_id: int) -> None:
@@ -689,8 +697,9 @@ class MainWindow(QMainWindow):
 
     # ------------------------------------------------------------------ turns
     def send(self) -> None:
-        prompt = self.composer.toPlainText().strip()
-        if self.turns.busy or not prompt:
+        # trailing space and blank lines around the message go; the first line's indentation (code) stays
+        prompt = self.composer.toPlainText().rstrip().lstrip("\n")
+        if self.turns.busy or not prompt.strip():
             return
         if self.store.read_only:
             self.inform("Chats cannot be saved", self.store.problem + "\n\nYour message is still in the box.")
@@ -730,14 +739,17 @@ class MainWindow(QMainWindow):
         if created is not None:
             self.conversation_id = created
             self.settings.set(Key.LAST_CONVERSATION, created)
+        draft = None
         if self.editing_message_id is not None:
             self._set_editing(None)
+            draft, self._draft = self._draft, None
             self.show_conversation(self.conversation_id)  # the replaced messages leave the view
         if created is not None:
             self._reload_conversations(select=created)
         self.composer.clear()
         self.attached.clear()
         self.chips.clear()
+        self._put_back(draft)  # what was typed before the edit began
         self._update_actions()
 
     def _save_failed(self, message: str) -> None:
@@ -805,6 +817,8 @@ class MainWindow(QMainWindow):
                     None)
         if user is None:
             return
+        if self.editing_message_id is None and (self.composer.toPlainText().strip() or self.attached):
+            self._draft = (self.composer.toPlainText(), dict(self.attached))  # nothing typed is lost
         self.composer.setPlainText(user.content)
         self.attached.clear()
         self.chips.clear()
@@ -821,6 +835,21 @@ class MainWindow(QMainWindow):
             self.composer.clear()
             self.attached.clear()
             self.chips.clear()
+            draft, self._draft = self._draft, None
+            self._put_back(draft)
+
+    def _put_back(self, draft: tuple[str, dict] | None) -> None:
+        """A draft set aside by an edit back in the box, with its documents."""
+        if draft is None:
+            return
+        text, documents = draft
+        self.composer.setPlainText(text)
+        for key, doc in documents.items():
+            self.attached[key] = doc
+            chip = self.chips.add_pending(key, doc.path if doc is not None else key)
+            if doc is not None:
+                chip.show_document(doc)
+        self._refresh_chips()
 
     def _set_editing(self, message_id: int | None) -> None:
         self.editing_message_id = message_id
@@ -895,6 +924,7 @@ class MainWindow(QMainWindow):
                 pass  # an empty chat stays in the list; nothing is lost
             if self.conversation_id == turn.conversation_id:
                 self.conversation_id = None
+                self._new_chat = True  # the user stays in the new chat their message was for
             self._reload_conversations()
         self._update_actions()
         titles = {"overflow": "Does not fit the context", "document": "Could not read a document",

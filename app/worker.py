@@ -371,10 +371,16 @@ class EngineWorker(QObject):
 
     # ------------------------------------------------------------------ knobs and figures
     @Slot(object)
-    def reconfigure(self, knobs: dict) -> None:
+    def reconfigure(self, request) -> None:
+        """request: the knobs, or (the open chat's id, the knobs): the before / after figures are that chat's."""
         if self.model is None:
             return
-        session = next(reversed(self._sessions.values()), None) if self._sessions else None
+        if isinstance(request, tuple):  # the open chat's cache, or none (a new chat, one not read yet)
+            conversation_id, knobs = request
+            session = self._sessions.get(conversation_id) if conversation_id is not None else None
+        else:
+            knobs = request
+            session = next(reversed(self._sessions.values()), None) if self._sessions else None
         try:
             result = self.model.reconfigure(session, progress=self._reconfigure_progress, **knobs)
         except Exception as exc:  # noqa: BLE001 - a bad knob value is a message, not a crash

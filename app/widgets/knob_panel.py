@@ -179,6 +179,12 @@ class KnobPanel(QGroupBox):
         if notify:
             self._changed()
 
+    def flush(self) -> None:
+        """A change still waiting for its debounce, emitted now (the chat it was made in is being left)."""
+        if self._debounce.isActive():
+            self._debounce.stop()
+            self.knobs_changed.emit(self.values())
+
     def cancel_pending(self) -> None:
         """Drop a change still waiting for its debounce (the window is closing)."""
         self._debounce.stop()

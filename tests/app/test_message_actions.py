@@ -117,3 +117,95 @@ def test_message_actions_wait_while_a_reply_streams(qtbot, window, fake_model):
     window.stop()
     qtbot.waitUntil(lambda: not window.turns.busy, timeout=5_000)
     assert window.chat.bubbles[0].edit_button.isEnabled() and window.chat.bubbles[0].text == "one"
+
+
+def test_a_new_chat_opened_during_a_reply_stays_open_with_its_system_prompt(qtbot, window, fake_model):
+    send(qtbot, window, "first chat")
+    fake_model.token_delay = 0.05
+    fake_model.reply_text = " ".join(f"w{i}" for i in range(30))
+    send(qtbot, window, "keep talking", wait=False)
+    qtbot.waitUntil(lambda: bool(window.turns.active and window.turns.active.text), timeout=5_000)
+    window.new_conversation()
+    window.system_prompt.editor.setPlainText("You are a pirate.")
+    window.composer.setPlainText("a question for the new chat")
+    qtbot.waitUntil(lambda: not window.turns.busy, timeout=10_000)
+    assert window.conversation_id is None  # the finished reply did not pull the view back to its chat
+    assert window.system_prompt.text() == "You are a pirate."
+    assert window.composer.toPlainText() == "a question for the new chat"
+    fake_model.token_delay = 0.005
+    window.send()
+    qtbot.waitUntil(lambda: not window.turns.busy, timeout=10_000)
+    assert window.conversations.list.count() == 2
+    assert window.store.system_prompt(window.conversation_id) == "You are a pirate."
+
+
+def test_a_refused_first_message_leaves_you_in_the_new_chat(qtbot, window, fake_model):
+    send(qtbot, window, "an older chat")
+    window.new_conversation()
+    window.composer.setPlainText("OVERFLOW right away")
+    window.send()
+    qtbot.waitUntil(lambda: not window.turns.busy and bool(window.shown_messages), timeout=10_000)
+    assert window.conversation_id is None and window.chat.bubbles == []  # not the older chat
+    assert window.composer.toPlainText() == "OVERFLOW right away"
+
+
+def test_editing_a_message_sets_the_draft_aside_and_puts_it_back(qtbot, window, fake_model, tmp_path):
+    send(qtbot, window, "first question")
+    note = tmp_path / "note.txt"
+    note.write_text("A note.")
+    window.composer.setPlainText("my unsent draft")
+    window.attach_files([str(note)])
+    qtbot.waitUntil(lambda: all(doc is not None for doc in window.attached.values()), timeout=5_000)
+    window.edit_last()
+    assert window.composer.toPlainText() == "first question" and not window.attached
+    window.cancel_edit()  # Esc
+    assert window.composer.toPlainText() == "my unsent draft"
+    assert [doc.name for doc in window.attached.values()] == ["note.txt"]
+    window.edit_last()
+    window.composer.setPlainText("first question, edited")
+    window.send()
+    qtbot.waitUntil(lambda: not window.turns.busy, timeout=10_000)
+    assert fake_model.sends()[-1]["prompt"] == "first question, edited"
+    assert window.composer.toPlainText() == "my unsent draft"  # back after the edit was sent too
+    assert [doc.name for doc in window.attached.values()] == ["note.txt"]
+
+
+def test_a_messages_first_line_keeps_its_indentation(qtbot, window, fake_model):
+    window.composer.setPlainText("\n\n    x = 1\n    y = 2\n\n")
+    window.send()
+    qtbot.waitUntil(lambda: not window.turns.busy, timeout=10_000)
+    assert fake_model.sends()[-1]["prompt"] == "    x = 1\n    y = 2"
+    assert window.chat.bubbles[0].text == "    x = 1\n    y = 2"
+
+
+def test_a_knob_moved_just_before_switching_chats_stays_with_its_chat(qtbot, window, fake_model):
+    send(qtbot, window, "chat one")
+    one = window.conversation_id
+    window.new_conversation()
+    send(qtbot, window, "chat two")
+    two = window.conversation_id
+    window.show_conversation(one)
+    window.knob_panel.set_values({**window.knob_panel.values(), "kv_cache_ratio": 0.3}, notify=True)
+    window.show_conversation(two)  # before the panel's debounce ran out
+    assert window.store.chat_settings(one)["knobs"]["kv_cache_ratio"] == 0.3
+    assert window.store.chat_settings(two)["knobs"]["kv_cache_ratio"] != 0.3
+
+
+def test_a_knob_change_reports_the_open_chats_cache(qtbot, window, fake_model):
+    send(qtbot, window, "chat one")
+    one = window.conversation_id
+    window.new_conversation()
+    send(qtbot, window, "chat two, the most recent")
+    window.show_conversation(one)
+    sessions = window.client.worker._sessions
+    seen = []
+    plain = fake_model.reconfigure
+
+    def reconfigure(session=None, progress=None, **knobs):
+        seen.append(session)
+        return plain(session, progress, **knobs)
+
+    fake_model.reconfigure = reconfigure
+    window.knob_panel.set_values({**window.knob_panel.values(), "kv_cache_ratio": 0.3}, notify=True)
+    qtbot.waitUntil(lambda: bool(seen), timeout=5_000)
+    assert seen[0] is sessions[one]  # not the session of the chat used last
