@@ -115,8 +115,11 @@ class ChatSession:
         full = self._render(self.messages + [user], True)
         # Rebuild from the messages when the cache does not hold exactly the transcript (an interrupted
         # turn that could not be undone), or when the messages no longer render what was fed.
+        # (a chat given its messages but no cache, a reopened one, reads them all: that is a re-read too, and its
+        # reply says so)
         rebuild = (self._dirty or self.cache.seen != len(self.transcript_ids)
-                   or not full.extends(self.fed_text, self.fed_specials))
+                   or not full.extends(self.fed_text, self.fed_specials)
+                   or (not self.transcript_ids and any(m.get("role") == "assistant" for m in self.messages)))
         # A cache that holds nothing yet (a chat reopened) or must be rebuilt: a saved state may spare the re-read.
         # Every state ends after a reply, so a chat without one (a new chat) has none to look for.
         restored = ((rebuild or not self.transcript_ids) and any(m.get("role") == "assistant" for m in self.messages)

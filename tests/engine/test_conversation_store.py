@@ -63,6 +63,21 @@ def test_a_reopened_chat_restores_its_cache_bit_equal_and_reads_only_the_new_tur
     assert done.text == ask(session, "And item 25?").text  # the same answer the open chat gives
 
 
+def test_a_reopened_chat_without_a_saved_state_reads_it_all_and_says_so(model, folder):
+    """A chat whose last state was not saved (its reply cut off by closing the app, or the saved caches off):
+    the whole conversation is read again, and the reply's figures say it was (the app's footer shows them)."""
+    session, _ = _chat(model)
+    for saved in folder.glob("*" + SUFFIX):
+        saved.unlink()
+    reopened = model.chat_session()
+    reopened.messages = list(session.messages)
+    turn = reopened.prepare("And item 25?")
+    assert turn.rebuild and not turn.restored
+    assert turn.usage.history > 0 and turn.usage.history + turn.usage.system > len(turn.new_ids) // 2
+    done = list(reopened._run(turn, model.generation_settings(max_new_tokens=6, greedy=True), None))[-1]
+    assert done.stats.rebuilt_context and done.stats.prefill_tokens > 200  # the document again
+
+
 def test_regenerate_and_edit_restore_the_state_from_before_the_last_turn(model, folder):
     session, replies = _chat(model)
     one = model.chat_session()
