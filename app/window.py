@@ -105,6 +105,7 @@ class MainWindow(QMainWindow):
         self._connect()
         self._restore_settings()
         self._reload_conversations(select=self.settings.last_conversation())
+        self._restore_draft()
         self._update_actions()
         if self.store.recovered:
             self.statusBar().showMessage(f"{self.store.recovered} reply(ies) were interrupted last time; "
@@ -999,7 +1000,32 @@ class MainWindow(QMainWindow):
         self.knob_panel.set_values(self.settings.knobs())
         self.knob_panel.set_generation(self.settings.generation())
 
+    def _restore_draft(self) -> None:
+        """What was in the message box when the window closed, back in it (in its chat; documents still there)."""
+        draft = self.settings.json(Key.DRAFT, None)
+        self.settings.set_json(Key.DRAFT, None)
+        if not isinstance(draft, dict) or not str(draft.get("text", "")).strip() and not draft.get("documents"):
+            return
+        chat = draft.get("conversation")
+        if chat is None:
+            self.new_conversation()
+        elif self.store.conversation(chat) is not None:
+            self.show_conversation(chat)
+            self.conversations.select(chat)
+        else:
+            return
+        self.composer.setPlainText(str(draft.get("text", "")))
+        paths = [p for p in draft.get("documents") or [] if isinstance(p, str) and Path(p).is_file()]
+        if paths:
+            self.attach_files(paths)
+
     def save_settings(self) -> None:
+        text, documents = self.composer.toPlainText(), self.attached
+        if self.editing_message_id is not None:  # the box holds the message being edited: the draft is aside
+            text, documents = self._draft if self._draft is not None else ("", {})
+        paths = [doc.path for doc in documents.values() if doc is not None]
+        self.settings.set_json(Key.DRAFT, {"conversation": self.conversation_id, "text": text, "documents": paths}
+                               if text.strip() or paths else None)
         self.settings.set(Key.GEOMETRY, self.saveGeometry())
         self.settings.set(Key.SPLITTER, self.splitter.saveState())
         self.settings.set_json(Key.KNOBS, self.knob_panel.values())

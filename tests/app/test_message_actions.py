@@ -209,3 +209,24 @@ def test_a_knob_change_reports_the_open_chats_cache(qtbot, window, fake_model):
     window.knob_panel.set_values({**window.knob_panel.values(), "kv_cache_ratio": 0.3}, notify=True)
     qtbot.waitUntil(lambda: bool(seen), timeout=5_000)
     assert seen[0] is sessions[one]  # not the session of the chat used last
+
+
+def test_an_unsent_draft_comes_back_after_a_restart(qtbot, make_window, fake_model, tmp_path):
+    first = make_window()
+    send(qtbot, first, "a question")
+    chat = first.conversation_id
+    note = tmp_path / "note.txt"
+    note.write_text("A note.")
+    first.composer.setPlainText("the draft I was typing")
+    first.attach_files([str(note)])
+    qtbot.waitUntil(lambda: all(doc is not None for doc in first.attached.values()), timeout=5_000)
+    first.close()
+    second = make_window()
+    assert second.conversation_id == chat and second.composer.toPlainText() == "the draft I was typing"
+    qtbot.waitUntil(lambda: [d.name for d in second.attached.values() if d is not None] == ["note.txt"],
+                    timeout=5_000)
+    second.composer.clear()
+    second.attached.clear()
+    second.close()
+    third = make_window()  # nothing in the box at close: nothing comes back
+    assert third.composer.toPlainText() == "" and not third.attached
