@@ -149,13 +149,18 @@ def test_a_refused_first_message_leaves_you_in_the_new_chat(qtbot, window, fake_
     assert window.composer.toPlainText() == "OVERFLOW right away"
 
 
-def test_editing_a_message_sets_the_draft_aside_and_puts_it_back(qtbot, window, fake_model, tmp_path):
-    send(qtbot, window, "first question")
+def _draft(qtbot, window, tmp_path, text: str) -> None:
+    """Type `text` in the box and attach a small note.txt, read."""
     note = tmp_path / "note.txt"
     note.write_text("A note.")
-    window.composer.setPlainText("my unsent draft")
+    window.composer.setPlainText(text)
     window.attach_files([str(note)])
     qtbot.waitUntil(lambda: all(doc is not None for doc in window.attached.values()), timeout=5_000)
+
+
+def test_editing_a_message_sets_the_draft_aside_and_puts_it_back(qtbot, window, fake_model, tmp_path):
+    send(qtbot, window, "first question")
+    _draft(qtbot, window, tmp_path, "my unsent draft")
     window.edit_last()
     assert window.composer.toPlainText() == "first question" and not window.attached
     window.cancel_edit()  # Esc
@@ -215,11 +220,7 @@ def test_an_unsent_draft_comes_back_after_a_restart(qtbot, make_window, fake_mod
     first = make_window()
     send(qtbot, first, "a question")
     chat = first.conversation_id
-    note = tmp_path / "note.txt"
-    note.write_text("A note.")
-    first.composer.setPlainText("the draft I was typing")
-    first.attach_files([str(note)])
-    qtbot.waitUntil(lambda: all(doc is not None for doc in first.attached.values()), timeout=5_000)
+    _draft(qtbot, first, tmp_path, "the draft I was typing")
     first.close()
     second = make_window()
     assert second.conversation_id == chat and second.composer.toPlainText() == "the draft I was typing"

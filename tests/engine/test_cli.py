@@ -91,6 +91,20 @@ def test_serve_refuses_another_address_without_an_api_key_before_loading(capsys)
     assert "host" in err and "--api-key" in err and "Loaded" not in err
 
 
+def _fake_model(session_class):
+    """A model class for the CLI's tests: its facts, and chat sessions of `session_class`."""
+
+    class Model:
+        info = type("Info", (), {"display_name": "fake", "device": "cpu", "dtype": "float32", "weight_quant": "none",
+                                 "weight_storage": "", "prefill_bf16": False, "attention_backend": "sdpa",
+                                 "attention_kernels": "", "resolve_seconds": 0.0, "load_seconds": 0.0})()
+
+        def chat_session(self, system_prompt=None):
+            return session_class()
+
+    return Model
+
+
 def test_the_cli_loads_the_model_and_runs_every_turn_on_one_thread(monkeypatch, capsys):
     """engine.threads: OpenMP keeps a thread pool per thread that starts parallel regions; a model loaded on one
     thread and decoded on another ran at half speed on 2 cores. The CLI does both on its engine thread."""
@@ -108,13 +122,7 @@ def test_the_cli_loads_the_model_and_runs_every_turn_on_one_thread(monkeypatch, 
             yield TokenText("hello", 1)
             yield Done("eos", "hello")
 
-    class Model:
-        info = type("Info", (), {"display_name": "fake", "device": "cpu", "dtype": "float32", "weight_quant": "none",
-                                 "weight_storage": "", "prefill_bf16": False, "attention_backend": "sdpa",
-                                 "attention_kernels": "", "resolve_seconds": 0.0, "load_seconds": 0.0})()
-
-        def chat_session(self, system_prompt=None):
-            return Session()
+    Model = _fake_model(Session)
 
     def from_pretrained(config, progress=None):
         threads["load"] = threading.current_thread().name
@@ -168,13 +176,7 @@ def _fake_chat(monkeypatch, lines: list[str]):
         def reset(self):
             self.messages = []
 
-    class Model:
-        info = type("Info", (), {"display_name": "fake", "device": "cpu", "dtype": "float32", "weight_quant": "none",
-                                 "weight_storage": "", "prefill_bf16": False, "attention_backend": "sdpa",
-                                 "attention_kernels": "", "resolve_seconds": 0.0, "load_seconds": 0.0})()
-
-        def chat_session(self, system_prompt=None):
-            return Session()
+    Model = _fake_model(Session)
 
     feed = iter(lines)
 
