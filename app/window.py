@@ -64,6 +64,11 @@ LOAD_HELP = {
     "remote_auth": "Set the server's API key (Open ▸ OpenAI-compatible server…) and connect again.",
     "remote_unreachable": "Start the server (python -m engine serve, vLLM, SGLang, LM Studio…) or fix the "
                           "address, then connect again.",
+    "no_gpu": "Set Device to Auto or CPU.",
+    "disk": "Free some space on the disk named in the message, then load again.",
+    "missing_library": "Install the library named in the message, or pick other weights (Full precision needs none).",
+    "pickled": "Pick a .safetensors or .gguf copy of the model (a pickled checkpoint can run code when it is read).",
+    "load_failed": "Check the message: try Full precision weights, Device Auto, or the default model.",
 }
 
 
@@ -95,6 +100,7 @@ class MainWindow(QMainWindow):
         self._showing = False  # a chat's own settings are being put back (not a change to save)
         self.loading = False
         self._after_load = None  # a callable to run once the next load succeeds (OOM retry)
+        self._loading_options: dict | None = None  # the model panel's choice being loaded
         self._memory_requested = False
         self.open_dialogs: list[QMessageBox] = []
         self.closed = False
@@ -334,7 +340,7 @@ class MainWindow(QMainWindow):
         self.loading = True
         self.model_panel.show_loading("Starting…", 0.0)
         self._update_actions()
-        self.settings.set_json(Key.MODEL, options)
+        self._loading_options = options  # saved as the model to start with once it has loaded
         self.client.load_model.emit({**options, **self.knob_panel.values()})
 
     def open_download(self) -> DownloadDialog:
@@ -364,6 +370,9 @@ class MainWindow(QMainWindow):
     def _on_loaded(self, facts) -> None:
         self.loading = False
         self.facts = facts
+        if self._loading_options is not None:
+            self.settings.set_json(Key.MODEL, self._loading_options)
+            self._loading_options = None
         self.model_panel.show_loaded(facts)
         self.knob_panel.set_remote(facts.remote)
         self.statusBar().showMessage(f"{facts.display_name} ready ({facts.load_seconds:.1f} s)", 5000)
@@ -379,7 +388,9 @@ class MainWindow(QMainWindow):
         self.facts = kept  # the model that was working stays loaded and in use
         self.knob_panel.set_remote(kept.remote if kept is not None else "")
         self._after_load = None
+        self._loading_options = None  # the saved choice stays the one that worked
         if kept is not None:
+            self.model_panel.set_options(self.settings.model_options())  # the panel shows what runs
             self.model_panel.show_loaded(kept)
             self.model_panel.show_kept(message, kept)
         else:

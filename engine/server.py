@@ -378,7 +378,8 @@ class BackgroundServer:
             time.sleep(0.02)
         if not server.started:
             server.should_exit = True
-            reason = f" ({failure[0]})" if failure else ""
+            # uvicorn logs why and exits (SystemExit with its code): only a real error's text says anything
+            reason = f" ({failure[0]})" if failure and not isinstance(failure[0], SystemExit) else ""
             raise OSError(f"The server could not listen on {self.host}:{self.port}{reason}: the port may be in use "
                           "by another program; pick another port.")
         return self.address

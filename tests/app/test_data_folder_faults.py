@@ -148,9 +148,15 @@ def test_a_failed_load_keeps_the_model_that_was_working(qtbot, make_window, fake
     assert window.send_button.isEnabled()
     assert "still loaded" in window.model_panel.status.text()
     assert "still loaded" in window.shown_messages[-1][1]
+    # the failed choice is not the one to start with next time, and the panel shows the model that runs
+    assert window.settings.model_options().get("model_path") != "/nowhere/big.gguf"
+    assert window.model_panel.options().get("model_path") != "/nowhere/big.gguf"
     window.client.worker._factory = factory
     send(qtbot, window, "are you still there?")
     assert window.chat.bubbles[-1].text.startswith("You asked")
+    window.load_model({**window.model_panel.options(), "max_seq_len": 4096})  # a load that works is saved
+    qtbot.waitUntil(lambda: not window.loading, timeout=LOAD_TIMEOUT_MS)
+    assert window.settings.model_options().get("max_seq_len") == 4096
 
 
 def test_out_of_memory_beside_the_old_model_retries_alone(qtbot, make_window, fake_model):

@@ -152,3 +152,18 @@ def test_unhandled_gui_exceptions_reach_one_dialog(qtbot, window):
         assert "KeyError" in window.shown_messages[-1][1]
     finally:
         hook.uninstall()
+
+
+def test_every_reason_a_load_fails_for_has_its_own_advice():
+    """The window's "What to do" after a failed load comes from LOAD_HELP by the engine's reason; one missing fell
+    back to "Try the default model, or check the model's files" (for a missing GPU, say)."""
+    import re
+    from pathlib import Path
+
+    import engine
+    from app.window import LOAD_HELP
+
+    reasons = set()
+    for path in Path(engine.__file__).parent.rglob("*.py"):
+        reasons |= set(re.findall(r'reason="([a-z_]+)"', path.read_text(encoding="utf-8")))
+    assert "no_gpu" in reasons and reasons - set(LOAD_HELP) == set()
