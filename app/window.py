@@ -371,8 +371,12 @@ class MainWindow(QMainWindow):
         self.loading = False
         self.facts = facts
         if self._loading_options is not None:
-            self.settings.set_json(Key.MODEL, self._loading_options)
-            self._loading_options = None
+            chosen, self._loading_options = self._loading_options, None
+            if isinstance(chosen.get("max_seq_len"), int) and 0 < facts.context_limit < chosen["max_seq_len"]:
+                # past the model's positions the context is capped: the panel (and next start) say what it is
+                chosen = {**chosen, "max_seq_len": int(facts.context_limit)}
+                self.model_panel.max_seq_len.setValue(chosen["max_seq_len"])
+            self.settings.set_json(Key.MODEL, chosen)
         self.model_panel.show_loaded(facts)
         self.knob_panel.set_remote(facts.remote)
         self.statusBar().showMessage(f"{facts.display_name} ready ({facts.load_seconds:.1f} s)", 5000)

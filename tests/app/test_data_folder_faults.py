@@ -157,6 +157,12 @@ def test_a_failed_load_keeps_the_model_that_was_working(qtbot, make_window, fake
     window.load_model({**window.model_panel.options(), "max_seq_len": 4096})  # a load that works is saved
     qtbot.waitUntil(lambda: not window.loading, timeout=LOAD_TIMEOUT_MS)
     assert window.settings.model_options().get("max_seq_len") == 4096
+    # a context past the model's positions is capped: the panel and the saved choice say the capped size
+    window.load_model({**window.model_panel.options(), "max_seq_len": 10 ** 6})
+    qtbot.waitUntil(lambda: not window.loading, timeout=LOAD_TIMEOUT_MS)
+    limit = window.facts.context_limit
+    assert limit < 10 ** 6 and window.model_panel.max_seq_len.value() == limit
+    assert window.settings.model_options().get("max_seq_len") == limit
 
 
 def test_out_of_memory_beside_the_old_model_retries_alone(qtbot, make_window, fake_model):
