@@ -371,16 +371,13 @@ class EngineWorker(QObject):
 
     # ------------------------------------------------------------------ knobs and figures
     @Slot(object)
-    def reconfigure(self, request) -> None:
-        """request: the knobs, or (the open chat's id, the knobs): the before / after figures are that chat's."""
+    def reconfigure(self, request: tuple) -> None:
+        """request: (the open chat's id, the knobs); the before / after figures are that chat's cache's (none for a
+        new chat, or one not read yet)."""
         if self.model is None:
             return
-        if isinstance(request, tuple):  # the open chat's cache, or none (a new chat, one not read yet)
-            conversation_id, knobs = request
-            session = self._sessions.get(conversation_id) if conversation_id is not None else None
-        else:
-            knobs = request
-            session = next(reversed(self._sessions.values()), None) if self._sessions else None
+        conversation_id, knobs = request
+        session = self._sessions.get(conversation_id) if conversation_id is not None else None
         try:
             result = self.model.reconfigure(session, progress=self._reconfigure_progress, **knobs)
         except Exception as exc:  # noqa: BLE001 - a bad knob value is a message, not a crash

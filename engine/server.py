@@ -215,18 +215,18 @@ def create_app(model, *, api_key: str | None = None, queue: int = QUEUE, name: s
             waiting["n"] -= 1
 
         getter: asyncio.Future | None = None
-        checked = [time.monotonic()]
+        checked = time.monotonic()
 
         async def next_event():
             """The engine's next event; meanwhile (at most every quarter second, however fast the events come) a
             client that went away, while the request waits in the queue, reads its prompt or replies, cancels it
             at its next step."""
-            nonlocal getter
+            nonlocal getter, checked
             getter = getter or asyncio.ensure_future(events.get())
             while True:
                 done, _ = await asyncio.wait({getter}, timeout=0.25)
-                if not cancel.is_set() and time.monotonic() - checked[0] >= 0.25:
-                    checked[0] = time.monotonic()
+                if not cancel.is_set() and time.monotonic() - checked >= 0.25:
+                    checked = time.monotonic()
                     if await request.is_disconnected():
                         cancel.set()
                 if done:
