@@ -10,8 +10,14 @@ import pytest
 from tests.engine.conftest import tiny_model
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
-# Saved conversation caches of the tests go to a folder of their own, never the user's.
-os.environ["DSV41_CONVERSATIONS_DIR"] = tempfile.mkdtemp(prefix="dsv41-test-conversations-")
+# Saved conversation caches of the tests go to a folder of their own, never the user's, removed when the run ends
+# (a full run writes about a gigabyte there).
+_CONVERSATIONS = tempfile.TemporaryDirectory(prefix="dsv41-test-conversations-")
+os.environ["DSV41_CONVERSATIONS_DIR"] = _CONVERSATIONS.name
+
+
+def pytest_unconfigure(config):
+    _CONVERSATIONS.cleanup()
 
 
 def pytest_collection_modifyitems(config, items):
