@@ -9,7 +9,7 @@ from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QToolButton, QVBoxLay
 
 from ..format import fmt_bytes, pages
 
-BADGES = {"pdf": "PDF", "docx": "DOCX", "markdown": "MD", "source": "CODE", "text": "TXT"}
+BADGES = {"pdf": "PDF", "docx": "DOCX", "markdown": "MD", "source": "CODE", "text": "TXT", "web": "WEB"}
 
 
 class DocumentChip(QFrame):

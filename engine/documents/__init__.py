@@ -37,6 +37,10 @@ from .core import (
 )
 from .pdf import _clean_pdf_text, _looks_scanned, _normalise_pdf_spacing, _pdf_text, _scanned_message
 from .text import _decode_text
+from .web import NOTE as _WEB_NOTE
+from .web import WEB_SUFFIXES as _WEB_SUFFIXES
+from .web import is_page as _is_web_page
+from .web import page_text as _web_page_text
 from .word import _docx_text
 
 __all__ = [
@@ -130,6 +134,10 @@ def load_document(
         text = _docx_text(data, label, fail, max_bytes)
     else:
         text = _decode_text(data, label, fail, notes)
+        if os.path.splitext(name)[1].lower() in _WEB_SUFFIXES and _is_web_page(text):
+            kind = "web"
+            text = _web_page_text(text)
+            notes.append(_WEB_NOTE)
 
     text = _normalise(text)
 
@@ -142,6 +150,9 @@ def load_document(
     if not text.strip():
         if kind == "pdf":
             raise fail("empty", _scanned_message(label))
+        if kind == "web":
+            raise fail("empty", f"{label} is a web page with no text of its own (its scripts build what it shows). "
+                                "Copy the text from the browser into a .txt file and drop that instead.")
         raise fail("empty", f"{label} contains no text.")
     if kind == "pdf" and _looks_scanned(text, pages or 0):
         raise fail("empty", _scanned_message(label))

@@ -125,7 +125,7 @@ class Document:
 
     name: str  # file name shown to the model and UI (basename)
     path: str  # absolute path of the file read
-    kind: str  # "text" | "markdown" | "source" | "pdf" | "docx"
+    kind: str  # "text" | "markdown" | "source" | "pdf" | "docx" | "web" (a whole web page read as its text)
     text: str  # normalised text: "\n" line endings, no NULs, at most two blank lines in a row
     pages: int | None  # number of pages for a PDF; None otherwise
     chars: int  # len(text)

@@ -570,3 +570,74 @@ def test_thread_safe(tmp_path, pdf_file):
         results = list(pool.map(load_document, paths))
     for path, doc in zip(paths, results, strict=True):
         assert doc == expected[path]
+
+
+# --------------------------------------------------------------------------------------------------
+# Web pages
+# --------------------------------------------------------------------------------------------------
+
+PAGE = """<!DOCTYPE html>
+<html lang="zh"><head><meta charset="utf-8"><title>Report &amp; notes</title>
+<style>body { color: red; } .secret { display: none }</style>
+<script>var tracking = "SCRIPT-TEXT"; function f() { return 1 < 2; }</script></head>
+<body><nav><a href="/">Home</a> <a href="/menu">MENU-LINK</a></nav>
+<h1>Annual report</h1>
+<p>The harbour   opened in <b>1887</b>,
+after &lt;three&gt; years.</p><p hidden>HIDDEN-TEXT</p><div aria-hidden="true">ARIA-HIDDEN</div>
+<h2>Figures</h2><ul><li>Ships: 40</li><li>Crew: 1,200</li></ul>
+<table><tr><th>Year</th><th>Tonnage</th></tr><tr><td>1900</td><td>12,000</td></tr></table>
+<pre>def f():
+    return 1
+
+print(f())</pre>
+<p>晋太元中，武陵人捕鱼为业。<br>第二行</p><noscript>NOSCRIPT-TEXT</noscript>
+</body></html>"""
+
+
+def test_a_web_page_is_read_as_its_text(tmp_path):
+    # A saved page is mostly markup: the model gets what a browser shows, in Markdown-like lines.
+    path = tmp_path / "report.html"
+    path.write_text(PAGE, encoding="utf-8")
+    doc = load_document(path)
+    assert doc.kind == "web"
+    assert any("web page" in note and ".txt" in note for note in doc.notes)
+    lines = doc.text.split("\n")
+    assert lines[0] == "Report & notes"
+    assert "# Annual report" in lines and "## Figures" in lines
+    assert "The harbour opened in 1887, after <three> years." in lines
+    assert "- Ships: 40" in lines and "- Crew: 1,200" in lines
+    assert "Year | Tonnage" in lines and "1900 | 12,000" in lines
+    assert "def f():\n    return 1\n\nprint(f())" in doc.text  # preformatted text kept as written
+    assert "晋太元中，武陵人捕鱼为业。" in lines and "第二行" in lines
+    for left_out in ("SCRIPT-TEXT", "color: red", "MENU-LINK", "HIDDEN-TEXT", "ARIA-HIDDEN", "NOSCRIPT-TEXT",
+                     "<p", "&lt;", "charset"):
+        assert left_out not in doc.text
+
+
+def test_an_html_fragment_stays_source(tmp_path):
+    # A template or snippet (no doctype, <html> or <body>) is code someone asks about: read as written.
+    snippet = '<div class="card">\n  <button onclick="go()">Go</button>\n</div>\n'
+    path = tmp_path / "card.htm"
+    path.write_text(snippet, encoding="utf-8")
+    doc = load_document(path)
+    assert doc.kind == "source" and doc.text == snippet.rstrip() and doc.notes == ()
+    # the same page saved as .txt is the user's way to ask about a page's source
+    page = tmp_path / "report.txt"
+    page.write_text(PAGE, encoding="utf-8")
+    assert load_document(page).text == PAGE
+
+
+def test_a_web_page_in_a_legacy_code_page(tmp_path):
+    path = tmp_path / "old.htm"
+    path.write_bytes(("<html><body><p>" + "Les élèves étaient très fiers de leur école. " * 20
+                      + "</p></body></html>").encode("cp1252"))
+    doc = load_document(path)
+    assert doc.kind == "web" and doc.text.startswith("Les élèves étaient très fiers")
+
+
+def test_a_page_with_nothing_to_read_is_empty(tmp_path):
+    path = tmp_path / "app.html"
+    path.write_text("<!doctype html><html><head><script>app()</script></head><body><div id=root></div></body></html>")
+    with pytest.raises(DocumentError) as exc_info:
+        load_document(path)
+    assert exc_info.value.reason == "empty" and ".txt" in str(exc_info.value)
