@@ -7,10 +7,12 @@ import os
 import platform
 import sys
 
-USAGE = """usage: python -m app [--selftest [PROMPT ...]]
+USAGE = """usage: python -m app [--selftest [--prompt TEXT] [--model MODEL] [--max-new-tokens N] [--max-seq-len N]]
 
 Opens the DS-V4.1 Chat window and loads the last model used (the default one the first time).
-  --selftest   answer one prompt without opening a window (checks the engine; no display needed)
+  --selftest   answer one prompt without opening a window (checks the engine; no display needed;
+               python -m app --selftest --help lists its options)
+Qt's own options (-platform, -style, -geometry, ...) are passed to Qt.
 Without a display, chat in the terminal instead: {python} -m engine chat
 Environment: DSV41_DATA_DIR (chats and settings), QT_QPA_PLATFORM (Qt's platform, e.g. offscreen)."""
 
@@ -30,6 +32,15 @@ if "--selftest" in args:
 if "-h" in args or "--help" in args:
     print(USAGE.format(python=sys.executable))
     sys.exit(0)
+# Qt's command-line options (QGuiApplication's and QApplication's): any other option is a mistake to say, not ignore
+QT_OPTIONS = {"platform", "platformpluginpath", "platformtheme", "plugin", "qmljsdebugger", "qwindowgeometry",
+              "qwindowicon", "qwindowtitle", "reverse", "session", "display", "geometry", "style", "stylesheet",
+              "widgetcount", "nograb", "dograb", "sync"}
+unknown = [a for a in args if a.startswith("-") and a.lstrip("-").split("=")[0] not in QT_OPTIONS]
+if unknown:
+    print(USAGE.format(python=sys.executable).split("\n\n")[0], file=sys.stderr)
+    print(f"python -m app: error: unrecognized arguments: {' '.join(unknown)}", file=sys.stderr)
+    sys.exit(2)
 if _no_display():
     print("No display found (DISPLAY and WAYLAND_DISPLAY are not set), so the DS-V4.1 Chat window cannot open "
           f"here.\n  Chat in the terminal instead:  {sys.executable} -m engine chat\n"

@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
                             DSV41Config(model_path=args.model, max_seq_len=args.max_seq_len), progress=progress)
         load_s = time.perf_counter() - t0
         info = model.info
-        print(f"  model:    {info.display_name} on {info.device} ({info.dtype}, weights {info.weight_quant}, "
+        print(f"  model:    {info.display_name} on {info.device} ({info.dtype}, weights {info.weights}, "
               f"attention {info.attention_backend})", flush=True)
         print(f"  load:     {load_s:.2f} s (finding/converting {info.resolve_seconds:.2f} s, "
               f"loading {info.load_seconds:.2f} s)", flush=True)

@@ -30,8 +30,9 @@ def _number(text: str) -> int | float:
         return float(text)
 
 
-def _model_args(p: argparse.ArgumentParser) -> None:
-    """--model, --no-flash, then one flag per registry knob marked `cli` (engine.config.KNOBS)."""
+def _model_args(p: argparse.ArgumentParser, *, turns: bool = True) -> None:
+    """--model, --no-flash, then one flag per registry knob marked `cli` (engine.config.KNOBS); with `turns`, the
+    sampling flags and --system (the server takes those from each request instead)."""
     g = p.add_argument_group("model and cache (engine.config.KNOBS; checked before the model loads)")
     g.add_argument("--model", default="default", help=KNOBS["model_path"].help)
     g.add_argument("--no-flash", action="store_true", help="eager attention instead of fused kernels")
@@ -45,7 +46,10 @@ def _model_args(p: argparse.ArgumentParser) -> None:
             g.add_argument(knob.flag, choices=knob.kind, default=default, help=f"{knob.help} (default {default})")
         else:
             kind = {int: int, float: float, str: str}.get(knob.kind, _number)
-            g.add_argument(knob.flag, type=kind, default=knob.default, help=f"{knob.help} (default {knob.default})")
+            default = "automatic" if knob.default is None else knob.default
+            g.add_argument(knob.flag, type=kind, default=knob.default, help=f"{knob.help} (default {default})")
+    if not turns:
+        return
     s = p.add_argument_group("sampling")
     s.add_argument("--max-new-tokens", type=int, default=512)
     s.add_argument("--greedy", action="store_true")
@@ -94,7 +98,7 @@ def _load(args):
     # loaded on the engine thread, where every turn then runs (engine.threads: decode at half speed otherwise)
     model = engine_thread().call(DSV41Model.from_pretrained, _config(args), progress=progress)
     i = model.info
-    weights = i.weight_quant if i.weight_quant != "none" or not i.weight_storage else f"held as {i.weight_storage}"
+    weights = i.weights
     if i.prefill_bf16:
         weights += ", prefill in bf16"
     print(f"Loaded {i.display_name} on {i.device} ({i.dtype}, weights {weights}, attention {i.attention_backend}) "
@@ -120,6 +124,7 @@ def _stream(session, prompt, documents, args, cancel) -> object:
 
     engine_thread().submit(work)  # the thread that loaded the model
     done = None
+    reading = False  # a "[reading …]" line is open on stderr: it ends before the reply's text starts
     while True:
         try:
             event = events.get()
@@ -130,11 +135,15 @@ def _stream(session, prompt, documents, args, cancel) -> object:
             break
         if isinstance(event, BaseException):
             raise event
+        if reading and not isinstance(event, PrefillProgress):
+            print(file=sys.stderr, flush=True)
+            reading = False
         if isinstance(event, TokenText):
             sys.stdout.write(event.text)
             sys.stdout.flush()
         elif isinstance(event, PrefillProgress) and event.total > 2048:
-            print(f"\r[reading {event.done}/{event.total} tokens]", end="", file=sys.stderr)
+            print(f"\r[reading {event.done}/{event.total} tokens]", end="", file=sys.stderr, flush=True)
+            reading = True
         elif isinstance(event, ErrorEvent):
             print(f"\n[{event.kind}] {event.message}", file=sys.stderr)
         elif isinstance(event, Done):
@@ -153,18 +162,27 @@ def _print_stats(done) -> None:
           file=sys.stderr)
 
 
+def _documents(paths: list[str]) -> list:
+    """The --document files read before the model loads (a bad one fails at once, without the wait)."""
+    from .documents import load_document
+
+    return [load_document(path) for path in paths]
+
+
 def cmd_generate(args) -> int:
     _sampling(args)
     prompt = _text(args.prompt, "prompt")
+    documents = _documents(args.document)
     model = _load(args)
     session = model.chat_session(_text(args.system, "system prompt") if args.system else None)
-    done = _stream(session, prompt, args.document, args, threading.Event())
+    done = _stream(session, prompt, documents, args, threading.Event())
     _print_stats(done)
     return 0 if done is not None and done.reason != "error" else 1
 
 
-def _attach(path: str, pending: list) -> None:
-    """Read a /doc or --document file now: its error (or its size) is said at once, and only good files wait."""
+def _attach(path: str, pending: list, model=None) -> None:
+    """Read a /doc or --document file now: its error (or its size) is said at once, and only good files wait. With
+    the model, a file too large for the context is said at once too (it stays attached until /doc clear)."""
     from .documents import load_document
 
     try:
@@ -175,6 +193,20 @@ def _attach(path: str, pending: list) -> None:
     pending.append(doc)
     notes = "".join(f"; {note}" for note in doc.notes)
     print(f"(attached {doc.name}, {doc.chars:,} characters, to the next message{notes})", file=sys.stderr)
+    if model is not None:
+        tokens = model.document_tokens(doc)
+        if tokens >= model.context_limit:
+            print(f"warning: {doc.name} is {tokens:,} tokens and the context holds {model.context_limit:,}: no "
+                  f"message can carry it. /doc clear drops it; a larger context needs --max-seq-len (up to the "
+                  f"model's {model.max_positions:,} positions) when the chat starts.", file=sys.stderr)
+
+
+def _overflow_help(pending: list) -> str:
+    """The terminal chat's own remedies for a turn that does not fit (the error's advice names the app's)."""
+    steps = ["/reset starts a new conversation"]
+    if pending:
+        steps.insert(0, f"/doc clear drops {_names(pending)}")
+    return " In this chat: " + "; ".join(steps) + "."
 
 
 def cmd_chat(args) -> int:
@@ -185,7 +217,7 @@ def cmd_chat(args) -> int:
     session = model.chat_session(_text(args.system, "system prompt") if args.system else None)
     pending_docs: list = []
     for path in args.document:
-        _attach(path, pending_docs)
+        _attach(path, pending_docs, model)
     print("Chat with the model. Commands: /doc PATH (attach to the next message), /doc (list what is attached), "
           "/doc clear, /memory, /reset, /quit. Ctrl-C stops a reply.", file=sys.stderr)
     while True:
@@ -216,7 +248,7 @@ def cmd_chat(args) -> int:
                 pending_docs = []
             elif path:
                 for one in _typed_paths(path):
-                    _attach(one, pending_docs)
+                    _attach(one, pending_docs, model)
             elif pending_docs:
                 print(f"(attached to the next message: {_names(pending_docs)}; /doc clear removes them)",
                       file=sys.stderr)
@@ -228,8 +260,11 @@ def cmd_chat(args) -> int:
         try:
             done = _stream(session, text, pending_docs, args, threading.Event())
         except EngineError as exc:
+            from .errors import ContextOverflowError
+
             kept = f" {_names(pending_docs)} stay attached." if pending_docs else ""
-            print(f"error: {exc}\n(the message was not sent; type it again to retry.{kept})", file=sys.stderr)
+            remedy = _overflow_help(pending_docs) if isinstance(exc, ContextOverflowError) else ""
+            print(f"error: {exc}{remedy}\n(the message was not sent; type it again to retry.{kept})", file=sys.stderr)
             continue
         _print_stats(done)
         if len(session.messages) == recorded:
@@ -253,8 +288,8 @@ def _typed_paths(text: str) -> list[str]:
         words = shlex.split(text)
     except ValueError:  # an unbalanced quote: the text as it is (its error names it)
         return [text]
-    if words and all(os.path.exists(os.path.expanduser(w)) for w in words):
-        return words
+    if len(words) > 1 and any(os.path.exists(os.path.expanduser(w)) for w in words):
+        return words  # several files: each is attached, or refused with its own error
     return [words[0]] if len(words) == 1 else [text]
 
 
@@ -263,9 +298,11 @@ def _names(docs: list) -> str:
 
 
 def cmd_memory(args) -> int:
+    _sampling(args)
+    documents = _documents([args.document])
     model = _load(args)
-    session = model.chat_session(args.system)
-    done = _stream(session, args.prompt, [args.document], args, threading.Event())
+    session = model.chat_session(_text(args.system, "system prompt") if args.system else None)
+    done = _stream(session, _text(args.prompt, "prompt"), documents, args, threading.Event())
     _print_stats(done)
     report = model.print_memory_usage(session.cache)
     print(f"Device: {report.device_label}; {report.free / 2**30:.2f} of {report.total / 2**30:.2f} GB free")
@@ -333,8 +370,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--document", required=True)
     p.add_argument("--prompt", default="Summarise the document in one sentence.")
     p.set_defaults(func=cmd_memory, max_new_tokens=32)
-    p = sub.add_parser("serve", help="the model as an OpenAI-compatible API (POST /v1/chat/completions)")
-    _model_args(p)
+    p = sub.add_parser("serve", help="the model as an OpenAI-compatible API (POST /v1/chat/completions); sampling "
+                       "and the system prompt come with each request")
+    _model_args(p, turns=False)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (another than 127.0.0.1 needs --api-key)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require Authorization: Bearer <key> on every request")

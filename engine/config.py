@@ -51,7 +51,7 @@ class Knob:
     looser: str | None = None  # "up", "down" or "change": the direction that keeps more (cache knobs)
     slider: Slider | None = None
     check: Callable[[Any], str | None] | None = None  # extra check: returns what is allowed when the value is not
-    cli: bool = True  # a --flag of `python -m engine chat / generate / ask`
+    cli: bool = True  # a --flag of `python -m engine chat / generate / memory / serve`
 
     @property
     def cache(self) -> bool:

@@ -24,6 +24,13 @@ class LoadInfo:
     attention_kernels: str = ""  # which kernel each attention call runs (attention.attention_kernels)
     remote: str = ""  # "" in this process; "dsv41": our server (engine.remote); "openai": another OpenAI-compatible one
 
+    @property
+    def weights(self) -> str:
+        """How the weights are held, in words: "int8", "held as GGUF Q4_1 + Q8_0", "held as bf16", or the dtype's."""
+        if self.weight_quant != "none" or not self.weight_storage:
+            return self.weight_quant
+        return f"held as {self.weight_storage}"
+
 
 @dataclass(frozen=True)
 class ReconfigureResult:

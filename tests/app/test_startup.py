@@ -73,3 +73,16 @@ def test_python_m_app_without_a_display_says_what_to_do_and_help_prints_usage(tm
     out = subprocess.run([sys.executable, "-m", "app", "--help"], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0 and out.stdout.startswith("usage: python -m app") and "--selftest" in out.stdout
+
+
+def test_python_m_app_refuses_an_unknown_option_and_its_usage_is_what_it_takes(tmp_path):
+    env = dict(os.environ, DSV41_DATA_DIR=str(tmp_path / "data"), QT_QPA_PLATFORM="offscreen")
+    out = subprocess.run([sys.executable, "-m", "app", "--bogus"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 2 and "unrecognized arguments: --bogus" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "app", "--help"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert "--selftest [--prompt TEXT]" in out.stdout  # the self-test's prompt is an option, not a positional
+    from app.selftest import _parser
+
+    assert _parser().parse_args(["--prompt", "用一句话介绍北京"]).prompt == "用一句话介绍北京"

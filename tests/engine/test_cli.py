@@ -94,13 +94,19 @@ def test_serve_refuses_another_address_without_an_api_key_before_loading(capsys)
 def _fake_model(session_class):
     """A model class for the CLI's tests: its facts, and chat sessions of `session_class`."""
 
+    from engine.info import LoadInfo
+
     class Model:
-        info = type("Info", (), {"display_name": "fake", "device": "cpu", "dtype": "float32", "weight_quant": "none",
-                                 "weight_storage": "", "prefill_bf16": False, "attention_backend": "sdpa",
-                                 "attention_kernels": "", "resolve_seconds": 0.0, "load_seconds": 0.0})()
+        info = LoadInfo(source_kind="fake", display_name="fake", folder="", resolve_seconds=0.0, load_seconds=0.0,
+                        device="cpu", dtype="float32", weight_quant="none", attention_backend="sdpa")
+
+        context_limit, max_positions = 100, 8192
 
         def chat_session(self, system_prompt=None):
             return session_class()
+
+        def document_tokens(self, document):  # a character a token
+            return len(document.text)
 
     return Model
 
@@ -155,6 +161,7 @@ def _fake_chat(monkeypatch, lines: list[str]):
     import builtins
 
     from engine import cli
+    from engine.errors import ContextOverflowError
     from engine.events import Done, TokenText
     from engine.model import DSV41Model
 
@@ -165,6 +172,8 @@ def _fake_chat(monkeypatch, lines: list[str]):
 
         def send(self, prompt, documents, cancel=None, **settings):
             sent.append([doc.name for doc in documents])
+            if sum(len(doc.text) for doc in documents) >= Model.context_limit:
+                raise ContextOverflowError(200, Model.context_limit, {"documents": 200})
             if prompt == "stop":
                 yield Done("cancelled", "")
                 return
@@ -213,6 +222,75 @@ def test_the_terminal_chat_lists_clears_and_resets_attached_documents(monkeypatc
     assert "(a.txt no longer attached)" in err
     assert "(new conversation; b.txt no longer attached)" in err
     assert "(nothing was attached)" in err
+
+
+def test_a_document_too_large_for_the_context_is_said_when_attached_and_the_refusal_names_the_chats_remedies(
+        monkeypatch, capsys, tmp_path):
+    big = tmp_path / "big.txt"
+    big.write_text("x" * 150)  # 150 tokens to the fake model; its context holds 100
+    sent = _fake_chat(monkeypatch, [f"/doc {big}", "What is it?", "/doc clear", "What is it?"])
+    err = capsys.readouterr().err
+    assert "warning: big.txt is 150 tokens and the context holds 100: no message can carry it. /doc clear drops it" \
+        in err
+    assert "In this chat: /doc clear drops big.txt; /reset starts a new conversation." in err
+    assert sent == [["big.txt"], []]  # refused while attached; answered once dropped
+
+
+def test_a_doc_line_with_a_missing_file_among_several_attaches_the_others(monkeypatch, capsys, tmp_path):
+    good = tmp_path / "good.txt"
+    good.write_text("Good.")
+    sent = _fake_chat(monkeypatch, [f"/doc {good} {tmp_path / 'nothere.pdf'}", "Read it."])
+    err = capsys.readouterr().err
+    assert sent == [["good.txt"]]
+    assert f'"nothere.pdf" was not found at {tmp_path / "nothere.pdf"}.' in err
+
+
+def test_the_reading_progress_line_ends_before_the_reply(monkeypatch, capsys):
+    from engine import cli
+    from engine.events import Done, PrefillProgress, TokenText
+    from engine.model import DSV41Model
+
+    class Session:
+        def send(self, prompt, documents, cancel=None, **settings):
+            yield PrefillProgress(1024, 3000)
+            yield PrefillProgress(3000, 3000)
+            yield TokenText("Answer", 1)
+            yield Done("eos", "Answer")
+
+    Model = _fake_model(Session)
+    monkeypatch.setattr(DSV41Model, "from_pretrained", staticmethod(lambda config, progress=None: Model()))
+    assert cli.main(["generate", "--prompt", "hi"]) == 0
+    err = capsys.readouterr().err
+    assert "[reading 3000/3000 tokens]\n" in err
+
+
+def test_documents_and_sampling_are_checked_before_the_model_loads(monkeypatch, capsys, tmp_path):
+    from engine import cli
+    from engine.model import DSV41Model
+
+    def from_pretrained(config, progress=None):
+        raise AssertionError("loaded before the arguments were checked")
+
+    monkeypatch.setattr(DSV41Model, "from_pretrained", staticmethod(from_pretrained))
+    doc = tmp_path / "a.txt"
+    doc.write_text("A.")
+    for argv, said in ((["memory", "--document", str(tmp_path / "nope.pdf")], "nope.pdf"),
+                       (["memory", "--document", str(doc), "--seed", "-1"], "seed=-1"),
+                       (["generate", "--prompt", "hi", "--document", str(tmp_path / "none.txt")], "none.txt")):
+        assert cli.main(argv) == 2
+        assert said in capsys.readouterr().err
+
+
+def test_serve_offers_no_flags_it_would_ignore(capsys):
+    # sampling and the system prompt come with each request: the server's own flags for them did nothing
+    from engine.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--system", "Be brief."])
+    assert "unrecognized arguments: --system" in capsys.readouterr().err
+    for flag in ("--greedy", "--max-new-tokens", "--temperature", "--seed", "--stop"):
+        assert flag not in build_parser()._subparsers._group_actions[0].choices["serve"].format_help()
+    assert "(default None)" not in build_parser()._subparsers._group_actions[0].choices["chat"].format_help()
 
 
 def test_a_doc_path_is_read_as_a_terminal_gives_it(tmp_path, monkeypatch):
