@@ -62,7 +62,9 @@ class EngineModel(Protocol):
 
     def chat_session(self, system_prompt: str | None = None) -> EngineSession: ...
 
-    def memory_report(self, cache: DSV41Cache | None = None) -> MemoryReport: ...
+    def memory_report(self, cache: DSV41Cache | None = None, *, last_chat: bool = True) -> MemoryReport:
+        """The figures with `cache`'s KV; with none, the last chat's (`last_chat`) or no chat's."""
+        ...
 
     def reconfigure(self, session: EngineSession | None = None,
                     progress: Callable[[PrefillProgress], None] | None = None,

@@ -784,7 +784,9 @@ class MainWindow(QMainWindow):
 
     def _reply_settings(self) -> dict:
         facts = self.facts
-        knobs = {k: facts.config.get(k) for k in K.KNOB_NAMES} if facts else {}
+        # the panel's knobs: sent before this turn, the worker applies them before it reads it (facts.config may
+        # not have caught up with a change still being applied)
+        knobs = {k: v for k, v in self.knob_panel.values().items() if k in K.KNOB_NAMES} if facts else {}
         return {"model": facts.display_name, "source": facts.source, "weight_quant": facts.weight_quant,
                 "device": facts.device, "dtype": facts.dtype, "attention": facts.attention_backend,
                 "attention_kernels": facts.attention_kernels,

@@ -28,9 +28,11 @@ from concurrent.futures import Future
 
 from PySide6.QtCore import QObject, QThread, Signal, Slot
 
+from engine.config import CACHE_KNOBS
 from engine.documents import Document, DocumentError, user_content
 from engine.errors import BusyError, ConfigError, ContextOverflowError, EngineError, ModelLoadError
 from engine.events import Done, ErrorEvent, PrefillProgress, TokenText, TurnStats
+from engine.info import ReconfigureResult
 
 from .engine_api import EngineModel, EngineSession
 from .protocol import (
@@ -372,14 +374,24 @@ class EngineWorker(QObject):
     # ------------------------------------------------------------------ knobs and figures
     @Slot(object)
     def reconfigure(self, request: tuple) -> None:
-        """request: (the open chat's id, the knobs); the before / after figures are that chat's cache's (none for a
-        new chat, or one not read yet)."""
+        """request: (the open chat's id, the knobs). They apply to that chat's cache alone: every chat keeps its own
+        knobs (opening a chat sends its knobs, and the other chats' caches are not touched). A chat without a live
+        cache (new, or not read yet in this run) is read with them at its next question: the model's knobs, which a
+        new session starts with, become these. The before / after figures are that chat's cache's."""
         if self.model is None:
             return
         conversation_id, knobs = request
         session = self._sessions.get(conversation_id) if conversation_id is not None else None
         try:
-            result = self.model.reconfigure(session, progress=self._reconfigure_progress, **knobs)
+            if session is None and not self.model.info.remote:
+                bad = [k for k in knobs if k not in CACHE_KNOBS]
+                if bad:
+                    raise ConfigError(bad[0], knobs[bad[0]], "a cache knob")
+                new = self.model.config.replace(**knobs)  # validates
+                result = ReconfigureResult("unchanged" if new == self.model.config else "set", None, None)
+                self.model.config = new
+            else:
+                result = self.model.reconfigure(session, progress=self._reconfigure_progress, **knobs)
         except Exception as exc:  # noqa: BLE001 - a bad knob value is a message, not a crash
             self.reconfigure_failed.emit(str(exc) if isinstance(exc, EngineError) else _describe(exc))
             return
@@ -399,11 +411,10 @@ class EngineWorker(QObject):
             self.error.emit(_describe(exc))
 
     def _emit_memory(self, session: EngineSession | None) -> None:
+        """The open chat's figures: with no live cache (a new chat, or one not read yet) none, never another chat's."""
         if self.model is None:
             return
-        if session is None and self._sessions:
-            session = next(reversed(self._sessions.values()))
-        self.memory.emit(self.model.memory_report(session.cache if session is not None else None))
+        self.memory.emit(self.model.memory_report(session.cache if session is not None else None, last_chat=False))
 
     @Slot(object)
     def count_usage(self, request: UsageRequest) -> None:

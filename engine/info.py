@@ -34,6 +34,7 @@ class LoadInfo:
 
 @dataclass(frozen=True)
 class ReconfigureResult:
-    action: str  # "compacted" | "recalled" | "rebuilt" | "deferred" | "unchanged"; remote: "sent" | "unsupported"
+    action: str  # "compacted" | "recalled" | "rebuilt" | "deferred" | "unchanged"; remote: "sent" | "unsupported";
+    # the app's worker for a chat with no live cache: "set" (its next question reads it with them)
     before: MemoryReport | None
     after: MemoryReport | None

@@ -7,6 +7,7 @@ engine holds.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass
 
 GB = 1024**3
@@ -40,6 +41,12 @@ class MemoryReport:
     @property
     def compression_ratio(self) -> float:
         return self.kv_stored / self.kv_uncompressed if self.kv_uncompressed else 1.0
+
+    def without_chat(self) -> MemoryReport:
+        """The same machine and model with no chat's cache in the figures (a chat not read yet)."""
+        return dataclasses.replace(self, kv_stored=0, kv_uncompressed=0, tokens_seen=0, kv_stored_tokens=0,
+                                   kv_reserved=0, kv_cold=0, kv_cold_disk=0, recall_s=None, kv_target_ratio=None,
+                                   kv_ratio_reason="")
 
     @property
     def used_by_engine(self) -> int:

@@ -65,6 +65,7 @@ class DSV41Model:
         self._sessions: weakref.WeakSet[ChatSession] = weakref.WeakSet()
         self._active: ChatSession | None = None
         self._pending: dict | None = None
+        self._pending_session: ChatSession | None = None  # the chat a deferred change is for (None: every chat)
         self._lock = threading.Lock()
         self.generation_defaults = GenerationSettings()
 
@@ -359,8 +360,10 @@ class DSV41Model:
                     ttfts.append(event.stats.ttft_s)
         return ttfts
 
-    def memory_report(self, cache: DSV41Cache | None = None) -> MemoryReport:
-        cache = cache if cache is not None else (self._active.cache if self._active else None)
+    def memory_report(self, cache: DSV41Cache | None = None, *, last_chat: bool = True) -> MemoryReport:
+        """The memory figures with `cache`'s KV; without one, the last chat's (`last_chat`), or no chat's."""
+        if cache is None and last_chat and self._active is not None:
+            cache = self._active.cache
         kv = cache.stored_kv_bytes() if cache else 0
         kv_full = cache.uncompressed_bytes() if cache else 0
         report = memory_mod.measure(
@@ -383,7 +386,10 @@ class DSV41Model:
 
     # ------------------------------------------------------------------ reconfigure
     def reconfigure(self, session: ChatSession | None = None, progress=None, **knobs) -> ReconfigureResult:
-        """Change cache knobs between turns. During a reply the change is deferred to the end of the turn."""
+        """Change cache knobs between turns; they become the model's knobs, which new chats start with. With
+        `session`, that chat's cache alone takes them (every chat keeps the knobs it was last given: the app keeps
+        knobs per chat, and opening a chat applies its own without touching the others); without, every live
+        chat's cache does. During a reply the change is deferred to the end of the turn."""
         bad = [k for k in knobs if k not in CACHE_KNOBS]
         if bad:
             raise ConfigError(bad[0], knobs[bad[0]], "a cache knob (" + ", ".join(sorted(CACHE_KNOBS)) + "); "
@@ -391,18 +397,23 @@ class DSV41Model:
         new_config = self.config.replace(**knobs)  # validates
         if any(s.busy for s in self._sessions):
             self._pending = {**(self._pending or {}), **knobs}
+            self._pending_session = session
             return ReconfigureResult("deferred", None, None)
-        if new_config == self.config:
+        targets = [session] if session is not None else list(self._sessions)
+        settings = CacheSettings.from_config(new_config)
+        if new_config == self.config and all(t.cache.settings == settings for t in targets):
             return ReconfigureResult("unchanged", None, None)
         self.config = new_config
-        target = session or self._active
-        before = self.memory_report(target.cache) if target else None
-        action = "compacted"
-        for live in list(self._sessions):
-            done = live.apply_settings(self.cache_settings(), progress if live is target else None)
-            if live is target:
+        shown = session or self._active
+        before = self.memory_report(shown.cache) if shown else None
+        action = "unchanged" if session is not None else "compacted"
+        for live in targets:
+            if live.cache.settings == settings:
+                continue
+            done = live.apply_settings(settings, progress if live is shown else None)
+            if live is shown:
                 action = done
-        after = self.memory_report(target.cache) if target else None
+        after = self.memory_report(shown.cache) if shown else None
         return ReconfigureResult(action, before, after)
 
     @property
@@ -414,7 +425,7 @@ class DSV41Model:
         self._active = session
         if self._pending and not any(s.busy for s in self._sessions):
             knobs, self._pending = self._pending, None
-            self.reconfigure(session, **knobs)
+            self.reconfigure(self._pending_session, **knobs)
 
 
 def collect_text(events) -> str:

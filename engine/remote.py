@@ -369,9 +369,10 @@ class RemoteModel:
         counted = self._count({"stored_kv": [int(tokens_seen)], "knobs": knobs})
         return counted["stored_kv_bytes"][0] if counted else 0
 
-    def memory_report(self, cache: RemoteCache | None = None) -> MemoryReport:
-        """Our server's report of the conversation (its last, when `cache` has none yet); from another server a
-        report that says it reports nothing (all figures 0, device_label saying so)."""
+    def memory_report(self, cache: RemoteCache | None = None, *, last_chat: bool = True) -> MemoryReport:
+        """Our server's report of the conversation (its last, when `cache` has none yet and `last_chat`; without
+        `last_chat` its figures with no chat's cache); from another server a report that says it reports nothing
+        (all figures 0, device_label saying so)."""
         host = urlsplit(self.url).netloc
         if not self.ours:
             return MemoryReport(device="remote", device_label=f"{host}: memory not reported by this server",
@@ -392,7 +393,8 @@ class RemoteModel:
         fields = {k: v for k, v in report.items() if k in MemoryReport.__dataclass_fields__}
         fields["device_label"] = f"{host} · {fields.get('device_label', '')}"
         fields["remote"] = self.url
-        return MemoryReport(**fields)
+        report = MemoryReport(**fields)
+        return report if cache is not None and cache.report or last_chat else report.without_chat()
 
     def reconfigure(self, session=None, progress=None, **knobs) -> ReconfigureResult:
         """Our server: the knobs are validated here and sent with every request from now on (the server applies

@@ -259,6 +259,7 @@ class KnobPanel(QGroupBox):
         words = {"compacted": "Compacted the live cache", "rebuilt": "Rebuilt the cache from the transcript",
                  "recalled": "Recalled from the cold tier (nothing re-read)",
                  "deferred": "Deferred to the end of the reply", "unchanged": "No change",
+                 "set": "Set for this chat (its cache is read with them at its next question)",
                  "sent": "Sent to the server with the next request (it applies them before reading the turn)",
                  "unsupported": "Not applied: this server has no DS-V4.1 cache"}
         text = words.get(action, action)

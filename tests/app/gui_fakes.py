@@ -197,7 +197,7 @@ class FakeModel:
                                                  config.ced_recent_tokens, config.min_entries))
         return stored * _bytes_per_token(config)
 
-    def memory_report(self, cache=None) -> MemoryReport:
+    def memory_report(self, cache=None, *, last_chat: bool = True) -> MemoryReport:
         seen = cache.seen if cache is not None else 0
         stored = cache.stored if cache is not None else 0
         per_token = self.kv_bytes_per_token()

@@ -146,3 +146,14 @@ def test_the_compression_line_says_why_the_cache_is_not_at_the_slider(qtbot, win
     qtbot.waitUntil(lambda: "target 0.50" in label.text(), timeout=5_000)
     assert "now ×1.00" in label.text() and "a short chat is kept whole (floor 128 entries)" in label.text()
     assert label.toolTip() == label.text()
+
+
+def test_a_reply_sent_while_a_knob_change_is_applied_records_the_knobs_it_was_made_with(qtbot, window, fake_model):
+    # the change is sent before the turn and applied before it is read; the window's facts catch up only when the
+    # result comes back, so the reply's recorded knobs come from the panel
+    window.knob_panel.set_values({"kv_cache_ratio": 0.3})
+    window.knob_panel.knobs_changed.emit(window.knob_panel.values())  # as the debounce does
+    send(qtbot, window, "Right after the change")
+    reply = window.store.messages(window.conversation_id)[-1]
+    assert reply.settings["knobs"]["kv_cache_ratio"] == 0.3
+    assert fake_model.config.kv_cache_ratio == 0.3

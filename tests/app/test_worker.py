@@ -142,3 +142,27 @@ def test_a_failed_load_says_why_by_the_errors_type(qtbot, error, reason, message
     client.shutdown()
     got_message, got_reason, kept = failures[0]
     assert got_reason == reason and got_message.startswith(message) and kept is None
+
+
+def test_knobs_for_a_chat_not_read_yet_touch_no_other_chats_cache_and_its_figures_are_its_own(qtbot, client):
+    """A chat opened without a live cache sends its knobs: they are kept for its next question (the model's knobs
+    a new session starts with), not applied to the chat that has a cache; its memory figures show no cache rather
+    than that other chat's."""
+    run_turn(qtbot, client, "hello there")  # conversation 1 has a live cache
+    results, reports = [], []
+    client.worker.reconfigured.connect(lambda result, facts: results.append(result))
+    client.worker.memory.connect(reports.append)
+    client.reconfigure.emit((2, {"kv_cache_ratio": 0.3}))
+    qtbot.waitUntil(lambda: bool(results) and bool(reports), timeout=5_000)
+    assert results[0].action == "set" and "reconfigure" not in client.model.names()
+    assert client.model.config.kv_cache_ratio == 0.3
+    assert reports[-1].tokens_seen == 0  # conversation 2's (none), not conversation 1's
+    reports.clear()
+    client.report_memory.emit(1)
+    qtbot.waitUntil(lambda: bool(reports), timeout=5_000)
+    assert reports[-1].tokens_seen > 0
+    failed = []
+    client.worker.reconfigure_failed.connect(failed.append)
+    client.reconfigure.emit((2, {"kv_cache_ratio": 1.7}))
+    qtbot.waitUntil(lambda: bool(failed), timeout=5_000)
+    assert "kv_cache_ratio" in failed[0] and client.model.config.kv_cache_ratio == 0.3

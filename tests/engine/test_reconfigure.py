@@ -71,3 +71,24 @@ def test_non_cache_knob_is_refused(model_with_document):
         model.reconfigure(session, weight_quant="int8")
     with pytest.raises(ConfigError, match="kv_cache_ratio"):
         model.reconfigure(session, kv_cache_ratio=1.7)
+
+
+def test_a_chats_knobs_leave_the_other_chats_caches_alone(model_with_document):
+    """The app keeps knobs per chat and sends a chat's own when it is opened: that must not compact, recall or
+    re-read any other chat's cache (with an INT8 chat and a bf16 one, every switch re-read both transcripts)."""
+    model, first = model_with_document
+    second = model.chat_session()
+    list(second.send("Name three colours.", greedy=True, max_new_tokens=8))
+    seen = second.cache.seen
+    result = model.reconfigure(second, kv_cache_dtype="int8", kv_cache_ratio=0.3)
+    assert result.action == "rebuilt" and second.cache.settings.kv_cache_dtype == "int8"
+    assert first.cache.settings.kv_cache_dtype == "auto" and first.cache.settings.kv_cache_ratio == 0.5
+    # opening the first chat again: its knobs are the ones its cache has, so nothing is done to either
+    result = model.reconfigure(first, kv_cache_dtype="auto", kv_cache_ratio=0.5)
+    assert result.action == "unchanged" and model.config.kv_cache_ratio == 0.5
+    assert second.cache.settings.kv_cache_dtype == "int8" and second.cache.seen == seen
+    # a new chat starts with the model's knobs: the last chat's it was given
+    assert model.chat_session().cache.settings.kv_cache_ratio == 0.5
+    # without a session every live chat takes them (the API's live reconfigure)
+    model.reconfigure(None, kv_cache_ratio=0.25)
+    assert first.cache.settings.kv_cache_ratio == second.cache.settings.kv_cache_ratio == 0.25
