@@ -49,8 +49,23 @@ class Settings:
 
     # ------------------------------------------------------------------ typed helpers
     def model_options(self) -> dict:
+        """The model options saved at the last load; a value of the wrong type (a hand-edited or damaged file) is
+        left out, so its default is used."""
         options = self.json(Key.MODEL, {})
-        return options if isinstance(options, dict) else {}
+        if not isinstance(options, dict):
+            return {}
+        kinds = {"model_path": str, "weight_quant": str, "device_map": str, "api_key": str}
+        kept = {k: v for k, v in options.items() if k in kinds and isinstance(v, kinds[k])}
+        seq = options.get("max_seq_len")
+        if isinstance(seq, int) and not isinstance(seq, bool) and 0 < seq <= 2**31 - 1:
+            kept["max_seq_len"] = seq
+        return kept
+
+    def state(self, key: Key) -> bytes | None:
+        """A saved window geometry or splitter state: bytes, or None (a damaged value is ignored)."""
+        value = self.value(key)
+        return bytes(value) if isinstance(value, (bytes, bytearray)) or type(value).__name__ == "QByteArray" \
+            else None
 
     def knobs(self) -> dict:
         stored = self.json(Key.KNOBS, {})
@@ -66,9 +81,10 @@ class Settings:
     def last_conversation(self) -> int | None:
         value = self.value(Key.LAST_CONVERSATION)
         try:
-            return int(value) if value not in (None, "") else None
+            number = int(value) if value not in (None, "") else None
         except (TypeError, ValueError):
             return None
+        return number if number is not None and 0 < number < 2**63 else None
 
     def sync(self) -> None:
         self.qsettings.sync()

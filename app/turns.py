@@ -3,7 +3,9 @@
 A turn starts with a user row and an empty reply row ("streaming"); text batches from the worker are
 painted at once and saved at most every SAVE_EVERY_S; the outcome closes the row with its figures.
 A turn the engine refused before starting (context overflow, unreadable document, no model) is
-rolled back: the rows go, and the text and documents go back into the composer.
+rolled back: the rows go, and the text and documents go back into the composer. So is a turn stopped before its
+reply began (while its message or documents were read): the engine keeps nothing of it, so a chat that showed it
+would show a question, and documents, the model never read.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ class TurnController(QObject):
     started = Signal()
     finished = Signal(object, object)  # TurnOutcome, ActiveTurn
     refused = Signal(object, object)  # TurnOutcome, ActiveTurn (rows already rolled back)
+    withdrawn = Signal(object, object)  # TurnOutcome, ActiveTurn: stopped before its reply began (rolled back)
     save_failed = Signal(str)  # a reply could not be saved (disk full): the message
 
     def __init__(self, store: S.ConversationStore, client, view: ChatView, parent: QObject | None = None):
@@ -158,6 +161,10 @@ class TurnController(QObject):
         if outcome.reason == "refused":
             self._roll_back(turn)
             self.refused.emit(outcome, turn)
+            return
+        if outcome.reason == "cancelled" and not outcome.text and not turn.text and not outcome.model_content:
+            self._roll_back(turn)
+            self.withdrawn.emit(outcome, turn)
             return
         text = outcome.text if outcome.text or not turn.text else turn.text
         stats = stats_dict(outcome.stats or turn.stats)

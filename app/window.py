@@ -269,6 +269,7 @@ class MainWindow(QMainWindow):
         self.turns.save_failed.connect(lambda message: self._save_failed(
             f"The reply could not be saved ({message}); it stays on screen."))
         self.turns.refused.connect(self._on_turn_refused)
+        self.turns.withdrawn.connect(self._on_turn_withdrawn)
 
         self.model_panel.load_requested.connect(self.load_model)
         self.model_panel.download_requested.connect(self.open_download)
@@ -925,6 +926,23 @@ class MainWindow(QMainWindow):
 
     def _on_turn_refused(self, outcome, turn) -> None:
         # Nothing happened: put the question and its documents back so the user can adjust and resend.
+        self._put_turn_back(turn)
+        titles = {"overflow": "Does not fit the context", "document": "Could not read a document",
+                  "no_model": "No model", "busy": "Busy"}
+        self.inform(titles.get(outcome.error_kind, "Could not send"), outcome.error or "The engine refused the turn.")
+        self._schedule_usage()
+
+    def _on_turn_withdrawn(self, outcome, turn) -> None:
+        # Stopped before the reply began: the engine kept nothing, so neither does the chat; the message is back.
+        here = turn.conversation_id == self.conversation_id  # (an emptied new chat is gone after the put-back)
+        self._put_turn_back(turn)
+        if here and not turn.new_version:
+            self.statusBar().showMessage("Stopped before the reply began: the message (and its documents) are back "
+                                         "in the message box, nothing of it was kept.", 10000)
+        self._schedule_usage()
+
+    def _put_turn_back(self, turn) -> None:
+        """A turn that left nothing behind: its rows are gone; its question and documents go back in the box."""
         if turn.new_version and turn.conversation_id == self.conversation_id:
             self.show_conversation(self.conversation_id)  # the reply shown before is shown again
         if (turn.conversation_id == self.conversation_id and not turn.new_version
@@ -945,10 +963,6 @@ class MainWindow(QMainWindow):
                 self._new_chat = True  # the user stays in the new chat their message was for
             self._reload_conversations()
         self._update_actions()
-        titles = {"overflow": "Does not fit the context", "document": "Could not read a document",
-                  "no_model": "No model", "busy": "Busy"}
-        self.inform(titles.get(outcome.error_kind, "Could not send"), outcome.error or "The engine refused the turn.")
-        self._schedule_usage()
 
     def _offer_oom_retry(self, message: str) -> None:
         def compress_and_retry():
@@ -1007,10 +1021,10 @@ class MainWindow(QMainWindow):
 
     # ------------------------------------------------------------------ settings and shutdown
     def _restore_settings(self) -> None:
-        geometry = self.settings.value(Key.GEOMETRY)
+        geometry = self.settings.state(Key.GEOMETRY)
         if geometry:
             self.restoreGeometry(geometry)
-        splitter = self.settings.value(Key.SPLITTER)
+        splitter = self.settings.state(Key.SPLITTER)
         if splitter:
             self.splitter.restoreState(splitter)
         self.model_panel.set_options(self.settings.model_options())
@@ -1021,18 +1035,23 @@ class MainWindow(QMainWindow):
         """What was in the message box when the window closed, back in it (in its chat; documents still there)."""
         draft = self.settings.json(Key.DRAFT, None)
         self.settings.set_json(Key.DRAFT, None)
-        if not isinstance(draft, dict) or not str(draft.get("text", "")).strip() and not draft.get("documents"):
+        if not isinstance(draft, dict):
+            return
+        documents = draft.get("documents") if isinstance(draft.get("documents"), list) else []
+        if not str(draft.get("text", "")).strip() and not documents:
             return
         chat = draft.get("conversation")
         if chat is None:
             self.new_conversation()
+        elif not isinstance(chat, int) or isinstance(chat, bool) or not 0 < chat < 2**63:
+            return  # a damaged value: no chat to put it in
         elif self.store.conversation(chat) is not None:
             self.show_conversation(chat)
             self.conversations.select(chat)
         else:
             return
         self.composer.setPlainText(str(draft.get("text", "")))
-        paths = [p for p in draft.get("documents") or [] if isinstance(p, str) and Path(p).is_file()]
+        paths = [p for p in documents if isinstance(p, str) and Path(p).is_file()]
         if paths:
             self.attach_files(paths)
 

@@ -127,8 +127,9 @@ def _device_map(value: str) -> str | None:
 
 
 def _headroom(value) -> str | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        return "None (auto), a token count (int > 0) or a size in GB (float > 0)"
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0 \
+            or value > (1e6 if isinstance(value, float) else 2**40):
+        return "None (auto), a token count (int, 1 to 2**40) or a size in GB (float > 0, at most 1e6)"
     return None
 
 

@@ -99,9 +99,13 @@ class ConversationStore:
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())
             os.replace(tmp, path)
-        except OSError as exc:
-            self.last_error = f"could not save the conversation cache in {self.folder}: {exc}"
-            log.warning(self.last_error)
+        except Exception as exc:  # noqa: BLE001 - OSError, or safetensors' own error for a full disk: not saved
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            said = self.last_error is not None
+            self.last_error = (f"could not save the conversation cache in {self.folder}: {reason}. The chat goes on "
+                               "(it is re-read when reopened); free space there or set DSV41_CACHE_DIR elsewhere.")
+            if not said:  # once while saves keep failing, not at every turn
+                log.warning(self.last_error)
             tmp.unlink(missing_ok=True)
             return None
         self.last_error = None

@@ -29,6 +29,7 @@ from .events import Done, ErrorEvent, Event, PrefillProgress, TokenText, TurnSta
 from .memory import begin_turn
 from .models import adapter
 from .sampling import GenerationSettings, next_token
+from .threads import decode_threads
 
 REPETITION_WINDOW = 256  # recent tokens the repetition penalty looks at
 
@@ -76,6 +77,7 @@ def run_turn(model, tokenizer, cache: DSV41Cache, plan: TurnPlan, settings: Gene
     reason = "length"
     shown = ""  # text already emitted (stop strings are held back until they cannot match)
     prefill_done = decoded_at = None
+    threads = None
     try:
         logits = yield from _prefill(model, cache, plan, cancel, device, result)
         prefill_done = time.perf_counter()
@@ -87,6 +89,10 @@ def run_turn(model, tokenizer, cache: DSV41Cache, plan: TurnPlan, settings: Gene
             # reads one value on the host (the token id, for the stop checks and the text), nothing else
             # (kept only where the repetition penalty reads them)
             penalise = settings.repetition_penalty != 1.0
+            threads = decode_threads() if device.type == "cpu" else None  # engine.threads.DecodeThreads
+            if threads is not None:
+                torch.set_num_threads(threads.use)
+            step_began = None
             seen_ids = torch.tensor(plan.new_ids[-REPETITION_WINDOW:] if penalise else [], dtype=torch.long,
                                     device=logits.device)
             while True:
@@ -124,6 +130,13 @@ def run_turn(model, tokenizer, cache: DSV41Cache, plan: TurnPlan, settings: Gene
                 if not prefill_finished:  # after the first token is out (see the module's docstring)
                     cache.finish_prefill(answer_follows=True)
                     prefill_finished = True
+                if threads is not None:
+                    now = time.perf_counter()
+                    if step_began is not None:  # the whole step: sampling, text and the forward
+                        use = threads.step(now - step_began)
+                        if use != torch.get_num_threads():
+                            torch.set_num_threads(use)
+                    step_began = now
                 logits = adapter.forward_token(model, token, cache, token_ids)
                 result.fed_generated += 1
                 cache.after_decode_step()
@@ -136,6 +149,9 @@ def run_turn(model, tokenizer, cache: DSV41Cache, plan: TurnPlan, settings: Gene
         failure = _failure(exc, reading=result.prefilled < len(plan.new_ids))
     else:
         failure = None
+    finally:
+        if threads is not None and torch.get_num_threads() != threads.full:
+            torch.set_num_threads(threads.full)  # prefill and everything else run on every thread
     if failure is not None:
         # Yielded outside the except block: the traceback (and the tensors its frames hold) is gone by now,
         # so the memory a failed step held is free again before the caller acts on the error.

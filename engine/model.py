@@ -158,8 +158,12 @@ class DSV41Model:
 
     @property
     def prefill_chunk(self) -> int:
-        if self.config.prefill_chunk:
-            return self.config.prefill_chunk
+        return self.chunk_for(self.config.prefill_chunk)
+
+    def chunk_for(self, prefill_chunk: int | None) -> int:
+        """Tokens a prefill forward reads: `prefill_chunk` (a cache's own setting), or the device's default."""
+        if prefill_chunk:
+            return prefill_chunk
         # a CPU reads 1024 tokens a forward: the first token of a 4k prompt 22 % sooner than with 512 for the
         # default model's GGUF blocks (one dequantisation per chunk), 4 % for bf16-held weights; an 8k turn's
         # peak +20-50 MiB (2048: +70-140 MiB for 9 % more); a stop waits for the chunk being read
@@ -198,7 +202,7 @@ class DSV41Model:
 
     def headroom_tokens(self, cache: DSV41Cache) -> int | None:
         """How many entries a document turn may hold before compacting while it streams in."""
-        headroom = self.config.prefill_headroom
+        headroom = cache.settings.prefill_headroom  # the cache's own (a server request may set it for its chat)
         per_token = cache.bytes_per_token()
         if isinstance(headroom, int):
             return headroom
@@ -308,10 +312,15 @@ class DSV41Model:
 
     @staticmethod
     def settings_key(settings: CacheSettings) -> str:
-        """The cache settings a saved state was made with (all but the store's own size)."""
+        """The cache settings a saved state must match: those that shape what the cache holds. Knobs that apply
+        live (the decay, how often it compacts, CSA2's top-k, the RAM cap, the prefill chunk and headroom, the
+        store's own size) change nothing a saved state holds, so a state made under other values of them is restored
+        and goes on under the current ones, as a live change would (with them in the key, moving the top-k made
+        every saved chat re-read its whole document)."""
+        from .config import KNOBS, LIVE
         from .conversation_store import key_of
 
-        return key_of({k: v for k, v in dataclasses.asdict(settings).items() if k != "conversation_cache_mb"})
+        return key_of({k: v for k, v in dataclasses.asdict(settings).items() if KNOBS[k].applies != LIVE})
 
     # ------------------------------------------------------------------ sessions and one-shot generation
     def chat_session(self, system_prompt: str | None = None) -> ChatSession:
@@ -345,8 +354,8 @@ class DSV41Model:
             raise ContextOverflowError(len(ids) + 1, self.context_limit, {"prompt": len(ids)},
                                        max_positions=self.max_positions)
         generation = self.generation_settings(**settings)
-        plan = TurnPlan(ids, min(len(ids), 64), self.prefill_chunk, None, self.context_limit)
         cache = self.new_cache(self.cache_settings().replace(**knobs) if knobs else None)
+        plan = TurnPlan(ids, min(len(ids), 64), self.chunk_for(cache.settings.prefill_chunk), None, self.context_limit)
         return run_turn(self.hf_model, self.tokenizer, cache, plan, generation, cancel=cancel,
                         eos_ids=self.eos_ids)
 

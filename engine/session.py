@@ -184,7 +184,7 @@ class ChatSession:
                 self.cache.reset()
                 self.transcript_ids, self.fed_text, self.fed_specials, self._dirty = [], "", (), False
             checkpoint = self.cache.checkpoint()
-            plan = TurnPlan(turn.new_ids, turn.question_tokens, self.model.prefill_chunk,
+            plan = TurnPlan(turn.new_ids, turn.question_tokens, self.model.chunk_for(self.cache.settings.prefill_chunk),
                             self.model.headroom_tokens(self.cache), self.context_limit)
             done = None
             events = run_turn(self.model.hf_model, self.tokenizer, self.cache, plan, settings, cancel=cancel,
@@ -258,8 +258,8 @@ class ChatSession:
             store.save(model_key=self.model.state_key, settings_key=self.model.settings_key(self.cache.settings),
                        text=self.fed_text, specials=self.fed_specials, transcript_ids=self.transcript_ids,
                        tensors=tensors, cache_facts=facts)
-        except Exception:  # noqa: BLE001 - a cache that was not saved is re-read later, nothing is lost
-            log.exception("the conversation cache was not saved")
+        except Exception as exc:  # noqa: BLE001 - a cache that was not saved is re-read later, nothing is lost
+            log.warning("the conversation cache was not saved: %s", str(exc).splitlines()[0] if str(exc) else exc)
         self.last_save_seconds = time.perf_counter() - started
 
     def _restore_saved(self, rendered: template.Rendered) -> bool:
@@ -332,7 +332,7 @@ class ChatSession:
             ids = list(self.transcript_ids)
             self.cache.reset()
             self._dirty = True  # until the whole transcript has been read again
-            chunk = self.model.prefill_chunk
+            chunk = self.model.chunk_for(self.cache.settings.prefill_chunk)
             device = self.model.device
             total = len(ids)
             for start in range(0, total, chunk):

@@ -42,3 +42,77 @@ class EngineThread:
     def call(self, fn: Callable, *args, **kwargs):
         """Run on the engine thread and wait for the result (its exception is raised here)."""
         return self.submit(fn, *args, **kwargs).result()
+
+
+class DecodeThreads:
+    """How many OpenMP threads a CPU decode step runs on, chosen by timing the steps themselves.
+
+    A decode step is dozens of short parallel regions, each ending at a barrier. On a machine whose cores are busy
+    with other work, a thread that waits at a barrier gives up its time slice and the step waits for the scheduler
+    at every region: measured on 2 cores with other processes keeping them busy (load 4-5), the default model
+    decoded at 16-19 tok/s on two threads against 110-160 on one. On an idle machine two threads are ~1.6x faster
+    than one, and letting threads sleep at once (OMP_WAIT_POLICY=PASSIVE) cost 2.5x there. So each step is timed:
+    every WINDOW steps the median is kept for the thread count in use, the other count is tried for PROBE_WINDOW
+    steps from time to time (first after 64 steps, then PROBE_AFTER, doubling while the choice holds, at once when
+    the steps turn twice as slow as the best window seen), and the faster is kept. The choice lives as long as the
+    process, so a long-running app pays for the probes less and less. Prefill keeps every thread (its regions are long).
+    DSV41_DECODE_THREADS=fixed turns this off."""
+
+    WINDOW = 8
+    PROBE_WINDOW = 4
+    PROBE_AFTER = 64
+    LONGEST_WAIT = 4096
+
+    def __init__(self, full: int):
+        self.full = max(1, full)
+        self.use = self.full
+        self.window: list[float] = []
+        self.medians: dict[int, float] = {}
+        self.best: dict[int, float] = {}
+        self.probing = False
+        self.wait = 64  # the first probe comes early: the process learns which is faster on this machine now
+        self.backoff = self.PROBE_AFTER
+
+    @property
+    def other(self) -> int:
+        return 1 if self.use == self.full else self.full
+
+    def step(self, seconds: float) -> int:
+        """One decode step took `seconds` on `self.use` threads: the thread count for the next step."""
+        if self.full == 1:
+            return 1
+        self.window.append(seconds)
+        if len(self.window) < (self.PROBE_WINDOW if self.probing else self.WINDOW):
+            return self.use
+        median = sorted(self.window)[len(self.window) // 2]
+        self.window.clear()
+        self.medians[self.use] = median
+        self.best[self.use] = min(self.best.get(self.use, median), median)
+        if self.probing:  # the probe's window is done: keep the faster
+            self.probing = False
+            tried, before = self.use, self.other
+            faster = tried if median < self.medians.get(before, float("inf")) else before
+            self.backoff = self.PROBE_AFTER if faster != before else min(self.backoff * 2, self.LONGEST_WAIT)
+            self.use, self.wait = faster, self.backoff
+            return self.use
+        self.wait -= self.WINDOW
+        if self.wait <= 0 or median > 2 * self.best[self.use]:
+            self.use, self.probing = self.other, True
+        return self.use
+
+
+_DECODE_THREADS: DecodeThreads | None = None
+
+
+def decode_threads() -> DecodeThreads | None:
+    """The process's DecodeThreads (None when turned off, or with one thread)."""
+    global _DECODE_THREADS
+    import os
+
+    if os.environ.get("DSV41_DECODE_THREADS", "adapt").lower() == "fixed":
+        return None
+    if _DECODE_THREADS is None:
+        import torch
+
+        _DECODE_THREADS = DecodeThreads(torch.get_num_threads())
+    return _DECODE_THREADS if _DECODE_THREADS.full > 1 else None

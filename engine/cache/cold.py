@@ -13,6 +13,7 @@ the cold entries like it (engine.cache.counts: log(1 + their count) added to its
 
 from __future__ import annotations
 
+import logging
 import os
 import uuid
 from collections.abc import Callable
@@ -35,6 +36,9 @@ from .storage import BLOCK_TOKENS, LayerKV, Rows, _round_up
 RECALL_SHARE = 0.125
 RECALL_MIN = 512
 
+log = logging.getLogger(__name__)
+_UNUSABLE: set[str] = set()  # cold-tier folders that failed in this process (said once each)
+
 
 def _on_disk(folder: Path, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised tensor whose memory is a file in `folder` (mapped; the OS pages it in and out). The file
@@ -44,7 +48,11 @@ def _on_disk(folder: Path, shape: tuple[int, ...], dtype: torch.dtype) -> torch.
     numel = 1
     for n in shape:
         numel *= n
-    tensor = torch.from_file(str(path), shared=True, size=max(numel, 1), dtype=dtype)[:numel].view(shape)
+    try:
+        tensor = torch.from_file(str(path), shared=True, size=max(numel, 1), dtype=dtype)[:numel].view(shape)
+    except BaseException:
+        path.unlink(missing_ok=True)  # a file begun on a full disk
+        raise
     try:
         path.unlink()
     except OSError:  # Windows keeps a mapped file: remove it when the tensor goes
@@ -88,7 +96,14 @@ class ColdLayer:
         if self.int8:
             shapes |= {"key_scales": ((h, capacity, 1), torch.float32), "value_scales": ((h, capacity, 1), torch.float32)}
         if folder is not None and dev.type == "cpu" and capacity:
-            return {name: _on_disk(folder, shape, dtype) for name, (shape, dtype) in shapes.items()}
+            try:
+                return {name: _on_disk(folder, shape, dtype) for name, (shape, dtype) in shapes.items()}
+            except (OSError, RuntimeError) as exc:  # a full, read-only or missing folder: RAM, said once
+                if str(folder) not in _UNUSABLE:
+                    _UNUSABLE.add(str(folder))
+                    log.warning("The cold tier could not use %s (%s); what it holds stays in RAM. Free space "
+                                "there, or set DSV41_COLD_DIR to a folder with room.", folder,
+                                str(exc).splitlines()[0])
         return {name: torch.empty(shape, dtype=dtype, device=dev, pin_memory=self.pinned and capacity > 0)
                 for name, (shape, dtype) in shapes.items()}
 
@@ -113,7 +128,7 @@ class ColdLayer:
         for name, new in fresh.items():
             new[:, : self.length] = getattr(self, name)[:, : self.length]
         self._set(fresh)  # all or nothing: nothing replaced before every tensor exists and is filled
-        self.on_disk = folder is not None
+        self.on_disk = folder is not None and fresh["keys"].untyped_storage().filename is not None
 
     @torch.inference_mode()
     def add(self, layer: LayerKV, index: torch.Tensor) -> None:

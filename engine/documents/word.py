@@ -1,5 +1,7 @@
-"""Word (.docx): paragraphs, headings (as Markdown ``#``) and tables (as Markdown rows) read with python-docx,
-in document order; old .doc files, password-protected files and zip bombs are refused first."""
+"""Word (.docx): paragraphs, headings (as Markdown ``#``), list items (``-``) and tables (as Markdown rows) read
+with python-docx, in document order, with the text of tracked insertions, content controls, hyperlinks and text
+boxes; the headers and footers (once each) and the footnotes and endnotes follow the body. Old .doc files,
+password-protected files and zip bombs are refused first."""
 
 from __future__ import annotations
 
@@ -50,7 +52,11 @@ def _docx_text(data: bytes, label: str, fail, max_bytes: int) -> str:
 
     try:
         document = docx.Document(io.BytesIO(data))
-        lines = list(_docx_blocks(document))
+        lines = list(_docx_blocks(document.element.body, document._body))
+        lines += _headers_and_footers(document)
+        with zipfile.ZipFile(io.BytesIO(data)) as zf:
+            lines += _notes(zf, "word/footnotes.xml", "footnote", "Footnotes")
+            lines += _notes(zf, "word/endnotes.xml", "endnote", "Endnotes")
     except Exception as exc:
         raise fail(
             "unreadable", f"{label} could not be read as a Word document: {_reason_of(exc)}."
@@ -58,29 +64,97 @@ def _docx_text(data: bytes, label: str, fail, max_bytes: int) -> str:
     return "\n\n".join(line for line in lines if line.strip())
 
 
-def _docx_blocks(container):
-    """Paragraphs and tables of a document or table cell, in document order, as text blocks."""
+_W = "{http://schemas.openxmlformats.org/wordprocessingml/2006/main}"
+
+
+def _docx_blocks(element, parent):
+    """Paragraphs and tables of a body, table cell, header or content control (XML element; `parent` the
+    python-docx object it belongs to, whose part has the styles), in document order, as text blocks."""
     from docx.table import Table
     from docx.text.paragraph import Paragraph
 
-    for block in container.iter_inner_content():
-        if isinstance(block, Paragraph):
-            text = block.text
+    for child in element.iterchildren():
+        if child.tag == _W + "p":
+            paragraph = Paragraph(child, parent)
+            text = _paragraph_text(child)
             if not text.strip():
                 continue
-            level = _heading_level(block)
-            yield ("#" * level + " " + text.strip()) if level else text
-        elif isinstance(block, Table):
-            yield _docx_table(block)
+            level = _heading_level(paragraph)
+            if level:
+                yield "#" * level + " " + text.strip()
+            elif child.find(f"{_W}pPr/{_W}numPr") is not None or _style_name(paragraph).startswith("list"):
+                yield "- " + text.strip()  # a list item (bulleted or numbered)
+            else:
+                yield text
+        elif child.tag == _W + "tbl":
+            yield _docx_table(Table(child, parent))
+        elif child.tag == _W + "sdt":  # a content control around blocks (a cover page, a form field)
+            content = child.find(_W + "sdtContent")
+            if content is not None:
+                yield from _docx_blocks(content, parent)
+
+
+def _paragraph_text(p) -> str:
+    """A paragraph's text as Word shows it: every run's text, inside tracked insertions, hyperlinks, fields and
+    content controls too (deleted text is w:delText, so it is left out)."""
+    parts = []
+    for node in p.iter(_W + "t", _W + "tab", _W + "br", _W + "cr"):
+        if node.tag == _W + "t":
+            parts.append(node.text or "")
+        elif node.tag == _W + "tab":
+            parts.append("\t")
+        else:
+            parts.append("\n")
+    return "".join(parts)
+
+
+def _headers_and_footers(document) -> list[str]:
+    """Each distinct header and footer text once (sections that link to the previous one repeat it)."""
+    seen: list[str] = []
+    for section in document.sections:
+        for part in (section.header, section.first_page_header, section.footer, section.first_page_footer):
+            try:
+                if part.is_linked_to_previous:
+                    continue
+                text = "\n".join(_docx_blocks(part._element, part)).strip()
+            except Exception:  # noqa: BLE001 - a damaged header is left out, the body is what matters
+                continue
+            if text and text not in seen:
+                seen.append(text)
+    return seen
+
+
+def _notes(zf: zipfile.ZipFile, name: str, tag: str, title: str) -> list[str]:
+    """The footnotes or endnotes part's notes as "[n] text" lines under a title (the separators, ids -1 and 0,
+    left out)."""
+    try:
+        raw = zf.read(name)
+    except KeyError:
+        return []
+    from lxml import etree
+
+    root = etree.fromstring(raw)
+    notes = []
+    for note in root.iter(_W + tag):
+        ident = note.get(_W + "id")
+        if ident is None or not ident.lstrip("-").isdigit() or int(ident) <= 0:
+            continue
+        text = " ".join(_paragraph_text(p).strip() for p in note.iter(_W + "p")).strip()
+        if text:
+            notes.append(f"[{ident}] {text}")
+    return [f"{title}:\n" + "\n".join(notes)] if notes else []
+
+
+def _style_name(paragraph) -> str:
+    try:
+        style = paragraph.style
+        return (style.name or "").lower() if style is not None else ""
+    except Exception:  # noqa: BLE001 - no styles part (a paragraph outside the document body)
+        return ""
 
 
 def _heading_level(paragraph) -> int:
-    try:
-        style = paragraph.style
-        name = (style.name or "") if style is not None else ""
-    except Exception:
-        return 0
-    lowered = name.lower()
+    lowered = _style_name(paragraph)
     if lowered == "title":
         return 1
     match = re.fullmatch(r"heading ([1-6])", lowered)
@@ -96,7 +170,7 @@ def _docx_table(table) -> str:
             if previous is not None and cell._tc is previous:  # horizontally merged: same cell repeated
                 continue
             previous = cell._tc
-            text = "\n".join(_docx_blocks(cell))
+            text = "\n".join(_docx_blocks(cell._tc, cell))
             text = re.sub(r"\s*\n\s*", " ", text).strip().replace("|", "\\|")
             cells.append(text)
         if any(cells):

@@ -94,6 +94,20 @@ def _build_and_load() -> KernelLibrary:
 X_MODES = ("float32", "int8", "bf16", "int16")
 
 
+def _compile(compiler: str, flags: list[str], folder: Path, target: Path) -> None:
+    """Compile the kernels into `target` in `folder` (atomically); OSError when the folder cannot take it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    scratch = folder / f".build-{os.getpid()}-{threading.get_ident()}.so"
+    done = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(scratch), "-lm"], capture_output=True,
+                          text=True, timeout=120)
+    if done.returncode != 0:
+        scratch.unlink(missing_ok=True)
+        if not os.access(folder, os.W_OK) or "No space left" in done.stderr or "Read-only" in done.stderr:
+            raise OSError(done.stderr.strip()[-400:] or f"{folder} is not writable")
+        raise KernelsUnavailable(f"compiling {SOURCE.name} failed: {done.stderr.strip()[-400:]}")
+    os.replace(scratch, target)
+
+
 def build(extra_flags: tuple[str, ...] = ()) -> KernelLibrary:
     """Compile (once, cached) and load the kernels; `extra_flags` make a variant build, e.g. ("-mno-avx512f",)
     for the AVX2 path on an AVX-512 machine (the tests check both). Raises KernelsUnavailable."""
@@ -110,20 +124,27 @@ def build(extra_flags: tuple[str, ...] = ()) -> KernelLibrary:
     key = hashlib.sha256(source + version.encode() + " ".join(flags).encode() + os.uname().machine.encode()).hexdigest()[:16]
     folder = user_cache_dir() / "kernels"
     target = folder / f"cpu_kernels-{key}.so"
+    scratch_dir = None
     if not target.exists():
-        folder.mkdir(parents=True, exist_ok=True)
-        scratch = folder / f".build-{os.getpid()}-{threading.get_ident()}.so"
-        done = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(scratch), "-lm"], capture_output=True,
-                              text=True, timeout=120)
-        if done.returncode != 0:
-            scratch.unlink(missing_ok=True)
-            raise KernelsUnavailable(f"compiling {SOURCE.name} failed: {done.stderr.strip()[-400:]}")
-        os.replace(scratch, target)
+        try:
+            _compile(compiler, flags, folder, target)
+        except OSError:  # a read-only or full cache folder: build this process's copy in a temporary folder
+            import tempfile
+
+            try:
+                scratch_dir = Path(tempfile.mkdtemp(prefix="dsv41-kernels-"))
+                target = scratch_dir / target.name
+                _compile(compiler, flags, scratch_dir, target)
+            except OSError as exc:
+                raise KernelsUnavailable(f"no folder to build the kernels in ({folder}: {exc})") from exc
     before = _openmp_libraries()
     try:
         lib = ctypes.CDLL(str(target))
     except OSError as exc:
         raise KernelsUnavailable(f"loading the kernels failed: {exc}") from exc
+    finally:
+        if scratch_dir is not None:  # loaded (mapped) or not, the temporary copy is not needed again
+            shutil.rmtree(scratch_dir, ignore_errors=True)
     after = _openmp_libraries()
     if before and after != before:
         # A second OpenMP runtime would spin its own threads against torch's on the same cores.

@@ -87,18 +87,30 @@ def test_stop_during_decode_keeps_the_partial_reply(qtbot, window, fake_model, d
     assert window.send_button.isEnabled()
 
 
-def test_stop_during_prefill(qtbot, window, fake_model):
+def test_stop_during_prefill_puts_the_message_and_its_documents_back(qtbot, window, fake_model, tmp_path):
+    """Stopped while its message and document were read, a turn leaves nothing in the engine: the chat keeps no
+    exchange the model never read (it showed the question and its document chip, and the next question was
+    answered without the document), and the message with its document goes back into the box."""
+    doc = tmp_path / "spec.txt"
+    doc.write_text("The launch code is 4417. " * 40)
+    window.attach_files([str(doc)])
+    qtbot.waitUntil(lambda: bool(window.attached) and all(d is not None for d in window.attached.values()),
+                    timeout=5_000)
     fake_model.prefill_delay = 0.3
     fake_model.prefill_steps = 20
-    send(qtbot, window, "A long prompt", wait=False)
+    send(qtbot, window, "What is the launch code?", wait=False)
     qtbot.waitUntil(lambda: "Reading the prompt" in reply_bubbles(window)[-1].progress.text(), timeout=5_000)
     window.stop()
     qtbot.waitUntil(lambda: not window.turns.busy, timeout=2_000)  # well before the 6 s prefill would end
-    assert reply_bubbles(window)[-1].text == ""
-    # The next turn does not resend the stopped, empty exchange as history.
+    assert window.chat.bubbles == [] and window.composer.toPlainText() == "What is the launch code?"
+    assert [d.name for d in window.attached.values()] == ["spec.txt"]
+    assert "back in the message box" in window.statusBar().currentMessage()
+    # sent again, the document is read with it
     fake_model.prefill_delay = 0.001
-    send(qtbot, window, "Again")
-    assert fake_model.sends()[-1]["history"] == []
+    window.send()
+    qtbot.waitUntil(lambda: not window.turns.busy, timeout=10_000)
+    last = fake_model.sends()[-1]
+    assert last["history"] == [] and [d.name for d in last["documents"]] == ["spec.txt"]
 
 
 def test_history_reaches_the_engine_and_regenerate_replaces_the_last_reply(qtbot, window, fake_model, data_dir):

@@ -259,3 +259,24 @@ def test_the_window_says_when_the_chats_file_was_damaged(qtbot, data_dir, make_w
     assert title == "The chats file was damaged" and ".damaged-" in text
     send(qtbot, window, "still works")
     assert window.chat.bubbles[-2].text == "still works"
+
+
+@pytest.mark.parametrize("lines", [
+    ['[model]', 'options="{\\"model_path\\": 5, \\"max_seq_len\\": 100000000000, \\"device_map\\": [1]}"'],
+    ['[window]', 'geometry=hello', 'splitter=3'],
+    ['[chat]', 'draft="{\\"conversation\\": 99999999999999999999999, \\"text\\": \\"hi\\", \\"documents\\": 5}"',
+     'last_conversation=99999999999999999999999'],
+    ['[chat]', 'draft="{\\"conversation\\": [1], \\"text\\": \\"hi\\"}"'],
+])
+def test_a_settings_file_with_values_of_the_wrong_type_starts_with_the_defaults(make_window, data_dir, lines):
+    # a hand-edited or damaged settings.ini aborted every start (a TypeError inside a Qt call)
+    from app.paths import settings_path
+
+    path = settings_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    window = make_window()
+    assert window.model_panel.options()["model_path"] == "default"
+    assert 256 <= window.model_panel.options()["max_seq_len"] <= 1 << 20
+    window.composer.setPlainText("still works")
+    window.send()

@@ -352,6 +352,23 @@ def test_a_cold_tier_on_disk_or_past_its_ram_cap_lives_in_mapped_files_and_recal
     assert spilled.apply(spilled.settings.replace(kv_cache_ratio=1.0)) == "recalled" and spilled.stored == 64
 
 
+def test_a_cold_folder_that_cannot_be_written_keeps_the_cold_tier_in_ram(tmp_path, monkeypatch, caplog):
+    # a full or read-only folder made every turn fail ("unable to write to file") and the cache stop compressing
+    blocked = tmp_path / "a file"
+    blocked.write_text("not a folder")
+    monkeypatch.setenv("DSV41_COLD_DIR", str(blocked / "cold"))
+    in_ram = _cache(cold_tier="ram", cold_tier_dtype="auto")
+    spilled = _cache(cold_tier="disk", cold_tier_dtype="auto")
+    for cache in (in_ram, spilled):
+        _read(cache, 64, seed=9, window=64)
+        cache.compact()
+    assert all(not c.on_disk for c in spilled.cold) and spilled.cold_bytes("ram") == in_ram.cold_bytes("ram") > 0
+    assert spilled.stored == in_ram.stored < 64  # compacted as in RAM
+    for a, b in zip(in_ram.cold, spilled.cold, strict=True):
+        assert torch.equal(a.read_keys(), b.read_keys())
+    assert sum("could not use" in r.getMessage() and "DSV41_COLD_DIR" in r.getMessage() for r in caplog.records) == 1
+
+
 def test_the_ram_cap_keeps_the_first_layers_in_ram_and_spills_the_rest(tmp_path, monkeypatch):
     monkeypatch.setenv("DSV41_COLD_DIR", str(tmp_path))
     settings = CacheSettings(kv_cache_ratio=0.25, csa2_topk=0, ced_threshold=0.0, min_entries=8,

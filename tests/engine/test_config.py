@@ -95,3 +95,13 @@ def test_cli_flags_come_from_the_registry():
     assert (args.ced_policy, args.csa2_rank, args.prefill_headroom, args.ced_recent_tokens) == ("h2o", 4, 1.5, 16)
     flags = {a.dest for a in build_parser()._subparsers._group_actions[0].choices["chat"]._actions}
     assert {k.name for k in KNOBS_LIST if k.cli} <= flags
+
+
+def test_a_prefill_headroom_past_any_machine_is_refused_before_loading():
+    # 1e308 GB passed the check and crashed the first turn (int(inf))
+    from engine import ConfigError, DSV41Config
+
+    for bad in (1e308, 2e6, 2**41):
+        with pytest.raises(ConfigError, match="prefill_headroom"):
+            DSV41Config(prefill_headroom=bad)
+    assert DSV41Config(prefill_headroom=64.0).prefill_headroom == 64.0

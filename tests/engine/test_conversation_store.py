@@ -154,6 +154,14 @@ def test_a_state_of_another_model_or_other_settings_never_matches(model, folder)
     same = model.chat_session()
     same.messages = list(session.messages)
     assert same.prepare("And item 40?").restored
+    # knobs that apply live change nothing a state holds: moving them keeps the saved chats restorable (with them
+    # in the key, a new CSA2 top-k or prefill headroom made every saved chat re-read its document)
+    live = model.chat_session()
+    live.messages = list(session.messages)
+    live.cache.settings = live.cache.settings.replace(csa2_topk=128, prefill_headroom=4096, compact_every=8,
+                                                      cold_tier_ram_mb=512, prefill_chunk=256)
+    live.cache.reset()
+    assert live.prepare("And item 40?").restored
 
 
 def test_a_crash_while_saving_leaves_the_earlier_state_usable(model, folder, monkeypatch):
@@ -178,6 +186,28 @@ def test_a_crash_while_saving_leaves_the_earlier_state_usable(model, folder, mon
     regenerate = model.chat_session()
     regenerate.messages = list(session.messages[:2])
     assert regenerate.prepare("And item 40?").restored  # the earlier state still restores
+
+
+def test_a_save_that_fails_with_the_writers_own_error_is_said_once_and_the_chat_goes_on(tmp_path, monkeypatch,
+                                                                                         caplog):
+    # safetensors reports a full disk with its own exception type, not OSError: it reached the terminal chat as a
+    # traceback at every turn
+    import safetensors.torch
+
+    class SafetensorError(Exception):
+        pass
+
+    def full(tensors, filename, metadata=None):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    store = ConversationStore(tmp_path, cap_bytes=1 << 20)
+    for text in ("a", "ab"):
+        assert store.save(model_key="m", settings_key="s", text=text, specials=(), transcript_ids=[1],
+                          tensors={"x": torch.zeros(8)}, cache_facts={}) is None
+    assert "No space left on device" in store.last_error and "free space" in store.last_error
+    assert sum("could not save" in r.getMessage() for r in caplog.records) == 1
+    assert not list(tmp_path.glob("*.tmp")) and not any(r.exc_info for r in caplog.records)
 
 
 def test_the_folder_stays_under_its_cap_removing_the_least_recently_used(tmp_path):

@@ -381,6 +381,52 @@ def test_docx(tmp_path):
     assert text.index(CHINESE) < text.index(paragraphs[2].strip())
 
 
+def test_docx_keeps_what_word_shows_beyond_plain_paragraphs(tmp_path):
+    """Headers, footers, footnotes, tracked insertions, content controls and list items were dropped without a
+    word: the model read a contract without its footnotes and a draft without its inserted sentence."""
+    import copy
+    import zipfile
+
+    import docx
+    from docx.oxml.ns import qn
+
+    d = docx.Document()
+    d.sections[0].header.paragraphs[0].text = "CONFIDENTIAL HEADER TEXT"
+    d.sections[0].footer.paragraphs[0].text = "Footer page note ACME Corp"
+    body = d.add_paragraph("Revenue rose by 4 percent.")
+    inserted = docx.oxml.parse_xml(
+        '<w:ins xmlns:w="http://schemas.openxmlformats.org/wordprocessingml/2006/main" w:id="1" w:author="a">'
+        '<w:r><w:t xml:space="preserve"> Profit fell by 3 percent.</w:t></w:r></w:ins>')
+    body._p.append(inserted)
+    deleted = docx.oxml.parse_xml(
+        '<w:del xmlns:w="http://schemas.openxmlformats.org/wordprocessingml/2006/main" w:id="2" w:author="a">'
+        '<w:r><w:delText>REMOVED WORDS</w:delText></w:r></w:del>')
+    body._p.append(deleted)
+    d.add_paragraph("First bullet", style="List Bullet")
+    d.add_paragraph("Second bullet", style="List Bullet")
+    cover = d.add_paragraph("Cover page: Project Falcon")
+    sdt = docx.oxml.parse_xml('<w:sdt xmlns:w="http://schemas.openxmlformats.org/wordprocessingml/2006/main">'
+                              '<w:sdtContent/></w:sdt>')
+    sdt.find(qn("w:sdtContent")).append(copy.deepcopy(cover._p))
+    cover._p.addprevious(sdt)
+    cover._p.getparent().remove(cover._p)
+    path = tmp_path / "report.docx"
+    d.save(str(path))
+    notes = ('<w:footnotes xmlns:w="http://schemas.openxmlformats.org/wordprocessingml/2006/main">'
+             '<w:footnote w:id="-1"><w:p><w:r><w:t>SEPARATOR</w:t></w:r></w:p></w:footnote>'
+             '<w:footnote w:id="1"><w:p><w:r><w:t>Source: internal audit 2023, table 7.</w:t></w:r></w:p>'
+             '</w:footnote></w:footnotes>')
+    with zipfile.ZipFile(path, "a") as zf:
+        zf.writestr("word/footnotes.xml", notes)
+    text = load_document(path).text
+    assert "Revenue rose by 4 percent. Profit fell by 3 percent." in text and "REMOVED WORDS" not in text
+    assert "- First bullet" in text and "- Second bullet" in text
+    assert "Cover page: Project Falcon" in text
+    assert "CONFIDENTIAL HEADER TEXT" in text and "Footer page note ACME Corp" in text
+    assert "Footnotes:\n[1] Source: internal audit 2023, table 7." in text and "SEPARATOR" not in text
+    assert text.index("Revenue") < text.index("CONFIDENTIAL")  # the body first
+
+
 def test_docx_corrupt(tmp_path):
     good = tmp_path / "good.docx"
     make_docx(good)
