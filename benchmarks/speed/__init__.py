@@ -35,7 +35,7 @@ QUESTION = "\n\nIn two sentences: what does the speaker promise to do about the 
 
 def build_parser(prog: str = "python -m benchmarks.speed") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog)
-    parser.add_argument("--quick", action="store_true", help="small smoke run (about a minute)")
+    parser.add_argument("--quick", action="store_true", help="small smoke run (a few minutes on 2 cores)")
     parser.add_argument("--gpu", action="store_true", help="CUDA mode: bf16, SDPA and eager attention")
     parser.add_argument("--out", default=None, help="results folder (default results/bench; --gpu: results/bench-gpu)")
     parser.add_argument("--sections", default="seed,scaling,bandwidth,warmup,quant,load")

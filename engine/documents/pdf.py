@@ -4,10 +4,15 @@ refused with a message that says what to do; spacing and presentation forms of t
 from __future__ import annotations
 
 import io
+import logging
 import re
 import unicodedata
 
 from .core import _reason_of
+
+# pypdf logs what it repairs in a damaged file ("EOF marker not found") as warnings, which reached the terminal
+# chat before our own message; a file it cannot read raises, and our message says what to do
+logging.getLogger("pypdf").setLevel(logging.ERROR)
 
 
 def _scanned_message(label: str) -> str:
@@ -23,6 +28,12 @@ _PDF_SPACING = re.compile(r"[ \t\u00a0\u2000-\u200a\u202f\u205f\u3000]+")
 # Presentation forms a PDF's text layer uses for what is plain text: ligatures (ﬁ ﬂ ﬀ, LaTeX and Qt
 # write them) and the Kangxi / CJK radicals Qt's writer maps ideographs such as 户 and 目 to.
 _PDF_COMPAT = re.compile("[\ufb00-\ufb06\u2e80-\u2ef3\u2f00-\u2fd5]")
+# Kangxi radicals whose NFKC form is the traditional character where simplified Chinese writes another: a writer
+# that mapped 户 to the radical ⼾ (Qt's, with a simplified-Chinese font) means 户 in a simplified text
+_SIMPLIFIED_RADICALS = {"\u2f3e": "\u6237"}  # ⼾ -> 户 (NFKC gives 戶)
+# Characters only simplified Chinese writes (their traditional forms differ): a text with any is simplified
+_SIMPLIFIED_ONLY = re.compile("[这们个为说时国会来对学发经过动后没现开关问题样长门见让还应间实]")
+
 # C0 controls in extracted text are glyphs the PDF gives no character for (its ToUnicode map omits them)
 _PDF_UNMAPPED = re.compile("[\x01-\x08\x0b\x0c\x0e-\x1f\x7f]")
 
@@ -30,7 +41,9 @@ _PDF_UNMAPPED = re.compile("[\x01-\x08\x0b\x0c\x0e-\x1f\x7f]")
 def _clean_pdf_text(text: str, notes: list[str]) -> str:
     """Ligatures and radicals become the characters they stand for (NFKC, for those alone); glyphs the PDF
     maps to no character become U+FFFD, and a note says how many (the model must not read them as text)."""
-    text = _PDF_COMPAT.sub(lambda m: unicodedata.normalize("NFKC", m.group()), text)
+    simplified = _SIMPLIFIED_ONLY.search(text) is not None
+    text = _PDF_COMPAT.sub(lambda m: (_SIMPLIFIED_RADICALS.get(m.group()) if simplified else None)
+                           or unicodedata.normalize("NFKC", m.group()), text)
     text, unmapped = _PDF_UNMAPPED.subn("\ufffd", text)
     if unmapped:
         notes.append(f"{unmapped:,} character{'s' if unmapped != 1 else ''} of this PDF could not be read (its text "

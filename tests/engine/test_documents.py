@@ -319,11 +319,12 @@ def test_pdf_mixed_text_and_image_pages(tmp_path):
 
 
 @pytest.mark.parametrize("fraction", [0.3, 0.6, 0.95])
-def test_pdf_truncated(tmp_path, pdf_bytes, fraction):
+def test_pdf_truncated(tmp_path, pdf_bytes, fraction, caplog):
     path = tmp_path / "truncated.pdf"
     path.write_bytes(pdf_bytes[: int(len(pdf_bytes) * fraction)])
     with pytest.raises(DocumentError) as exc_info:
         load_document(path)
+    assert not [r for r in caplog.records if r.name.startswith("pypdf")]  # only our message reaches the user
     err = assert_error(exc_info, "unreadable", "truncated.pdf")
     assert len(str(err)) > len('"truncated.pdf" could not be read as a PDF: ')  # the parser's reason
     assert "looks incomplete" in str(err) and "download or copy it again" in str(err)  # and what to do
@@ -687,3 +688,12 @@ def test_a_page_with_nothing_to_read_is_empty(tmp_path):
     with pytest.raises(DocumentError) as exc_info:
         load_document(path)
     assert exc_info.value.reason == "empty" and ".txt" in str(exc_info.value)
+
+
+def test_a_pdf_radical_for_hu_reads_as_the_simplified_character_in_simplified_text():
+    # Qt's PDF writer with a simplified-Chinese font writes 户 as the radical ⼾, whose NFKC form is the traditional 戶
+    from engine.documents.pdf import _clean_pdf_text
+
+    assert _clean_pdf_text("\u2f3e口 目录：这个门", []) == "户口 目录：这个门"
+    assert _clean_pdf_text("門\u2f3e", []) == "門戶"  # a traditional text keeps NFKC's form
+    assert _clean_pdf_text("\ufb01le \u2f6c", []) == "file 目"  # ligatures and other radicals as before
