@@ -8,7 +8,7 @@ import sys
 import threading
 
 from .config import KNOBS, KNOBS_LIST, USER_DEFAULTS, DSV41Config
-from .errors import ConfigError, EngineError
+from .errors import ConfigError, ContextOverflowError, EngineError
 from .threads import EngineThread
 
 _ENGINE: EngineThread | None = None
@@ -203,10 +203,8 @@ def _attach(path: str, pending: list, model=None) -> None:
 
 def _overflow_help(pending: list) -> str:
     """The terminal chat's own remedies for a turn that does not fit (the error's advice names the app's)."""
-    steps = ["/reset starts a new conversation"]
-    if pending:
-        steps.insert(0, f"/doc clear drops {_names(pending)}")
-    return " In this chat: " + "; ".join(steps) + "."
+    dropped = f"/doc clear drops {_names(pending)}; " if pending else ""
+    return f" In this chat: {dropped}/reset starts a new conversation."
 
 
 def cmd_chat(args) -> int:
@@ -260,8 +258,6 @@ def cmd_chat(args) -> int:
         try:
             done = _stream(session, text, pending_docs, args, threading.Event())
         except EngineError as exc:
-            from .errors import ContextOverflowError
-
             kept = f" {_names(pending_docs)} stay attached." if pending_docs else ""
             remedy = _overflow_help(pending_docs) if isinstance(exc, ContextOverflowError) else ""
             print(f"error: {exc}{remedy}\n(the message was not sent; type it again to retry.{kept})", file=sys.stderr)

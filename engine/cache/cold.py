@@ -27,17 +27,14 @@ from . import counts
 from .policies.ced import span_ranking
 from .storage import BLOCK_TOKENS, LayerKV, Rows, _round_up
 
-# How much a question recalls, as a share of the budget (at least RECALL_MIN entries, 32 spans of 16): what
-# comes back has to hold the spans the question is about, and a fact's span is not always the cold entry its
-# queries rank first; each entry recalled is also one more for the compaction after it to rank. Measured by
-# benchmarks/followups.py (see docs/design.md: 64 -> 256 took the follow-ups at 1k tokens from 24 to 29 of 36
-# at ratio 0.2, and at 2k from 17 to 22 at 0.1; 256 -> 512 at 1k 28 / 28 -> 31 / 29 at 0.2 / 0.1, and the
-# questions about the speech at 2k 3 -> 5 of 24 at 0.3). The reply keeps kv_cache.REPLY_RECALLED of them.
+# How much a question recalls (a share of the budget, at least RECALL_MIN entries, 32 spans of 16): what comes back
+# must hold the spans the question is about; a fact's span is not always the cold entry ranked first, and each one
+# recalled is one more for the compaction to rank. Measured by benchmarks/followups.py (docs/design.md: 64 -> 256
+# took 1k follow-ups from 24 to 29 of 36 at 0.2, 2k from 17 to 22 at 0.1; 256 -> 512 at 1k 28 / 28 -> 31 / 29 at
+# 0.2 / 0.1, speech questions at 2k 3 -> 5 of 24 at 0.3). The reply keeps kv_cache.REPLY_RECALLED of them.
 RECALL_SHARE = 0.125
 RECALL_MIN = 512
-
-log = logging.getLogger(__name__)
-_UNUSABLE: set[str] = set()  # cold-tier folders that failed in this process (said once each)
+log, _UNUSABLE = logging.getLogger(__name__), set()  # the cold-tier folders that failed here (said once each)
 
 
 def _on_disk(folder: Path, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -45,10 +42,8 @@ def _on_disk(folder: Path, shape: tuple[int, ...], dtype: torch.dtype) -> torch.
     is unlinked at once where the system allows (it lives while mapped and vanishes with the process)."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"cold-{os.getpid()}-{uuid.uuid4().hex}.bin"
-    numel = 1
-    for n in shape:
-        numel *= n
     try:
+        numel = torch.Size(shape).numel()
         tensor = torch.from_file(str(path), shared=True, size=max(numel, 1), dtype=dtype)[:numel].view(shape)
     except BaseException:
         path.unlink(missing_ok=True)  # a file begun on a full disk
@@ -99,11 +94,9 @@ class ColdLayer:
             try:
                 return {name: _on_disk(folder, shape, dtype) for name, (shape, dtype) in shapes.items()}
             except (OSError, RuntimeError) as exc:  # a full, read-only or missing folder: RAM, said once
-                if str(folder) not in _UNUSABLE:
-                    _UNUSABLE.add(str(folder))
-                    log.warning("The cold tier could not use %s (%s); what it holds stays in RAM. Free space "
-                                "there, or set DSV41_COLD_DIR to a folder with room.", folder,
-                                str(exc).splitlines()[0])
+                if str(folder) not in _UNUSABLE and not _UNUSABLE.add(str(folder)):
+                    log.warning("The cold tier could not use %s (%s); what it holds stays in RAM. Free space there, "
+                                "or set DSV41_COLD_DIR to a folder with room.", folder, str(exc).splitlines()[0])
         return {name: torch.empty(shape, dtype=dtype, device=dev, pin_memory=self.pinned and capacity > 0)
                 for name, (shape, dtype) in shapes.items()}
 
