@@ -92,7 +92,7 @@ def run_turn(model, tokenizer, cache: DSV41Cache, plan: TurnPlan, settings: Gene
             threads = decode_threads() if device.type == "cpu" else None  # engine.threads.DecodeThreads
             if threads is not None:
                 torch.set_num_threads(threads.use)
-            step_began = None
+            step_began, using = None, threads.use if threads is not None else 0
             seen_ids = torch.tensor(plan.new_ids[-REPETITION_WINDOW:] if penalise else [], dtype=torch.long,
                                     device=logits.device)
             while True:
@@ -134,8 +134,9 @@ def run_turn(model, tokenizer, cache: DSV41Cache, plan: TurnPlan, settings: Gene
                     now = time.perf_counter()
                     if step_began is not None:  # the whole step: sampling, text and the forward
                         use = threads.step(now - step_began)
-                        if use != torch.get_num_threads():
+                        if use != using:
                             torch.set_num_threads(use)
+                            using = use
                     step_began = now
                 logits = adapter.forward_token(model, token, cache, token_ids)
                 result.fed_generated += 1

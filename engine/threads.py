@@ -54,7 +54,7 @@ class DecodeThreads:
     than one, and letting threads sleep at once (OMP_WAIT_POLICY=PASSIVE) cost 2.5x there. So each step is timed:
     every WINDOW steps the median is kept for the thread count in use, the other count is tried for PROBE_WINDOW
     steps from time to time (first after 64 steps, then PROBE_AFTER, doubling while the choice holds, at once when
-    the steps turn twice as slow as the best window seen), and the faster is kept. The choice lives as long as the
+    the steps turn twice as slow as the best window since the last probe), and the faster is kept. The choice lives as long as the
     process, so a long-running app pays for the probes less and less. Prefill keeps every thread (its regions are long).
     DSV41_DECODE_THREADS=fixed turns this off."""
 
@@ -94,6 +94,8 @@ class DecodeThreads:
             faster = tried if median < self.medians.get(before, float("inf")) else before
             self.backoff = self.PROBE_AFTER if faster != before else min(self.backoff * 2, self.LONGEST_WAIT)
             self.use, self.wait = faster, self.backoff
+            # "twice as slow" counts from now on: steps that grow with the context do not set off a probe each window
+            self.best[faster] = self.medians[faster]
             return self.use
         self.wait -= self.WINDOW
         if self.wait <= 0 or median > 2 * self.best[self.use]:

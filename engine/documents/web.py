@@ -24,6 +24,8 @@ _VOID = frozenset({"area", "base", "br", "col", "embed", "hr", "img", "input", "
 _BLOCKS = frozenset({"p", "div", "section", "article", "main", "header", "footer", "aside", "ul", "ol", "dl",
                      "table", "thead", "tbody", "tfoot", "tr", "blockquote", "figure", "figcaption", "form",
                      "fieldset", "address", "details", "summary", "dt", "dd", "caption", "center", "body"})
+_HEADINGS = frozenset({"h1", "h2", "h3", "h4", "h5", "h6"})
+_SPACED = frozenset({"p", "blockquote", "table", "ul", "ol", "figure"})  # blocks set apart by a blank line
 _SPACE = re.compile(r"[ \t\r\n\f\v\u00a0]+")
 
 NOTE = ("read as a web page: its text, without the markup, scripts and styles (rename it to .txt to ask about "
@@ -79,7 +81,7 @@ class _Reader(HTMLParser):
             self.in_head = True
         elif tag == "title":
             self.in_title = True
-        elif tag in ("h1", "h2", "h3", "h4", "h5", "h6"):
+        elif tag in _HEADINGS:
             self._break(blank=True)
             self.prefix = "#" * int(tag[1]) + " "
         elif tag == "li":
@@ -92,7 +94,7 @@ class _Reader(HTMLParser):
             self._break(blank=True)
             self.pre += 1
         elif tag in _BLOCKS:
-            self._break(blank=tag in ("p", "blockquote", "table", "ul", "ol", "figure"))
+            self._break(blank=tag in _SPACED)
 
     def handle_startendtag(self, tag, attrs):
         if tag in _VOID:
@@ -109,14 +111,14 @@ class _Reader(HTMLParser):
             self.in_head = False
         elif tag == "title":
             self.in_title = False
-        elif tag in ("h1", "h2", "h3", "h4", "h5", "h6"):
+        elif tag in _HEADINGS:
             self._break(blank=True)
         elif tag == "pre":
             self._end_line()
             self.pre = max(0, self.pre - 1)
             self._break(blank=True)
         elif tag == "li" or tag in _BLOCKS:
-            self._break(blank=tag in ("p", "blockquote", "table", "ul", "ol", "figure"))
+            self._break(blank=tag in _SPACED)
 
     def handle_data(self, data):
         if self.skip:

@@ -36,3 +36,17 @@ def test_busy_cores_move_the_step_to_one_thread_and_back_when_they_are_free():
 def test_one_core_never_changes_anything():
     threads = DecodeThreads(1)
     assert set(run(threads, lambda n: 0.01, 100)) == {1}
+
+
+def test_steps_that_grow_with_the_context_do_not_set_off_a_probe_every_window():
+    # from 4 ms to 40 ms a step over 4,000 steps (a reply reaching a long context) on an idle machine
+    threads = DecodeThreads(2)
+    steps = [0]
+
+    def grows(n):
+        steps[0] += 1
+        base = 0.004 * (1 + 9 * steps[0] / 4000)
+        return base if n == 2 else base * 1.6
+
+    used = run(threads, grows, 4000)
+    assert used.count(1) <= 4 * 12 and threads.use == 2
