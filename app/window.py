@@ -51,6 +51,8 @@ log = logging.getLogger(__name__)
 MEMORY_REFRESH_MS = 1000
 USAGE_DEBOUNCE_MS = 400
 NEW_CHAT_TITLE = "New chat"
+WITHDRAWN_NOTICE = ("Stopped before the reply began: the message (and its documents) are back in the message box, "
+                    "nothing of it was kept.")
 LOAD_HELP = {
     "missing": "Check the path, or pick 'default'.",
     "offline": "Download the model folder on a machine that is online and pick the folder here, or use 'default'.",
@@ -718,6 +720,8 @@ class MainWindow(QMainWindow):
         prompt = self.composer.toPlainText().rstrip().lstrip("\n")
         if self.turns.busy or not prompt.strip():
             return
+        if self.statusBar().currentMessage() == WITHDRAWN_NOTICE:
+            self.statusBar().clearMessage()  # it was about the message now being sent
         if self.store.read_only:
             self.inform("Chats cannot be saved", self.store.problem + "\n\nYour message is still in the box.")
             return
@@ -937,8 +941,7 @@ class MainWindow(QMainWindow):
         here = turn.conversation_id == self.conversation_id  # (an emptied new chat is gone after the put-back)
         self._put_turn_back(turn)
         if here and not turn.new_version:
-            self.statusBar().showMessage("Stopped before the reply began: the message (and its documents) are back "
-                                         "in the message box, nothing of it was kept.", 10000)
+            self.statusBar().showMessage(WITHDRAWN_NOTICE, 10000)
         self._schedule_usage()
 
     def _put_turn_back(self, turn) -> None:

@@ -94,6 +94,7 @@ class DocumentChips(QWidget):
         chip = self.chips.pop(key, None)
         if chip is not None:
             self._layout.removeWidget(chip)
+            chip.hide()  # out of the layout it would still be painted where it was until it is deleted
             chip.deleteLater()
         self.setVisible(bool(self.chips))
 

@@ -105,9 +105,12 @@ def test_stop_during_prefill_puts_the_message_and_its_documents_back(qtbot, wind
     assert window.chat.bubbles == [] and window.composer.toPlainText() == "What is the launch code?"
     assert [d.name for d in window.attached.values()] == ["spec.txt"]
     assert "back in the message box" in window.statusBar().currentMessage()
+    assert len(window.chips.chips) == 1 and sum(c.isVisible() for c in window.chips.findChildren(type(
+        next(iter(window.chips.chips.values()))))) == 1  # the chip taken away at send is not painted under it
     # sent again, the document is read with it
     fake_model.prefill_delay = 0.001
     window.send()
+    assert window.statusBar().currentMessage() == ""  # the notice was about this message
     qtbot.waitUntil(lambda: not window.turns.busy, timeout=10_000)
     last = fake_model.sends()[-1]
     assert last["history"] == [] and [d.name for d in last["documents"]] == ["spec.txt"]
