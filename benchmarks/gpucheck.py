@@ -442,13 +442,16 @@ def _decode_row(run: Run, model, ids, sampled=False, steady: bool = False) -> di
     """A turn's TTFT and decode tok/s. `steady`: also the rate without the turn's fixed costs (a graph capture at
     its first decode step: a new cache is new addresses), from a second turn with half the reply's tokens:
     (tokens - half) / (decode seconds - half's decode seconds)."""
-    done, error, cache = greedy_turn(model, ids, run.new_tokens, sampled=sampled)
+    # the steady rate is a difference of two turns' decode times: at least 32 tokens, or a smoke run's 8 against 4
+    # is within the timing noise of a CPU (a difference of 0 or less gives no rate)
+    tokens = max(run.new_tokens, 32) if steady else run.new_tokens
+    done, error, cache = greedy_turn(model, ids, tokens, sampled=sampled)
     if done is None or error is not None:
         return {"error": error.message if error else "no reply"}
     s = done.stats
     row = {"ttft_s": s.ttft_s, "decode_tok_s": s.decode_tok_s, "kv_bytes": s.kv_stored_bytes, "stored": cache.stored}
     if steady:
-        half = run.new_tokens // 2
+        half = tokens // 2
         short, _, _ = greedy_turn(model, ids, half, sampled=sampled)
         if short is not None and s.decode_tok_s and short.stats.decode_tok_s:
             seconds = (s.decode_tokens - 1) / s.decode_tok_s - (half - 1) / short.stats.decode_tok_s

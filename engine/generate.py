@@ -90,7 +90,7 @@ def run_turn(model, tokenizer, cache: DSV41Cache, plan: TurnPlan, settings: Gene
             # (kept only where the repetition penalty reads them)
             penalise = settings.repetition_penalty != 1.0
             threads = decode_threads() if device.type == "cpu" else None  # engine.threads.DecodeThreads
-            if threads is not None:
+            if threads is not None and threads.use != torch.get_num_threads():
                 torch.set_num_threads(threads.use)
             step_began, using = None, threads.use if threads is not None else 0
             seen_ids = torch.tensor(plan.new_ids[-REPETITION_WINDOW:] if penalise else [], dtype=torch.long,
