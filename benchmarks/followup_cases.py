@@ -94,11 +94,55 @@ MORE_FACT_SETS = [
         ("The Falcon ferry was launched in 1974.", "When was the Falcon ferry launched?", "1974"),
     ]),
 ]
-GROUPS = {"standard": FACT_SETS, "more": MORE_FACT_SETS}
+# Six more on six further speeches (`--fact-sets third`): pooled with the two groups above, 108 follow-ups a length.
+THIRD_FACT_SETS = [
+    ("1941-Roosevelt-1", [
+        ("The Heron lighthouse stands on Cape Morra.", "On which cape does the Heron lighthouse stand?", "morra"),
+        ("The keeper of the Heron lighthouse is Tomas Brandt.", "Who is the keeper of the Heron lighthouse?",
+         "brandt"),
+        ("The Heron lighthouse is 63 meters tall.", "How tall is the Heron lighthouse?", "63"),
+        ("The Heron lighthouse was built in 1869.", "When was the Heron lighthouse built?", "1869"),
+    ]),
+    ("1955-Eisenhower-1", [
+        ("The Willow library is in the city of Tartu.", "In which city is the Willow library?", "tartu"),
+        ("The librarian of the Willow library is Mei Tanaka.", "Who is the librarian of the Willow library?",
+         "tanaka"),
+        ("The Willow library holds 8400 maps.", "How many maps does the Willow library hold?", "8400"),
+        ("The Willow library lends books for 21 days.", "For how many days does the Willow library lend books?",
+         "21"),
+    ]),
+    ("1966-Johnson-1", [
+        ("The Saffron bakery sells rye bread.", "What kind of bread does the Saffron bakery sell?", "rye"),
+        ("The baker of the Saffron bakery is Pavel Novak.", "Who is the baker of the Saffron bakery?", "novak"),
+        ("The Saffron bakery bakes 260 loaves a day.", "How many loaves does the Saffron bakery bake a day?", "260"),
+        ("The Saffron bakery is on Linden Street.", "On which street is the Saffron bakery?", "linden"),
+    ]),
+    ("1983-Reagan-1", [
+        ("The Granite dam holds back the river Vessa.", "Which river does the Granite dam hold back?", "vessa"),
+        ("The engineer of the Granite dam is Leila Farouk.", "Who is the engineer of the Granite dam?", "farouk"),
+        ("The Granite dam is 112 meters high.", "How high is the Granite dam?", "112"),
+        ("The Granite dam was finished in 1931.", "When was the Granite dam finished?", "1931"),
+    ]),
+    ("1998-Clinton-1", [
+        ("The Jasper school is in the village of Halden.", "In which village is the Jasper school?", "halden"),
+        ("The headmaster of the Jasper school is Kofi Mensah.", "Who is the headmaster of the Jasper school?",
+         "mensah"),
+        ("The Jasper school has 340 pupils.", "How many pupils does the Jasper school have?", "340"),
+        ("The Jasper school was founded in 1902.", "When was the Jasper school founded?", "1902"),
+    ]),
+    ("2014-Obama-1", [
+        ("The Cobalt airship flies to Reykjavik.", "To which city does the Cobalt airship fly?", "reykjavik"),
+        ("The pilot of the Cobalt airship is Sofia Lindgren.", "Who is the pilot of the Cobalt airship?",
+         "lindgren"),
+        ("The Cobalt airship carries 44 passengers.", "How many passengers does the Cobalt airship carry?", "44"),
+        ("The Cobalt airship is painted yellow.", "What color is the Cobalt airship?", "yellow"),
+    ]),
+]
+GROUPS = {"standard": FACT_SETS, "more": MORE_FACT_SETS, "third": THIRD_FACT_SETS}
 
 
 def fact_sets(group: str = "standard") -> list:
-    """The fact sets of `group`: "standard" (the six every committed run asked) or "more" (six others)."""
+    """The fact sets of `group`: "standard" (the six every committed run asked), "more" or "third" (six others each)."""
     if group not in GROUPS:
         raise ValueError(f"no fact-set group {group!r}; choose from {', '.join(GROUPS)}")
     return GROUPS[group]

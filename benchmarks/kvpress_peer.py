@@ -564,8 +564,8 @@ def main(argv=None) -> int:
                              "(with --history also a follow-up after our chat's first turn)")
     parser.add_argument("--words", type=int, default=640, help="words of speech per document (as followups.py)")
     parser.add_argument("--ratios", default="0.5,0.3,0.2,0.1", help="kept ratios (kvpress removes 1 - ratio)")
-    parser.add_argument("--fact-sets", choices=("standard", "more"), default="standard",
-                        help="the six standard documents or six more (as followups.py --fact-sets)")
+    parser.add_argument("--fact-sets", choices=("standard", "more", "third"), default="standard",
+                        help="the six standard documents or six others (as followups.py --fact-sets)")
     parser.add_argument("--presses", default=",".join(PRESSES))
     parser.add_argument("--model", default=None, help=f"HuggingFace folder (default {MODEL})")
     parser.add_argument("--out", default=str(OUT))

@@ -190,3 +190,23 @@ def test_the_float32_reference_row_is_named_apart_and_its_chats_attend_in_float3
     assert model.new_cache().prefill_bf16 is True
     with float32_attention(model, False):
         assert model.new_cache().prefill_bf16 is True
+
+
+def test_every_fact_set_group_asks_facts_the_speech_does_not_already_answer():
+    """A planted fact's answer key must not occur in the speech text around it (a reply quoting the speech would
+    count as right), and no speech serves two groups (pooled runs must be independent documents)."""
+    from benchmarks.corpus import speech
+    from benchmarks.followup_cases import DEPTHS, GROUPS
+
+    seen = set()
+    for group, sets in GROUPS.items():
+        assert len(sets) == 6, group
+        for name, facts in sets:
+            assert name not in seen, name
+            seen.add(name)
+            assert len(facts) == len(DEPTHS)
+            text = " ".join(speech(name).split()[:1280]).lower()
+            for statement, question, key in facts:
+                assert key in statement.lower(), (name, key)
+                assert key not in question.lower(), (name, key)
+                assert key not in text, (name, key)
