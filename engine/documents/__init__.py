@@ -1,6 +1,6 @@
 """Text extraction for files a user drops into the chat.
 
-``load_document(path)`` turns a plain-text, Markdown, source-code, PDF or Word (.docx) file into a
+``load_document(path)`` turns a plain-text, Markdown, source-code, web-page, PDF or Word (.docx) file into a
 :class:`Document` holding normalised text; ``format_for_prompt(doc)`` wraps that text in the block
 inserted into the chat turn.  Every failure is a :class:`DocumentError` whose message names the file
 and says what the user can do about it, and whose ``reason`` is a short code the UI can switch on.
@@ -11,8 +11,10 @@ GUI may call it from any worker thread, several at once.
 This module holds the public API; ``load_document`` lives here, so code that looks it up as
 ``engine.documents.load_document`` sees a replacement set on the package. The readers are split by
 kind: ``core`` (supported kinds, :class:`Document`, :class:`DocumentError`, shared helpers),
-``text`` (plain text and its encoding), ``pdf`` and ``word`` (.docx). They import from ``core``
-and never from this module.
+``text`` (plain text and its encoding), ``pdf``, ``word`` (.docx) and ``web``; ``sniff`` says what a
+file is from its content's signature, which wins over a name that lies (a PDF saved as "report.txt"
+or with no suffix is read as a PDF, with a note saying so). They import from ``core`` and never from
+this module.
 """
 
 from __future__ import annotations
@@ -36,12 +38,13 @@ from .core import (
     is_supported,
 )
 from .pdf import _clean_pdf_text, _looks_scanned, _normalise_pdf_spacing, _pdf_text, _scanned_message
+from .sniff import Found, identify
 from .text import _decode_text
 from .web import NOTE as _WEB_NOTE
 from .web import WEB_SUFFIXES as _WEB_SUFFIXES
 from .web import is_page as _is_web_page
 from .web import page_text as _web_page_text
-from .word import _docx_text
+from .word import _OLE_MAGIC, _docx_text
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
@@ -96,48 +99,76 @@ def load_document(
     if not stat.S_ISREG(st.st_mode):
         raise fail("unreadable", f"{label} is not a regular file (device, pipe or socket).")
 
-    kind = _kind_for(given)
-    if kind is None:
-        suffix = os.path.splitext(name)[1].lower()
+    # --- what the file is: its name says, unless its content's signature says otherwise (sniff.py) ----
+    claimed = _kind_for(given)  # by the suffix; None for an unknown suffix or none
+    suffix = os.path.splitext(name)[1].lower()
+
+    def unsupported(found: Found | None = None) -> DocumentError:
+        if found is not None and suffix not in found.suffixes:  # the name lies: say what the file really is
+            if claimed is None:
+                return fail(found.reason, f"{label} can't be read: it is {found.what}. {found.advice}")
+            return fail(found.reason, f"{label} is really {found.what}, not {_CLAIMED.get(claimed, 'a text file')}. "
+                                      f"{found.advice}")
         hint = _HINTS.get(suffix)
-        what = f"{suffix} files" if suffix else "files without a suffix"
-        message = f"{label} can't be read: {what} are not supported. "
-        raise fail("unsupported", message + (hint + " " if hint else "") + _supported_summary())
+        message = (f"{label} can't be read: {suffix} files are not supported. " if suffix else
+                   f"{label} can't be read: it has no suffix, and its content is not PDF, Word or text. ")
+        return fail("unsupported", message + (hint + " " if hint else "") + _supported_summary())
 
     if st.st_size > max_bytes:
+        if claimed is None:  # a large program or video says what it is, not that it is large
+            head = _read(given, 65536, fail, label)
+            found = identify(head)
+            if found is not None and found.reader is None:
+                raise unsupported(found)
+            if found is None and b"\x00" in head[:8192]:
+                raise unsupported()
         raise fail(
             "too_large",
             f"{label} is {_size(st.st_size)}; the limit is {_size(max_bytes)}. "
             "Split it into smaller files or drop an excerpt.",
         )
 
-    try:
-        with open(given, "rb") as fh:
-            data = fh.read(max_bytes + 1)
-    except PermissionError:
-        raise fail("unreadable", f"{label} could not be opened: permission denied.") from None
-    except OSError as exc:
-        raise fail("unreadable", f"{label} could not be read: {exc.strerror or exc}.") from None
+    data = _read(given, max_bytes + 1, fail, label)
     if len(data) > max_bytes:  # grew between stat() and read()
         raise fail(
             "too_large",
             f"{label} is more than {_size(max_bytes)}, the limit. Split it into smaller files or drop an excerpt.",
         )
 
-    # --- extraction ------------------------------------------------------------------------------
-    pages: int | None = None
     notes: list[str] = []
-    if kind == "pdf":
-        text, pages = _pdf_text(data, label, fail, max_chars)
-        text = _clean_pdf_text(_normalise_pdf_spacing(text), notes)
-    elif kind == "docx":
-        text = _docx_text(data, label, fail, max_bytes)
-    else:
-        text = _decode_text(data, label, fail, notes)
-        if os.path.splitext(name)[1].lower() in _WEB_SUFFIXES and _is_web_page(text):
-            kind = "web"
-            text = _web_page_text(text)
-            notes.append(_WEB_NOTE)
+    kind = claimed or "text"  # a file of no known suffix is read as text when it is text
+    found = identify(data)
+    renamed = found is not None and found.reader is not None and found.reader != claimed
+    if renamed:  # a PDF named .txt, a .docx renamed .pdf, a PDF saved without a suffix: the content decides
+        kind = found.reader
+        notes.append(f"{label} is {found.what}; read as {_READ_AS[kind]}.")
+    elif found is not None and found.reader is None:
+        if not (claimed == "docx" and data.startswith(_OLE_MAGIC)  # the Word reader names a .doc or a password
+                or claimed in _TEXT_KINDS and found.text):  # an RTF named .txt is the text it is
+            raise unsupported(found)
+
+    # --- extraction ------------------------------------------------------------------------------
+    web = suffix in _WEB_SUFFIXES or claimed is None  # a page saved as .txt is read as its source
+    try:
+        kind, text, pages = _extract(kind, data, f"{label} ({found.what})" if renamed else label, fail, notes,
+                                     max_bytes, max_chars, web=web)
+    except DocumentError as exc:
+        if claimed is None and not renamed and exc.reason == "binary":
+            raise unsupported() from None  # no suffix it could be read by, and not text either
+        if not renamed or claimed in ("pdf", "docx") or data.startswith(b"%PDF-"):
+            raise
+        # A text that only quotes a PDF's header and an object (further in than its first bytes) did not read as
+        # a PDF: it is read as the text it is when the text reader takes it; otherwise the PDF's error stands.
+        notes = []
+        try:
+            kind, text, pages = _extract(claimed or "text", data, label, fail, notes, max_bytes, max_chars, web=web)
+        except DocumentError:
+            raise exc from None
+        renamed = False
+    if claimed is None and kind == "text":
+        notes.insert(0, f"{label} is a text file; read as text.")
+    if renamed:
+        label = f"{label} ({found.what})"  # what is said about its text from here on names what it is
 
     text = _normalise(text)
 
@@ -166,6 +197,36 @@ def load_document(
         chars=len(text),
         notes=tuple(notes),
     )
+
+
+_TEXT_KINDS = ("text", "markdown", "source")
+_CLAIMED = {"pdf": "a PDF", "docx": "a Word document"}  # what a suffix promised (a text suffix: "a text file")
+_READ_AS = {"pdf": "PDF", "docx": "Word"}
+
+
+def _read(given: str, limit: int, fail, label: str) -> bytes:
+    try:
+        with open(given, "rb") as fh:
+            return fh.read(limit)
+    except PermissionError:
+        raise fail("unreadable", f"{label} could not be opened: permission denied.") from None
+    except OSError as exc:
+        raise fail("unreadable", f"{label} could not be read: {exc.strerror or exc}.") from None
+
+
+def _extract(kind: str, data: bytes, label: str, fail, notes: list[str], max_bytes: int, max_chars: int, *,
+             web: bool) -> tuple[str, str, int | None]:
+    """(kind, text, pages) of `data` read as `kind`; a text that is a whole web page becomes "web" when `web`."""
+    if kind == "pdf":
+        text, pages = _pdf_text(data, label, fail, max_chars)
+        return kind, _clean_pdf_text(_normalise_pdf_spacing(text), notes), pages
+    if kind == "docx":
+        return kind, _docx_text(data, label, fail, max_bytes), None
+    text = _decode_text(data, label, fail, notes)
+    if web and _is_web_page(text):
+        notes.append(_WEB_NOTE)
+        return "web", _web_page_text(text), None
+    return kind, text, None
 
 
 def format_for_prompt(doc: Document) -> str:

@@ -1,9 +1,10 @@
 """What every reader of dropped files shares: the kinds of file supported, the public types, and helpers.
 
-The suffix tables decide which reader a file goes to (``_kind_for``) and what a refused file's message
-suggests instead; :class:`Document` and :class:`DocumentError` are what the readers return and raise;
-``_size``, ``_normalise`` and ``_reason_of`` format sizes, tidy extracted text and shorten a library's
-error for a message. The readers (``text``, ``pdf``, ``word``) import from here, never from the package.
+The suffix tables decide which reader a file's name claims (``_kind_for``; its content's signature, in ``sniff``,
+overrides the name where they disagree) and what a refused file's message suggests instead; :class:`Document` and
+:class:`DocumentError` are what the readers return and raise; ``_size``, ``_normalise`` and ``_reason_of`` format
+sizes, tidy extracted text and shorten a library's error for a message. The readers (``text``, ``pdf``, ``word``)
+import from here, never from the package.
 """
 
 from __future__ import annotations
@@ -103,8 +104,12 @@ def _kind_for(path: str | os.PathLike[str]) -> str | None:
 
 
 def is_supported(path: str | os.PathLike[str]) -> bool:
-    """True when ``load_document`` knows how to read a file with this name (by suffix only)."""
-    return _kind_for(path) is not None
+    """True when ``load_document`` reads a file of this name: a supported suffix, or none (read by its content).
+
+    A name is not the whole story: ``load_document`` also reads a file of another suffix whose content is a PDF, a
+    Word file or text, and refuses a file whose content is none of these with a message that says what it is; so
+    the app hands it every dropped file rather than filtering by name."""
+    return _kind_for(path) is not None or not os.path.splitext(os.path.basename(os.fspath(path)))[1]
 
 
 def _supported_summary() -> str:

@@ -1,0 +1,236 @@
+"""Files whose name lies about their content: a PDF a browser saved as "report" or "report.txt", a .docx renamed
+.pdf, a photo without a suffix. ``load_document`` reads by the content's signature where it is unambiguous, says so
+in the document's notes, and names what a file it cannot read really is.
+
+PDFs come from the minimal writer in tests/pdf_writer.py (as in tests/engine/test_documents.py), .docx files
+from python-docx, other Office files and images from their real signatures.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import random
+import zipfile
+from pydoc_data.topics import topics
+
+import pytest
+
+from engine.documents import DocumentError, is_supported, load_document
+from tests.pdf_writer import make_pdf
+
+LINES = [line for line in topics["while"].splitlines() if line.isascii() and line.strip()][:40]
+SNIPPET = LINES[2].strip()
+OLE = b"\xd0\xcf\x11\xe0\xa1\xb1\x1a\xe1"
+
+
+@pytest.fixture(scope="module")
+def pdf() -> bytes:
+    return make_pdf([LINES])
+
+
+@pytest.fixture(scope="module")
+def word(tmp_path_factory) -> bytes:
+    import docx
+
+    path = tmp_path_factory.mktemp("word") / "memo.docx"
+    d = docx.Document()
+    d.add_heading("Quarterly memo", level=1)
+    d.add_paragraph("The harbour handled 12,000 tonnes in March.")
+    d.save(str(path))
+    return path.read_bytes()
+
+
+def write(tmp_path, name: str, data: bytes):
+    path = tmp_path / name
+    path.write_bytes(data)
+    return path
+
+
+def refused(path) -> DocumentError:
+    with pytest.raises(DocumentError) as exc_info:
+        load_document(path)
+    assert os.path.basename(path) in str(exc_info.value)
+    return exc_info.value
+
+
+# --------------------------------------------------------------------------------------------------
+# The content wins: PDF and Word files under another name
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["report.txt", "report", "report.docx", "report.dat", "README"])
+def test_a_pdf_under_another_name_is_read_as_a_pdf(tmp_path, pdf, name):
+    # A text suffix decoded it as garbage, .docx called it a damaged Word file, no suffix refused it
+    doc = load_document(write(tmp_path, name, pdf))
+    assert doc.kind == "pdf" and doc.pages == 1 and doc.name == name
+    assert SNIPPET in doc.text
+    assert doc.notes == (f'"{name}" is a PDF file; read as PDF.',)
+
+
+def test_a_pdf_after_a_few_bytes_of_something_else_is_a_pdf_within_the_first_kilobyte(tmp_path, pdf):
+    # PDF readers look for the header in the first 1024 bytes (a mail or download header may come first)
+    doc = load_document(write(tmp_path, "saved.txt", b"Content-Type: application/pdf\r\n\r\n" + pdf))
+    assert doc.kind == "pdf" and SNIPPET in doc.text
+    late = load_document(write(tmp_path, "late.txt", b"x" * 1100 + pdf))
+    assert late.kind == "text" and not any("PDF" in note for note in late.notes)  # past it: what its name says
+
+
+@pytest.mark.parametrize("name", ["memo.pdf", "memo.txt", "memo"])
+def test_a_word_file_under_another_name_is_read_as_word(tmp_path, word, name):
+    doc = load_document(write(tmp_path, name, word))
+    assert doc.kind == "docx"
+    assert doc.text.startswith("# Quarterly memo") and "12,000 tonnes" in doc.text
+    assert doc.notes == (f'"{name}" is a Word document; read as Word.',)
+
+
+def test_content_that_matches_its_name_gets_no_note(tmp_path, pdf, word):
+    assert load_document(write(tmp_path, "report.pdf", pdf)).notes == ()
+    assert load_document(write(tmp_path, "memo.docx", word)).notes == ()
+    assert load_document(write(tmp_path, "notes.txt", b"Plain notes.\n")).notes == ()
+
+
+def test_a_pdf_cut_short_under_a_text_name_says_it_is_an_incomplete_pdf(tmp_path, pdf):
+    err = refused(write(tmp_path, "download.txt", pdf[: len(pdf) // 2]))
+    assert err.reason == "unreadable"
+    assert '"download.txt" (a PDF file) could not be read as a PDF' in str(err)
+    assert "download or copy it again" in str(err)
+
+
+def test_an_encrypted_pdf_without_a_suffix_says_it_is_password_protected(tmp_path, pdf):
+    from pypdf import PdfReader, PdfWriter
+
+    writer = PdfWriter(clone_from=PdfReader(io.BytesIO(pdf)))
+    writer.encrypt("secret", "owner-secret", algorithm="RC4-128")
+    out = io.BytesIO()
+    writer.write(out)
+    err = refused(write(tmp_path, "statement", out.getvalue()))
+    assert err.reason == "encrypted" and '"statement" (a PDF file) is password-protected' in str(err)
+
+
+# --------------------------------------------------------------------------------------------------
+# Text that only mentions a PDF stays text
+# --------------------------------------------------------------------------------------------------
+
+
+def test_a_text_that_mentions_a_pdf_header_stays_text(tmp_path):
+    body = ("Notes on file formats.\nA PDF begins with a header line.\nThe header reads %PDF-1.7 and objects follow,"
+            " written as 1 0 obj ... endobj.\nThe last line of a PDF is %%EOF\n")
+    for name in ("formats.txt", "formats.md"):
+        doc = load_document(write(tmp_path, name, body.encode()))
+        assert doc.kind in ("text", "markdown") and doc.text == body.rstrip() and doc.notes == ()
+    doc = load_document(write(tmp_path, "formats", body.encode()))
+    assert doc.kind == "text" and doc.text == body.rstrip()
+    legacy = "Résumé des formats.\nUn PDF commence par %PDF-1.7, puis 1 0 obj ... endobj.\n" * 3
+    doc = load_document(write(tmp_path, "formats-1252.txt", legacy.encode("cp1252")))
+    assert doc.kind == "text" and doc.text == legacy.rstrip()
+
+
+def test_a_pdf_header_alone_is_no_pdf():
+    # the header and a PDF's structure (an object, or %%EOF at the end): a text quoting the header is not one
+    from engine.documents.sniff import identify
+
+    assert identify(b"Line one.\nLine two.\nA PDF starts with %PDF-1.4 and that is all.\n") is None
+    assert identify(b"%PDF-1.4\nand nothing else a PDF has") is None
+    assert identify(b"%PDF-1.4\n1 0 obj\n<< >>\nendobj\n").reader == "pdf"  # cut short: still a PDF
+    assert identify(b"From: a@b\n\n%PDF-1.4\n<< >>\n%%EOF\n").reader == "pdf"
+
+
+# --------------------------------------------------------------------------------------------------
+# No suffix, or one this app does not know: text is read as text
+# --------------------------------------------------------------------------------------------------
+
+
+def test_a_text_file_without_a_known_suffix_is_read_as_text(tmp_path):
+    body = "Meeting notes\nThe café opens at nine; 会议在九点开始。\n"
+    for name in ("notes", "notes.weird", "export.xls"):  # a web app's "spreadsheet" that is a CSV or text
+        doc = load_document(write(tmp_path, name, body.encode()))
+        assert doc.kind == "text" and doc.text == body.rstrip()
+        assert doc.notes == (f'"{name}" is a text file; read as text.',)
+    page = b"<!doctype html><html><head><title>T</title></head><body><h1>Harbour</h1><p>Ships: 40</p></body></html>"
+    doc = load_document(write(tmp_path, "page", page))
+    assert doc.kind == "web" and "# Harbour" in doc.text and "<p>" not in doc.text
+    assert load_document(write(tmp_path, "page.txt", page)).text == page.decode()  # .txt: its source, as before
+
+
+def test_is_supported_takes_a_name_without_a_suffix():
+    assert is_supported("report") and is_supported(os.path.join("Downloads", "report"))
+    assert is_supported("report.pdf") and is_supported("notes.txt")
+    assert not is_supported("photo.png") and not is_supported("setup.exe")
+
+
+# --------------------------------------------------------------------------------------------------
+# Content no reader reads: named
+# --------------------------------------------------------------------------------------------------
+
+
+def _xlsx() -> bytes:
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as zf:
+        zf.writestr("[Content_Types].xml", "<Types/>")
+        zf.writestr("xl/workbook.xml", "<workbook/>")
+    return out.getvalue()
+
+
+def _zip() -> bytes:
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as zf:
+        zf.writestr("photos/a.txt", "hello")
+    return out.getvalue()
+
+
+def _ole(*streams: str) -> bytes:
+    return OLE + bytes(504) + b"".join(s.encode("utf-16-le") + bytes(64 - 2 * len(s)) for s in streams)
+
+
+PNG = b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" + bytes(64)
+
+
+NAMED = [
+    ("letter.pdf", _ole("Root Entry", "WordDocument"), "unsupported",
+     '"letter.pdf" is really a legacy Word .doc file, not a PDF. Open it in Word or LibreOffice, save it as .docx'),
+    ("letter", _ole("Root Entry", "WordDocument"), "unsupported",
+     '"letter" can\'t be read: it is a legacy Word .doc file. Open it in Word or LibreOffice, save it as .docx'),
+    ("budget.docx", _xlsx(), "unsupported", '"budget.docx" is really an Excel .xlsx spreadsheet, not a Word '
+                                            'document. Spreadsheets are not supported; export the sheet as .csv'),
+    ("photos.docx", _zip(), "unsupported", '"photos.docx" is really a zip archive, not a Word document. Unpack it'),
+    ("locked.pdf", _ole("Root Entry", "EncryptedPackage"), "encrypted",
+     '"locked.pdf" is really a password-protected Office document, not a PDF. Open it in Office, remove the password'),
+    ("photo.txt", PNG, "unsupported", '"photo.txt" is really a PNG image, not a text file.'),
+    ("photo", PNG, "unsupported", '"photo" can\'t be read: it is a PNG image.'),
+    ("scan.pdf", b"\xff\xd8\xff\xe0\x00\x10JFIF\x00" + bytes(64), "unsupported", '"scan.pdf" is really a JPEG image'),
+    ("tool", b"MZ\x90\x00\x03" + bytes(120), "unsupported", '"tool" can\'t be read: it is a Windows program.'),
+]
+
+
+@pytest.mark.parametrize(("name", "data", "reason", "says"), NAMED, ids=[case[0] for case in NAMED])
+def test_content_no_reader_reads_is_named(tmp_path, name, data, reason, says):
+    err = refused(write(tmp_path, name, data))
+    assert err.reason == reason and str(err).startswith(says), str(err)
+
+
+def test_binary_of_unknown_kind_keeps_the_not_supported_message(tmp_path):
+    noise = bytes(random.Random(7).randrange(256) for _ in range(4096)) + bytes(64)
+    err = refused(write(tmp_path, "blob.bin", noise))
+    assert err.reason == "unsupported" and ".bin files are not supported" in str(err) and ".docx" in str(err)
+    err = refused(write(tmp_path, "blob", noise))
+    assert err.reason == "unsupported" and "no suffix" in str(err) and "not PDF, Word or text" in str(err)
+    # a name that does not lie keeps the message it had
+    assert ".png files are not supported" in str(refused(write(tmp_path, "photo.png", PNG)))
+    assert "save it as .docx" in str(refused(write(tmp_path, "old.doc", _ole("Root Entry", "WordDocument"))))
+    assert "old Word .doc file with a .docx name" in str(refused(write(tmp_path, "old.docx", _ole("WordDocument"))))
+
+
+def test_a_large_program_without_a_suffix_is_named_not_called_too_large(tmp_path):
+    program = write(tmp_path, "installer", b"MZ\x90\x00" + bytes(4096))
+    with pytest.raises(DocumentError) as exc_info:
+        load_document(program, max_bytes=1024)
+    assert exc_info.value.reason == "unsupported" and "Windows program" in str(exc_info.value)
+    blob = write(tmp_path, "blob", bytes(random.Random(3).randrange(256) for _ in range(4096)) + bytes(64))
+    with pytest.raises(DocumentError) as exc_info:
+        load_document(blob, max_bytes=1024)
+    assert exc_info.value.reason == "unsupported" and "no suffix" in str(exc_info.value)
+    text = write(tmp_path, "server-log", b"GET /index.html 200\n" * 200)
+    with pytest.raises(DocumentError) as exc_info:
+        load_document(text, max_bytes=1024)
+    assert exc_info.value.reason == "too_large"
