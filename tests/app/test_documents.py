@@ -142,8 +142,14 @@ def _empty(path):
     return path
 
 
+def _photo(path):
+    path.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" + bytes(64))
+    return path
+
+
 @pytest.mark.parametrize(("name", "make", "words"), [
     ("program.exe", _unsupported, "not supported"),
+    ("photo", _photo, "it is a PNG image"),  # no suffix: tried, and what it is said
     ("notes.txt", _binary, "doesn't look like a text file"),
     ("locked.pdf", write_encrypted_pdf, "password-protected"),
     ("huge.txt", _huge, "the limit is"),
@@ -166,6 +172,26 @@ def test_bad_files_show_their_message_and_change_nothing(qtbot, window, fake_mod
     assert window.composer.toPlainText() == "my draft"
     assert len(window.chat.bubbles) == 2
     assert window.send_button.isEnabled()
+
+
+def test_a_pdf_without_a_suffix_and_a_word_file_named_pdf_are_read_by_their_content(qtbot, window, fake_model,
+                                                                                      tmp_path):
+    pdf, pdf_snippet = write_pdf(tmp_path / "saved.pdf")
+    report = tmp_path / "report"  # as a browser saves a download it has no name for
+    os.rename(pdf, report)
+    docx, docx_snippet = write_docx(tmp_path / "made.docx")
+    memo = tmp_path / "memo.pdf"
+    os.rename(docx, memo)
+    drop(window, [report, memo])
+    qtbot.waitUntil(lambda: ready(window, 2), timeout=10_000)
+    chips = list(window.chips.chips.values())
+    assert [c.document.kind for c in chips] == ["pdf", "docx"]
+    qtbot.waitUntil(lambda: all(c.warning.text() for c in chips), timeout=5_000)
+    assert '"report" is a PDF file; read as PDF.' in chips[0].warning.text()
+    assert '"memo.pdf" is a Word document; read as Word.' in chips[1].warning.text()
+    send(qtbot, window, "Summarise both")
+    sent = fake_model.sends()[-1]["documents"]
+    assert pdf_snippet in sent[0].text and docx_snippet in sent[1].text
 
 
 def test_sending_while_a_document_is_being_read_waits(qtbot, window, fake_model, tmp_path, monkeypatch):
