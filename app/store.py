@@ -2,8 +2,8 @@
 
 A reply row is written when the turn starts and updated while it streams, so a crash or a kill loses
 nothing that was already saved; rows left "streaming" by a crash are marked "interrupted" at the next
-start. Each reply keeps its figures (TTFT, tok/s, tokens, compression) and the model, quantization
-and knob settings it was made with, for export.
+start. Each reply keeps its figures (TTFT, tok/s, tokens, compression), why it ended (its footer says so again
+when the chat is reopened) and the model, quantization and knob settings it was made with, for export.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from .format import pages as page_count
 from .paths import database_path
 from .protocol import AttachedDocument, HistoryTurn
 
-SCHEMA_VERSION = 2  # 2: each conversation's system prompt and settings; replies kept as versions
+# 2: each conversation's system prompt and settings; replies kept as versions. 3: why each reply ended
+SCHEMA_VERSION = 3
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS conversations (
@@ -43,7 +44,8 @@ CREATE TABLE IF NOT EXISTS messages (
     created REAL NOT NULL,
     updated REAL NOT NULL,
     reply_to INTEGER,
-    active INTEGER NOT NULL DEFAULT 1
+    active INTEGER NOT NULL DEFAULT 1,
+    finish_reason TEXT
 );
 CREATE INDEX IF NOT EXISTS messages_by_conversation ON messages(conversation_id, id);
 CREATE TABLE IF NOT EXISTS attachments (
@@ -63,11 +65,16 @@ CREATE INDEX IF NOT EXISTS attachments_by_message ON attachments(message_id);
 # Columns added after version 1, with their declarations (an older database gains them when it is opened)
 ADDED_COLUMNS = {"conversations": (("system_prompt", "TEXT NOT NULL DEFAULT ''"), ("settings_json", "TEXT")),
                  # a reply's versions (regenerate keeps the earlier ones): the user message they answer, and
-                 # whether this one is the version shown and read by the engine
-                 "messages": (("reply_to", "INTEGER"), ("active", "INTEGER NOT NULL DEFAULT 1"))}
+                 # whether this one is the version shown and read by the engine; why it ended (the engine's
+                 # reason: "eos", "length", "context_full", "cancelled", …; none on a reply from before version 3)
+                 "messages": (("reply_to", "INTEGER"), ("active", "INTEGER NOT NULL DEFAULT 1"),
+                              ("finish_reason", "TEXT"))}
 
 # Statuses of an assistant row.
 STREAMING, DONE, STOPPED, ERROR, INTERRUPTED = "streaming", "done", "stopped", "error", "interrupted"
+# What a reply's footer says about how it ended: the engine's reason where the user should know it, else its status
+ENDINGS = {"length": "reached max new tokens", "context_full": "context full", "cancelled": "stopped"}
+STATUS_ENDINGS = {STOPPED: "stopped", INTERRUPTED: "interrupted", ERROR: "ended by an error"}
 
 
 @dataclass(frozen=True)
@@ -101,6 +108,7 @@ class Message:
     stats: dict | None = None
     settings: dict | None = None
     attachments: tuple[AttachmentInfo, ...] = field(default=())
+    finish_reason: str | None = None  # the engine's reason the reply ended (None: streaming, or saved without it)
 
 
 class StoreUnavailable(Exception):
@@ -283,7 +291,8 @@ class ConversationStore:
             out.append(Message(
                 r["id"], r["conversation_id"], r["role"], r["content"], r["status"], r["created"],
                 r["model_content"], r["error"], _loads(r["stats_json"]), _loads(r["settings_json"]),
-                self._attachment_infos(r["id"]) if r["role"] == "user" else ()))
+                self._attachment_infos(r["id"]) if r["role"] == "user" else (),
+                r["finish_reason"] if "finish_reason" in r.keys() else None))  # a database only read may lack it
         return out
 
     def message(self, message_id: int) -> Message | None:
@@ -428,11 +437,12 @@ class ConversationStore:
             self.db.execute("UPDATE messages SET content=?, updated=? WHERE id=?", (text, time.time(), message_id))
 
     def finish_reply(self, message_id: int, text: str, status: str, *, stats: dict | None = None,
-                     error: str | None = None) -> None:
+                     error: str | None = None, finish_reason: str | None = None) -> None:
+        """The reply's final text, status and figures, and the engine's reason it ended (its footer says it)."""
         with self.db:
             self.db.execute(
-                "UPDATE messages SET content=?, status=?, stats_json=?, error=?, updated=? WHERE id=?",
-                (text, status, _dumps(stats), error, time.time(), message_id))
+                "UPDATE messages SET content=?, status=?, stats_json=?, error=?, finish_reason=?, updated=? "
+                "WHERE id=?", (text, status, _dumps(stats), error, finish_reason, time.time(), message_id))
 
     def delete_messages_from(self, message_id: int) -> None:
         """Delete this message and every later one of its conversation (regenerate, edit-and-resend)."""
@@ -482,6 +492,8 @@ class ConversationStore:
                 item["attachments"] = [{"name": a.name, "kind": a.kind, "pages": a.pages, "chars": a.chars,
                                         "tokens": a.tokens} for a in m.attachments]
             if m.role == "assistant":
+                if m.finish_reason:
+                    item["finish_reason"] = m.finish_reason
                 item["stats"] = m.stats
                 item["settings"] = m.settings
                 if m.error:
@@ -508,7 +520,7 @@ class ConversationStore:
                 lines += [m["content"], ""]
             else:
                 lines += ["## Assistant", "", m["content"] or "*(no text)*", ""]
-                footer = reply_footer(m.get("stats"), m.get("status"))
+                footer = reply_footer(m.get("stats"), m.get("status"), m.get("finish_reason"))
                 if footer:
                     lines += [f"*{footer}*", ""]
                 settings = m.get("settings") or {}
@@ -523,8 +535,10 @@ class ConversationStore:
         return "\n".join(lines).rstrip() + "\n"
 
 
-def reply_footer(stats: dict | None, status: str | None = None) -> str:
-    """'TTFT 0.42 s · 21.3 tok/s · 128 tokens · KV ×0.50' (the per-reply footer)."""
+def reply_footer(stats: dict | None, status: str | None = None, finish_reason: str | None = None) -> str:
+    """'TTFT 0.42 s · 21.3 tok/s · 128 tokens · KV ×0.50 · reached max new tokens' (the per-reply footer): the
+    figures, then how the reply ended where the user should know it (the same when the reply ends and when the
+    chat is opened again)."""
     parts = []
     if stats:
         parts.append(f"TTFT {stats.get('ttft_s', 0):.2f} s")
@@ -539,8 +553,9 @@ def reply_footer(stats: dict | None, status: str | None = None) -> str:
             parts.append("saved cache restored")
         elif stats.get("rebuilt_context"):
             parts.append("conversation re-read")
-    if status in (STOPPED, INTERRUPTED, ERROR):
-        parts.append({"stopped": "stopped", "interrupted": "interrupted", "error": "ended by an error"}[status])
+    ending = ENDINGS.get(finish_reason or "") or STATUS_ENDINGS.get(status or "")
+    if ending:
+        parts.append(ending)
     return " · ".join(parts)
 
 

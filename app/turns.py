@@ -25,7 +25,6 @@ from .widgets.chat_view import ChatView, MessageBubble
 SAVE_EVERY_S = 0.5
 FINISHED = {"eos": S.DONE, "stop": S.DONE, "length": S.DONE, "context_full": S.DONE, "cancelled": S.STOPPED,
             "error": S.ERROR}
-ENDINGS = {"length": "reached max new tokens", "context_full": "context full", "cancelled": "stopped"}
 
 _turn_ids = itertools.count(1)
 
@@ -169,16 +168,15 @@ class TurnController(QObject):
         text = outcome.text if outcome.text or not turn.text else turn.text
         stats = stats_dict(outcome.stats or turn.stats)
         status = FINISHED.get(outcome.reason, S.DONE)
-        self._write(self.store.finish_reply, turn.reply_id, text, status, stats=stats, error=outcome.error)
+        self._write(self.store.finish_reply, turn.reply_id, text, status, stats=stats, error=outcome.error,
+                    finish_reason=outcome.reason)
         if outcome.model_content:
             self._write(self.store.set_model_content, turn.user_id, outcome.model_content)
         if turn.bubble is not None:
             if text != turn.bubble.text:
                 turn.bubble.set_text(text)
             turn.bubble.set_progress("")
-            footer = S.reply_footer(stats, status if status != S.STOPPED else None)
-            ending = ENDINGS.get(outcome.reason)
-            turn.bubble.set_footer(" · ".join(p for p in (footer, ending) if p))
+            turn.bubble.set_footer(S.reply_footer(stats, status, outcome.reason))
             if outcome.error:
                 turn.bubble.set_error(outcome.error)
         turn.text = text

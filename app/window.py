@@ -640,8 +640,8 @@ class MainWindow(QMainWindow):
         self.chat.clear()
         if conversation_id is not None:
             for m in self.store.messages(conversation_id):
-                bubble = MessageBubble(m.role, m.content, message_id=m.id, attachments=m.attachments,
-                                       footer=reply_footer(m.stats, m.status) if m.role == "assistant" else "",
+                footer = reply_footer(m.stats, m.status, m.finish_reason) if m.role == "assistant" else ""
+                bubble = MessageBubble(m.role, m.content, message_id=m.id, attachments=m.attachments, footer=footer,
                                        error=m.error)
                 self.chat.add(bubble)
             replies = [b for b in self.chat.bubbles if b.role == "assistant"]

@@ -94,7 +94,9 @@ class FakeSession:
                 raise RuntimeError("simulated bug inside the engine")
             reply = model.reply_for(prompt, documents)
             pieces = _pieces(reply, settings.get("max_new_tokens") or 512)
-            shown, reason, error = "", "eos", None
+            # as the engine ends: "length" where max_new_tokens cut the reply short (or the reason it is told)
+            cut = len(pieces) < len(reply.split(" "))
+            shown, reason, error = "", model.finish_reason or ("length" if cut else "eos"), None
             first = None
             for i, piece in enumerate(pieces):
                 if cancel.is_set():
@@ -150,6 +152,7 @@ class FakeModel:
         self.prefill_steps = 4
         self.oom_after: int | None = None
         self.reply_text: str | None = None
+        self.finish_reason: str | None = None  # a reason every reply ends with ("context_full", …)
         self.lock = threading.Lock()
 
     # --- the DSV41Model surface the worker uses

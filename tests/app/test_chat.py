@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sqlite3
 
+import pytest
 from conftest import send
 
 from app.store import ConversationStore
@@ -186,3 +187,28 @@ def test_search_rename_delete_and_export(qtbot, window, fake_model, tmp_path):
     window.delete_conversation(tomato)
     assert tomato not in window.conversations.ids()
     assert ConversationStore().conversation(tomato) is None
+
+
+@pytest.mark.parametrize(("reason", "ending"), [("length", "reached max new tokens"), ("context_full", "context full")])
+def test_how_a_reply_ended_is_still_said_when_its_chat_is_reopened(qtbot, make_window, fake_model, reason, ending):
+    first = make_window()
+    fake_model.reply_text = " ".join(f"word{i}" for i in range(40))
+    if reason == "length":
+        first.knob_panel.max_tokens.setValue(5)  # the fake ends with "length" where this cuts the reply
+    else:
+        fake_model.finish_reason = reason
+    send(qtbot, first, "Tell me everything")
+    chat = first.conversation_id
+    footer = reply_bubbles(first)[-1].footer.text()
+    assert footer.startswith("TTFT") and footer.endswith(f" · {ending}")
+    first.new_conversation()
+    fake_model.finish_reason = None
+    send(qtbot, first, "Another chat")
+    first.show_conversation(chat)  # reopened from the store
+    assert reply_bubbles(first)[-1].footer.text() == footer
+    first.close()
+
+    second = make_window()  # after a restart
+    second.show_conversation(chat)
+    assert [b.text for b in second.chat.bubbles][0] == "Tell me everything"
+    assert reply_bubbles(second)[-1].footer.text() == footer
