@@ -655,7 +655,6 @@ class MainWindow(QMainWindow):
         self._schedule_usage()
 
     def new_conversation(self) -> None:
-        self.conversation_id = None
         self.conversations.list.clearSelection()
         self.conversations.list.setCurrentItem(None)
         self.show_conversation(None)

@@ -196,6 +196,17 @@ def test_a_knob_moved_just_before_switching_chats_stays_with_its_chat(qtbot, win
     assert window.store.chat_settings(two)["knobs"]["kv_cache_ratio"] != 0.3
 
 
+def test_a_knob_or_system_prompt_changed_just_before_new_chat_stays_with_its_chat(qtbot, window, fake_model):
+    send(qtbot, window, "chat one")
+    one = window.conversation_id
+    window.knob_panel.set_values({**window.knob_panel.values(), "kv_cache_ratio": 0.3}, notify=True)
+    window.system_prompt.editor.setPlainText("Answer in French.")
+    window.new_conversation()  # before either debounce ran out
+    assert window.store.chat_settings(one)["knobs"]["kv_cache_ratio"] == 0.3
+    assert window.store.system_prompt(one) == "Answer in French."
+    assert window.system_prompt.text() == ""  # the new chat starts with the default (none)
+
+
 def test_a_knob_change_reports_the_open_chats_cache(qtbot, window, fake_model):
     send(qtbot, window, "chat one")
     one = window.conversation_id
