@@ -97,6 +97,9 @@ class MainWindow(QMainWindow):
         self.editing_message_id: int | None = None
         # what was in the box when an edit began (text, documents): back in the box when the edit ends
         self._draft: tuple[str, dict] | None = None
+        # the message box of each saved chat not shown (text, documents), set aside when another chat was opened
+        self._drafts: dict[int, tuple[str, dict]] = {}
+        self._doc_paths: dict[str, str] = {}  # the file each attachment still being read comes from
         # the user opened a new, empty chat (New chat): reloading the list must not open another one instead
         self._new_chat = False
         self._showing = False  # a chat's own settings are being put back (not a change to save)
@@ -552,13 +555,18 @@ class MainWindow(QMainWindow):
     def attach_files(self, paths: list[str]) -> None:
         for path in paths:
             key = self.loader.load(path)
+            self._doc_paths[key] = path
             self.attached[key] = None
             self.chips.add_pending(key, path)
         self._update_actions()
 
     def _on_document_parsed(self, key: str, doc: AttachedDocument) -> None:
-        if key not in self.attached:
-            return  # removed while it was being read
+        self._doc_paths.pop(key, None)  # the document names its path from now on
+        if key not in self.attached:  # set aside with its chat's (or an edit's) draft, or removed while read
+            for documents in self._set_aside_documents():
+                if key in documents:
+                    documents[key] = doc
+            return
         self.attached[key] = doc
         self.chips.chips[key].show_document(doc)
         self._refresh_chips()
@@ -566,7 +574,10 @@ class MainWindow(QMainWindow):
         self._update_actions()
 
     def _on_document_failed(self, key: str, path: str, message: str) -> None:
+        self._doc_paths.pop(key, None)
         self.attached.pop(key, None)
+        for documents in self._set_aside_documents():
+            documents.pop(key, None)
         self.chips.remove(key)
         self._update_actions()
         self.inform("Could not attach the file", message)
@@ -628,6 +639,8 @@ class MainWindow(QMainWindow):
         self.knob_panel.flush()  # so does a knob change still waiting
         self._new_chat = False
         changed = conversation_id != self.conversation_id
+        if changed:
+            self._switch_draft(conversation_id)
         self.conversation_id = conversation_id
         if changed or conversation_id is None:
             self._showing = True
@@ -675,9 +688,11 @@ class MainWindow(QMainWindow):
             self._save_failed(f"The chat was not deleted ({exc}).")
             return
         self.client.forget_conversation.emit(conversation_id)
+        self._drafts.pop(conversation_id, None)  # its message box goes with it
         if self.conversation_id == conversation_id:
             self.conversation_id = None
             self.show_conversation(None)
+            self._clear_box()
         self._reload_conversations()
 
     def _on_renamed(self, conversation_id: int, title: str) -> None:
@@ -861,17 +876,37 @@ class MainWindow(QMainWindow):
             self._put_back(draft)
 
     def _put_back(self, draft: tuple[str, dict] | None) -> None:
-        """A draft set aside by an edit back in the box, with its documents."""
+        """A draft set aside (by an edit, or with its chat) back in the box, with its documents."""
         if draft is None:
             return
         text, documents = draft
         self.composer.setPlainText(text)
         for key, doc in documents.items():
             self.attached[key] = doc
-            chip = self.chips.add_pending(key, doc.path if doc is not None else key)
+            chip = self.chips.add_pending(key, doc.path if doc is not None else self._doc_paths.get(key, key))
             if doc is not None:
                 chip.show_document(doc)
         self._refresh_chips()
+
+    def _clear_box(self) -> None:
+        self.composer.clear()
+        self.attached.clear()
+        self.chips.clear()
+
+    def _switch_draft(self, target: int | None) -> None:
+        """The message box belongs to its chat: what is in it (text and documents) is set aside with the chat being
+        left, and the target chat's comes back (an empty box for a chat without one, and for a new chat)."""
+        text, documents = self.composer.toPlainText(), dict(self.attached)
+        if self.conversation_id is not None and (text.strip() or documents):
+            self._drafts[self.conversation_id] = (text, documents)
+        self._clear_box()
+        self._put_back(self._drafts.pop(target, None) if target is not None else None)
+
+    def _set_aside_documents(self) -> list[dict]:
+        """The documents of the drafts not in the box (other chats', the one an edit set aside): a document still
+        being read is filled in (or dropped, when it cannot be read) there."""
+        drafts = [*self._drafts.values(), *([self._draft] if self._draft is not None else [])]
+        return [documents for _text, documents in drafts]
 
     def _set_editing(self, message_id: int | None) -> None:
         self.editing_message_id = message_id
@@ -955,9 +990,15 @@ class MainWindow(QMainWindow):
                     self.attached[doc.key] = doc
                     self.chips.add_pending(doc.key, doc.path).show_document(doc)
             self._refresh_chips()
+        elif turn.conversation_id != self.conversation_id and not turn.new_version:
+            text, documents = self._drafts.get(turn.conversation_id, ("", {}))
+            if not text.strip():  # another chat is shown: the message goes back in its chat's box
+                self._drafts[turn.conversation_id] = (turn.prompt, {**documents,
+                                                                    **{doc.key: doc for doc in turn.documents}})
         if not self.store.messages(turn.conversation_id) and self.store.conversation(turn.conversation_id):
             try:
                 self.store.delete(turn.conversation_id)
+                self._drafts.pop(turn.conversation_id, None)
             except sqlite3.Error:
                 pass  # an empty chat stays in the list; nothing is lost
             if self.conversation_id == turn.conversation_id:
