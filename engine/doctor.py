@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import os
 import platform
 import re
 import shutil
@@ -90,14 +89,22 @@ def run_checks() -> list[Check]:
 
 
 def _attention_check(torch, cuda_avail: bool) -> Check:
-    """Which kernel each attention call runs here (for an 8B-class shape in bf16 on CUDA, float32 on the CPU),
-    and whether the flash-attn package imports with its compiled extension (tried, not looked up)."""
+    """Which kernel each attention call runs here (for an 8B-class shape on the device and in the dtype the default
+    settings pick), and whether the flash-attn package imports with its compiled extension (tried, not looked up).
+    Where the default settings decode on the CPU, decode is what the load decides: the fused C step (its ISA and x
+    mode) when it runs, the per-op kernel otherwise."""
     from .cache.attention import attention_kernels, describe_kernels, flash_import_error
 
     device = "cuda" if cuda_avail else "cpu"
     dtype = torch.bfloat16 if cuda_avail else torch.float32
     try:
-        kernels = describe_kernels(attention_kernels("sdpa", device, dtype, 8, 4, 128))
+        found = attention_kernels("sdpa", device, dtype, 8, 4, 128)
+        step, why_not = _decode_step()
+        if step is not None:
+            found["decode"] = found["scored decode"] = step
+        kernels = describe_kernels(found)
+        if step is None and why_not:
+            kernels += f" ({why_not})"
     except Exception as exc:  # noqa: BLE001
         return Check("attention", "warn", f"could not be checked ({type(exc).__name__}: {exc})"[:200])
     flash_error = flash_import_error()
@@ -111,6 +118,22 @@ def _attention_check(torch, cuda_avail: bool) -> Check:
                  if slow else "")
 
 
+def _decode_step() -> tuple[str | None, str]:
+    """(the fused decode step as the model panel names it, "") where the default settings' load builds one on this
+    machine (engine.kernels.fused.step_library, for the device and dtype the loader picks; the default model's
+    weights are GGUF blocks, which the kernels read), else (None, why not: "" on a GPU)."""
+    from .config import DSV41Config
+    from .kernels.fused import describe_step, step_library
+    from .loader import pick_device, pick_dtype
+
+    config = DSV41Config()
+    device = pick_device(config.device_map)
+    library, why_not = step_library(device, pick_dtype(config.dtype, device))
+    if library is None:
+        return None, "" if device.startswith("cuda") else why_not
+    return describe_step(library), ""
+
+
 def _cpu_kernels_check() -> Check:
     """The bf16 matrix-vector kernels (engine/kernels/cpu_kernels.c), built on first use with the C compiler."""
     from . import kernels as cpu_kernels
@@ -118,9 +141,10 @@ def _cpu_kernels_check() -> Check:
     library = cpu_kernels.load()
     if library is not None:
         isa = {512: "AVX-512", 256: "AVX2"}.get(library.isa, "plain")
-        fused = "" if os.environ.get("DSV41_FUSED_STEP", "1") != "0" else " (fused decode step off: DSV41_FUSED_STEP=0)"
+        step, why_not = _decode_step()
+        fused = "one fused call per decode step" if step is not None else f"the per-op decode step ({why_not})"
         return Check("CPU kernels", "ok", f"built ({isa}): CPU weights held as bf16 (or int8), decode reads half the "
-                     f"bytes or less, one fused call per decode step{fused}")
+                     f"bytes or less, {fused}")
     return Check("CPU kernels", "warn", cpu_kernels.unavailable_reason() or "unavailable",
                  "Decoding on the CPU works without them, about 2x slower with twice the weight memory. "
                  "Install a C compiler (Debian/Ubuntu: sudo apt install gcc) and restart.")

@@ -7,8 +7,8 @@ import os
 
 import torch
 
-from .gguf_blocks import GGUFWeight
-from .library import ATTEND_CALLBACK, KernelLibrary, load
+from .gguf_blocks import GGUFWeight, x_mode
+from .library import ATTEND_CALLBACK, KernelLibrary, load, unavailable_reason
 from .packed import PackedMatrix
 
 MAT_PARTS = 3  # cpu_kernels.c's Mat: up to three stacked groups of rows, each in its own format
@@ -54,6 +54,30 @@ def _float_vector(t: torch.Tensor | None, n: int) -> torch.Tensor | None:
 
 class _NotFusable(Exception):
     pass
+
+
+def step_library(device, dtype: torch.dtype) -> tuple[KernelLibrary | None, str]:
+    """Whether decode steps of weights on `device` computing in `dtype` run as the fused C call on this machine:
+    (the kernels it runs on, "") or (None, why the per-op step runs instead). The machine's part of
+    FusedDecodeStep.build's decision (the weights' part: whether the kernels can read them); `python -m engine
+    doctor` asks it too. Nothing is compiled for a GPU."""
+    if torch.device(device).type != "cpu":
+        return None, "weights on a GPU"
+    if dtype not in (torch.float32, torch.bfloat16):
+        return None, f"no fused step computes in {str(dtype).replace('torch.', '')}"
+    if os.environ.get("DSV41_FUSED_STEP", "1") == "0":
+        return None, "fused decode step off: DSV41_FUSED_STEP=0"
+    library = load()
+    if library is None:
+        return None, f"no CPU kernels: {unavailable_reason() or 'unavailable'}"
+    return library, ""
+
+
+def describe_step(library: KernelLibrary, gguf: bool = True) -> str:
+    """The fused step as the model panel, the CLI and doctor name it: its kernels' ISA variant and, for weights held as
+    GGUF blocks, how the Q4 products take x (gguf_blocks.x_mode), e.g. "fused C step (AVX-512, Q4 x int16)"."""
+    isa = {512: "AVX-512", 256: "AVX2"}.get(library.isa, f"ISA {library.isa}")
+    return f"fused C step ({isa}, Q4 x {x_mode(library=library)})" if gguf else f"fused C step ({isa})"
 
 
 def _parts(m) -> list[tuple[int, int, int, object, object]]:
@@ -142,12 +166,15 @@ class FusedDecodeStep:
         self._qkv_size = (heads + 2 * kv_heads) * d
         self._call: dict = {}  # the step in progress, for the callback
         self._callback = ATTEND_CALLBACK(self._attend_in_python)  # kept alive as long as self
+        self.library = library
+        self.gguf = any(isinstance(m, GGUFWeight) for m in (w.lm_head, *(m for layer in layers for m in (
+            layer.qkv, layer.o, layer.gate_up, layer.down))))
 
     @classmethod
     def build(cls, weights) -> FusedDecodeStep | None:
-        if os.environ.get("DSV41_FUSED_STEP", "1") == "0":
-            return None
-        library = load()
+        """The step for these weights, or None where the per-op step runs (step_library says no, or the kernels
+        cannot read them)."""
+        library, _ = step_library(weights.final_norm.device, weights.final_norm.dtype)
         if library is None or not weights.layers:
             return None
         try:
@@ -173,6 +200,9 @@ class FusedDecodeStep:
         spec.log_counts = layer.log_counts.data_ptr() if layer.merged_any else None
         spec.capacity = layer.capacity
         self._cache_key[index] = (layer.storage_version, layer.merged_any)
+
+    def describe(self) -> str:
+        return describe_step(self.library, self.gguf)
 
     def step(self, x: torch.Tensor, position: int, cos: torch.Tensor, sin: torch.Tensor, cache, by_python: list[bool],
              *, score: bool, decay: float) -> torch.Tensor:

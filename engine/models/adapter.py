@@ -460,14 +460,15 @@ def layer_devices(model) -> list[torch.device]:
 
 def attention_kernels_line(model, backend: str, device: torch.device) -> str:
     """The attention kernels this model's calls run (cache.attention.attention_kernels), as one line; on the CPU
-    a decode step is one fused C call when the kernels are built (engine.kernels.fused)."""
+    a decode step is one fused C call where the decoder built one (engine.kernels.fused)."""
     from ..cache.attention import attention_kernels, describe_kernels
 
     _, kv_heads, head_dim = kv_geometry(model)
     found = attention_kernels(backend, device, compute_dtype(model), kv_heads,
                               max(1, attention_heads(model) // kv_heads), head_dim)
-    if device.type == "cpu" and load() is not None:
-        found["decode"] = found["scored decode"] = "fused C step"
+    decoder = runtime(model).decoder
+    if decoder is not None and decoder.fused is not None:  # what Decoder decided at load: one C call per step
+        found["decode"] = found["scored decode"] = decoder.fused.describe()
     return describe_kernels(found)
 
 

@@ -165,12 +165,10 @@ class Decoder:
 
     def __init__(self, weights: DecoderWeights):
         self.w = weights
-        # One C call per CPU decode step where the kernels can read the weights (packed bf16 / int8, or float32
-        # tensors); None elsewhere (GPU, float16, no compiler), and forward() runs the per-op step below.
-        # (not even compiled when the weights are on a GPU)
-        on_cpu = weights.final_norm.device.type == "cpu"
-        self.fused = FusedDecodeStep.build(weights) \
-            if on_cpu and weights.final_norm.dtype in (torch.float32, torch.bfloat16) else None
+        # One C call per CPU decode step where the kernels can read the weights (packed bf16 / int8, GGUF blocks, or
+        # float32 / bf16 tensors); None elsewhere (GPU, float16, no compiler: fused.step_library says why), and
+        # forward() runs the per-op step below. (not even compiled when the weights are on a GPU)
+        self.fused = FusedDecodeStep.build(weights)
         # On a GPU a decode step runs with static shapes (static_step.StaticDecodeStep, set by adapter.install),
         # captured as one CUDA graph; None elsewhere (the CPU's fused step is faster there; tests set one on the
         # CPU to compare)
