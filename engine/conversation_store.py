@@ -13,7 +13,9 @@ Files are safetensors (the cache's tensors and the transcript's token ids; the f
 written to a temporary name and renamed (a crash while saving leaves the earlier files as they were), with a
 digest of every byte checked before a state is used: a corrupt, truncated or foreign file is refused, and the
 conversation is re-read as if there were none. The folder is capped (`conversation_cache_mb`); the states
-used least recently are removed first.
+used least recently are removed first. A temporary file counts in the cap too; one whose writer is gone (killed
+while saving: the process its name carries runs no more, or it was not written for an hour) is removed when the
+store opens and at every save. A file a live process is writing is never touched.
 """
 
 from __future__ import annotations
@@ -32,6 +34,33 @@ log = logging.getLogger(__name__)
 
 SUFFIX = ".dsv41state"
 HEADER_KEY = "dsv41"
+TMP_SUFFIX = ".tmp"
+STALE_TMP_SECONDS = 3600  # a temporary file not written for this long is a dead save's, whoever has its pid now
+_writing: set[str] = set()  # names of the temporary files this process is writing now (its others: dead saves')
+
+
+def _tmp_name(path: Path) -> Path:
+    """Where a state is written before it is renamed to `path`: the writer's pid is in the name."""
+    return path.with_name(f".{path.name}.{os.getpid()}{TMP_SUFFIX}")
+
+
+def _writer_gone(path: Path, mtime: float) -> bool:
+    """Whether the save that wrote this temporary file is over (it was killed): its name carries this process and
+    this process is not writing it, or another process that runs no more, or it was not written for
+    STALE_TMP_SECONDS (its pid taken by another program since, or a name without a pid)."""
+    try:
+        pid = int(path.name[: -len(TMP_SUFFIX)].rpartition(".")[2])
+    except ValueError:
+        pid = None
+    if pid == os.getpid():
+        return path.name not in _writing
+    if time.time() - mtime > STALE_TMP_SECONDS:
+        return True
+    if pid is None:
+        return False
+    import psutil
+
+    return not psutil.pid_exists(pid)
 
 
 def text_digest(text: str) -> str:
@@ -72,7 +101,11 @@ class ConversationStore:
         self.folder = Path(folder)
         self.cap_bytes = int(cap_bytes)
         self.last_error: str | None = None  # why the last save failed (the chat goes on without it)
-        self._total: int | None = None  # bytes of the states in the folder, kept by trim (None: not counted yet)
+        self._total: int | None = None  # bytes of the folder's files, kept by trim (None: not counted yet)
+        try:
+            self._scan()  # a save killed last time leaves its temporary file: removed now
+        except OSError:
+            pass
 
     # ------------------------------------------------------------------ writing
     def save(self, *, model_key: str, settings_key: str, text: str, specials, transcript_ids: list[int],
@@ -92,7 +125,8 @@ class ConversationStore:
         header = json.dumps(facts, sort_keys=True)
         meta = {HEADER_KEY: header, "digest": _digest(payload, header)}
         path = self.folder / (key_of([model_key, settings_key, facts["text_sha"]]) + SUFFIX)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp = _tmp_name(path)
+        _writing.add(tmp.name)
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
             save_file(payload, str(tmp), metadata=meta)
@@ -108,25 +142,37 @@ class ConversationStore:
                 log.warning(self.last_error)
             tmp.unlink(missing_ok=True)
             return None
+        finally:
+            _writing.discard(tmp.name)
         self.last_error = None
         self.trim(keep=path)
         return path
 
-    def trim(self, keep: Path | None = None) -> None:
-        """Remove the least recently used states until the folder fits its cap (and leftovers of a crash)."""
+    def _scan(self) -> tuple[list[tuple[float, int, Path]], int]:
+        """The states as (mtime, size, path), and the bytes of the temporary files still being written; a temporary
+        file whose writer is gone (_writer_gone) is removed on the way."""
         if not self.folder.is_dir():
-            return
-        files = []
+            return [], 0
+        files, writing = [], 0
         for p in self.folder.iterdir():
             try:
                 st = p.stat()
-            except OSError:
+                if p.name.endswith(TMP_SUFFIX):
+                    if _writer_gone(p, st.st_mtime):
+                        p.unlink(missing_ok=True)  # a save that never finished
+                    else:
+                        writing += st.st_size
+                elif p.suffix == SUFFIX:
+                    files.append((st.st_mtime, st.st_size, p))
+            except OSError:  # gone meanwhile, or held open by its writer (Windows)
                 continue
-            if p.name.endswith(".tmp") and time.time() - st.st_mtime > 3600:
-                p.unlink(missing_ok=True)  # a save that never finished
-            elif p.suffix == SUFFIX:
-                files.append((st.st_mtime, st.st_size, p))
-        total = sum(size for _, size, _ in files)
+        return files, writing
+
+    def trim(self, keep: Path | None = None) -> None:
+        """Remove the least recently used states until the folder (temporary files of saves under way included)
+        fits its cap, and the leftovers of a save that was killed."""
+        files, writing = self._scan()
+        total = writing + sum(size for _, size, _ in files)
         for _, size, p in sorted(files):
             if total <= self.cap_bytes:
                 break
@@ -154,8 +200,9 @@ class ConversationStore:
         self._total = None
 
     def total_bytes(self) -> int:
-        """Bytes of the saved states (counted once, then kept up to date by every save; the memory report reads
-        it every few seconds during a reply, so it does not walk the folder each time)."""
+        """Bytes of the saved states and of the temporary files of saves under way (counted once, then kept up to
+        date by every save; the memory report reads it every few seconds during a reply, so it does not walk the
+        folder each time)."""
         if self._total is None:
             self.trim()
         return self._total or 0

@@ -241,6 +241,67 @@ def test_the_folder_stays_under_its_cap_removing_the_least_recently_used(tmp_pat
     assert "larger than the cap" in store.last_error
 
 
+def test_a_save_killed_midway_leaves_a_file_that_counts_in_the_cap_and_goes_once_its_writer_is_gone(tmp_path):
+    """kill -9 during a save leaves its temporary file: the next open (or save) removes it, as soon as the process
+    in its name runs no more; a live process's file is kept, counted in the cap, and removed after its writer dies."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    code = (
+        "import os, signal, torch, safetensors.torch\n"
+        "from engine.conversation_store import ConversationStore\n"
+        "def killed(tensors, filename, metadata=None):\n"
+        "    with open(filename, 'wb') as f:\n"
+        "        f.write(b'x' * 30000)\n"
+        f"    os.kill(os.getpid(), {int(getattr(signal, 'SIGKILL', 9))})\n"
+        "safetensors.torch.save_file = killed\n"
+        f"ConversationStore({str(tmp_path)!r}, 1 << 20).save(model_key='m', settings_key='s', text='t', specials=(),"
+        " transcript_ids=[1], tensors={'x': torch.zeros(8)}, cache_facts={})\n")
+    killed = subprocess.Popen([sys.executable, "-c", code], cwd=root, stderr=subprocess.PIPE)
+    assert killed.wait(timeout=120) != 0, killed.stderr.read()[-2000:]
+    killed.stderr.close()
+    (dead,) = tmp_path.glob("*.tmp")  # what the killed save left
+    assert f".{killed.pid}.tmp" in dead.name
+    writer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        live = tmp_path / f".{'0' * 32}{SUFFIX}.{writer.pid}.tmp"  # a save under way in another process
+        live.write_bytes(b"y" * 20000)
+        mine = tmp_path / f".{'1' * 32}{SUFFIX}.{os.getpid()}.tmp"  # this pid, but no save of this process's
+        mine.write_bytes(b"z" * 10)
+        unnamed = tmp_path / "leftover.tmp"  # no pid in its name: removed when not written for an hour
+        unnamed.write_bytes(b"w" * 10)
+
+        store = ConversationStore(tmp_path, cap_bytes=1 << 20)  # opening removes the dead saves' files
+        assert set(tmp_path.glob("*.tmp")) == {live, unnamed}
+        assert store.total_bytes() == 20010  # the live save's bytes count
+
+        def save(text):
+            return store.save(model_key="m", settings_key="s", text=text, specials=(), transcript_ids=[1],
+                              tensors={"x": torch.zeros(1024)}, cache_facts={})
+
+        a = save("a")
+        size = a.stat().st_size
+        store.cap_bytes = 20010 + int(2.5 * size)  # the live file and two states
+        old = time.time() - 100
+        os.utime(a, (old, old))
+        b, c = save("ab"), save("abc")
+        assert set(tmp_path.glob("*" + SUFFIX)) == {b, c}  # a went: the live file takes its room
+        assert live.exists() and store.total_bytes() == 20010 + 2 * size <= store.cap_bytes
+        stale = time.time() - 2 * 3600
+        os.utime(unnamed, (stale, stale))
+    finally:
+        writer.kill()
+        writer.wait()
+    save("abcd")  # its writer gone, the live file goes at the next save; so does the one not written for hours
+    assert not list(tmp_path.glob("*.tmp"))
+    assert store.total_bytes() == sum(p.stat().st_size for p in tmp_path.iterdir())
+
+
 def test_a_state_that_does_not_fit_the_cache_changes_nothing(model):
     session, _ = _chat(model, ("What is the value of item 3?",))
     tensors, facts = persist.save_state(session.cache)
