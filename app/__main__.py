@@ -14,7 +14,8 @@ Opens the DS-V4.1 Chat window and loads the last model used (the default one the
                python -m app --selftest --help lists its options)
 Qt's own options (-platform, -style, -geometry, ...) are passed to Qt.
 Without a display, chat in the terminal instead: {python} -m engine chat
-Environment: DSV41_DATA_DIR (chats and settings), QT_QPA_PLATFORM (Qt's platform, e.g. offscreen)."""
+Environment: DSV41_DATA_DIR (chats and settings; one app at a time per folder: another folder runs a
+second app), QT_QPA_PLATFORM (Qt's platform, e.g. offscreen)."""
 
 
 def _no_display() -> bool:

@@ -12,7 +12,8 @@ from PySide6.QtGui import QFont, QIcon
 from PySide6.QtWidgets import QApplication, QMessageBox
 
 from . import theme
-from .paths import resource
+from .instance import ALREADY_RUNNING_EXIT, InstanceLock
+from .paths import data_dir, resource
 
 log = logging.getLogger("app")
 
@@ -87,20 +88,33 @@ def make_application(argv: list[str] | None = None) -> QApplication:
     return app
 
 
+def tell_already_running(message: str) -> None:
+    """In the terminal, and in a dialog where there is a screen to show one on (not Qt's offscreen platform)."""
+    print(message, file=sys.stderr)
+    if QApplication.platformName() not in ("offscreen", "minimal"):
+        QMessageBox.warning(None, "DS-V4.1 Chat is already running", message)
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = make_application(argv)
+    lock = InstanceLock(data_dir())
+    refused = lock.acquire()  # before anything opens the chats: one app per data folder
+    if refused is not None:
+        tell_already_running(refused)
+        return ALREADY_RUNNING_EXIT
     from .window import MainWindow
 
     hook = ErrorHook()
     hook.install()
-    window = MainWindow(autoload=True)
-    hook.window = window
-    window.show()
     try:
+        window = MainWindow(autoload=True)
+        hook.window = window
+        window.show()
         return app.exec()
     finally:
         hook.uninstall()
+        lock.release()
 
 
 if __name__ == "__main__":

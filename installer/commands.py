@@ -93,7 +93,9 @@ APP_FAILURE_HINTS = (
      f"A package of the app's environment is missing or broken: run '{common.BOOTSTRAP_CMD} setup --force'."),
     (("No space left on device",), "The disk is full: free some space, then start the app again."),
 )
-QUIET_EXIT_CODES = (0, 130, 137, 143, -2, -9, -15)  # normal exit, Ctrl+C, killed, logged out
+# normal exit, already running with this data folder (app/instance.py: the app said so itself), Ctrl+C, killed,
+# logged out
+QUIET_EXIT_CODES = (0, 3, 130, 137, 143, -2, -9, -15)
 
 
 def app_failure_hint(lines: list) -> str:

@@ -1,0 +1,84 @@
+"""One app per data folder: a second `python -m app` on the same folder says so and leaves the chats alone; a lock
+left by a killed app does not block the next start."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from app.instance import ALREADY_RUNNING_EXIT, LOCK_NAME, InstanceLock
+
+ROOT = Path(__file__).resolve().parents[2]
+HOLD = ("import sys; from pathlib import Path; from app.instance import InstanceLock\n"
+        "lock = InstanceLock(Path(sys.argv[1]))\n"
+        "print('refused' if lock.acquire() else 'held', flush=True)\n"
+        "sys.stdin.read()\n")
+
+
+@pytest.fixture
+def holder(data_dir):
+    """Another process holding the data folder, as a running app does (killed at the end)."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(data_dir)], cwd=ROOT, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        assert proc.stdout.readline().strip() == "held"
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdin.close()
+        proc.stdout.close()
+
+
+def test_a_second_app_on_the_same_data_folder_is_refused_and_the_chats_are_left_alone(data_dir, holder):
+    env = {**os.environ, "QT_QPA_PLATFORM": "offscreen", "DSV41_DATA_DIR": str(data_dir), "PYTHONPATH": str(ROOT)}
+    second = subprocess.run([sys.executable, "-m", "app"], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert second.returncode == ALREADY_RUNNING_EXIT, second.stderr[-2000:]
+    assert f"already running with the data folder {data_dir} (process {holder.pid})" in second.stderr
+    assert "DSV41_DATA_DIR=" in second.stderr  # how to run a second one: a data folder of its own
+    assert sorted(p.name for p in data_dir.iterdir()) == [LOCK_NAME]  # no chats database opened, no settings
+    # the same in this process: refused while the other app runs
+    message = InstanceLock(data_dir).acquire()
+    assert message is not None and f"(process {holder.pid})" in message
+
+
+def test_a_lock_left_by_a_killed_app_is_taken_over(data_dir, holder):
+    holder.kill()  # kill -9: the lock file stays, naming a process that is gone
+    holder.wait()
+    assert (data_dir / LOCK_NAME).exists()
+    lock = InstanceLock(data_dir)
+    assert lock.acquire() is None and lock.held
+    again = InstanceLock(data_dir).acquire()  # now this process holds it
+    assert again is not None and f"(process {os.getpid()})" in again
+    lock.release()
+    assert not (data_dir / LOCK_NAME).exists()
+    assert InstanceLock(data_dir).acquire() is None
+
+
+def test_a_folder_where_no_lock_can_be_made_does_not_stop_the_app(tmp_path):
+    """A read-only or full data folder: the store opens the chats to read only and says why (app.store)."""
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    lock = InstanceLock(blocked)  # no lock file can be made inside a file
+    assert lock.acquire() is None and not lock.held
+
+
+def test_the_message_is_a_dialog_where_there_is_a_screen_and_the_launcher_adds_no_error(qapp, monkeypatch, capsys):
+    from PySide6.QtWidgets import QApplication, QMessageBox
+
+    from app.main import tell_already_running
+    from installer.commands import QUIET_EXIT_CODES
+
+    shown = []
+    monkeypatch.setattr(QApplication, "platformName", staticmethod(lambda: "xcb"))
+    monkeypatch.setattr(QMessageBox, "warning", staticmethod(lambda parent, title, text: shown.append((title, text))))
+    tell_already_running("DS-V4.1 Chat is already running with the data folder X")
+    assert shown == [("DS-V4.1 Chat is already running", "DS-V4.1 Chat is already running with the data folder X")]
+    assert "already running" in capsys.readouterr().err
+    assert ALREADY_RUNNING_EXIT in QUIET_EXIT_CODES  # the app said why itself: no "stopped unexpectedly" window
