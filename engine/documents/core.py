@@ -71,15 +71,15 @@ _BARE_NAMES = {
 
 # Suffixes we know and refuse with a specific hint instead of the generic list.
 _HINTS = {
-    ".doc": "Old Word .doc files are not supported; open it in Word or LibreOffice and save it as .docx.",
+    ".doc": "Open it in Word or LibreOffice and save it as .docx (or PDF), then drop that instead.",
     ".rtf": "Save it as .docx or plain text (.txt) and drop that instead.",
     ".odt": "Save it as .docx (File > Save As > Word) and drop that instead.",
     ".pages": "Export it as .docx or PDF and drop that instead.",
-    ".xlsx": "Spreadsheets are not supported; export the sheet as .csv and drop that instead.",
-    ".xls": "Spreadsheets are not supported; export the sheet as .csv and drop that instead.",
-    ".pptx": "Presentations are not supported; export it as PDF and drop that instead.",
-    ".ppt": "Presentations are not supported; export it as PDF and drop that instead.",
-    ".epub": "E-books are not supported; convert it to PDF or plain text first.",
+    ".xlsx": "Export the sheet as .csv and drop that instead.",
+    ".xls": "Export the sheet as .csv and drop that instead.",
+    ".pptx": "Export it as PDF and drop that instead.",
+    ".ppt": "Export it as PDF and drop that instead.",
+    ".epub": "Convert it to PDF or plain text first.",
 }
 
 

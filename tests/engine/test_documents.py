@@ -532,7 +532,18 @@ def test_unsupported_doc_gets_a_hint(tmp_path):
     path.write_bytes(b"\xd0\xcf\x11\xe0")
     with pytest.raises(DocumentError) as exc_info:
         load_document(path)
-    assert "save it as .docx" in str(assert_error(exc_info, "unsupported", "letter.doc"))
+    message = str(assert_error(exc_info, "unsupported", "letter.doc"))
+    assert "save it as .docx" in message
+    assert message.count("not supported") == 1, message  # the hint does not say it again
+
+
+@pytest.mark.parametrize("name", ["budget.xlsx", "slides.pptx", "book.epub", "old.xls", "old.ppt"])
+def test_an_unsupported_kinds_hint_says_what_to_do_once(tmp_path, name):
+    path = tmp_path / name
+    path.write_bytes(b"\x00\x01 not a real file")
+    with pytest.raises(DocumentError) as exc_info:
+        load_document(path)
+    assert str(exc_info.value).count("not supported") == 1, str(exc_info.value)
 
 
 def test_missing_file(tmp_path):
