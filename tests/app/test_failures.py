@@ -163,7 +163,16 @@ def test_every_reason_a_load_fails_for_has_its_own_advice():
     import engine
     from app.window import LOAD_HELP
 
+    from engine.documents import DocumentError
+
     reasons = set()
-    for path in Path(engine.__file__).parent.rglob("*.py"):
+    root = Path(engine.__file__).parent
+    for path in root.rglob("*.py"):
+        if path.is_relative_to(root / "documents"):  # a document's reasons go to its chip (DocumentError.REASONS)
+            continue
         reasons |= set(re.findall(r'reason="([a-z_]+)"', path.read_text(encoding="utf-8")))
     assert "no_gpu" in reasons and reasons - set(LOAD_HELP) == set()
+    documents = set()
+    for path in (root / "documents").rglob("*.py"):
+        documents |= set(re.findall(r'reason="([a-z_]+)"', path.read_text(encoding="utf-8")))
+    assert documents and documents <= DocumentError.REASONS
