@@ -1075,11 +1075,16 @@ class MainWindow(QMainWindow):
         self.knob_panel.set_generation(self.settings.generation())
 
     def _restore_draft(self) -> None:
-        """What was in the message box when the window closed, back in it (in its chat; documents still there)."""
+        """What was in the message box when the window closed, back in it (in its chat; documents still there), and
+        the other chats' boxes set aside with them."""
         draft = self.settings.json(Key.DRAFT, None)
         self.settings.set_json(Key.DRAFT, None)
         if not isinstance(draft, dict):
             return
+        others = draft.get("others") if isinstance(draft.get("others"), list) else []
+        for other in others:
+            if isinstance(other, dict):
+                self._set_aside_draft(other)
         documents = draft.get("documents") if isinstance(draft.get("documents"), list) else []
         if not str(draft.get("text", "")).strip() and not documents:
             return
@@ -1098,13 +1103,36 @@ class MainWindow(QMainWindow):
         if paths:
             self.attach_files(paths)
 
+    def _draft_paths(self, documents: dict) -> list[str]:
+        """The files of a draft's documents, those still being read included."""
+        paths = [doc.path if doc is not None else self._doc_paths.get(key) for key, doc in documents.items()]
+        return [p for p in paths if p]
+
+    def _set_aside_draft(self, saved: dict) -> None:
+        """Another chat's box from the last run, set aside with its chat (its documents read again meanwhile)."""
+        chat, text = saved.get("conversation"), str(saved.get("text", ""))
+        if not isinstance(chat, int) or isinstance(chat, bool) or not 0 < chat < 2**63 \
+                or self.store.conversation(chat) is None or chat in self._drafts:
+            return
+        paths = [p for p in saved.get("documents") or [] if isinstance(p, str) and Path(p).is_file()]
+        if not text.strip() and not paths:
+            return
+        documents: dict = {}
+        for path in paths:
+            key = self.loader.load(path)
+            self._doc_paths[key] = path
+            documents[key] = None  # filled in when read (_on_document_parsed)
+        self._drafts[chat] = (text, documents)
+
     def save_settings(self) -> None:
         text, documents = self.composer.toPlainText(), self.attached
         if self.editing_message_id is not None:  # the box holds the message being edited: the draft is aside
             text, documents = self._draft if self._draft is not None else ("", {})
-        paths = [doc.path for doc in documents.values() if doc is not None]
-        self.settings.set_json(Key.DRAFT, {"conversation": self.conversation_id, "text": text, "documents": paths}
-                               if text.strip() or paths else None)
+        paths = self._draft_paths(documents)
+        others = [{"conversation": chat, "text": t, "documents": self._draft_paths(docs)}
+                  for chat, (t, docs) in self._drafts.items() if chat != self.conversation_id]
+        self.settings.set_json(Key.DRAFT, {"conversation": self.conversation_id, "text": text, "documents": paths,
+                                           "others": others} if text.strip() or paths or others else None)
         self.settings.set(Key.GEOMETRY, self.saveGeometry())
         self.settings.set(Key.SPLITTER, self.splitter.saveState())
         self.settings.set_json(Key.KNOBS, self.knob_panel.values())

@@ -181,3 +181,53 @@ def test_the_open_chats_draft_comes_back_after_a_restart(qtbot, make_window, fak
     second = make_window()
     assert second.conversation_id == two
     qtbot.waitUntil(lambda: _box(second) == ("draft for two", ["note.txt"], ["note.txt"]), timeout=5_000)
+
+
+def test_every_chats_draft_comes_back_after_a_restart(qtbot, make_window, fake_model, tmp_path):
+    """Not only the open chat's: a draft left in another chat is there when that chat is opened after a restart,
+    documents included (read again at the start)."""
+    first = make_window()
+    one, two = _two_chats(qtbot, first)
+    first.conversations.select(one)
+    first.composer.setPlainText("draft for one")
+    _attach(qtbot, first, tmp_path / "note.txt")
+    first.conversations.select(two)
+    first.composer.setPlainText("draft for two")
+    first.close()
+    second = make_window()
+    assert second.conversation_id == two
+    qtbot.waitUntil(lambda: _box(second) == ("draft for two", [], []), timeout=5_000)
+    second.conversations.select(one)
+    qtbot.waitUntil(lambda: _box(second) == ("draft for one", ["note.txt"], ["note.txt"]), timeout=5_000)
+    second.send()
+    qtbot.waitUntil(lambda: not second.turns.busy, timeout=10_000)
+    sent = fake_model.sends()[-1]
+    assert sent["prompt"] == "draft for one" and [d.name for d in sent["documents"]] == ["note.txt"]
+    second.conversations.select(two)
+    assert _box(second) == ("draft for two", [], [])
+    second.close()
+    third = make_window()  # what was sent is not back; chat two's draft still is
+    third.conversations.select(one)
+    assert _box(third) == ("", [], [])
+    third.conversations.select(two)
+    qtbot.waitUntil(lambda: _box(third) == ("draft for two", [], []), timeout=5_000)
+
+
+def test_a_document_still_being_read_at_close_comes_back(qtbot, make_window, fake_model, tmp_path, monkeypatch):
+    first = make_window()
+    send(qtbot, first, "chat one")
+    path = tmp_path / "slow.txt"
+    path.write_text("Slow to read.")
+    gate = threading.Event()
+    import engine.documents as documents
+
+    real = documents.load_document
+    monkeypatch.setattr(documents, "load_document", lambda p, **k: (gate.wait(5), real(p, **k))[1])
+    first.composer.setPlainText("about the slow file")
+    first.attach_files([str(path)])
+    assert list(first.attached.values()) == [None]  # still being read
+    first.close()
+    gate.set()
+    monkeypatch.setattr(documents, "load_document", real)
+    second = make_window()
+    qtbot.waitUntil(lambda: _box(second) == ("about the slow file", ["slow.txt"], ["slow.txt"]), timeout=5_000)

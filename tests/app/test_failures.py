@@ -162,7 +162,6 @@ def test_every_reason_a_load_fails_for_has_its_own_advice():
 
     import engine
     from app.window import LOAD_HELP
-
     from engine.documents import DocumentError
 
     reasons = set()
