@@ -13,7 +13,8 @@ This module holds the public API; ``load_document`` lives here, so code that loo
 kind: ``core`` (supported kinds, :class:`Document`, :class:`DocumentError`, shared helpers),
 ``text`` (plain text and its encoding), ``pdf``, ``word`` (.docx) and ``web``; ``sniff`` says what a
 file is from its content's signature, which wins over a name that lies (a PDF saved as "report.txt"
-or with no suffix is read as a PDF, with a note saying so). They import from ``core`` and never from
+or with no suffix is read as a PDF, with a note saying so; text under a .pdf or .docx name is read as text, unless
+it is a web page or a server's reply that a failed download saved). They import from ``core`` and never from
 this module.
 """
 
@@ -44,6 +45,7 @@ from .web import NOTE as _WEB_NOTE
 from .web import WEB_SUFFIXES as _WEB_SUFFIXES
 from .web import is_page as _is_web_page
 from .web import page_text as _web_page_text
+from .web import served as _served
 from .word import _OLE_MAGIC, _docx_text
 
 __all__ = [
@@ -146,6 +148,8 @@ def load_document(
         if not (claimed == "docx" and data.startswith(_OLE_MAGIC)  # the Word reader names a .doc or a password
                 or claimed in _TEXT_KINDS and found.text):  # an RTF named .txt is the text it is
             raise unsupported(found)
+    elif found is None and claimed in _CLAIMED and b"%PDF-" not in data[:1024]:  # no PDF, zip or OLE signature
+        kind = _text_named_binary(data, label, claimed, fail, notes)
 
     # --- extraction ------------------------------------------------------------------------------
     web = suffix in _WEB_SUFFIXES or claimed is None  # a page saved as .txt is read as its source
@@ -202,6 +206,30 @@ def load_document(
 _TEXT_KINDS = ("text", "markdown", "source")
 _CLAIMED = {"pdf": "a PDF", "docx": "a Word document"}  # what a suffix promised (a text suffix: "a text file")
 _READ_AS = {"pdf": "PDF", "docx": "Word"}
+
+
+def _text_named_binary(data: bytes, label: str, claimed: str, fail, notes: list[str]) -> str:
+    """What a file under a .pdf or .docx name whose content has no PDF, zip or OLE signature is read as: "text" (with
+    a note) when it is prose, `claimed` (whose reader says what is wrong) when it is not text at all. A file that is
+    empty, a web page or a server's reply (XML, JSON) is refused: a failed download saves that under the name of
+    the file it was meant to fetch."""
+    promised = _CLAIMED[claimed]
+    if not data.strip():
+        size = f"{_size(len(data))} of blank space" if data else "0 bytes"
+        raise fail("empty", f"{label} is empty ({size}), not {promised}: the download or copy may have failed. "
+                            "Download or copy it again.")
+    try:
+        source = _decode_text(data, label, fail, [])
+    except DocumentError:
+        return claimed
+    served = _served(source)
+    if served is not None:
+        what, why, suffix = served
+        raise fail("unreadable", f"{label} is really {what}, not {promised}: it may be {why} saved instead of the "
+                                 f"file. Download the file again (if it is what you meant to drop, rename it to "
+                                 f"{suffix} and drop it again).")
+    notes.append(f"{label} is a text file, not {promised}; read as text.")
+    return "text"
 
 
 def _read(given: str, limit: int, fail, label: str) -> bytes:

@@ -10,6 +10,7 @@ a snippet, no such tag) stays source code. The document's note says which, and h
 
 from __future__ import annotations
 
+import json
 import re
 from html.parser import HTMLParser
 
@@ -35,6 +36,24 @@ NOTE = ("read as a web page: its text, without the markup, scripts and styles (r
 def is_page(text: str) -> bool:
     """A whole web page (not a fragment): it has a doctype, an <html> or a <body>."""
     return _PAGE.search(text) is not None
+
+
+def served(text: str) -> tuple[str, str, str] | None:
+    """(what it is, what it may be, its suffix) for a text that is a whole web page or a server's reply (XML, JSON)
+    rather than prose, else None. A failed download saves that under the name of the file it was meant to fetch;
+    a page must begin with its markup (a text that only mentions <body> further in is prose)."""
+    start = text.lstrip("\ufeff \t\r\n")
+    if start.startswith("<") and is_page(text):
+        return "a web page (HTML)", "an error page", ".html"
+    if start.startswith("<?xml"):
+        return "an XML file", "a server's error message", ".xml"
+    if start[:1] in ("{", "["):
+        try:
+            json.loads(start)
+        except ValueError:
+            return None
+        return "a JSON file", "a server's error message", ".json"
+    return None
 
 
 class _Reader(HTMLParser):

@@ -332,10 +332,11 @@ def test_pdf_truncated(tmp_path, pdf_bytes, fraction, caplog):
 
 def test_pdf_that_is_not_a_pdf(tmp_path):
     path = tmp_path / "fake.pdf"
-    path.write_text(english("if"), encoding="utf-8")
+    path.write_bytes(bytes(range(256)) * 8)  # neither a PDF nor text (text under a .pdf name: test_document_names)
     with pytest.raises(DocumentError) as exc_info:
         load_document(path)
-    assert_error(exc_info, "unreadable", "fake.pdf")
+    err = assert_error(exc_info, "unreadable", "fake.pdf")
+    assert "not a valid PDF file" in str(err)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -137,6 +137,73 @@ def test_a_pdf_header_alone_is_no_pdf():
 
 
 # --------------------------------------------------------------------------------------------------
+# Text under a .pdf or .docx name: a failed download's page is refused, prose is read as text
+# --------------------------------------------------------------------------------------------------
+
+ERROR_PAGE = (b"<!DOCTYPE html>\n<html><head><title>404 Not Found</title></head>\n<body><h1>Not Found</h1>"
+              b"<p>The requested URL was not found on this server.</p></body></html>\n")
+S3_ERROR = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>AccessDenied</Code>'
+            b"<Message>Request has expired</Message></Error>")
+API_ERROR = b'{"message": "Not Found", "status": 404}\n'
+
+SERVED = [
+    ("report.pdf", ERROR_PAGE, '"report.pdf" is really a web page (HTML), not a PDF: it may be an error page saved '
+                               "instead of the file. Download the file again (if it is what you meant to drop, "
+                               "rename it to .html and drop it again)."),
+    ("report.docx", b"\xef\xbb\xbf  \r\n" + ERROR_PAGE.replace(b"<!DOCTYPE html>", b"<!-- served by nginx -->"),
+     '"report.docx" is really a web page (HTML), not a Word document: it may be an error page saved instead of'),
+    ("statement.pdf", S3_ERROR, '"statement.pdf" is really an XML file, not a PDF: it may be a server\'s error '
+                                "message saved instead of the file. Download the file again (if it is what you meant "
+                                "to drop, rename it to .xml and drop it again)."),
+    ("memo.docx", API_ERROR, '"memo.docx" is really a JSON file, not a Word document: it may be a server\'s error '
+                             "message saved instead of the file."),
+]
+
+
+@pytest.mark.parametrize(("name", "data", "says"), SERVED, ids=[case[0] for case in SERVED])
+def test_a_page_or_server_reply_under_a_pdf_or_word_name_is_refused_as_a_failed_download(tmp_path, name, data,
+                                                                                          says):
+    # it said "not a valid PDF file (no PDF header)" or "could not be read as a Word document: File is not a zip"
+    err = refused(write(tmp_path, name, data))
+    assert err.reason == "unreadable" and str(err).startswith(says), str(err)
+
+
+PROSE = "\n".join(LINES[:12]) + "\n"
+
+
+@pytest.mark.parametrize(("name", "promised"), [("notes.pdf", "a PDF"), ("notes.docx", "a Word document")])
+def test_prose_under_a_pdf_or_word_name_is_read_as_text_with_a_note(tmp_path, name, promised):
+    # a .txt renamed: what the user wants is its text, and the note says what the file really is
+    doc = load_document(write(tmp_path, name, PROSE.encode()))
+    assert doc.kind == "text" and doc.text == PROSE.rstrip() and doc.name == name
+    assert doc.notes == (f'"{name}" is a text file, not {promised}; read as text.',)
+    # a text that mentions HTML's tags without being a page, or quotes JSON, is prose too
+    about = "Every page has a <body> element and an <html> root.\n{\"a\": 1} is a JSON object.\n"
+    assert load_document(write(tmp_path, name, about.encode())).text == about.rstrip()
+    legacy = load_document(write(tmp_path, name, "Résumé du café, réunion à neuf heures.\n".encode("cp1252")))
+    assert legacy.text == "Résumé du café, réunion à neuf heures."
+    assert legacy.notes[0] == f'"{name}" is a text file, not {promised}; read as text.'
+    assert legacy.notes[1].startswith("not UTF-8: read as")
+
+
+@pytest.mark.parametrize(("name", "promised"), [("report.pdf", "a PDF"), ("report.docx", "a Word document")])
+def test_an_empty_file_under_a_pdf_or_word_name_says_the_download_may_have_failed(tmp_path, name, promised):
+    err = refused(write(tmp_path, name, b""))
+    assert err.reason == "empty" and str(err) == (f'"{name}" is empty (0 bytes), not {promised}: the download or '
+                                                  "copy may have failed. Download or copy it again.")
+    err = refused(write(tmp_path, name, b" \r\n\n"))
+    assert err.reason == "empty" and str(err).startswith(f'"{name}" is empty (4 bytes of blank space), not {promised}')
+
+
+def test_binary_noise_under_a_pdf_or_word_name_keeps_the_readers_message(tmp_path):
+    noise = bytes(random.Random(11).randrange(256) for _ in range(4096)) + bytes(64)
+    err = refused(write(tmp_path, "damaged.pdf", noise))
+    assert err.reason == "unreadable" and "is not a valid PDF file (no PDF header)" in str(err)
+    err = refused(write(tmp_path, "damaged.docx", noise))
+    assert err.reason == "unreadable" and "could not be read as a Word document" in str(err)
+
+
+# --------------------------------------------------------------------------------------------------
 # No suffix, or one this app does not know: text is read as text
 # --------------------------------------------------------------------------------------------------
 
