@@ -48,7 +48,7 @@ _SOURCE_SUFFIXES = frozenset(
     }
 )  # fmt: skip
 _PDF_SUFFIXES = frozenset({".pdf"})
-_DOCX_SUFFIXES = frozenset({".docx"})
+_DOCX_SUFFIXES = frozenset({".docx", ".docm", ".dotx", ".dotm"})  # macro-enabled and templates too
 
 SUPPORTED_SUFFIXES: frozenset[str] = (
     _TEXT_SUFFIXES | _MARKDOWN_SUFFIXES | _SOURCE_SUFFIXES | _PDF_SUFFIXES | _DOCX_SUFFIXES

@@ -30,7 +30,7 @@ class Found:
 
 
 PDF = Found("pdf", "a PDF file", suffixes=(".pdf",))
-DOCX = Found("docx", "a Word document", suffixes=(".docx",))
+DOCX = Found("docx", "a Word document", suffixes=(".docx", ".docm", ".dotx", ".dotm"))
 
 _PDF_HEADER = re.compile(rb"%PDF-\d\.\d")
 _PDF_OBJECT = re.compile(rb"\d+[ \t\r\n\f\x00]+\d+[ \t\r\n\f\x00]+obj\b")

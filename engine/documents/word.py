@@ -1,7 +1,8 @@
-"""Word (.docx): paragraphs, headings (as Markdown ``#``), list items (``-``) and tables (as Markdown rows) read
-with python-docx, in document order, with the text of tracked insertions, content controls, hyperlinks and text
-boxes; the headers and footers (once each) and the footnotes and endnotes follow the body. Old .doc files,
-password-protected files and zip bombs are refused first."""
+"""Word (.docx; a macro-enabled .docm and a .dotx or .dotm template too, whose macros are never run): paragraphs,
+headings (as Markdown ``#``), list items (``-``) and tables (as Markdown rows) read with python-docx, in document
+order, with the text of tracked insertions, content controls, hyperlinks and text boxes; the headers and footers
+(once each) and the footnotes and endnotes follow the body. Old .doc files, password-protected files and zip bombs
+are refused first."""
 
 from __future__ import annotations
 
@@ -51,7 +52,20 @@ def _docx_text(data: bytes, label: str, fail, max_bytes: int) -> str:
         )
 
     try:
+        data = _as_docx(data)
         document = docx.Document(io.BytesIO(data))
+    except ValueError as exc:  # python-docx: "file '…' is not a Word file, content type is '…'"
+        found = re.search(r"content type is '([^']*)'", str(exc))
+        if found is None:
+            raise fail("unreadable", f"{label} could not be read as a Word document: {_reason_of(exc)}.") from None
+        raise fail("unreadable", f"{label} could not be read as a Word document: its main part has the content "
+                                 f"type {found.group(1)}, not a Word document's. Open it in Word or LibreOffice, "
+                                 "save it as a Word Document (.docx), and drop that instead.") from None
+    except Exception as exc:
+        raise fail(
+            "unreadable", f"{label} could not be read as a Word document: {_reason_of(exc)}."
+        ) from None
+    try:
         lines = list(_docx_blocks(document.element.body, document._body))
         lines += _headers_and_footers(document)
         with zipfile.ZipFile(io.BytesIO(data)) as zf:
@@ -65,6 +79,34 @@ def _docx_text(data: bytes, label: str, fail, max_bytes: int) -> str:
 
 
 _W = "{http://schemas.openxmlformats.org/wordprocessingml/2006/main}"
+
+# The main part's content type in Word's other packages: a macro-enabled document (.docm), a template (.dotx) and a
+# macro-enabled template (.dotm). python-docx opens only a .docx's ("is not a Word file"), but their document.xml is
+# the same WordprocessingML; read with a .docx's type, their text is read and their macros (vbaProject.bin) never run.
+_WORD_MAIN_TYPES = (b"application/vnd.ms-word.document.macroEnabled.main+xml",
+                    b"application/vnd.openxmlformats-officedocument.wordprocessingml.template.main+xml",
+                    b"application/vnd.ms-word.template.macroEnabledTemplate.main+xml")
+_DOCX_MAIN_TYPE = b"application/vnd.openxmlformats-officedocument.wordprocessingml.document.main+xml"
+_CONTENT_TYPES = "[Content_Types].xml"
+
+
+def _as_docx(data: bytes) -> bytes:
+    """The package `data` with a .docx's main content type where it has another Word package's; as it is else."""
+    with zipfile.ZipFile(io.BytesIO(data)) as zf:
+        try:
+            types = zf.read(_CONTENT_TYPES)
+        except KeyError:
+            return data  # python-docx says what is missing
+        fixed = types
+        for other in _WORD_MAIN_TYPES:
+            fixed = fixed.replace(other, _DOCX_MAIN_TYPE)
+        if fixed == types:
+            return data
+        out = io.BytesIO()
+        with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as package:  # stored: python-docx unpacks it all anyway
+            for info in zf.infolist():
+                package.writestr(info.filename, fixed if info.filename == _CONTENT_TYPES else zf.read(info))
+    return out.getvalue()
 
 
 def _docx_blocks(element, parent):

@@ -84,6 +84,56 @@ def test_a_word_file_under_another_name_is_read_as_word(tmp_path, word, name):
     assert doc.notes == (f'"{name}" is a Word document; read as Word.',)
 
 
+DOCX_MAIN = "application/vnd.openxmlformats-officedocument.wordprocessingml.document.main+xml"
+MACRO_MAIN = "application/vnd.ms-word.document.macroEnabled.main+xml"
+
+
+def _repackaged(word: bytes, main_type: str, *, macros: bool = False) -> bytes:
+    """`word` with its main part's content type in [Content_Types].xml replaced (as Word writes a .docm or a
+    template), and a macro project when `macros`."""
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(word)) as zin, zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as zout:
+        for info in zin.infolist():
+            data = zin.read(info)
+            if info.filename == "[Content_Types].xml":
+                assert DOCX_MAIN.encode() in data
+                data = data.replace(DOCX_MAIN.encode(), main_type.encode())
+            zout.writestr(info.filename, data)
+        if macros:
+            zout.writestr("word/vbaProject.bin", OLE + bytes(504))
+    return out.getvalue()
+
+
+WORD_PACKAGES = [
+    ("memo.docm", MACRO_MAIN, True),
+    ("memo.docx", MACRO_MAIN, True),  # a .docm renamed .docx: python-docx refused it by its content type
+    ("letter.dotx", "application/vnd.openxmlformats-officedocument.wordprocessingml.template.main+xml", False),
+    ("letter.dotm", "application/vnd.ms-word.template.macroEnabledTemplate.main+xml", True),
+]
+
+
+@pytest.mark.parametrize(("name", "main_type", "macros"), WORD_PACKAGES, ids=[case[0] for case in WORD_PACKAGES])
+def test_a_macro_enabled_word_file_or_a_template_is_read_as_word(tmp_path, word, name, main_type, macros):
+    # python-docx refuses them ("is not a Word file, content type is ..."); their document.xml is the same
+    import docx
+
+    data = _repackaged(word, main_type, macros=macros)
+    with pytest.raises(ValueError, match="is not a Word file"):
+        docx.Document(io.BytesIO(data))
+    doc = load_document(write(tmp_path, name, data))
+    assert doc.kind == "docx" and doc.notes == () and is_supported(name)
+    assert doc.text.startswith("# Quarterly memo") and "12,000 tonnes" in doc.text
+    renamed = load_document(write(tmp_path, "memo.pdf", data))
+    assert renamed.kind == "docx" and renamed.notes == ('"memo.pdf" is a Word document; read as Word.',)
+
+
+def test_a_word_package_whose_main_part_is_no_document_says_what_to_do(tmp_path, word):
+    err = refused(write(tmp_path, "odd.docx", _repackaged(word, "application/xml")))
+    assert err.reason == "unreadable" and str(err) == (
+        '"odd.docx" could not be read as a Word document: its main part has the content type application/xml, not a '
+        "Word document's. Open it in Word or LibreOffice, save it as a Word Document (.docx), and drop that instead.")
+
+
 def test_content_that_matches_its_name_gets_no_note(tmp_path, pdf, word):
     assert load_document(write(tmp_path, "report.pdf", pdf)).notes == ()
     assert load_document(write(tmp_path, "memo.docx", word)).notes == ()
