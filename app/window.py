@@ -53,6 +53,12 @@ USAGE_DEBOUNCE_MS = 400
 NEW_CHAT_TITLE = "New chat"
 WITHDRAWN_NOTICE = ("Stopped before the reply began: the message (and its documents) are back in the message box, "
                     "nothing of it was kept.")
+# The Attach dialog's filters, every file first (the one it opens with): a download saved without a suffix, or under
+# one the app does not know, is read by its content (engine.documents), so hiding it would leave it unpickable
+ATTACH_FILTERS_DEFAULT = "All files (*)"
+ATTACH_FILTERS = (f"{ATTACH_FILTERS_DEFAULT};;"
+                  "Documents (*.txt *.md *.markdown *.pdf *.docx *.docm *.py *.js *.ts *.c *.cpp *.h *.java *.go *.rs "
+                  "*.json *.yaml *.yml *.toml *.html *.css *.sql *.sh *.csv)")
 LOAD_HELP = {
     "missing": "Check the path, or pick 'default'.",
     "offline": "Download the model folder on a machine that is online and pick the folder here, or use 'default'.",
@@ -545,10 +551,7 @@ class MainWindow(QMainWindow):
 
     # ------------------------------------------------------------------ documents
     def _pick_files(self) -> None:
-        paths, _ = QFileDialog.getOpenFileNames(
-            self, "Attach documents", "",
-            "Documents (*.txt *.md *.markdown *.pdf *.docx *.py *.js *.ts *.c *.cpp *.h *.java *.go *.rs *.json "
-            "*.yaml *.yml *.toml *.html *.css *.sql *.sh *.csv);;All files (*)")
+        paths, _ = QFileDialog.getOpenFileNames(self, "Attach documents", "", ATTACH_FILTERS, ATTACH_FILTERS_DEFAULT)
         if paths:
             self.attach_files(paths)
 

@@ -223,3 +223,34 @@ def test_folder_drop_is_refused_with_a_message(qtbot, window, tmp_path):
     drop(window, [folder])
     qtbot.waitUntil(lambda: bool(window.shown_messages), timeout=5_000)
     assert "folder" in window.shown_messages[-1][1]
+
+
+def test_the_attach_dialog_opens_on_every_file_so_a_download_without_a_suffix_can_be_picked(qtbot, window, fake_model,
+                                                                                             tmp_path, monkeypatch):
+    # its "Documents" filter hid a file without a suffix: a PDF a browser saved as "report" was only under All files
+    from PySide6.QtWidgets import QFileDialog
+
+    pdf, pdf_snippet = write_pdf(tmp_path / "saved.pdf")
+    report = tmp_path / "report"
+    os.rename(pdf, report)
+    asked = []
+
+    def pick(parent, caption, folder, filters, selected="", *args):
+        asked.append((filters, selected))
+        return [str(report)], selected
+
+    monkeypatch.setattr(QFileDialog, "getOpenFileNames", staticmethod(pick))
+    window.actions_by_name["attach"].trigger()
+    assert len(asked) == 1
+    filters, selected = asked[0]
+    names = filters.split(";;")
+    assert names[0] == "All files (*)" and selected in ("", names[0])  # the one it opens with
+    documents = next(f for f in names if f.startswith("Documents ("))  # still there to narrow the list
+    assert all(f"*{suffix} " in documents or f"*{suffix})" in documents for suffix in (".pdf", ".docx", ".docm", ".txt"))
+    qtbot.waitUntil(lambda: ready(window, 1), timeout=10_000)
+    chip = next(iter(window.chips.chips.values()))
+    assert chip.document.kind == "pdf" and pdf_snippet in window.attached[next(iter(window.attached))].text
+
+    dialog = QFileDialog(window, "Attach documents", str(tmp_path), filters)  # Qt's own reading of the string
+    assert dialog.selectedNameFilter() == "All files (*)" and len(dialog.nameFilters()) == 2
+    dialog.deleteLater()
