@@ -9,9 +9,9 @@ stood after its first turn (the first question and its answer are in the chat, a
 token sequence of our requests mode (its --check-prompt --history checks that). The two uncompressed rows differ (float32 transformers against our default load; a first turn in the chat or not),
 so each row is also given against its own uncompressed figure: the share of its own uncompressed answers it keeps.
 
-Runs on the six more fact sets (`--fact-sets more` in both scripts) pool with the standard ones: give each side's
-runs (`--ours` and `--peer` repeated); the counts are summed and the cases matched one to one over all twelve
-documents.
+Runs on the other fact-set groups (`--fact-sets more` or `third` in both scripts) pool with the standard ones:
+give each side's runs (`--ours` and `--peer` repeated); the counts are summed and the cases matched one to one over
+every document.
 
 Usage: python -m benchmarks.followups_compare --ours results/followups-requests/1k [--ours a run on more fact sets]
            --peer results/followups-kvpress [--peer another run] --out results/followups-compare/1k

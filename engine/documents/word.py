@@ -32,7 +32,7 @@ def _docx_text(data: bytes, label: str, fail, max_bytes: int) -> str:
             )
         raise fail(
             "unreadable",
-            f"{label} is an old Word .doc file with a .docx name. Open it in Word or LibreOffice, "
+            f"{label} is an old Word .doc file under a newer Word file's name. Open it in Word or LibreOffice, "
             "save it as .docx, and drop it again.",
         )
 
