@@ -104,7 +104,7 @@ class MainWindow(QMainWindow):
         # what was in the box when an edit began (text, documents): back in the box when the edit ends
         self._draft: tuple[str, dict] | None = None
         # the message box of each saved chat not shown (text, documents), set aside when another chat was opened
-        self._drafts: dict[int, tuple[str, dict]] = {}
+        self._drafts: dict[int | None, tuple[str, dict]] = {}
         self._doc_paths: dict[str, str] = {}  # the file each attachment still being read comes from
         # the user opened a new, empty chat (New chat): reloading the list must not open another one instead
         self._new_chat = False
@@ -898,12 +898,13 @@ class MainWindow(QMainWindow):
 
     def _switch_draft(self, target: int | None) -> None:
         """The message box belongs to its chat: what is in it (text and documents) is set aside with the chat being
-        left, and the target chat's comes back (an empty box for a chat without one, and for a new chat)."""
+        left, and the target chat's comes back (an empty box for a chat without one). A new chat's unsent message
+        is kept under None: the next New chat starts with it."""
         text, documents = self.composer.toPlainText(), dict(self.attached)
-        if self.conversation_id is not None and (text.strip() or documents):
+        if text.strip() or documents:
             self._drafts[self.conversation_id] = (text, documents)
         self._clear_box()
-        self._put_back(self._drafts.pop(target, None) if target is not None else None)
+        self._put_back(self._drafts.pop(target, None))
 
     def _set_aside_documents(self) -> list[dict]:
         """The documents of the drafts not in the box (other chats', the one an edit set aside): a document still
@@ -1001,7 +1002,9 @@ class MainWindow(QMainWindow):
         if not self.store.messages(turn.conversation_id) and self.store.conversation(turn.conversation_id):
             try:
                 self.store.delete(turn.conversation_id)
-                self._drafts.pop(turn.conversation_id, None)
+                kept = self._drafts.pop(turn.conversation_id, None)
+                if kept is not None and self.conversation_id != turn.conversation_id and None not in self._drafts:
+                    self._drafts[None] = kept  # the new chat it was for is gone: the next New chat starts with it
             except sqlite3.Error:
                 pass  # an empty chat stays in the list; nothing is lost
             if self.conversation_id == turn.conversation_id:
@@ -1114,9 +1117,9 @@ class MainWindow(QMainWindow):
     def _set_aside_draft(self, saved: dict) -> None:
         """Another chat's box from the last run, set aside with its chat (its documents read again meanwhile)."""
         chat, text = saved.get("conversation"), str(saved.get("text", ""))
-        if not isinstance(chat, int) or isinstance(chat, bool) or not 0 < chat < 2**63 \
-                or self.store.conversation(chat) is None or chat in self._drafts:
-            return
+        if chat is not None and (not isinstance(chat, int) or isinstance(chat, bool) or not 0 < chat < 2**63
+                                 or self.store.conversation(chat) is None) or chat in self._drafts:
+            return  # (None: a new chat's, which the next New chat starts with)
         paths = [p for p in saved.get("documents") or [] if isinstance(p, str) and Path(p).is_file()]
         if not text.strip() and not paths:
             return

@@ -231,3 +231,47 @@ def test_a_document_still_being_read_at_close_comes_back(qtbot, make_window, fak
     monkeypatch.setattr(documents, "load_document", real)
     second = make_window()
     qtbot.waitUntil(lambda: _box(second) == ("about the slow file", ["slow.txt"], ["slow.txt"]), timeout=5_000)
+
+
+def test_a_new_chats_unsent_message_waits_for_the_next_new_chat(qtbot, make_window, fake_model, tmp_path):
+    window = make_window()
+    send(qtbot, window, "chat one")
+    one = window.conversation_id
+    window.new_conversation()
+    window.composer.setPlainText("a question for a new chat")
+    _attach(qtbot, window, tmp_path / "note.txt")
+    window.conversations.select(one)  # a look at an old chat
+    assert _box(window) == ("", [], [])
+    window.new_conversation()
+    assert window.conversation_id is None
+    assert _box(window) == ("a question for a new chat", ["note.txt"], ["note.txt"])
+    window.conversations.select(one)
+    window.close()
+    second = make_window()  # after a restart too
+    assert second.conversation_id == one and _box(second) == ("", [], [])
+    second.new_conversation()
+    qtbot.waitUntil(lambda: _box(second) == ("a question for a new chat", ["note.txt"], ["note.txt"]),
+                    timeout=5_000)
+    second.send()
+    qtbot.waitUntil(lambda: not second.turns.busy, timeout=10_000)
+    assert fake_model.sends()[-1]["prompt"] == "a question for a new chat"
+    second.new_conversation()
+    assert _box(second) == ("", [], [])  # sent: nothing waits any more
+
+
+def test_a_new_chats_first_message_stopped_while_another_chat_is_shown_is_not_lost(qtbot, window, fake_model):
+    send(qtbot, window, "chat one")
+    one = window.conversation_id
+    window.new_conversation()
+    fake_model.prefill_delay = 0.3
+    fake_model.prefill_steps = 20
+    send(qtbot, window, "The first message of a new chat", wait=False)
+    reply = window.chat.bubbles[-1]
+    qtbot.waitUntil(lambda: "Reading the prompt" in reply.progress.text(), timeout=5_000)
+    window.conversations.select(one)
+    window.stop()
+    qtbot.waitUntil(lambda: not window.turns.busy, timeout=3_000)
+    assert [c.id for c in window.store.conversations()] == [one]  # the emptied new chat is deleted
+    assert _box(window) == ("", [], [])
+    window.new_conversation()  # the emptied chat is gone; its message waits in the next new chat
+    assert _box(window) == ("The first message of a new chat", [], [])
