@@ -221,7 +221,7 @@ def plot(result: dict, out: Path) -> None:
     ax.set_xlabel("hot / kept ratio")
     ax.set_ylabel("follow-ups right / own uncompressed")
     ax.set_title(f"Follow-up questions, {result['tokens']}-token documents"
-                 + (", kvpress after the first exchange" if result.get("peer_history") else ""))
+                 + ("\n(kvpress after the first exchange)" if result.get("peer_history") else ""), fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "followups_compare.png", dpi=110)
