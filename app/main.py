@@ -95,13 +95,25 @@ def tell_already_running(message: str) -> None:
         QMessageBox.warning(None, "DS-V4.1 Chat is already running", message)
 
 
+def bring_to_front(window) -> None:
+    """A second start asked for the running app: its window shows, restored if minimised, on top."""
+    if window.isMinimized():
+        window.showNormal()
+    window.show()
+    window.raise_()
+    window.activateWindow()
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = make_application(argv)
     lock = InstanceLock(data_dir())
     refused = lock.acquire()  # before anything opens the chats: one app per data folder
     if refused is not None:
-        tell_already_running(refused)
+        if lock.ask_to_show():  # the running app's window comes to the front (a second double-click)
+            print(lock.shown_message(), file=sys.stderr)
+        else:
+            tell_already_running(refused)
         return ALREADY_RUNNING_EXIT
     from .window import MainWindow
 
@@ -111,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         window = MainWindow(autoload=True)
         hook.window = window
         window.show()
+        lock.listen(lambda: bring_to_front(window))
         return app.exec()
     finally:
         hook.uninstall()

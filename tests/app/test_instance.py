@@ -82,3 +82,63 @@ def test_the_message_is_a_dialog_where_there_is_a_screen_and_the_launcher_adds_n
     assert shown == [("DS-V4.1 Chat is already running", "DS-V4.1 Chat is already running with the data folder X")]
     assert "already running" in capsys.readouterr().err
     assert ALREADY_RUNNING_EXIT in QUIET_EXIT_CODES  # the app said why itself: no "stopped unexpectedly" window
+
+
+def test_a_second_start_brings_the_running_apps_window_to_the_front(qtbot, tmp_path):
+    shown = []
+    running = InstanceLock(tmp_path)
+    assert running.acquire() is None and running.listen(lambda: shown.append(True))
+    try:
+        second = InstanceLock(tmp_path)
+        assert second.acquire() is not None  # refused: the folder is held
+        assert second.ask_to_show()
+        qtbot.waitUntil(lambda: shown == [True], timeout=5_000)
+    finally:
+        running.release()
+    assert not InstanceLock(tmp_path).ask_to_show()  # nobody listens once the app is gone
+
+
+def test_a_listener_left_by_a_killed_app_does_not_stop_the_next_one(qtbot, tmp_path):
+    first = InstanceLock(tmp_path)
+    assert first.acquire() is None and first.listen(lambda: None)
+    first._lock.unlock()  # as if killed: its socket name stays taken until the next app clears it
+    first.held = False
+    shown = []
+    nxt = InstanceLock(tmp_path)
+    try:
+        assert nxt.acquire() is None and nxt.listen(lambda: shown.append(True))
+        assert InstanceLock(tmp_path).ask_to_show()
+        qtbot.waitUntil(lambda: shown == [True], timeout=5_000)
+    finally:
+        nxt.release()
+        first.release()
+
+
+LISTEN = ("import sys; from pathlib import Path\n"
+          "from PySide6.QtCore import QCoreApplication\n"
+          "from app.instance import InstanceLock\n"
+          "app = QCoreApplication([])\n"
+          "lock = InstanceLock(Path(sys.argv[1]))\n"
+          "assert lock.acquire() is None and lock.listen(lambda: (print('shown', flush=True), app.quit()))\n"
+          "print('listening', flush=True)\n"
+          "app.exec()\n")
+
+
+def test_python_m_app_a_second_time_raises_the_first_window_instead_of_a_dialog(data_dir):
+    data_dir.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "QT_QPA_PLATFORM": "offscreen", "DSV41_DATA_DIR": str(data_dir), "PYTHONPATH": str(ROOT)}
+    first = subprocess.Popen([sys.executable, "-c", LISTEN, str(data_dir)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        assert first.stdout.readline().strip() == "listening"
+        second = subprocess.run([sys.executable, "-m", "app"], cwd=ROOT, env=env, capture_output=True, text=True,
+                                timeout=120)
+        assert second.returncode == ALREADY_RUNNING_EXIT, second.stderr[-2000:]
+        assert "already running with the data folder" in second.stderr
+        assert "Its window was brought to the front." in second.stderr
+        assert first.wait(timeout=30) == 0  # it quits when asked to show its window (TimeoutExpired: never asked)
+        assert first.stdout.read().strip() == "shown"
+    finally:
+        first.kill()
+        first.wait()
+        first.stdout.close()
