@@ -1088,26 +1088,19 @@ class MainWindow(QMainWindow):
         if not isinstance(draft, dict):
             return
         others = draft.get("others") if isinstance(draft.get("others"), list) else []
-        for other in others:
-            if isinstance(other, dict):
-                self._set_aside_draft(other)
-        documents = draft.get("documents") if isinstance(draft.get("documents"), list) else []
-        if not str(draft.get("text", "")).strip() and not documents:
-            return
+        for saved in [*others, draft]:
+            if isinstance(saved, dict):
+                self._set_aside_draft(saved)
         chat = draft.get("conversation")
-        if chat is None:
+        if not (chat is None or isinstance(chat, int) and not isinstance(chat, bool)) or chat not in self._drafts:
+            return  # nothing in it, or its chat is gone (or a damaged value)
+        if chat == self.conversation_id:
+            self._put_back(self._drafts.pop(chat))
+        elif chat is None:
             self.new_conversation()
-        elif not isinstance(chat, int) or isinstance(chat, bool) or not 0 < chat < 2**63:
-            return  # a damaged value: no chat to put it in
-        elif self.store.conversation(chat) is not None:
+        else:
             self.show_conversation(chat)
             self.conversations.select(chat)
-        else:
-            return
-        self.composer.setPlainText(str(draft.get("text", "")))
-        paths = [p for p in documents if isinstance(p, str) and Path(p).is_file()]
-        if paths:
-            self.attach_files(paths)
 
     def _draft_paths(self, documents: dict) -> list[str]:
         """The files of a draft's documents, those still being read included."""
@@ -1115,12 +1108,14 @@ class MainWindow(QMainWindow):
         return [p for p in paths if p]
 
     def _set_aside_draft(self, saved: dict) -> None:
-        """Another chat's box from the last run, set aside with its chat (its documents read again meanwhile)."""
+        """A chat's box from the last run, set aside with its chat (its documents read again meanwhile) when the chat
+        is still there (None: a new chat's, which the next New chat starts with)."""
         chat, text = saved.get("conversation"), str(saved.get("text", ""))
         if chat is not None and (not isinstance(chat, int) or isinstance(chat, bool) or not 0 < chat < 2**63
                                  or self.store.conversation(chat) is None) or chat in self._drafts:
-            return  # (None: a new chat's, which the next New chat starts with)
-        paths = [p for p in saved.get("documents") or [] if isinstance(p, str) and Path(p).is_file()]
+            return
+        documents = saved.get("documents") if isinstance(saved.get("documents"), list) else []
+        paths = [p for p in documents if isinstance(p, str) and Path(p).is_file()]
         if not text.strip() and not paths:
             return
         documents: dict = {}

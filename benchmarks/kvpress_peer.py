@@ -556,6 +556,8 @@ def check_history(tokenizer, fed: dict, args) -> int:
 
 
 def main(argv=None) -> int:
+    from .followup_cases import GROUPS
+
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="python -m benchmarks.kvpress_peer", description=__doc__.split("\n\n")[0])
     parser.add_argument("--setup", action="store_true", help=f"create the peer venv at {PEER} and install the pins")
@@ -564,7 +566,7 @@ def main(argv=None) -> int:
                              "(with --history also a follow-up after our chat's first turn)")
     parser.add_argument("--words", type=int, default=640, help="words of speech per document (as followups.py)")
     parser.add_argument("--ratios", default="0.5,0.3,0.2,0.1", help="kept ratios (kvpress removes 1 - ratio)")
-    parser.add_argument("--fact-sets", choices=("standard", "more", "third"), default="standard",
+    parser.add_argument("--fact-sets", choices=tuple(GROUPS), default="standard",
                         help="the six standard documents or six others (as followups.py --fact-sets)")
     parser.add_argument("--presses", default=",".join(PRESSES))
     parser.add_argument("--model", default=None, help=f"HuggingFace folder (default {MODEL})")

@@ -39,14 +39,14 @@ from .core import (
     is_supported,
 )
 from .pdf import _clean_pdf_text, _looks_scanned, _normalise_pdf_spacing, _pdf_text, _scanned_message
-from .sniff import Found, identify
+from .sniff import _OLE_MAGIC, Found, identify
 from .text import _decode_text
 from .web import NOTE as _WEB_NOTE
 from .web import WEB_SUFFIXES as _WEB_SUFFIXES
 from .web import is_page as _is_web_page
 from .web import page_text as _web_page_text
 from .web import served as _served
-from .word import _OLE_MAGIC, _docx_text
+from .word import _docx_text
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
@@ -148,14 +148,16 @@ def load_document(
         if not (claimed == "docx" and data.startswith(_OLE_MAGIC)  # the Word reader names a .doc or a password
                 or claimed in _TEXT_KINDS and found.text):  # an RTF named .txt is the text it is
             raise unsupported(found)
-    elif found is None and claimed in _CLAIMED and b"%PDF-" not in data[:1024]:  # no PDF, zip or OLE signature
-        kind = _text_named_binary(data, label, claimed, fail, notes)
+    prose = None  # text under a .pdf / .docx name, decoded already
+    if found is None and claimed in _CLAIMED and b"%PDF-" not in data[:1024]:  # no PDF, zip or OLE signature
+        prose = _text_named_binary(data, label, claimed, fail, notes)
 
     # --- extraction ------------------------------------------------------------------------------
     web = suffix in _WEB_SUFFIXES or claimed is None  # a page saved as .txt is read as its source
     try:
-        kind, text, pages = _extract(kind, data, f"{label} ({found.what})" if renamed else label, fail, notes,
-                                     max_bytes, max_chars, web=web)
+        kind, text, pages = ("text", prose, None) if prose is not None else \
+            _extract(kind, data, f"{label} ({found.what})" if renamed else label, fail, notes, max_bytes, max_chars,
+                     web=web)
     except DocumentError as exc:
         if claimed is None and not renamed and exc.reason == "binary":
             raise unsupported() from None  # no suffix it could be read by, and not text either
@@ -208,9 +210,9 @@ _CLAIMED = {"pdf": "a PDF", "docx": "a Word document"}  # what a suffix promised
 _READ_AS = {"pdf": "PDF", "docx": "Word"}
 
 
-def _text_named_binary(data: bytes, label: str, claimed: str, fail, notes: list[str]) -> str:
-    """What a file under a .pdf or .docx name whose content has no PDF, zip or OLE signature is read as: "text" (with
-    a note) when it is prose, `claimed` (whose reader says what is wrong) when it is not text at all. A file that is
+def _text_named_binary(data: bytes, label: str, claimed: str, fail, notes: list[str]) -> str | None:
+    """A file under a .pdf or .docx name whose content has no PDF, zip or OLE signature: its text (with a note) when
+    it is prose, None when it is not text at all (the `claimed` kind's reader says what is wrong). A file that is
     empty, a web page or a server's reply (XML, JSON) is refused: a failed download saves that under the name of
     the file it was meant to fetch."""
     promised = _CLAIMED[claimed]
@@ -218,18 +220,19 @@ def _text_named_binary(data: bytes, label: str, claimed: str, fail, notes: list[
         size = f"{_size(len(data))} of blank space" if data else "0 bytes"
         raise fail("empty", f"{label} is empty ({size}), not {promised}: the download or copy may have failed. "
                             "Download or copy it again.")
+    decoded: list[str] = []
     try:
-        source = _decode_text(data, label, fail, [])
+        source = _decode_text(data, label, fail, decoded)
     except DocumentError:
-        return claimed
+        return None
     served = _served(source)
     if served is not None:
         what, why, suffix = served
         raise fail("unreadable", f"{label} is really {what}, not {promised}: it may be {why} saved instead of the "
                                  f"file. Download the file again (if it is what you meant to drop, rename it to "
                                  f"{suffix} and drop it again).")
-    notes.append(f"{label} is a text file, not {promised}; read as text.")
-    return "text"
+    notes += [f"{label} is a text file, not {promised}; read as text.", *decoded]
+    return source
 
 
 def _read(given: str, limit: int, fail, label: str) -> bytes:

@@ -11,8 +11,7 @@ import re
 import zipfile
 
 from .core import _reason_of, _size
-
-_OLE_MAGIC = b"\xd0\xcf\x11\xe0\xa1\xb1\x1a\xe1"
+from .sniff import _OLE_MAGIC
 
 
 def _docx_text(data: bytes, label: str, fail, max_bytes: int) -> str:

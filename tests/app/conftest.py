@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 from gui_fakes import FakeModel, fake_factory
 
@@ -42,6 +44,23 @@ def make_window(qtbot, fake_model):
     for window in windows:
         if window.isVisible():
             window.close()
+
+
+@pytest.fixture
+def slow_reading(monkeypatch):
+    """Documents are read only once the returned event is set (at most 5 s): a test sees them while still read."""
+    import engine.documents
+
+    gate = threading.Event()
+    real = engine.documents.load_document
+
+    def slow(path, **kw):
+        gate.wait(5)
+        return real(path, **kw)
+
+    monkeypatch.setattr(engine.documents, "load_document", slow)
+    yield gate
+    gate.set()
 
 
 @pytest.fixture

@@ -194,17 +194,8 @@ def test_a_pdf_without_a_suffix_and_a_word_file_named_pdf_are_read_by_their_cont
     assert pdf_snippet in sent[0].text and docx_snippet in sent[1].text
 
 
-def test_sending_while_a_document_is_being_read_waits(qtbot, window, fake_model, tmp_path, monkeypatch):
-    import engine.documents
-
-    gate = threading.Event()
-    real = engine.documents.load_document
-
-    def slow(path, **kw):
-        gate.wait(5)
-        return real(path, **kw)
-
-    monkeypatch.setattr(engine.documents, "load_document", slow)
+def test_sending_while_a_document_is_being_read_waits(qtbot, window, fake_model, tmp_path, slow_reading):
+    gate = slow_reading
     md, _ = write_markdown(tmp_path / "slow.md")
     window.attach_files([str(md)])
     window.composer.setPlainText("Summarise it")

@@ -3,8 +3,6 @@ opened, comes back when it is reopened, and is never sent into another chat (on 
 
 from __future__ import annotations
 
-import threading
-
 from conftest import send
 
 
@@ -78,19 +76,10 @@ def test_a_draft_is_not_carried_into_a_new_chat(qtbot, window, fake_model, tmp_p
     assert _box(window) == ("half a thought", ["note.txt"], ["note.txt"])
 
 
-def test_a_document_still_being_read_stays_with_its_chat(qtbot, window, fake_model, tmp_path, monkeypatch):
-    import engine.documents
-
+def test_a_document_still_being_read_stays_with_its_chat(qtbot, window, fake_model, tmp_path, slow_reading):
+    gate = slow_reading
     one, two = _two_chats(qtbot, window)
     window.conversations.select(one)
-    gate = threading.Event()
-    real = engine.documents.load_document
-
-    def slow(path, **kw):
-        gate.wait(5)
-        return real(path, **kw)
-
-    monkeypatch.setattr(engine.documents, "load_document", slow)
     slow_file = tmp_path / "slow.txt"
     slow_file.write_text("Read slowly.")
     window.attach_files([str(slow_file)])
@@ -144,18 +133,9 @@ def test_a_message_stopped_in_another_chat_goes_back_to_its_chats_box(qtbot, win
 
 
 def test_a_document_read_while_a_message_is_edited_is_back_with_the_draft(qtbot, window, fake_model, tmp_path,
-                                                                          monkeypatch):
-    import engine.documents
-
+                                                                          slow_reading):
+    gate = slow_reading
     send(qtbot, window, "first question")
-    gate = threading.Event()
-    real = engine.documents.load_document
-
-    def slow(path, **kw):
-        gate.wait(5)
-        return real(path, **kw)
-
-    monkeypatch.setattr(engine.documents, "load_document", slow)
     slow_file = tmp_path / "slow.txt"
     slow_file.write_text("Read slowly.")
     window.composer.setPlainText("my draft")
@@ -213,22 +193,16 @@ def test_every_chats_draft_comes_back_after_a_restart(qtbot, make_window, fake_m
     qtbot.waitUntil(lambda: _box(third) == ("draft for two", [], []), timeout=5_000)
 
 
-def test_a_document_still_being_read_at_close_comes_back(qtbot, make_window, fake_model, tmp_path, monkeypatch):
+def test_a_document_still_being_read_at_close_comes_back(qtbot, make_window, fake_model, tmp_path, slow_reading):
     first = make_window()
     send(qtbot, first, "chat one")
     path = tmp_path / "slow.txt"
     path.write_text("Slow to read.")
-    gate = threading.Event()
-    import engine.documents as documents
-
-    real = documents.load_document
-    monkeypatch.setattr(documents, "load_document", lambda p, **k: (gate.wait(5), real(p, **k))[1])
     first.composer.setPlainText("about the slow file")
     first.attach_files([str(path)])
     assert list(first.attached.values()) == [None]  # still being read
     first.close()
-    gate.set()
-    monkeypatch.setattr(documents, "load_document", real)
+    slow_reading.set()
     second = make_window()
     qtbot.waitUntil(lambda: _box(second) == ("about the slow file", ["slow.txt"], ["slow.txt"]), timeout=5_000)
 
