@@ -2,7 +2,7 @@
 headings (as Markdown ``#``), list items (``-``) and tables (as Markdown rows) read with python-docx, in document
 order, with the text of tracked insertions, content controls, hyperlinks and text boxes; the headers and footers
 (once each) and the footnotes and endnotes follow the body. Old .doc files, password-protected files and zip bombs
-are refused first."""
+are refused first. A Strict Open XML document is read as a .docx."""
 
 from __future__ import annotations
 
@@ -89,8 +89,23 @@ _DOCX_MAIN_TYPE = b"application/vnd.openxmlformats-officedocument.wordprocessing
 _CONTENT_TYPES = "[Content_Types].xml"
 
 
+# Word's "Strict Open XML Document" (.docx too) names every namespace and relationship type under
+# http://purl.oclc.org/ooxml/ where a .docx has http://schemas.openxmlformats.org/<part>/2006/ (ECMA-376 Part 1
+# against Part 4); python-docx knows only the latter ("no relationship of type ...officeDocument"). The elements are
+# the same, so the package is read with the transitional names.
+_STRICT = re.compile(rb"http://purl\.oclc\.org/ooxml/([A-Za-z]+)/([A-Za-z]+)")
+_STRICT_RENAMED = {b"extendedProperties": b"extended-properties", b"customProperties": b"custom-properties"}
+
+
+def _transitional(xml: bytes) -> bytes:
+    """An XML part of a Strict package with the transitional namespaces and relationship types."""
+    return _STRICT.sub(lambda m: b"http://schemas.openxmlformats.org/%s/2006/%s"
+                       % (m.group(1), _STRICT_RENAMED.get(m.group(2), m.group(2))), xml)
+
+
 def _as_docx(data: bytes) -> bytes:
-    """The package `data` with a .docx's main content type where it has another Word package's; as it is else."""
+    """The package `data` as python-docx reads it: a .docx's main content type where it has another Word package's,
+    the transitional names where it is Strict Open XML; as it is else."""
     with zipfile.ZipFile(io.BytesIO(data)) as zf:
         try:
             types = zf.read(_CONTENT_TYPES)
@@ -99,12 +114,19 @@ def _as_docx(data: bytes) -> bytes:
         fixed = types
         for other in _WORD_MAIN_TYPES:
             fixed = fixed.replace(other, _DOCX_MAIN_TYPE)
-        if fixed == types:
+        try:
+            strict = b"http://purl.oclc.org/ooxml/" in zf.read("_rels/.rels")
+        except KeyError:
+            strict = False
+        if fixed == types and not strict:
             return data
         out = io.BytesIO()
         with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as package:  # stored: python-docx unpacks it all anyway
             for info in zf.infolist():
-                package.writestr(info.filename, fixed if info.filename == _CONTENT_TYPES else zf.read(info))
+                part = fixed if info.filename == _CONTENT_TYPES else zf.read(info)
+                if strict and info.filename.endswith((".xml", ".rels")):
+                    part = _transitional(part)
+                package.writestr(info.filename, part)
     return out.getvalue()
 
 

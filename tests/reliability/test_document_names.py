@@ -127,6 +127,66 @@ def test_a_macro_enabled_word_file_or_a_template_is_read_as_word(tmp_path, word,
     assert renamed.kind == "docx" and renamed.notes == ('"memo.pdf" is a Word document; read as Word.',)
 
 
+def _strict(word: bytes) -> bytes:
+    """`word` as Word saves it as a "Strict Open XML Document": every namespace and relationship type of its
+    markup under http://purl.oclc.org/ooxml/ (the package's own, package/2006 and markup-compatibility, stay)."""
+    import re
+
+    def to_strict(m):
+        name = {b"extended-properties": b"extendedProperties", b"custom-properties": b"customProperties"}
+        return b"http://purl.oclc.org/ooxml/%s/%s" % (m.group(1), name.get(m.group(2), m.group(2)))
+
+    markup = re.compile(rb"http://schemas\.openxmlformats\.org/(officeDocument|wordprocessingml|drawingml)/2006/"
+                        rb"([A-Za-z-]+)")
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(word)) as zin, zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as zout:
+        for info in zin.infolist():
+            data = zin.read(info)
+            if info.filename.endswith((".xml", ".rels")):
+                data = markup.sub(to_strict, data)
+            if info.filename == "word/document.xml":
+                data = data.replace(b"<w:document ", b'<w:document w:conformance="strict" ', 1)
+            zout.writestr(info.filename, data)
+    return out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory) -> bytes:
+    """A .docx with a heading, a list, a table and a header."""
+    import docx
+
+    path = tmp_path_factory.mktemp("report") / "report.docx"
+    d = docx.Document()
+    d.sections[0].header.paragraphs[0].text = "Harbour board, internal"
+    d.add_heading("Quarterly memo", level=1)
+    d.add_paragraph("The harbour handled 12,000 tonnes in March.")
+    d.add_paragraph("Crane 4 is back in service.", style="List Bullet")
+    table = d.add_table(rows=2, cols=2)
+    for (row, col), text in {(0, 0): "Month", (0, 1): "Tonnes", (1, 0): "March", (1, 1): "12,000"}.items():
+        table.cell(row, col).text = text
+    d.save(str(path))
+    return path.read_bytes()
+
+
+@pytest.mark.parametrize("name", ["report.docx", "report.pdf"])
+def test_a_strict_open_xml_word_document_is_read_as_its_transitional_twin(tmp_path, report, name):
+    # python-docx knows only the transitional names: it refused Word's "Strict Open XML Document" outright
+    import docx
+
+    strict = _strict(report)
+    with zipfile.ZipFile(io.BytesIO(strict)) as zf:
+        assert b"purl.oclc.org/ooxml/officeDocument/relationships/officeDocument" in zf.read("_rels/.rels")
+        assert b"schemas.openxmlformats.org/wordprocessingml" not in zf.read("word/document.xml")
+    with pytest.raises(KeyError, match="officeDocument"):
+        docx.Document(io.BytesIO(strict))
+    twin = load_document(write(tmp_path, "twin.docx", report))
+    doc = load_document(write(tmp_path, name, strict))
+    assert doc.kind == "docx" and doc.text == twin.text
+    assert doc.text.startswith("# Quarterly memo") and "- Crane 4 is back in service." in doc.text
+    assert "| March | 12,000 |" in doc.text and "Harbour board, internal" in doc.text
+    assert doc.notes == (() if name.endswith(".docx") else (f'"{name}" is a Word document; read as Word.',))
+
+
 def test_a_word_package_whose_main_part_is_no_document_says_what_to_do(tmp_path, word):
     err = refused(write(tmp_path, "odd.docx", _repackaged(word, "application/xml")))
     assert err.reason == "unreadable" and str(err) == (
