@@ -38,12 +38,25 @@ def is_page(text: str) -> bool:
     return _PAGE.search(text) is not None
 
 
+# A server's short error page is often a bare fragment ("<center><h1>502 Bad Gateway</h1></center>", "<h1>403</h1>"):
+# it begins with one of these elements, ends with a tag and shows little text
+_FRAGMENT = re.compile(r"<(?:!--|(?:h[1-6]|p|div|center|title|head|meta|pre|span|b|strong|hr|br|a|table|script|"
+                       r"style)[\s>/])", re.IGNORECASE)
+_TAG = re.compile(r"<[^>]*>")
+
+
+def _error_fragment(start: str) -> bool:
+    return (_FRAGMENT.match(start) is not None and start.rstrip().endswith(">")
+            and len(_TAG.sub("", start).strip()) < 1000)
+
+
 def served(text: str) -> tuple[str, str, str] | None:
-    """(what it is, what it may be, its suffix) for a text that is a whole web page or a server's reply (XML, JSON)
-    rather than prose, else None. A failed download saves that under the name of the file it was meant to fetch;
-    a page must begin with its markup (a text that only mentions <body> further in is prose)."""
+    """(what it is, what it may be, its suffix) for a text that is a whole web page, a short fragment of one (a
+    server's bare error page) or a server's reply (XML, JSON) rather than prose, else None. A failed download saves
+    that under the name of the file it was meant to fetch; a page must begin with its markup (a text that only
+    mentions <body> further in is prose)."""
     start = text.lstrip("\ufeff \t\r\n")
-    if start.startswith("<") and is_page(text):
+    if start.startswith("<") and (is_page(text) or _error_fragment(start)):
         return "a web page (HTML)", "an error page", ".html"
     if start.startswith("<?xml"):
         return "an XML file", "a server's error message", ".xml"

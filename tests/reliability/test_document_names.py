@@ -267,6 +267,11 @@ SERVED = [
                                 "to drop, rename it to .xml and drop it again)."),
     ("memo.docx", API_ERROR, '"memo.docx" is really a JSON file, not a Word document: it may be a server\'s error '
                              "message saved instead of the file."),
+    # a bare fragment, as some servers send for an error: it was read as text
+    ("invoice.pdf", b"<center><h1>502 Bad Gateway</h1></center>\r\n<hr><center>nginx</center>\r\n",
+     '"invoice.pdf" is really a web page (HTML), not a PDF: it may be an error page saved instead of the file.'),
+    ("invoice.docx", b"<h1>403 Forbidden</h1>\n",
+     '"invoice.docx" is really a web page (HTML), not a Word document: it may be an error page saved instead'),
 ]
 
 
@@ -290,6 +295,9 @@ def test_prose_under_a_pdf_or_word_name_is_read_as_text_with_a_note(tmp_path, na
     # a text that mentions HTML's tags without being a page, or quotes JSON, is prose too
     about = "Every page has a <body> element and an <html> root.\n{\"a\": 1} is a JSON object.\n"
     assert load_document(write(tmp_path, name, about.encode())).text == about.rstrip()
+    # a README that opens with markup (a centred logo) and goes on as prose is a text, not an error page
+    readme = '<p align="center"><img src="logo.png"></p>\n\n' + PROSE * 3
+    assert load_document(write(tmp_path, name, readme.encode())).text == readme.rstrip()
     legacy = load_document(write(tmp_path, name, "Résumé du café, réunion à neuf heures.\n".encode("cp1252")))
     assert legacy.text == "Résumé du café, réunion à neuf heures."
     assert legacy.notes[0] == f'"{name}" is a text file, not {promised}; read as text.'
