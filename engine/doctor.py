@@ -140,7 +140,7 @@ def _cpu_kernels_check() -> Check:
 
     library = cpu_kernels.load()
     if library is not None:
-        isa = {512: "AVX-512", 256: "AVX2"}.get(library.isa, "plain")
+        isa = library.isa_name
         step, why_not = _decode_step()
         fused = "one fused call per decode step" if step is not None else f"the per-op decode step ({why_not})"
         return Check("CPU kernels", "ok", f"built ({isa}): CPU weights held as bf16 (or int8), decode reads half the "

@@ -76,7 +76,7 @@ def step_library(device, dtype: torch.dtype) -> tuple[KernelLibrary | None, str]
 def describe_step(library: KernelLibrary, gguf: bool = True) -> str:
     """The fused step as the model panel, the CLI and doctor name it: its kernels' ISA variant and, for weights held as
     GGUF blocks, how the Q4 products take x (gguf_blocks.x_mode), e.g. "fused C step (AVX-512, Q4 x int16)"."""
-    isa = {512: "AVX-512", 256: "AVX2"}.get(library.isa, f"ISA {library.isa}")
+    isa = library.isa_name
     return f"fused C step ({isa}, Q4 x {x_mode(library=library)})" if gguf else f"fused C step ({isa})"
 
 

@@ -42,6 +42,11 @@ class KernelLibrary:
     path: Path
     isa: int  # 512 (AVX-512) or 256 (AVX2 + FMA); plain-loop builds are refused (torch is faster)
 
+    @property
+    def isa_name(self) -> str:
+        """The instruction set the kernels were built for, as doctor, the CLI and the model panel name it."""
+        return {512: "AVX-512", 256: "AVX2"}.get(self.isa, f"ISA {self.isa}")
+
 
 def _compiler() -> str | None:
     for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
