@@ -79,23 +79,38 @@ def color(name: str):
     return QColor(colors()[name])
 
 
-def style_sheet(template: str, theme: str) -> str:
-    """The style sheet with each @name replaced by the theme's colour (an unknown name is an error)."""
+_scale = 100  # the text size (app/text_size.py), per cent: the style sheet's point sizes follow it
+_template: str | None = None  # the style sheet's template last applied
+
+
+def style_sheet(template: str, theme: str, scale: int | None = None) -> str:
+    """The style sheet with each @name replaced by the theme's colour (an unknown name is an error) and each
+    ``font-size: Npt`` scaled to the text size (`scale` per cent; default the one applied)."""
     table = THEMES[theme]
+    factor = (scale if scale is not None else _scale) / 100
 
     def replace(match: re.Match) -> str:
         return table[match.group(1)]
 
-    return re.sub(r"@([a-z_]+)\b", replace, template)
+    sheet = re.sub(r"@([a-z_]+)\b", replace, template)
+    return re.sub(r"font-size:\s*(\d+(?:\.\d+)?)pt", lambda m: f"font-size: {float(m.group(1)) * factor:g}pt", sheet)
+
+
+def rescale(app, scale: int) -> None:
+    """The style sheet's point sizes at `scale` per cent, and every widget it polished polished anew (a widget the
+    sheet has polished keeps the font it had when the application's font changes)."""
+    global _scale
+    _scale = scale
+    app.setStyleSheet(style_sheet(_template, _current) if _template is not None else app.styleSheet())
 
 
 def apply(app, template: str, theme: str | None = None) -> str:
     """Use `theme` (default: the system's) for the Fusion palette and the style sheet; returns the theme."""
-    global _current
+    global _current, _template
     from PySide6.QtGui import QColor, QPalette
 
     theme = theme or system_theme()
-    _current = theme
+    _current, _template = theme, template
     c = THEMES[theme]
     palette = QPalette()
     roles = {QPalette.ColorRole.Window: c["window"], QPalette.ColorRole.WindowText: c["text"],

@@ -16,6 +16,7 @@ from pathlib import Path
 from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtGui import QAction, QKeySequence
 from PySide6.QtWidgets import (
+    QApplication,
     QFileDialog,
     QHBoxLayout,
     QLabel,
@@ -29,6 +30,7 @@ from PySide6.QtWidgets import (
 )
 
 from . import knobs as K
+from . import text_size
 from .documents import MIN_SUGGESTED_RATIO, DocumentLoader, assess_fit
 from .protocol import AttachedDocument, ContextFigures, DocumentFigures, GenerationOptions, UsageRequest
 from .settings import Key, Settings
@@ -116,6 +118,7 @@ class MainWindow(QMainWindow):
         self.open_dialogs: list[QMessageBox] = []
         self.closed = False
         self.shown_messages: list[tuple[str, str]] = []
+        self.text_size = text_size.ACTUAL  # per cent of the system font (View menu)
 
         self._build()
         self.turns = TurnController(self.store, self.client, self.chat, self)
@@ -235,11 +238,31 @@ class MainWindow(QMainWindow):
             action.toggled.connect(widget.setVisible)
             view_menu.addAction(action)
             self.actions_by_name[name] = action
+        view_menu.addSeparator()
+        for name, label, keys, direction in (
+                ("larger_text", "Larger text", (QKeySequence.StandardKey.ZoomIn, "Ctrl+="), 1),
+                ("smaller_text", "Smaller text", (QKeySequence.StandardKey.ZoomOut,), -1),
+                ("actual_text", "Actual text size", ("Ctrl+0",), 0)):
+            action = QAction(label, self)
+            action.setShortcuts([QKeySequence(key) for key in keys])
+            action.setShortcutContext(Qt.ShortcutContext.WindowShortcut)
+            action.triggered.connect(lambda _checked=False, d=direction: self.set_text_size(
+                text_size.step(self.text_size, d) if d else text_size.ACTUAL))
+            view_menu.addAction(action)
+            self.actions_by_name[name] = action
         help_menu = self.menuBar().addMenu("&Help")
         shortcuts = QAction("Keyboard shortcuts", self, shortcut=QKeySequence(QKeySequence.StandardKey.HelpContents))
         shortcuts.triggered.connect(self.show_shortcuts)
         help_menu.addAction(shortcuts)
         self.actions_by_name["shortcuts"] = shortcuts
+
+    def set_text_size(self, scale: int) -> None:
+        """Every widget's text at `scale` per cent of the system font (View menu), kept for the next start."""
+        self.text_size = text_size.sanitize(scale)
+        text_size.apply(QApplication.instance(), self.text_size)
+        self.actions_by_name["larger_text"].setEnabled(self.text_size < text_size.SCALES[-1])
+        self.actions_by_name["smaller_text"].setEnabled(self.text_size > text_size.SCALES[0])
+        self.settings.set(Key.TEXT_SIZE, self.text_size)
 
     def shortcut_lines(self) -> list[str]:
         """'Ctrl+N — New chat', one per shortcut, plus the composer's own keys."""
@@ -1079,6 +1102,7 @@ class MainWindow(QMainWindow):
         self.model_panel.set_options(self.settings.model_options())
         self.knob_panel.set_values(self.settings.knobs())
         self.knob_panel.set_generation(self.settings.generation())
+        self.set_text_size(text_size.sanitize(self.settings.value(Key.TEXT_SIZE, text_size.ACTUAL)))
 
     def _restore_draft(self) -> None:
         """What was in the message box when the window closed, back in it (in its chat; documents still there), and
