@@ -138,11 +138,53 @@ THIRD_FACT_SETS = [
         ("The Cobalt airship is painted yellow.", "What color is the Cobalt airship?", "yellow"),
     ]),
 ]
-GROUPS = {"standard": FACT_SETS, "more": MORE_FACT_SETS, "third": THIRD_FACT_SETS}
+# Six more (`--fact-sets fourth`), written after the three groups above had been used to choose the engine's
+# settings: a held-out check of a choice made on them.
+FOURTH_FACT_SETS = [
+    ("1938-Roosevelt-1", [
+        ("The Amber ferry sails to the island of Skorva.", "To which island does the Amber ferry sail?", "skorva"),
+        ("The captain of the Amber ferry is Ingrid Solberg.", "Who is the captain of the Amber ferry?", "solberg"),
+        ("The Amber ferry carries 96 cars.", "How many cars does the Amber ferry carry?", "96"),
+        ("The Amber ferry is painted teal.", "What color is the Amber ferry?", "teal"),
+    ]),
+    ("1957-Eisenhower-1", [
+        ("The Maple orchard grows quinces.", "What fruit does the Maple orchard grow?", "quince"),
+        ("The owner of the Maple orchard is Dmitri Volkov.", "Who is the owner of the Maple orchard?", "volkov"),
+        ("The Maple orchard has 1750 trees.", "How many trees does the Maple orchard have?", "1750"),
+        ("The Maple orchard is near the town of Brisa.", "Near which town is the Maple orchard?", "brisa"),
+    ]),
+    ("1963-Kennedy-1", [
+        ("The Ivory theatre is in the city of Ghent.", "In which city is the Ivory theatre?", "ghent"),
+        ("The director of the Ivory theatre is Amara Okafor.", "Who is the director of the Ivory theatre?",
+         "okafor"),
+        ("The Ivory theatre has 580 seats.", "How many seats does the Ivory theatre have?", "580"),
+        ("The Ivory theatre opened in 1887.", "When did the Ivory theatre open?", "1887"),
+    ]),
+    ("1977-Ford-1", [
+        ("The Copper mine is in the valley of Ruska.", "In which valley is the Copper mine?", "ruska"),
+        ("The foreman of the Copper mine is Hugo Lemaire.", "Who is the foreman of the Copper mine?", "lemaire"),
+        ("The Copper mine is 410 meters deep.", "How deep is the Copper mine?", "410"),
+        ("The Copper mine closed in 1923.", "When did the Copper mine close?", "1923"),
+    ]),
+    ("1991-Bush-1", [
+        ("The Falcon zoo is in the city of Lublin.", "In which city is the Falcon zoo?", "lublin"),
+        ("The keeper of the Falcon zoo is Rosa Delgado.", "Who is the keeper of the Falcon zoo?", "delgado"),
+        ("The Falcon zoo has 73 species.", "How many species does the Falcon zoo have?", "73"),
+        ("The Falcon zoo is closed on Tuesdays.", "On which day is the Falcon zoo closed?", "tuesday"),
+    ]),
+    ("2006-Bush-1", [
+        ("The Silver train runs to the town of Narvik.", "To which town does the Silver train run?", "narvik"),
+        ("The driver of the Silver train is Yusuf Demir.", "Who is the driver of the Silver train?", "demir"),
+        ("The Silver train travels at 145 kilometers an hour.", "How fast does the Silver train travel?", "145"),
+        ("The Silver train first ran in 1911.", "When did the Silver train first run?", "1911"),
+    ]),
+]
+GROUPS = {"standard": FACT_SETS, "more": MORE_FACT_SETS, "third": THIRD_FACT_SETS, "fourth": FOURTH_FACT_SETS}
 
 
 def fact_sets(group: str = "standard") -> list:
-    """The fact sets of `group`: "standard" (the six every committed run asked), "more" or "third" (six others each)."""
+    """The fact sets of `group`: "standard" (the six every committed run asked), "more", "third" or "fourth" (six
+    others each)."""
     if group not in GROUPS:
         raise ValueError(f"no fact-set group {group!r}; choose from {', '.join(GROUPS)}")
     return GROUPS[group]
