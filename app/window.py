@@ -53,6 +53,7 @@ log = logging.getLogger(__name__)
 MEMORY_REFRESH_MS = 1000
 USAGE_DEBOUNCE_MS = 400
 NEW_CHAT_TITLE = "New chat"
+SIDE_MIN_WIDTH = 330  # the memory and knob panel at the actual text size (it widens with a larger one)
 WITHDRAWN_NOTICE = ("Stopped before the reply began: the message (and its documents) are back in the message box, "
                     "nothing of it was kept.")
 # The Attach dialog's filters, every file first (the one it opens with): a download saved without a suffix, or under
@@ -194,7 +195,7 @@ class MainWindow(QMainWindow):
         side_scroll.setWidgetResizable(True)
         side_scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         side_scroll.setWidget(side)
-        side_scroll.setMinimumWidth(330)
+        side_scroll.setMinimumWidth(SIDE_MIN_WIDTH)
         self.side_panel = side_scroll
 
         self.splitter = QSplitter(Qt.Orientation.Horizontal)
@@ -260,6 +261,8 @@ class MainWindow(QMainWindow):
         """Every widget's text at `scale` per cent of the system font (View menu), kept for the next start."""
         self.text_size = text_size.sanitize(scale)
         text_size.apply(QApplication.instance(), self.text_size)
+        # the side panel's rows (the memory figures, the knobs' labels) widen with their text
+        self.side_panel.setMinimumWidth(round(SIDE_MIN_WIDTH * max(self.text_size, 100) / 100))
         self.actions_by_name["larger_text"].setEnabled(self.text_size < text_size.SCALES[-1])
         self.actions_by_name["smaller_text"].setEnabled(self.text_size > text_size.SCALES[0])
         self.settings.set(Key.TEXT_SIZE, self.text_size)

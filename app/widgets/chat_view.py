@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 import re
 
-from PySide6.QtCore import Qt, QUrl, Signal
-from PySide6.QtGui import QColor, QGuiApplication, QTextCursor, QTextFormat
+from PySide6.QtCore import QEvent, Qt, QUrl, Signal
+from PySide6.QtGui import QColor, QGuiApplication, QTextCharFormat, QTextCursor, QTextFormat
 from PySide6.QtWidgets import (
     QFrame,
     QHBoxLayout,
@@ -76,8 +76,39 @@ class MarkdownView(QTextBrowser):
     def set_markdown(self, text: str) -> None:
         self._markdown = text
         self.setMarkdown(with_copy_links(text))
+        self._size_code()
         self._style_code_blocks()
         self._fit()
+
+    def _size_code(self) -> None:
+        """Code (spans and blocks) at the text's size: the Markdown reader gives it the system's fixed font at that
+        font's own size, which the app's text size would leave behind."""
+        size = self.font().pointSizeF()
+        if size <= 0:
+            return
+        code = []  # (start, end) of each fragment in the fixed font, collected before any is changed
+        block = self.document().begin()
+        while block.isValid():
+            fragments = block.begin()
+            while not fragments.atEnd():
+                fragment = fragments.fragment()
+                fmt = fragment.charFormat()
+                if fmt.fontFixedPitch() or "monospace" in (fmt.fontFamilies() or []):
+                    code.append((fragment.position(), fragment.position() + fragment.length()))
+                fragments += 1
+            block = block.next()
+        sized = QTextCharFormat()
+        sized.setFontPointSize(size)
+        cursor = QTextCursor(self.document())
+        for start, end in code:
+            cursor.setPosition(start)
+            cursor.setPosition(end, QTextCursor.MoveMode.KeepAnchor)
+            cursor.mergeCharFormat(sized)
+
+    def changeEvent(self, event) -> None:  # noqa: N802 - Qt override
+        super().changeEvent(event)
+        if event.type() == QEvent.Type.FontChange and self._markdown:
+            self.set_markdown(self._markdown)  # the code's size follows the text's
 
     def set_plain(self, text: str) -> None:
         self._markdown = ""

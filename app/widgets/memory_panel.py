@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from PySide6.QtCore import QPointF, QRectF, Qt
-from PySide6.QtGui import QColor, QPainter, QPainterPath, QPen
+from PySide6.QtCore import QEvent, QPointF, QRectF, Qt
+from PySide6.QtGui import QColor, QFont, QFontMetrics, QPainter, QPainterPath, QPen
 from PySide6.QtWidgets import QGridLayout, QGroupBox, QLabel, QSizePolicy, QVBoxLayout, QWidget
 
 from .. import theme
@@ -67,10 +67,26 @@ class Timeline(QWidget):
     def __init__(self, parent: QWidget | None = None):
         super().__init__(parent)
         self.samples: deque[tuple[float, int, int]] = deque(maxlen=600)
-        self.setMinimumHeight(56)
-        self.setMaximumHeight(70)
+        self._fit_to_font()
         self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
         self.setToolTip("KV cache (orange) and total engine memory (blue) over the last 3 minutes")
+
+    def _label_font(self) -> QFont:
+        """The axis labels' font: a little smaller than the widget's."""
+        font = QFont(self.font())
+        font.setPointSizeF(max(font.pointSizeF() - 1.5, 6.5))
+        return font
+
+    def _fit_to_font(self) -> None:
+        """The plot keeps its height, the labels under it the height their font needs (the text size changes it)."""
+        self._label_height = QFontMetrics(self._label_font()).height()
+        self.setMinimumHeight(44 + self._label_height)
+        self.setMaximumHeight(58 + self._label_height)
+
+    def changeEvent(self, event) -> None:  # noqa: N802 - Qt override
+        if event.type() == QEvent.Type.FontChange:
+            self._fit_to_font()
+        super().changeEvent(event)
 
     def add(self, kv: int, total: int, when: float | None = None) -> None:
         self.samples.append((when if when is not None else time.monotonic(), kv, total))
@@ -79,7 +95,7 @@ class Timeline(QWidget):
     def paintEvent(self, _event) -> None:  # noqa: N802 - Qt override
         painter = QPainter(self)
         painter.setRenderHint(QPainter.RenderHint.Antialiasing)
-        rect = QRectF(self.rect()).adjusted(1, 1, -1, -12)
+        rect = QRectF(self.rect()).adjusted(1, 1, -1, -1 - self._label_height)
         painter.fillRect(QRectF(self.rect()), theme.color("plot"))
         painter.setPen(QPen(theme.color("plot_grid")))
         painter.drawRect(rect)
@@ -106,13 +122,27 @@ class Timeline(QWidget):
             painter.setPen(QPen(QColor(color), 1.6))
             painter.drawPath(path)
         painter.setPen(theme.color("plot_text"))
-        font = painter.font()
-        font.setPointSizeF(max(font.pointSizeF() - 1.5, 6.5))
-        painter.setFont(font)
-        painter.drawText(QRectF(rect.left(), rect.bottom() + 1, rect.width(), 11),
-                         Qt.AlignmentFlag.AlignLeft, f"−{TIMELINE_SECONDS // 60} min")
-        painter.drawText(QRectF(rect.left(), rect.bottom() + 1, rect.width(), 11),
-                         Qt.AlignmentFlag.AlignRight, f"peak {fmt_bytes(peak)}")
+        painter.setFont(self._label_font())
+        labels = QRectF(rect.left(), rect.bottom() + 1, rect.width(), self._label_height)
+        painter.drawText(labels, Qt.AlignmentFlag.AlignLeft, f"−{TIMELINE_SECONDS // 60} min")
+        painter.drawText(labels, Qt.AlignmentFlag.AlignRight, f"peak {fmt_bytes(peak)}")
+
+
+class TwoLineLabel(QLabel):
+    """A wrapping label two lines of its own font tall, empty or not (so what is below never jumps), at any text
+    size."""
+
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__("", parent)
+        self._fit_to_font()
+
+    def _fit_to_font(self) -> None:
+        self.setFixedHeight(2 * self.fontMetrics().lineSpacing() + 2)
+
+    def changeEvent(self, event) -> None:  # noqa: N802 - Qt override
+        if event.type() == QEvent.Type.FontChange:
+            self._fit_to_font()
+        super().changeEvent(event)
 
 
 def _legend(color: str, text: str) -> QLabel:
@@ -152,17 +182,14 @@ class MemoryPanel(QGroupBox):
         layout.addWidget(self.tokens_label)
         # The compression line and the warning keep their room (two lines each) whether or not they have
         # anything to say, so the panel below never jumps when a warning comes or goes
-        self.ratio_label = QLabel("")
+        self.ratio_label = TwoLineLabel()
         self.ratio_label.setObjectName("dimLabel")
         self.ratio_label.setWordWrap(True)
         layout.addWidget(self.ratio_label)
-        self.hint_label = QLabel("")
+        self.hint_label = TwoLineLabel()
         self.hint_label.setObjectName("hintLabel")
         self.hint_label.setWordWrap(True)
         layout.addWidget(self.hint_label)
-        lines = 2 * self.fontMetrics().lineSpacing() + 2
-        for label in (self.ratio_label, self.hint_label):
-            label.setFixedHeight(lines)
         self.timeline = Timeline()
         layout.addWidget(self.timeline)
         layout.addSpacing(4)

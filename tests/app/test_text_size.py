@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from conftest import send
 from PySide6.QtCore import QEvent
-from PySide6.QtGui import QKeySequence
+from PySide6.QtGui import QFontMetrics, QKeySequence
 from PySide6.QtWidgets import QApplication, QLabel, QPushButton
 
 from app import text_size, theme
@@ -60,6 +60,19 @@ def test_larger_smaller_and_actual_size_scale_every_widget_and_reflow_the_chat(q
     larger.trigger()
     assert window.text_size == 150
     qtbot.waitUntil(lambda: first.height() > height, timeout=2000)  # the bubble grew with its text
+    # the reply's code (the Markdown reader sets the system's fixed font at its own size) follows the text too
+    reply = markdown_views[-1]
+    assert "print('hello')" in reply.toPlainText()
+    assert code_sizes(reply) == {round(base * 1.5, 3)}
+    # the parts sized to their font at start fit the new one: buttons' text, the two-line compression line, the
+    # memory timeline's axis labels, the side panel's width
+    for button in (window.regenerate_button, window.attach_button):
+        assert button.minimumWidth() >= button.fontMetrics().horizontalAdvance(button.text())
+    ratio = window.memory_panel.ratio_label
+    assert ratio.height() >= 2 * ratio.fontMetrics().lineSpacing()
+    timeline = window.memory_panel.timeline
+    assert timeline.minimumHeight() >= 44 + QFontMetrics(timeline._label_font()).height()
+    assert window.side_panel.minimumWidth() == round(330 * 1.5)
     assert Settings().value(Key.TEXT_SIZE) in (150, "150")
 
     smaller.trigger()
@@ -67,6 +80,20 @@ def test_larger_smaller_and_actual_size_scale_every_widget_and_reflow_the_chat(q
     actual.trigger()
     assert window.text_size == 100 and point_size() == pytest.approx(base)
     qtbot.waitUntil(lambda: first.height() == height, timeout=2000)
+
+
+def code_sizes(view) -> set[float]:
+    """The point sizes of a Markdown view's text in the fixed font."""
+    sizes, block = set(), view.document().begin()
+    while block.isValid():
+        fragments = block.begin()
+        while not fragments.atEnd():
+            fmt = fragments.fragment().charFormat()
+            if fmt.fontFixedPitch() or "monospace" in (fmt.fontFamilies() or []):
+                sizes.add(round(fmt.font().pointSizeF(), 3))
+            fragments += 1
+        block = block.next()
+    return sizes
 
 
 def test_the_ends_stop_and_their_action_is_disabled(window):
