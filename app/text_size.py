@@ -1,4 +1,4 @@
-"""The app's text size (View ▸ Larger text / Smaller text / Actual size; Ctrl++, Ctrl+-, Ctrl+0): every widget's
+"""The app's text size (View ▸ Larger text / Smaller text / Actual text size; Ctrl++ or Ctrl+=, Ctrl+-, Ctrl+0): every widget's
 font, the chat's text included, scaled from the font the app started with, in steps of a browser's zoom. Kept in
 the settings across starts."""
 
@@ -41,7 +41,7 @@ def apply(app: QApplication, scale: int) -> QFont:
         font.setPointSizeF(font.pointSizeF() * scale / 100)
     elif font.pixelSize() > 0:
         font.setPixelSize(max(1, round(font.pixelSize() * scale / 100)))
-    if font != app.font() or theme._scale != scale:
+    if font != app.font() or theme.text_scale() != scale:
         app.setFont(font)
         theme.rescale(app, scale)
     return font

@@ -96,6 +96,11 @@ def style_sheet(template: str, theme: str, scale: int | None = None) -> str:
     return re.sub(r"font-size:\s*(\d+(?:\.\d+)?)pt", lambda m: f"font-size: {float(m.group(1)) * factor:g}pt", sheet)
 
 
+def text_scale() -> int:
+    """The text size the style sheet's point sizes are at, per cent."""
+    return _scale
+
+
 def rescale(app, scale: int) -> None:
     """The style sheet's point sizes at `scale` per cent, and every widget it polished polished anew (a widget the
     sheet has polished keeps the font it had when the application's font changes)."""
