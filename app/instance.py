@@ -3,7 +3,9 @@
 Two apps on one folder would both write the chats, and each would mark the other's streaming reply
 "interrupted" when it starts (app.store). The second one is refused before it opens the store, and says how to
 run a second one on a folder of its own. A lock left by a process that died (killed, crashed, the machine
-restarted) is taken over: QLockFile finds its pid no longer running. Where no lock file can be made (a read-only
+restarted) is taken over: QLockFile finds its pid no longer running (on this computer: where the folder is shared
+and another computer's app holds it, the message names that computer and the lock file to delete if that app is
+gone). Where no lock file can be made (a read-only
 or full data folder) the app goes on: the store opens the chats to read only and says so. The app holding the folder
 listens on a local socket named after it (QLocalServer): a second start (a second double-click) asks it to bring its
 window to the front, and says so only in the terminal; where that fails it shows its message in a dialog too.
@@ -20,7 +22,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from PySide6.QtCore import QLockFile
+from PySide6.QtCore import QLockFile, QSysInfo
 from PySide6.QtNetwork import QLocalServer, QLocalSocket
 
 from .paths import DATA_DIR_ENV
@@ -30,12 +32,18 @@ SHOW = b"show\n"  # what a second start sends the running app: bring your window
 ALREADY_RUNNING_EXIT = 3  # the launcher (installer/commands.py) shows no error of its own for it: the app said why
 
 
-def already_running_message(folder: Path, pid: int | None, *, shown: bool = False) -> str:
-    """What the second app says: which folder, which process holds it, and how to run another one beside it
-    (`shown`: the running app's window was brought to the front)."""
+def already_running_message(folder: Path, pid: int | None, *, shown: bool = False, host: str | None = None) -> str:
+    """What the second app says: which folder, which process holds it (and on which machine, where another one
+    does: a data folder on a network share), and how to run another one beside it (`shown`: the running app's window
+    was brought to the front)."""
     holder = f" (process {pid})" if pid else ""
     what_now = ("Its window was brought to the front." if shown else
                 "Switch to its window, or close it before starting the app again.")
+    if host:
+        # this machine cannot tell whether a process of another one still runs: a lock left by a crash there stays
+        holder = f" (process {pid} on the computer {host})" if pid else f" (on the computer {host})"
+        what_now = (f"Close it there before starting the app here. If the app is no longer running on {host} (that "
+                    f"computer crashed or lost power), delete {Path(folder) / LOCK_NAME} and start the app again.")
     if platform.system() == "Windows":
         example = f'set {DATA_DIR_ENV}=%USERPROFILE%\\ds-v41-chat-2 && "{sys.executable}" -m app'
     else:
@@ -63,21 +71,25 @@ class InstanceLock:
             return None
         if self._lock.error() != QLockFile.LockError.LockFailedError:
             return None  # no lock file can be made here: the store opens read-only and says why
-        return already_running_message(self.folder, self._holder())
+        pid, host = self._holder()
+        return already_running_message(self.folder, pid, host=host)
 
     def shown_message(self) -> str:
         """What a second start says after the running app brought its window to the front."""
-        return already_running_message(self.folder, self._holder(), shown=True)
+        return already_running_message(self.folder, self._holder()[0], shown=True)
 
-    def _holder(self) -> int | None:
+    def _holder(self) -> tuple[int | None, str | None]:
+        """(the pid in the lock file, the computer it was made on where that is not this one)."""
         try:
             info = self._lock.getLockInfo()
         except (RuntimeError, TypeError):
-            return None
+            return None, None
         if not isinstance(info, tuple) or not info or info[0] is False:  # (ok, pid, ...) in some PySide6 versions
-            return None
+            return None, None
         pid = next((v for v in info if isinstance(v, int) and not isinstance(v, bool)), None)
-        return pid if pid is not None and pid > 0 else None
+        strings = [v for v in info if isinstance(v, str)]  # (pid, hostname, appname)
+        host = strings[0] if strings and strings[0] and strings[0] != QSysInfo.machineHostName() else None
+        return (pid if pid is not None and pid > 0 else None), host
 
     def release(self) -> None:
         if self._server is not None:

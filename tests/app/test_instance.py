@@ -61,6 +61,23 @@ def test_a_lock_left_by_a_killed_app_is_taken_over(data_dir, holder):
     assert InstanceLock(data_dir).acquire() is None
 
 
+def test_a_lock_made_on_another_computer_names_it_and_the_file_to_delete(data_dir):
+    # a data folder on a network share: this machine cannot see whether that process runs, so the lock stays
+    from PySide6.QtCore import QSysInfo
+
+    data_dir.mkdir(parents=True, exist_ok=True)
+    assert QSysInfo.machineHostName() != "lab-workstation-7"
+    (data_dir / LOCK_NAME).write_text("4242\npython3\nlab-workstation-7\n", encoding="utf-8")
+    message = InstanceLock(data_dir).acquire()
+    assert message is not None
+    assert "(process 4242 on the computer lab-workstation-7)" in message
+    assert f"delete {data_dir / LOCK_NAME} and start the app again" in message
+    (data_dir / LOCK_NAME).unlink()  # what the message says to do
+    lock = InstanceLock(data_dir)
+    assert lock.acquire() is None
+    lock.release()
+
+
 def test_a_folder_where_no_lock_can_be_made_does_not_stop_the_app(tmp_path):
     """A read-only or full data folder: the store opens the chats to read only and says why (app.store)."""
     blocked = tmp_path / "a-file"
