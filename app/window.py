@@ -318,7 +318,7 @@ class MainWindow(QMainWindow):
         self.conversations.delete_requested.connect(self.delete_conversation)
         self.conversations.renamed.connect(self._on_renamed)
         self.conversations.export_requested.connect(self.export_conversation)
-        self.conversations.search_changed.connect(lambda: self._reload_conversations(select=self.conversation_id))
+        self.conversations.search_changed.connect(self._on_search)
 
         self.composer.submitted.connect(self.send)
         self.composer.files_dropped.connect(self.attach_files)
@@ -693,8 +693,14 @@ class MainWindow(QMainWindow):
         self.turns.rebind(self.chat.bubbles)
         if self.turns.active is not None and self.turns.active.bubble is not None:
             self.turns.active.bubble.set_text(self.turns.active.text)
+        self.chat.highlight(self.conversations.search.text().strip())  # a chat opened from a search: its match
         self._update_actions()
         self._schedule_usage()
+
+    def _on_search(self) -> None:
+        """The chats list shows the chats holding the search's text; the open chat marks it (or clears the marks)."""
+        self._reload_conversations(select=self.conversation_id)
+        self.chat.highlight(self.conversations.search.text().strip())
 
     def new_conversation(self) -> None:
         self.conversations.list.clearSelection()

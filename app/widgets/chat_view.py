@@ -15,6 +15,7 @@ from PySide6.QtWidgets import (
     QScrollArea,
     QSizePolicy,
     QTextBrowser,
+    QTextEdit,
     QVBoxLayout,
     QWidget,
 )
@@ -79,6 +80,22 @@ class MarkdownView(QTextBrowser):
         self._size_code()
         self._style_code_blocks()
         self._fit()
+
+    def mark(self, query: str) -> int:
+        """Shade every occurrence of `query` (ignoring case) in the text; '' clears. How many were found."""
+        selections = []
+        if query:
+            shade = QTextCharFormat()
+            shade.setBackground(QColor(self.palette().highlight().color()))
+            shade.setForeground(QColor(self.palette().highlightedText().color()))
+            cursor = self.document().find(query)
+            while not cursor.isNull():
+                selection = QTextEdit.ExtraSelection()
+                selection.cursor, selection.format = cursor, shade
+                selections.append(selection)
+                cursor = self.document().find(query, cursor)
+        self.setExtraSelections(selections)
+        return len(selections)
 
     def _size_code(self) -> None:
         """Code (spans and blocks) at the text's size: the Markdown reader gives it the system's fixed font at that
@@ -307,8 +324,16 @@ class ChatView(QScrollArea):
         bar = self.verticalScrollBar()
         bar.valueChanged.connect(self._on_scrolled)
         bar.rangeChanged.connect(self._on_range)
+        # a message a search found, kept in sight while the transcript lays out, until the user scrolls or the chat
+        # changes
+        self._target: MessageBubble | None = None
+        bar.actionTriggered.connect(self._forget_target)
+
+    def _forget_target(self, *_args) -> None:
+        self._target = None
 
     def clear(self) -> None:
+        self._target = None
         for bubble in self.bubbles:
             self._layout.removeWidget(bubble)
             bubble.hide()  # at once: the deletion waits for the event loop
@@ -318,6 +343,7 @@ class ChatView(QScrollArea):
         self._follow = True
 
     def add(self, bubble: MessageBubble) -> MessageBubble:
+        self._target = None
         bubble.action_requested.connect(self.message_action)
         self._placeholder.hide()
         self._layout.insertWidget(self._layout.count() - 1, bubble)
@@ -333,10 +359,29 @@ class ChatView(QScrollArea):
             bubble.deleteLater()
         self._placeholder.setVisible(not self.bubbles)
 
+    def highlight(self, query: str) -> MessageBubble | None:
+        """Mark every occurrence of `query` (ignoring case) in the messages, as the chats list's search found it, and
+        scroll to the first message holding it; '' clears the marks. The first bubble found, or None."""
+        first = None
+        for bubble in self.bubbles:
+            if bubble.view.mark(query) and first is None:
+                first = bubble
+        self._target = first
+        if first is not None:
+            self._follow = False  # stay on the match as the transcript lays out (_on_range)
+            self._show_target()
+        return first
+
+    def _show_target(self) -> None:
+        if self._target is not None and self._target in self.bubbles:
+            self.ensureWidgetVisible(self._target, 0, 40)
+
     def _on_scrolled(self, value: int) -> None:
         bar = self.verticalScrollBar()
         self._follow = value >= bar.maximum() - 40
 
     def _on_range(self, _minimum: int, maximum: int) -> None:
-        if self._follow:
+        if self._target is not None:
+            self._show_target()
+        elif self._follow:
             self.verticalScrollBar().setValue(maximum)
