@@ -373,8 +373,8 @@ class ChatView(QScrollArea):
         return first
 
     def _show_target(self) -> None:
-        if self._target is not None and self._target in self.bubbles:
-            self.ensureWidgetVisible(self._target, 0, 40)
+        if self._target is not None and self._target in self.bubbles:  # near the top, what follows it below
+            self.verticalScrollBar().setValue(max(0, self._target.y() - 40))
 
     def _on_scrolled(self, value: int) -> None:
         bar = self.verticalScrollBar()
