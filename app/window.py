@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sqlite3
 import time
 from collections import OrderedDict
@@ -28,6 +29,8 @@ from PySide6.QtWidgets import (
     QVBoxLayout,
     QWidget,
 )
+
+from engine.documents.folder import folder_documents
 
 from . import knobs as K
 from . import text_size
@@ -582,7 +585,20 @@ class MainWindow(QMainWindow):
             self.attach_files(paths)
 
     def attach_files(self, paths: list[str]) -> None:
+        """Read each file as a document (in the loader's thread); a folder gives the documents inside it."""
+        files: list[str] = []
         for path in paths:
+            if not os.path.isdir(path):
+                files.append(path)
+                continue
+            found = folder_documents(path)
+            files += found.files
+            said = found.summary()
+            if said and not found.files:
+                self.inform("Could not attach the folder", said)
+            elif said:
+                self.statusBar().showMessage(said, 15_000)
+        for path in files:
             key = self.loader.load(path)
             self._doc_paths[key] = path
             self.attached[key] = None

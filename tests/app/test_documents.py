@@ -245,3 +245,31 @@ def test_the_attach_dialog_opens_on_every_file_so_a_download_without_a_suffix_ca
     dialog = QFileDialog(window, "Attach documents", str(tmp_path), filters)  # Qt's own reading of the string
     assert dialog.selectedNameFilter() == "All files (*)" and len(dialog.nameFilters()) == 2
     dialog.deleteLater()
+
+
+def test_a_dropped_folder_attaches_the_documents_inside_it(qtbot, window, fake_model, tmp_path):
+    folder = tmp_path / "project notes"
+    (folder / "part two").mkdir(parents=True)
+    md, md_snippet = write_markdown(folder / "a-with.md")
+    pdf, pdf_snippet = write_pdf(folder / "part two" / "b-while.pdf")
+    (folder / "photo.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(64))
+    drop(window, [folder])
+    qtbot.waitUntil(lambda: ready(window, 2), timeout=10_000)
+    assert [c.document.name for c in window.chips.chips.values()] == ["a-with.md", "b-while.pdf"]
+    assert window.statusBar().currentMessage() == ('2 documents attached from the folder "project notes". 1 other '
+                                                   'file left out (1 .png).')
+    send(qtbot, window, "What do these notes say?")
+    sent = fake_model.sends()[-1]["documents"]
+    assert md_snippet in sent[0].text and pdf_snippet in sent[1].text
+
+
+def test_a_dropped_folder_without_documents_says_so_and_attaches_nothing(qtbot, window, tmp_path):
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    (folder / "photo.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(64))
+    told = []
+    window.inform = lambda title, text, **_kw: told.append((title, text))
+    drop(window, [folder])
+    assert told == [("Could not attach the folder", 'The folder "photos" holds no documents the app reads (PDF, Word, '
+                     "text, Markdown or source files). 1 other file left out (1 .png).")]
+    assert not window.attached and not window.chips.chips

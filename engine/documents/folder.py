@@ -1,0 +1,79 @@
+"""A folder dropped or picked as a document: the documents inside it, in name order, its subfolders included.
+
+Only files whose name says they are a kind the readers take are kept (PDF, Word, text, Markdown, source; a file
+with no suffix only where its name is one the readers know, such as README or Makefile): a folder holds programs,
+images and archives a user did not mean to attach. Hidden files and folders (a leading dot) and the folders tools
+fill (.git, node_modules, __pycache__, a virtual environment) are passed over. The walk stops after MAX_SCANNED
+entries and keeps at most MAX_FILES documents, and says so: a folder such as a home folder would take minutes and
+hold far more than any context.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+
+from .core import _kind_for
+
+MAX_FILES = 50
+MAX_SCANNED = 5000
+_SKIPPED_DIRS = frozenset({"node_modules", "__pycache__", "site-packages"})  # and any virtual environment
+
+
+@dataclass
+class FolderDocuments:
+    folder: str
+    files: list[str] = field(default_factory=list)  # the documents to attach, in name order (paths)
+    left_out: Counter = field(default_factory=Counter)  # other files by suffix ("" for none): not documents
+    more: int = 0  # documents past MAX_FILES, not attached
+    cut_short: bool = False  # the walk stopped at MAX_SCANNED entries
+
+    def summary(self) -> str:
+        """What was attached from the folder and what was not, in a sentence or two ('' when all of it)."""
+        name = os.path.basename(os.path.normpath(self.folder)) or self.folder
+        if not self.files:
+            head = f'The folder "{name}" holds no documents the app reads (PDF, Word, text, Markdown or source files).'
+        else:
+            head = f'{len(self.files)} document{"s" if len(self.files) != 1 else ""} attached from the folder "{name}".'
+        parts = []
+        if self.more:
+            parts.append(f"{self.more} more were not attached (at most {MAX_FILES} from one folder): drop them "
+                         "separately, or a smaller folder.")
+        if self.cut_short:
+            parts.append(f"Only its first {MAX_SCANNED} entries were looked at: drop the subfolder you mean.")
+        if self.left_out:
+            total = sum(self.left_out.values())
+            kinds = ", ".join(f"{count} {suffix or 'without a suffix'}" for suffix, count in
+                              sorted(self.left_out.items(), key=lambda kv: (-kv[1], kv[0]))[:4])
+            parts.append(f"{total} other file{'s' if total != 1 else ''} left out ({kinds}).")
+        if self.files and not parts:
+            return ""
+        return " ".join([head, *parts])
+
+
+def folder_documents(folder: str | os.PathLike[str]) -> FolderDocuments:
+    """The documents in `folder` and its subfolders (see the module's docstring)."""
+    found = FolderDocuments(os.fspath(folder))
+    scanned = 0
+    documents: list[str] = []
+    for root, dirs, files in os.walk(found.folder, onerror=lambda _exc: None):
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in _SKIPPED_DIRS
+                         and not os.path.exists(os.path.join(root, d, "pyvenv.cfg")))
+        for name in sorted(files):
+            scanned += 1
+            if scanned > MAX_SCANNED:
+                found.cut_short = True
+                break
+            if name.startswith("."):
+                continue
+            path = os.path.join(root, name)
+            if _kind_for(name) is not None and os.path.isfile(path):
+                documents.append(path)
+            else:
+                found.left_out[os.path.splitext(name)[1].lower()] += 1
+        if found.cut_short:
+            break
+    documents.sort(key=lambda p: os.path.relpath(p, found.folder).lower())
+    found.files, found.more = documents[:MAX_FILES], max(0, len(documents) - MAX_FILES)
+    return found
