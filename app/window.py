@@ -228,7 +228,8 @@ class MainWindow(QMainWindow):
                 ("stop", "Stop the reply", QKeySequence(Qt.Key.Key_Escape), self.escape),
                 ("regenerate", "Regenerate the last reply", QKeySequence("Ctrl+R"), self.regenerate),
                 ("edit_last", "Edit the last message", QKeySequence("Ctrl+E"), self.edit_last),
-                ("attach", "Attach documents…", QKeySequence("Ctrl+O"), self._pick_files)):
+                ("attach", "Attach documents…", QKeySequence("Ctrl+O"), self._pick_files),
+                ("attach_folder", "Attach a folder…", QKeySequence("Ctrl+Shift+O"), self._pick_folder)):
             action = QAction(label, self, shortcut=keys)
             action.setShortcutContext(Qt.ShortcutContext.WindowShortcut)
             action.triggered.connect(slot)
@@ -583,6 +584,11 @@ class MainWindow(QMainWindow):
         paths, _ = QFileDialog.getOpenFileNames(self, "Attach documents", "", ATTACH_FILTERS, ATTACH_FILTERS_DEFAULT)
         if paths:
             self.attach_files(paths)
+
+    def _pick_folder(self) -> None:
+        folder = QFileDialog.getExistingDirectory(self, "Attach the documents of a folder")
+        if folder:
+            self.attach_files([folder])
 
     def attach_files(self, paths: list[str]) -> None:
         """Read each file as a document (in the loader's thread); a folder gives the documents inside it."""

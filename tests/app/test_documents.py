@@ -273,3 +273,17 @@ def test_a_dropped_folder_without_documents_says_so_and_attaches_nothing(qtbot, 
     assert told == [("Could not attach the folder", 'The folder "photos" holds no documents the app reads (PDF, Word, '
                      "text, Markdown or source files). 1 other file left out (1 .png).")]
     assert not window.attached and not window.chips.chips
+
+
+def test_attach_a_folder_from_the_chat_menu(qtbot, window, monkeypatch, tmp_path):
+    from PySide6.QtWidgets import QFileDialog
+
+    folder = tmp_path / "picked"
+    folder.mkdir()
+    write_markdown(folder / "notes.md")
+    monkeypatch.setattr(QFileDialog, "getExistingDirectory", staticmethod(lambda *a, **k: str(folder)))
+    action = window.actions_by_name["attach_folder"]
+    assert action.shortcut().toString() == "Ctrl+Shift+O"
+    action.trigger()
+    qtbot.waitUntil(lambda: ready(window, 1), timeout=10_000)
+    assert [c.document.name for c in window.chips.chips.values()] == ["notes.md"]
