@@ -8,7 +8,7 @@ import threading
 import traceback
 
 from PySide6.QtCore import QObject, Qt, Signal
-from PySide6.QtGui import QFont, QIcon
+from PySide6.QtGui import QFont, QFontInfo, QIcon
 from PySide6.QtWidgets import QApplication, QMessageBox
 
 from . import theme
@@ -68,6 +68,19 @@ def style_sheet() -> str:
     return path.read_text(encoding="utf-8") if path is not None else ""
 
 
+CJK_FALLBACKS = ("Noto Sans CJK SC", "Noto Sans SC", "Microsoft YaHei", "PingFang SC")
+
+
+def ui_font(system: QFont) -> QFont:
+    """The system's UI font with a CJK fallback after it, so Chinese renders even where the UI font lacks it. The
+    first family is the one the system's font resolves to ("DejaVu Sans" for fontconfig's "Sans Serif"): an alias
+    name first in the list matches no family, and everything, Latin included, was drawn in the CJK fallback, whose
+    curly quotes and apostrophes are full width ("file’ s")."""
+    font = QFont(system)
+    font.setFamilies([QFontInfo(system).family(), *CJK_FALLBACKS])
+    return font
+
+
 def make_application(argv: list[str] | None = None) -> QApplication:
     app = QApplication.instance() or QApplication(argv if argv is not None else sys.argv)
     app.setApplicationName("DS-V4.1 Chat")
@@ -75,10 +88,7 @@ def make_application(argv: list[str] | None = None) -> QApplication:
     app.setDesktopFileName("ds-v41-chat")
     app.setWindowIcon(app_icon())
     app.setStyle("Fusion")
-    font = QFont(app.font())
-    # A CJK fallback after the UI font, so Chinese renders even where the UI font lacks it.
-    font.setFamilies([font.family(), "Noto Sans CJK SC", "Noto Sans SC", "Microsoft YaHei", "PingFang SC"])
-    app.setFont(font)
+    app.setFont(ui_font(app.font()))
     template = style_sheet()
     theme.apply(app, template)
     try:  # follow the system when it switches between light and dark (Qt 6.5+)

@@ -84,3 +84,27 @@ def test_dark_and_light_reach_the_palette_the_style_sheet_and_the_painted_widget
     finally:
         monkeypatch.delenv("DSV41_THEME")
         theme.apply(QApplication.instance(), style_sheet(), "light")
+
+
+def test_latin_text_is_drawn_in_the_system_font_and_chinese_in_a_cjk_fallback(qapp):
+    # fontconfig's "Sans Serif" is an alias: first in the families list it matched nothing, so Latin text too was
+    # drawn in the CJK fallback, whose apostrophes and quotes are full width ("file’ s")
+    from PySide6.QtGui import QFont, QFontDatabase, QFontInfo, QTextLayout
+
+    from app.main import CJK_FALLBACKS, ui_font
+
+    def families(text: str, font: QFont) -> list[str]:
+        layout = QTextLayout(text, font)
+        layout.beginLayout()
+        layout.createLine()
+        layout.endLayout()
+        return [run.rawFont().familyName() for run in layout.glyphRuns()]
+
+    for system in (QFont("Sans Serif"), QFont(qapp.font().family())):
+        font = ui_font(system)
+        resolved = QFontInfo(system).family()
+        assert font.families()[0] == resolved and QFontInfo(font).family() == resolved
+        assert families("the file’s “quoted” name", font) == [resolved]
+        installed = [f for f in CJK_FALLBACKS if f in QFontDatabase.families()]
+        if installed and not QFontInfo(QFont(resolved)).family().startswith(tuple(installed)):
+            assert set(families("港口的吞吐量", font)) <= set(installed)
