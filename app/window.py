@@ -44,6 +44,7 @@ from .widgets.chat_view import ChatView, MessageBubble
 from .widgets.composer import Composer
 from .widgets.conversation_list import ConversationList
 from .widgets.document_chips import DocumentChips
+from .widgets.document_text import DocumentTextDialog
 from .widgets.download_dialog import DownloadDialog
 from .widgets.knob_panel import KnobPanel
 from .widgets.memory_panel import MemoryPanel
@@ -120,6 +121,7 @@ class MainWindow(QMainWindow):
         self._loading_options: dict | None = None  # the model panel's choice being loaded
         self._memory_requested = False
         self.open_dialogs: list[QMessageBox] = []
+        self.text_windows: list = []  # documents' text shown (DocumentTextDialog), open beside the chat
         self.closed = False
         self.shown_messages: list[tuple[str, str]] = []
         self.text_size = text_size.ACTUAL  # per cent of the system font (View menu)
@@ -336,6 +338,8 @@ class MainWindow(QMainWindow):
         self.edit_button.clicked.connect(self.edit_last)
         self.attach_button.clicked.connect(self._pick_files)
         self.chips.remove_requested.connect(self.remove_document)
+        self.chips.text_requested.connect(lambda key: self.show_document_text(self.attached.get(key)))
+        self.chat.document_requested.connect(self._show_sent_document)
         self.loader.parsed.connect(self._on_document_parsed)
         self.loader.failed.connect(self._on_document_failed)
         self.knob_panel.knobs_changed.connect(self._on_knobs_changed)
@@ -584,6 +588,21 @@ class MainWindow(QMainWindow):
         paths, _ = QFileDialog.getOpenFileNames(self, "Attach documents", "", ATTACH_FILTERS, ATTACH_FILTERS_DEFAULT)
         if paths:
             self.attach_files(paths)
+
+    def show_document_text(self, document) -> DocumentTextDialog | None:
+        """A window with the text the model reads of `document` (an attached one, or a sent message's)."""
+        if document is None:  # still being read
+            return None
+        dialog = DocumentTextDialog(document, self)
+        self.text_windows.append(dialog)
+        dialog.finished.connect(lambda _r, d=dialog: self.text_windows.remove(d) if d in self.text_windows else None)
+        dialog.show()
+        return dialog
+
+    def _show_sent_document(self, message_id: int, index: int) -> None:
+        documents = self.store.attachments(message_id) if message_id else ()
+        if 0 <= index < len(documents):
+            self.show_document_text(documents[index])
 
     def _pick_folder(self) -> None:
         folder = QFileDialog.getExistingDirectory(self, "Attach the documents of a folder")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import math
 import re
 
@@ -25,6 +26,7 @@ from . import fit_to_text
 
 _FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
 COPY_SCHEME = "copy"
+DOCUMENT_SCHEME = "document"
 
 
 def code_blocks(markdown: str) -> list[tuple[str, int, bool]]:
@@ -176,6 +178,7 @@ class MessageBubble(QFrame):
     carries the message's actions: Copy, Edit (yours), Delete, and a reply's versions (‹ 2/3 ›)."""
 
     action_requested = Signal(str, int)  # "edit" | "delete" | "previous" | "next", the message id
+    document_requested = Signal(int, int)  # the message id, the attachment's index: see its text
 
     def __init__(self, role: str, text: str = "", *, message_id: int | None = None, attachments=(),
                  footer: str = "", error: str | None = None, parent: QWidget | None = None):
@@ -214,10 +217,15 @@ class MessageBubble(QFrame):
         self.delete_button.setVisible(message_id is not None)
         head.addWidget(self.delete_button)
         layout.addLayout(head)
-        for info in attachments:
+        for index, info in enumerate(attachments):
             pages = f" · {page_count(info.pages)}" if info.pages else ""
             tokens = f" · ~{info.tokens:,} tokens" if info.tokens else ""
-            chip = QLabel(f"❐ {info.name}{pages} · {info.chars:,} chars{tokens}")
+            chip = QLabel(f'❐ <a href="{DOCUMENT_SCHEME}:{index}">{html.escape(info.name)}</a>{pages} · '
+                          f"{info.chars:,} chars{tokens}")
+            chip.setTextFormat(Qt.TextFormat.RichText)
+            chip.setToolTip("See the text the model read from this document")
+            chip.linkActivated.connect(lambda link: self.document_requested.emit(
+                self.message_id or 0, int(link.partition(":")[2])))
             chip.setObjectName("bubbleAttachment")
             chip.setWordWrap(True)  # never wider than the chat: a narrow window wraps it
             layout.addWidget(chip)
@@ -300,6 +308,7 @@ class ChatView(QScrollArea):
     """The transcript. Follows the newest text while the user is at the bottom."""
 
     message_action = Signal(str, int)  # a bubble's action (MessageBubble.action_requested)
+    document_requested = Signal(int, int)  # a sent message's attachment (MessageBubble.document_requested)
 
     def __init__(self, parent: QWidget | None = None):
         super().__init__(parent)
@@ -345,6 +354,7 @@ class ChatView(QScrollArea):
     def add(self, bubble: MessageBubble) -> MessageBubble:
         self._target = None
         bubble.action_requested.connect(self.message_action)
+        bubble.document_requested.connect(self.document_requested)
         self._placeholder.hide()
         self._layout.insertWidget(self._layout.count() - 1, bubble)
         self.bubbles.append(bubble)

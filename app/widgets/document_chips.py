@@ -14,6 +14,7 @@ BADGES = {"pdf": "PDF", "docx": "DOCX", "markdown": "MD", "source": "CODE", "tex
 
 class DocumentChip(QFrame):
     remove_clicked = Signal(str)
+    text_clicked = Signal(str)  # see the text the model reads
 
     def __init__(self, key: str, name: str, parent: QWidget | None = None):
         super().__init__(parent)
@@ -30,6 +31,13 @@ class DocumentChip(QFrame):
         self.figures = QLabel("")
         self.figures.setObjectName("docChipFigures")
         row.addWidget(self.figures, 1)
+        self.show_text = QToolButton()
+        self.show_text.setText("Text")
+        self.show_text.setToolTip("See the text the model reads from this document")
+        self.show_text.setAutoRaise(True)
+        self.show_text.setEnabled(False)  # once it is read
+        self.show_text.clicked.connect(lambda: self.text_clicked.emit(self.key))
+        row.addWidget(self.show_text)
         self.remove = QToolButton()
         self.remove.setText("✕")
         self.remove.setToolTip("Remove this document")
@@ -49,6 +57,7 @@ class DocumentChip(QFrame):
         self.document = document
         self.title.setText(f"[{BADGES.get(document.kind, 'TXT')}] {document.name}")
         self.title.setToolTip(document.path)
+        self.show_text.setEnabled(True)
 
     def show_figures(self, tokens: int, counted: bool, kv_bytes: int | None, ratio: float | None,
                      warning: str | None) -> None:
@@ -73,6 +82,7 @@ class DocumentChips(QWidget):
     """The list of chips; the window keeps the documents, this only shows them."""
 
     remove_requested = Signal(str)
+    text_requested = Signal(str)
 
     def __init__(self, parent: QWidget | None = None):
         super().__init__(parent)
@@ -85,6 +95,7 @@ class DocumentChips(QWidget):
     def add_pending(self, key: str, path: str) -> DocumentChip:
         chip = DocumentChip(key, Path(path).name)
         chip.remove_clicked.connect(self.remove_requested)
+        chip.text_clicked.connect(self.text_requested)
         self._layout.addWidget(chip, 0, Qt.AlignmentFlag.AlignTop)
         self.chips[key] = chip
         self.show()

@@ -10,7 +10,7 @@ from conftest import send
 from gui_documents import write_docx, write_encrypted_pdf, write_markdown, write_pdf
 from PySide6.QtCore import QMimeData, QPointF, Qt, QUrl
 from PySide6.QtGui import QDragEnterEvent, QDropEvent
-from PySide6.QtWidgets import QApplication
+from PySide6.QtWidgets import QApplication, QLabel
 
 
 def drop(widget, paths):
@@ -287,3 +287,48 @@ def test_attach_a_folder_from_the_chat_menu(qtbot, window, monkeypatch, tmp_path
     action.trigger()
     qtbot.waitUntil(lambda: ready(window, 1), timeout=10_000)
     assert [c.document.name for c in window.chips.chips.values()] == ["notes.md"]
+
+
+def test_the_text_the_model_reads_is_shown_from_the_chip_and_from_the_sent_message(qtbot, window, fake_model,
+                                                                                      tmp_path):
+    pdf, pdf_snippet = write_pdf(tmp_path / "while-loop.pdf")
+    window.attach_files([str(pdf)])
+    qtbot.waitUntil(lambda: ready(window, 1), timeout=10_000)
+    chip = next(iter(window.chips.chips.values()))
+    assert chip.show_text.isEnabled()
+    chip.show_text.click()
+    dialog = window.text_windows[-1]
+    assert dialog.isVisible() and dialog.windowTitle() == "while-loop.pdf — the text the model reads"
+    assert dialog.text.toPlainText() == window.attached[chip.key].text and pdf_snippet in dialog.text.toPlainText()
+    assert dialog.figures.text().startswith("PDF · 1 page · ")
+    word = pdf_snippet.split()[-1]
+    dialog.find.setText(word)
+    assert dialog.find_next() and dialog.text.textCursor().selectedText().lower() == word.lower()
+    dialog.find.setText("no such words anywhere")
+    assert not dialog.find_next() and dialog.found.text() == "not found"
+    dialog.close()
+    qtbot.waitUntil(lambda: not window.text_windows, timeout=2_000)
+
+    send(qtbot, window, "What does it explain?")
+    sent_text = fake_model.sends()[-1]["documents"][0].text
+    user = window.chat.bubbles[-2]
+    link = next(label for label in user.findChildren(QLabel) if "while-loop.pdf" in label.text())
+    link.linkActivated.emit("document:0")  # the user clicks the attachment's name
+    dialog = window.text_windows[-1]
+    assert dialog.text.toPlainText() == sent_text  # what was stored with the message: what the model read
+    window.show_conversation(window.conversation_id)  # reopened (from the store): the same
+    user = window.chat.bubbles[-2]
+    next(label for label in user.findChildren(QLabel) if "while-loop.pdf" in label.text()).linkActivated.emit(
+        "document:0")
+    assert window.text_windows[-1].text.toPlainText() == sent_text
+
+
+def test_a_chip_still_being_read_has_no_text_to_show(qtbot, window, tmp_path, slow_reading):
+    md, _ = write_markdown(tmp_path / "notes.md")
+    window.attach_files([str(md)])
+    chip = next(iter(window.chips.chips.values()))
+    assert not chip.show_text.isEnabled()
+    assert window.show_document_text(None) is None and not window.text_windows
+    slow_reading.set()
+    qtbot.waitUntil(lambda: ready(window, 1), timeout=10_000)
+    assert chip.show_text.isEnabled()
