@@ -28,10 +28,13 @@ class FolderDocuments:
     left_out: Counter = field(default_factory=Counter)  # other files by suffix ("" for none): not documents
     more: int = 0  # documents past MAX_FILES, not attached
     cut_short: bool = False  # the walk stopped at MAX_SCANNED entries
+    unreadable: str = ""  # why the folder itself could not be listed (permission denied), if it could not
 
     def summary(self) -> str:
         """What was attached from the folder and what was not, in a sentence or two ('' when all of it)."""
         name = os.path.basename(os.path.normpath(self.folder)) or self.folder
+        if self.unreadable:
+            return f'The folder "{name}" could not be opened: {self.unreadable}.'
         if not self.files:
             head = f'The folder "{name}" holds no documents the app reads (PDF, Word, text, Markdown or source files).'
         else:
@@ -57,7 +60,11 @@ def folder_documents(folder: str | os.PathLike[str]) -> FolderDocuments:
     found = FolderDocuments(os.fspath(folder))
     scanned = 0
     documents: list[str] = []
-    for root, dirs, files in os.walk(found.folder, onerror=lambda _exc: None):
+    def failed(exc: OSError) -> None:  # a subfolder that cannot be listed is passed over; the folder itself says why
+        if os.path.normpath(exc.filename or "") == os.path.normpath(found.folder):
+            found.unreadable = (exc.strerror or str(exc)).lower()
+
+    for root, dirs, files in os.walk(found.folder, onerror=failed):
         dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in _SKIPPED_DIRS
                          and not os.path.exists(os.path.join(root, d, "pyvenv.cfg")))
         for name in sorted(files):

@@ -63,3 +63,21 @@ def test_a_link_to_a_missing_file_is_left_out(tmp_path):
     (root / "gone.md").symlink_to(root / "nowhere.md")
     found = folder_documents(root)
     assert [p[-7:] for p in found.files] == ["real.md"] and dict(found.left_out) == {".md": 1}
+
+
+@pytest.mark.skipif(__import__("os").geteuid() == 0 if hasattr(__import__("os"), "geteuid") else True,
+                    reason="root reads every folder; needs POSIX permissions")
+def test_a_folder_that_cannot_be_opened_says_so(tmp_path):
+    root = make(tmp_path / "locked", ["a.md"])
+    root.chmod(0)
+    try:
+        found = folder_documents(root)
+    finally:
+        root.chmod(0o755)
+    assert found.files == [] and found.summary() == 'The folder "locked" could not be opened: permission denied.'
+
+
+def test_a_folder_that_is_gone_says_so(tmp_path):
+    found = folder_documents(tmp_path / "moved away")
+    assert found.files == [] and found.summary() == ('The folder "moved away" could not be opened: no such file or '
+                                                     'directory.')
