@@ -122,6 +122,8 @@ class MainWindow(QMainWindow):
         self._memory_requested = False
         self.open_dialogs: list[QMessageBox] = []
         self.text_windows: list = []  # documents' text shown (DocumentTextDialog), open beside the chat
+        self._attach_failures: QMessageBox | None = None  # the open message about files that could not be read
+        self._attach_failed = 0  # how many it names
         self.closed = False
         self.shown_messages: list[tuple[str, str]] = []
         self.text_size = text_size.ACTUAL  # per cent of the system font (View menu)
@@ -650,7 +652,14 @@ class MainWindow(QMainWindow):
             documents.pop(key, None)
         self.chips.remove(key)
         self._update_actions()
-        self.inform("Could not attach the file", message)
+        box = self._attach_failures
+        if box is not None and box in self.open_dialogs:  # several files failed (a folder's): one message for all
+            self._attach_failed += 1
+            self.shown_messages.append(("Could not attach the file", message))
+            box.setWindowTitle(f"Could not attach {self._attach_failed} files")
+            box.setText(box.text() + "\n\n" + message)
+            return
+        self._attach_failures, self._attach_failed = self.inform("Could not attach the file", message), 1
 
     def _on_document_figures(self, figures: tuple[DocumentFigures, ...]) -> None:
         for item in figures:

@@ -332,3 +332,22 @@ def test_a_chip_still_being_read_has_no_text_to_show(qtbot, window, tmp_path, sl
     slow_reading.set()
     qtbot.waitUntil(lambda: ready(window, 1), timeout=10_000)
     assert chip.show_text.isEnabled()
+
+
+def test_files_of_a_folder_that_cannot_be_read_are_named_in_one_message(qtbot, window, tmp_path):
+    folder = tmp_path / "downloads"
+    folder.mkdir()
+    for name in ("a.pdf", "b.pdf", "c.pdf"):
+        (folder / name).write_bytes(b"")  # failed downloads: empty
+    write_markdown(folder / "d.md")
+    drop(window, [folder])
+    qtbot.waitUntil(lambda: ready(window, 1) and len(window.shown_messages) >= 3, timeout=10_000)
+    boxes = [b for b in window.open_dialogs if "attach" in b.windowTitle()]
+    assert len(boxes) == 1 and boxes[0].windowTitle() == "Could not attach 3 files"
+    assert all(f'"{name}" is empty' in boxes[0].text() for name in ("a.pdf", "b.pdf", "c.pdf"))
+    assert [c.document.name for c in window.chips.chips.values()] == ["d.md"]
+    boxes[0].done(0)  # read and closed: the next failure has a message of its own
+    qtbot.waitUntil(lambda: boxes[0] not in window.open_dialogs, timeout=2_000)
+    drop(window, [folder / "a.pdf"])
+    qtbot.waitUntil(lambda: any(b.windowTitle() == "Could not attach the file" for b in window.open_dialogs),
+                    timeout=10_000)
