@@ -488,9 +488,11 @@ class ConversationStore:
         messages = []
         for m in self.messages(conversation_id):
             item = {"role": m.role, "content": m.content, "created": _iso(m.created), "status": m.status}
-            if m.attachments:
+            if m.attachments:  # with the text the model read: an export imports back whole (app/chat_import.py)
+                texts = {document.key: document.text for document in self.attachments(m.id)}
                 item["attachments"] = [{"name": a.name, "kind": a.kind, "pages": a.pages, "chars": a.chars,
-                                        "tokens": a.tokens} for a in m.attachments]
+                                        "tokens": a.tokens, "text": texts.get(f"db-{a.id}", "")}
+                                       for a in m.attachments]
             if m.role == "assistant":
                 if m.finish_reason:
                     item["finish_reason"] = m.finish_reason
@@ -503,6 +505,32 @@ class ConversationStore:
                 "created": _iso(conv.created), "updated": _iso(conv.updated),
                 "system_prompt": self.system_prompt(conversation_id),
                 "settings": self.chat_settings(conversation_id), "messages": messages}
+
+    def import_chat(self, chat) -> int:
+        """A chat read from an export (app.chat_import.ImportedChat) as a new conversation, in one transaction (all or
+        nothing); its id. Each reply answers the user message just before it."""
+        self.check_writable()
+        now = time.time()
+        with self.db:
+            cur = self.db.execute(
+                "INSERT INTO conversations(title, created, updated, system_prompt, settings_json) VALUES (?, ?, ?, ?, ?)",
+                (chat.title, chat.created, now, chat.system_prompt, _dumps(chat.settings) if chat.settings else None))
+            conversation_id = int(cur.lastrowid)
+            last_user = None
+            for m in chat.messages:
+                cur = self.db.execute(
+                    "INSERT INTO messages(conversation_id, role, content, status, error, stats_json, settings_json, "
+                    "created, updated, reply_to, finish_reason) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (conversation_id, m.role, m.content, m.status, m.error, _dumps(m.stats), _dumps(m.settings),
+                     m.created, m.created, last_user if m.role == "assistant" else None, m.finish_reason))
+                message_id = int(cur.lastrowid)
+                last_user = message_id if m.role == "user" else None
+                for doc in m.documents:
+                    self.db.execute(
+                        "INSERT INTO attachments(message_id, name, path, kind, pages, chars, tokens, text) "
+                        "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                        (message_id, doc.name, "", doc.kind, doc.pages, len(doc.text), doc.tokens, doc.text))
+        return conversation_id
 
     def export_markdown(self, conversation_id: int) -> str:
         data = self.export_json(conversation_id)

@@ -34,6 +34,7 @@ from engine.documents.folder import folder_documents
 
 from . import knobs as K
 from . import text_size
+from .chat_import import ChatImportError, read_export
 from .documents import MIN_SUGGESTED_RATIO, DocumentLoader, assess_fit
 from .protocol import AttachedDocument, ContextFigures, DocumentFigures, GenerationOptions, UsageRequest
 from .settings import Key, Settings
@@ -233,7 +234,8 @@ class MainWindow(QMainWindow):
                 ("regenerate", "Regenerate the last reply", QKeySequence("Ctrl+R"), self.regenerate),
                 ("edit_last", "Edit the last message", QKeySequence("Ctrl+E"), self.edit_last),
                 ("attach", "Attach documents…", QKeySequence("Ctrl+O"), self._pick_files),
-                ("attach_folder", "Attach a folder…", QKeySequence("Ctrl+Shift+O"), self._pick_folder)):
+                ("attach_folder", "Attach a folder…", QKeySequence("Ctrl+Shift+O"), self._pick_folder),
+                ("import", "Import a chat…", QKeySequence(), self._pick_chat_to_import)):
             action = QAction(label, self, shortcut=keys)
             action.setShortcutContext(Qt.ShortcutContext.WindowShortcut)
             action.triggered.connect(slot)
@@ -278,7 +280,7 @@ class MainWindow(QMainWindow):
     def shortcut_lines(self) -> list[str]:
         """'Ctrl+N — New chat', one per shortcut, plus the composer's own keys."""
         lines = [f"{a.shortcut().toString(QKeySequence.SequenceFormat.NativeText)} — {a.text()}"
-                 for a in self.actions_by_name.values()]
+                 for a in self.actions_by_name.values() if not a.shortcut().isEmpty()]
         return lines + ["Enter — Send", "Shift+Enter — New line in the message",
                         "Up (in an empty message box) — Edit the last message",
                         "Esc — Stop the reply (or its reading); while editing, cancel the edit"]
@@ -812,6 +814,33 @@ class MainWindow(QMainWindow):
             return None
         self.statusBar().showMessage(f"Exported to {path}", 5000)
         return path
+
+    def _pick_chat_to_import(self) -> None:
+        path, _ = QFileDialog.getOpenFileName(self, "Import a chat", str(export_folder()),
+                                              "Chat exports (*.json);;All files (*)")
+        if path:
+            self.import_chat(path)
+
+    def import_chat(self, path: str) -> int | None:
+        """A chat exported as JSON made a new chat and opened; the new chat's id, or None (said why)."""
+        try:
+            chat = read_export(path)
+            conversation_id = self.store.import_chat(chat)
+        except ChatImportError as exc:
+            self.inform("Could not import the chat", str(exc))
+            return None
+        except (StoreUnavailable, sqlite3.Error) as exc:
+            self._save_failed(f"The chat was not imported ({exc}).")
+            return None
+        self._new_chat = False
+        self._reload_conversations(select=conversation_id)
+        self.conversations.select(conversation_id)
+        said = f'Imported "{chat.title}" ({len(chat.messages)} messages).'
+        if chat.notes:
+            self.inform("Chat imported", " ".join([said, *chat.notes]), icon=QMessageBox.Icon.Information)
+        else:
+            self.statusBar().showMessage(said, 8000)
+        return conversation_id
 
     # ------------------------------------------------------------------ turns
     def send(self) -> None:
