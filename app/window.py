@@ -736,7 +736,7 @@ class MainWindow(QMainWindow):
             for m in self.store.messages(conversation_id):
                 footer = reply_footer(m.stats, m.status, m.finish_reason) if m.role == "assistant" else ""
                 bubble = MessageBubble(m.role, m.content, message_id=m.id, attachments=m.attachments, footer=footer,
-                                       error=m.error)
+                                       error=m.error, created=m.created)
                 self.chat.add(bubble)
             replies = [b for b in self.chat.bubbles if b.role == "assistant"]
             if replies and self.chat.bubbles[-1] is replies[-1]:  # the last reply: its versions (regenerate)

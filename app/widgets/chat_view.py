@@ -5,6 +5,7 @@ from __future__ import annotations
 import html
 import math
 import re
+import time
 
 from PySide6.QtCore import QEvent, Qt, QUrl, Signal
 from PySide6.QtGui import QColor, QGuiApplication, QTextCharFormat, QTextCursor, QTextFormat
@@ -181,7 +182,8 @@ class MessageBubble(QFrame):
     document_requested = Signal(int, int)  # the message id, the attachment's index: see its text
 
     def __init__(self, role: str, text: str = "", *, message_id: int | None = None, attachments=(),
-                 footer: str = "", error: str | None = None, parent: QWidget | None = None):
+                 footer: str = "", error: str | None = None, created: float | None = None,
+                 parent: QWidget | None = None):
         super().__init__(parent)
         self.role, self.message_id = role, message_id
         self._version, self._actions_enabled = (1, 1), True
@@ -193,6 +195,9 @@ class MessageBubble(QFrame):
         head = QHBoxLayout()
         who = QLabel("You" if role == "user" else "Assistant")
         who.setObjectName("bubbleRole")
+        when = time.localtime(created if created is not None else time.time())
+        who.setToolTip(("Sent " if role == "user" else "Answered ") + time.strftime("%Y-%m-%d %H:%M", when))
+        self.role_label = who
         head.addWidget(who)
         head.addStretch(1)
         self.copy_button = QPushButton("Copy")

@@ -1,5 +1,6 @@
 """A chat found by the chats list's search shows where: every occurrence of the searched text is marked in its
-messages, and the transcript scrolls to the first message holding it."""
+messages, and the transcript scrolls to the first message holding it. Each message says when it was written (its
+role's tooltip)."""
 
 from __future__ import annotations
 
@@ -52,3 +53,19 @@ def test_opening_a_chat_without_a_search_marks_nothing(qtbot, window):
     window.show_conversation(chat)
     assert all(not marks(b) for b in window.chat.bubbles)
     assert window.chat.highlight("no such words") is None
+
+
+def test_each_message_says_when_it_was_sent_and_answered(qtbot, window):
+    import time
+
+    send(qtbot, window, "What time is it?")
+    stamp = time.strftime("%Y-%m-%d %H:%M")
+    user, reply = window.chat.bubbles[-2:]
+    assert user.role_label.toolTip() in (f"Sent {stamp}", f"Sent {time.strftime('%Y-%m-%d %H:%M')}")
+    assert reply.role_label.toolTip().startswith("Answered ")
+    from app.store import ConversationStore
+
+    saved = ConversationStore().messages(window.conversation_id)[0].created
+    window.show_conversation(window.conversation_id)  # reopened: from the stored time
+    assert window.chat.bubbles[0].role_label.toolTip() == "Sent " + time.strftime("%Y-%m-%d %H:%M",
+                                                                                   time.localtime(saved))
