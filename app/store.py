@@ -309,10 +309,7 @@ class ConversationStore:
                 "VALUES (?, 'user', ?, ?, ?, ?)", (conversation_id, prompt, DONE, now, now))
             message_id = int(cur.lastrowid)
             for doc, tokens in documents:
-                self.db.execute(
-                    "INSERT INTO attachments(message_id, name, path, kind, pages, chars, tokens, text) "
-                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                    (message_id, doc.name, doc.path, doc.kind, doc.pages, doc.chars, tokens, doc.text))
+                self._attach(message_id, doc.name, doc.path, doc.kind, doc.pages, doc.chars, tokens, doc.text)
             self._touch(conversation_id, now)
         return message_id
 
@@ -331,10 +328,7 @@ class ConversationStore:
                 "VALUES (?, 'user', ?, ?, ?, ?)", (conversation_id, prompt, DONE, now, now))
             user_id = int(cur.lastrowid)
             for doc, tokens in documents:
-                self.db.execute(
-                    "INSERT INTO attachments(message_id, name, path, kind, pages, chars, tokens, text) "
-                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                    (user_id, doc.name, doc.path, doc.kind, doc.pages, doc.chars, tokens, doc.text))
+                self._attach(user_id, doc.name, doc.path, doc.kind, doc.pages, doc.chars, tokens, doc.text)
             cur = self.db.execute(
                 "INSERT INTO messages(conversation_id, role, content, status, settings_json, created, updated, "
                 "reply_to) VALUES (?, 'assistant', '', ?, ?, ?, ?, ?)",
@@ -453,6 +447,12 @@ class ConversationStore:
             self.db.execute("DELETE FROM messages WHERE conversation_id=? AND id>=?", (r["conversation_id"], message_id))
 
     # ------------------------------------------------------------------ attachments
+    def _attach(self, message_id: int, name: str, path: str, kind: str, pages: int | None, chars: int,
+                tokens: int | None, text: str) -> None:
+        """A document's row under a message (inside the caller's transaction)."""
+        self.db.execute("INSERT INTO attachments(message_id, name, path, kind, pages, chars, tokens, text) "
+                        "VALUES (?, ?, ?, ?, ?, ?, ?, ?)", (message_id, name, path, kind, pages, chars, tokens, text))
+
     def _attachment_infos(self, message_id: int) -> tuple[AttachmentInfo, ...]:
         rows = self.db.execute("SELECT id, name, kind, pages, chars, tokens FROM attachments WHERE message_id=? "
                                "ORDER BY id", (message_id,))
@@ -526,10 +526,7 @@ class ConversationStore:
                 message_id = int(cur.lastrowid)
                 last_user = message_id if m.role == "user" else None
                 for doc in m.documents:
-                    self.db.execute(
-                        "INSERT INTO attachments(message_id, name, path, kind, pages, chars, tokens, text) "
-                        "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                        (message_id, doc.name, "", doc.kind, doc.pages, len(doc.text), doc.tokens, doc.text))
+                    self._attach(message_id, doc.name, "", doc.kind, doc.pages, len(doc.text), doc.tokens, doc.text)
         return conversation_id
 
     def export_markdown(self, conversation_id: int) -> str:
