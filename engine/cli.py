@@ -7,6 +7,10 @@ import queue
 import sys
 import threading
 
+from .cli_documents import attach as _attach
+from .cli_documents import documents as _documents
+from .cli_documents import names as _names
+from .cli_documents import typed_paths as _typed_paths
 from .config import KNOBS, KNOBS_LIST, USER_DEFAULTS, DSV41Config
 from .errors import ConfigError, ContextOverflowError, EngineError
 from .threads import EngineThread
@@ -162,13 +166,6 @@ def _print_stats(done) -> None:
           file=sys.stderr)
 
 
-def _documents(paths: list[str]) -> list:
-    """The --document files read before the model loads (a bad one fails at once, without the wait)."""
-    from .documents import load_document
-
-    return [load_document(path) for path in paths]
-
-
 def cmd_generate(args) -> int:
     _sampling(args)
     prompt = _text(args.prompt, "prompt")
@@ -178,27 +175,6 @@ def cmd_generate(args) -> int:
     done = _stream(session, prompt, documents, args, threading.Event())
     _print_stats(done)
     return 0 if done is not None and done.reason != "error" else 1
-
-
-def _attach(path: str, pending: list, model=None) -> None:
-    """Read a /doc or --document file now: its error (or its size) is said at once, and only good files wait. With
-    the model, a file too large for the context is said at once too (it stays attached until /doc clear)."""
-    from .documents import load_document
-
-    try:
-        doc = load_document(path)
-    except EngineError as exc:
-        print(f"error: {exc} (not attached)", file=sys.stderr)
-        return
-    pending.append(doc)
-    notes = "".join(f"; {note}" for note in doc.notes)
-    print(f"(attached {doc.name}, {doc.chars:,} characters, to the next message{notes})", file=sys.stderr)
-    if model is not None:
-        tokens = model.document_tokens(doc)
-        if tokens >= model.context_limit:
-            print(f"warning: {doc.name} is {tokens:,} tokens and the context holds {model.context_limit:,}: no "
-                  f"message can carry it. /doc clear drops it; a larger context needs --max-seq-len (up to the "
-                  f"model's {model.max_positions:,} positions) when the chat starts.", file=sys.stderr)
 
 
 def _overflow_help(pending: list) -> str:
@@ -216,8 +192,8 @@ def cmd_chat(args) -> int:
     pending_docs: list = []
     for path in args.document:
         _attach(path, pending_docs, model)
-    print("Chat with the model. Commands: /doc PATH (attach to the next message), /doc (list what is attached), "
-          "/doc clear, /memory, /reset, /quit. Ctrl-C stops a reply.", file=sys.stderr)
+    print("Chat with the model. Commands: /doc PATH (a file, or a folder's documents, attached to the next message), "
+          "/doc (list what is attached), /doc clear, /memory, /reset, /quit. Ctrl-C stops a reply.", file=sys.stderr)
     while True:
         try:
             line = input("> ")
@@ -251,7 +227,7 @@ def cmd_chat(args) -> int:
                 print(f"(attached to the next message: {_names(pending_docs)}; /doc clear removes them)",
                       file=sys.stderr)
             else:
-                print("usage: /doc PATH attaches a file to the next message (nothing is attached now)",
+                print("usage: /doc PATH attaches a file (or a folder's documents) to the next message (nothing is attached now)",
                       file=sys.stderr)
             continue
         recorded = len(session.messages)
@@ -270,27 +246,6 @@ def cmd_chat(args) -> int:
             print(f"(the message was not kept: type it again to send it{kept})", file=sys.stderr)
         else:
             pending_docs = []
-
-
-def _typed_paths(text: str) -> list[str]:
-    """The file(s) a /doc line names as a terminal gives them: a path as typed (~ expanded; spaces and all), or the
-    quoted or backslash-escaped paths a file dragged into the terminal pastes (several, for several files)."""
-    import os
-    import shlex
-
-    if os.path.exists(os.path.expanduser(text)):
-        return [text]
-    try:
-        words = shlex.split(text)
-    except ValueError:  # an unbalanced quote: the text as it is (its error names it)
-        return [text]
-    if len(words) > 1 and any(os.path.exists(os.path.expanduser(w)) for w in words):
-        return words  # several files: each is attached, or refused with its own error
-    return [words[0]] if len(words) == 1 else [text]
-
-
-def _names(docs: list) -> str:
-    return ", ".join(doc.name for doc in docs)
 
 
 def cmd_memory(args) -> int:
@@ -354,7 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("chat", help="interactive streaming chat")
     _model_args(p)
-    p.add_argument("--document", action="append", default=[], help="attach a file to the first message")
+    p.add_argument("--document", action="append", default=[],
+                   help="attach a file (or a folder's documents) to the first message")
     p.set_defaults(func=cmd_chat)
     p = sub.add_parser("generate", help="one reply to --prompt")
     _model_args(p)

@@ -245,6 +245,23 @@ def test_a_doc_line_with_a_missing_file_among_several_attaches_the_others(monkey
     assert f'"nothere.pdf" was not found at {tmp_path / "nothere.pdf"}.' in err
 
 
+def test_a_doc_folder_attaches_the_documents_inside_it(monkeypatch, capsys, tmp_path):
+    notes = tmp_path / "my notes"
+    (notes / "sub").mkdir(parents=True)
+    (notes / "b.txt").write_text("B.")
+    (notes / "sub" / "a.md").write_text("A.")
+    (notes / "logo.png").write_bytes(b"\x89PNG\r\n\x1a\n")
+    empty = tmp_path / "photos"
+    empty.mkdir()
+    (empty / "x.png").write_bytes(b"\x89PNG\r\n\x1a\n")
+    sent = _fake_chat(monkeypatch, [f"/doc {notes}", f"/doc {empty}", "What do they say?"])
+    err = capsys.readouterr().err
+    assert sent == [["b.txt", "a.md"]]  # in name order, the subfolder's too; the image left out
+    assert '(2 documents attached from the folder "my notes". 1 other file left out (1 .png).)' in err
+    assert ('error: The folder "photos" holds no documents the app reads (PDF, Word, text, Markdown or source '
+            "files). 1 other file left out (1 .png). (not attached)") in err
+
+
 def test_the_reading_progress_line_ends_before_the_reply(monkeypatch, capsys):
     from engine import cli
     from engine.events import Done, PrefillProgress, TokenText
@@ -274,9 +291,12 @@ def test_documents_and_sampling_are_checked_before_the_model_loads(monkeypatch, 
     monkeypatch.setattr(DSV41Model, "from_pretrained", staticmethod(from_pretrained))
     doc = tmp_path / "a.txt"
     doc.write_text("A.")
+    (tmp_path / "empty").mkdir()
     for argv, said in ((["memory", "--document", str(tmp_path / "nope.pdf")], "nope.pdf"),
                        (["memory", "--document", str(doc), "--seed", "-1"], "seed=-1"),
-                       (["generate", "--prompt", "hi", "--document", str(tmp_path / "none.txt")], "none.txt")):
+                       (["generate", "--prompt", "hi", "--document", str(tmp_path / "none.txt")], "none.txt"),
+                       (["generate", "--prompt", "hi", "--document", str(tmp_path / "empty")],
+                        'The folder "empty" holds no documents')):
         assert cli.main(argv) == 2
         assert said in capsys.readouterr().err
 
