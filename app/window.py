@@ -344,6 +344,7 @@ class MainWindow(QMainWindow):
         self.chips.remove_requested.connect(self.remove_document)
         self.chips.text_requested.connect(lambda key: self.show_document_text(self.attached.get(key)))
         self.chat.document_requested.connect(self._show_sent_document)
+        self.chat.zoom_requested.connect(lambda d: self.set_text_size(text_size.step(self.text_size, d)))
         self.loader.parsed.connect(self._on_document_parsed)
         self.loader.failed.connect(self._on_document_failed)
         self.knob_panel.knobs_changed.connect(self._on_knobs_changed)

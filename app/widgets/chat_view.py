@@ -313,6 +313,7 @@ class ChatView(QScrollArea):
     """The transcript. Follows the newest text while the user is at the bottom."""
 
     message_action = Signal(str, int)  # a bubble's action (MessageBubble.action_requested)
+    zoom_requested = Signal(int)  # Ctrl + the mouse wheel: +1 larger text, -1 smaller
     document_requested = Signal(int, int)  # a sent message's attachment (MessageBubble.document_requested)
 
     def __init__(self, parent: QWidget | None = None):
@@ -342,6 +343,14 @@ class ChatView(QScrollArea):
         # changes
         self._target: MessageBubble | None = None
         bar.actionTriggered.connect(self._forget_target)
+
+    def wheelEvent(self, event) -> None:  # noqa: N802 - Qt override
+        """Ctrl + the wheel changes the text size, as in a browser; the wheel alone scrolls."""
+        if event.modifiers() & Qt.KeyboardModifier.ControlModifier and event.angleDelta().y():
+            self.zoom_requested.emit(1 if event.angleDelta().y() > 0 else -1)
+            event.accept()
+            return
+        super().wheelEvent(event)
 
     def _forget_target(self, *_args) -> None:
         self._target = None

@@ -139,3 +139,22 @@ def test_step_and_sanitize():
     assert text_size.step(200, 1) == 200 and text_size.step(80, -1) == 80
     assert text_size.step("junk", 1) == 110  # from the actual size
     assert [text_size.sanitize(v) for v in (150, "150", "151", None, True, 2.5)] == [150, 150, 100, 100, 100, 100]
+
+
+def test_ctrl_and_the_mouse_wheel_over_the_chat_change_the_text_size(qtbot, window):
+    from PySide6.QtCore import QPoint, QPointF, Qt
+    from PySide6.QtGui import QWheelEvent
+
+    def wheel(dy: int, modifiers) -> None:
+        viewport = window.chat.viewport()
+        event = QWheelEvent(QPointF(10, 10), QPointF(viewport.mapToGlobal(QPoint(10, 10))), QPoint(0, 0),
+                            QPoint(0, dy), Qt.MouseButton.NoButton, modifiers, Qt.ScrollPhase.NoScrollPhase, False)
+        QApplication.sendEvent(viewport, event)
+
+    wheel(120, Qt.KeyboardModifier.ControlModifier)
+    assert window.text_size == 110
+    wheel(-120, Qt.KeyboardModifier.ControlModifier)
+    wheel(-120, Qt.KeyboardModifier.ControlModifier)
+    assert window.text_size == 90
+    wheel(-120, Qt.KeyboardModifier.NoModifier)  # the wheel alone scrolls
+    assert window.text_size == 90
