@@ -13,17 +13,14 @@ from .errors import EngineError
 def expand(paths: list[str]) -> list[str]:
     """Each path as given, a folder replaced by the documents inside it (what it left out said on stderr; a folder
     without any is a DocumentError)."""
-    from .documents import DocumentError
-    from .documents.folder import folder_documents
+    from .documents.folder import documents_or_refuse
 
     files = []
     for path in paths:
         if not os.path.isdir(os.path.expanduser(path)):
             files.append(path)
             continue
-        found = folder_documents(os.path.expanduser(path))
-        if not found.files:
-            raise DocumentError(found.summary(), path=path, reason="unreadable" if found.unreadable else "empty")
+        found = documents_or_refuse(os.path.expanduser(path))
         files += found.files
         if found.summary():
             print(f"({found.summary()})", file=sys.stderr)

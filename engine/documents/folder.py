@@ -84,3 +84,14 @@ def folder_documents(folder: str | os.PathLike[str]) -> FolderDocuments:
     documents.sort(key=lambda p: os.path.relpath(p, found.folder).lower())
     found.files, found.more = documents[:MAX_FILES], max(0, len(documents) - MAX_FILES)
     return found
+
+
+def documents_or_refuse(folder: str | os.PathLike[str]) -> FolderDocuments:
+    """`folder_documents(folder)`, or a DocumentError saying why it gives none (it holds none, or cannot be opened)."""
+    from .core import DocumentError
+
+    found = folder_documents(folder)
+    if not found.files:
+        raise DocumentError(found.summary(), path=os.fspath(folder),
+                            reason="unreadable" if found.unreadable else "empty")
+    return found

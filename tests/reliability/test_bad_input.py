@@ -63,8 +63,11 @@ def test_invalid_utf8_in_argv_is_replaced_and_said(tiny_folder):
 def test_the_terminal_chat_survives_invalid_utf8_and_a_bad_attachment(tiny_folder, tmp_path):
     good = tmp_path / "good.txt"
     good.write_text("The secret word is PELICAN.")
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    (photos / "x.png").write_bytes(b"\x89PNG\r\n\x1a\n")
     script = (b"caf\xe9 \xff hello\n"
-              + f"/doc {tmp_path}\n".encode()  # a folder: refused at once, nothing waits
+              + f"/doc {photos}\n".encode()  # a folder without documents: refused at once, nothing waits
               + b"first question\n"
               + f"/doc {good}\n".encode()
               + b"second question\n/quit\n")
@@ -72,7 +75,7 @@ def test_the_terminal_chat_survives_invalid_utf8_and_a_bad_attachment(tiny_folde
     err = out.stderr.decode()
     assert out.returncode == 0, err
     assert "Traceback" not in err
-    assert "is a folder" in err and "(not attached)" in err
+    assert 'The folder "photos" holds no documents' in err and "(not attached)" in err
     assert "attached good.txt" in err
     assert err.count("[length]") + err.count("[eos]") == 3  # every prompt got its reply
     assert "not valid UTF-8" in err
