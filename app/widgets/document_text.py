@@ -75,5 +75,6 @@ class DocumentTextDialog(QDialog):
             if not self.text.find(query, flags):
                 self.found.setText("not found")
                 return False
+        self.text.centerCursor()  # the match with the text around it
         self.found.setText("")
         return True

