@@ -34,7 +34,7 @@ from engine.documents.folder import folder_documents
 
 from . import knobs as K
 from . import text_size
-from .chat_import import ChatImportError, read_export
+from .chat_import import ChatImportError, parse_export, read_export
 from .documents import MIN_SUGGESTED_RATIO, DocumentLoader, assess_fit
 from .protocol import AttachedDocument, ContextFigures, DocumentFigures, GenerationOptions, UsageRequest
 from .settings import Key, Settings
@@ -328,6 +328,7 @@ class MainWindow(QMainWindow):
         self.conversations.delete_requested.connect(self.delete_conversation)
         self.conversations.renamed.connect(self._on_renamed)
         self.conversations.export_requested.connect(self.export_conversation)
+        self.conversations.duplicate_requested.connect(self.duplicate_conversation)
         self.conversations.search_changed.connect(self._on_search)
 
         self.composer.submitted.connect(self.send)
@@ -821,6 +822,24 @@ class MainWindow(QMainWindow):
                                               "Chat exports (*.json);;All files (*)")
         if path:
             self.import_chat(path)
+
+    def duplicate_conversation(self, conversation_id: int) -> int | None:
+        """A copy of the chat, to ask it other things from the same point (the same document, the same exchanges):
+        a new chat with its messages, documents and settings, opened; its saved cache is the original's (found by
+        what it holds), so its next question does not re-read the conversation."""
+        try:
+            chat = parse_export(self.store.export_json(conversation_id))
+            chat.title = f"{chat.title} (copy)"
+            copy = self.store.import_chat(chat)
+        except KeyError:
+            return None
+        except (StoreUnavailable, sqlite3.Error) as exc:
+            self._save_failed(f"The chat was not duplicated ({exc}).")
+            return None
+        self._new_chat = False
+        self._reload_conversations(select=copy)
+        self.conversations.select(copy)
+        return copy
 
     def import_chat(self, path: str) -> int | None:
         """A chat exported as JSON made a new chat and opened; the new chat's id, or None (said why)."""

@@ -26,6 +26,7 @@ class ConversationList(QWidget):
     delete_requested = Signal(int)
     renamed = Signal(int, str)
     export_requested = Signal(int, str)  # id, "md" | "json"
+    duplicate_requested = Signal(int)  # a copy of the chat to go on from in another direction
 
     def __init__(self, parent: QWidget | None = None):
         super().__init__(parent)
@@ -140,6 +141,7 @@ class ConversationList(QWidget):
         self.list.setCurrentItem(item)
         menu = QMenu(self)
         menu.addAction("Rename", self.start_rename)
+        menu.addAction("Duplicate", lambda: self.duplicate_requested.emit(item.data(ID_ROLE)))
         menu.addAction("Export as Markdown…", lambda: self._export("md"))
         menu.addAction("Export as JSON…", lambda: self._export("json"))
         menu.addSeparator()

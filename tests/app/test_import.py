@@ -100,3 +100,21 @@ def test_the_import_is_in_the_chat_menu(window, monkeypatch, tmp_path):
     window.actions_by_name["import"].trigger()
     assert asked and window.shown_messages == []  # cancelled: nothing happens
     assert not any("Import" in line for line in window.shortcut_lines())  # no shortcut: not in the list
+
+
+def test_a_chat_duplicated_goes_on_apart_from_the_original(qtbot, window, fake_model, tmp_path):
+    pdf, snippet = write_pdf(tmp_path / "while-loop.pdf")
+    window.attach_files([str(pdf)])
+    qtbot.waitUntil(lambda: ready(window, 1), timeout=10_000)
+    send(qtbot, window, "What does the document explain?")
+    original = window.conversation_id
+    window.conversations.duplicate_requested.emit(original)  # the chats list's menu: Duplicate
+    copy = window.conversation_id
+    store = ConversationStore()
+    assert copy != original and store.conversation(copy).title == store.conversation(original).title + " (copy)"
+    assert [m.content for m in store.messages(copy)] == [m.content for m in store.messages(original)]
+    assert snippet in store.attachments(store.messages(copy)[0].id)[0].text
+
+    send(qtbot, window, "Another direction")  # the copy goes on; the original stays as it was
+    assert len(store.messages(copy)) == 4 and len(store.messages(original)) == 2
+    assert snippet in [h["content"] for h in fake_model.sends()[-1]["history"] if h["role"] == "user"][0]
