@@ -823,13 +823,17 @@ class MainWindow(QMainWindow):
         if path:
             self.import_chat(path)
 
-    def duplicate_conversation(self, conversation_id: int) -> int | None:
+    def duplicate_conversation(self, conversation_id: int, through: int | None = None) -> int | None:
         """A copy of the chat, to ask it other things from the same point (the same document, the same exchanges):
-        a new chat with its messages, documents and settings, opened; its saved cache is the original's (found by
-        what it holds), so its next question does not re-read the conversation."""
+        a new chat with its messages (up to and with the message `through`: a branch), documents and settings,
+        opened; its saved cache is the original's (found by what it holds), so its next question does not re-read
+        the conversation."""
         try:
             chat = parse_export(self.store.export_json(conversation_id))
-            chat.title = f"{chat.title} (copy)"
+            if through is not None:
+                ids = [m.id for m in self.store.messages(conversation_id)]
+                chat.messages = chat.messages[:ids.index(through) + 1] if through in ids else chat.messages
+            chat.title = f"{chat.title} ({'branch' if through is not None else 'copy'})"
             copy = self.store.import_chat(chat)
         except KeyError:
             return None
@@ -1061,6 +1065,8 @@ class MainWindow(QMainWindow):
             self.edit_message(message_id)
         elif action == "delete":
             self.delete_message(message_id)
+        elif action == "branch":
+            self.duplicate_conversation(self.conversation_id, through=message_id)
         elif action in ("previous", "next"):
             versions = self.store.versions(message_id)
             index = versions.index(message_id) + (1 if action == "next" else -1)

@@ -216,6 +216,10 @@ class MessageBubble(QFrame):
         self.edit_button = self._head_button("Edit", "Edit this message: the chat continues from it", "edit")
         self.edit_button.setVisible(role == "user" and message_id is not None)
         head.addWidget(self.edit_button)
+        self.branch_button = self._head_button(
+            "Branch", "A new chat with everything up to this reply, to ask something else from here", "branch")
+        self.branch_button.setVisible(role == "assistant" and message_id is not None)
+        head.addWidget(self.branch_button)
         head.addWidget(self.copy_button)
         self.delete_button = self._head_button(
             "Delete", "Delete this message and its reply" if role == "user" else "Delete this reply", "delete")
@@ -278,6 +282,7 @@ class MessageBubble(QFrame):
         self._actions_enabled = enabled
         index, count = self._version
         self.edit_button.setEnabled(enabled)
+        self.branch_button.setEnabled(enabled)
         self.delete_button.setEnabled(enabled)
         self.previous_button.setEnabled(enabled and index > 1)
         self.next_button.setEnabled(enabled and index < count)

@@ -118,3 +118,19 @@ def test_a_chat_duplicated_goes_on_apart_from_the_original(qtbot, window, fake_m
     send(qtbot, window, "Another direction")  # the copy goes on; the original stays as it was
     assert len(store.messages(copy)) == 4 and len(store.messages(original)) == 2
     assert snippet in [h["content"] for h in fake_model.sends()[-1]["history"] if h["role"] == "user"][0]
+
+
+def test_branch_from_a_reply_makes_a_chat_of_everything_up_to_it(qtbot, window, fake_model):
+    send(qtbot, window, "First question")
+    send(qtbot, window, "Second question")
+    original = window.conversation_id
+    first_reply = window.chat.bubbles[1]
+    assert first_reply.branch_button.isVisible() and not window.chat.bubbles[0].branch_button.isVisible()
+    first_reply.branch_button.click()
+    branch = window.conversation_id
+    store = ConversationStore()
+    assert branch != original and store.conversation(branch).title.endswith(" (branch)")
+    assert [m.content for m in store.messages(branch)] == [m.content for m in store.messages(original)[:2]]
+    send(qtbot, window, "Another second question")
+    assert [h["content"] for h in fake_model.sends()[-1]["history"] if h["role"] == "user"] == ["First question"]
+    assert len(store.messages(original)) == 4
