@@ -22,6 +22,7 @@ class Key(enum.Enum):
     GENERATION = "generation/options"  # JSON
     LAST_CONVERSATION = "chat/last_conversation"
     DEFAULT_SYSTEM_PROMPT = "chat/default_system_prompt"  # what a new chat starts with
+    DOCUMENTS_FOLDER = "documents/last_folder"  # where the Attach dialogs open (the folder last picked from)
     TEXT_SIZE = "view/text_size"  # per cent of the system font (app/text_size.py)
     DRAFT = "chat/draft"  # JSON: what was in the message box at close (conversation, text, documents' paths)
 

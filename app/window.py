@@ -590,9 +590,17 @@ class MainWindow(QMainWindow):
         self._refresh_chips()
 
     # ------------------------------------------------------------------ documents
+    def _documents_folder(self) -> str:
+        """Where the Attach dialogs open: the folder documents were last picked from (if it is still there), else
+        the home folder."""
+        last = self.settings.value(Key.DOCUMENTS_FOLDER, "")
+        return last if isinstance(last, str) and last and os.path.isdir(last) else str(Path.home())
+
     def _pick_files(self) -> None:
-        paths, _ = QFileDialog.getOpenFileNames(self, "Attach documents", "", ATTACH_FILTERS, ATTACH_FILTERS_DEFAULT)
+        paths, _ = QFileDialog.getOpenFileNames(self, "Attach documents", self._documents_folder(), ATTACH_FILTERS,
+                                                ATTACH_FILTERS_DEFAULT)
         if paths:
+            self.settings.set(Key.DOCUMENTS_FOLDER, os.path.dirname(paths[0]))
             self.attach_files(paths)
 
     def show_document_text(self, document) -> DocumentTextDialog | None:
@@ -611,8 +619,9 @@ class MainWindow(QMainWindow):
             self.show_document_text(documents[index])
 
     def _pick_folder(self) -> None:
-        folder = QFileDialog.getExistingDirectory(self, "Attach the documents of a folder")
+        folder = QFileDialog.getExistingDirectory(self, "Attach the documents of a folder", self._documents_folder())
         if folder:
+            self.settings.set(Key.DOCUMENTS_FOLDER, os.path.dirname(os.path.normpath(folder)))
             self.attach_files([folder])
 
     def attach_files(self, paths: list[str]) -> None:

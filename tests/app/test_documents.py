@@ -351,3 +351,37 @@ def test_files_of_a_folder_that_cannot_be_read_are_named_in_one_message(qtbot, w
     drop(window, [folder / "a.pdf"])
     qtbot.waitUntil(lambda: any(b.windowTitle() == "Could not attach the file" for b in window.open_dialogs),
                     timeout=10_000)
+
+
+def test_the_attach_dialogs_open_where_documents_were_last_picked(qtbot, make_window, monkeypatch, tmp_path):
+    from pathlib import Path
+
+    from PySide6.QtWidgets import QFileDialog
+
+    from app.settings import Key
+
+    papers = tmp_path / "papers"
+    papers.mkdir()
+    md, _ = write_markdown(papers / "notes.md")
+    opened = []
+
+    def pick_files(parent, caption, folder, *args):
+        opened.append(folder)
+        return [str(md)], ""
+
+    def pick_folder(parent, caption, folder, *args):
+        opened.append(folder)
+        return str(papers)
+
+    monkeypatch.setattr(QFileDialog, "getOpenFileNames", staticmethod(pick_files))
+    monkeypatch.setattr(QFileDialog, "getExistingDirectory", staticmethod(pick_folder))
+    window = make_window()
+    window.actions_by_name["attach"].trigger()
+    assert opened[-1] == str(Path.home())  # nothing picked yet
+    window.actions_by_name["attach"].trigger()
+    assert opened[-1] == str(papers)  # where the last file came from
+    window.actions_by_name["attach_folder"].trigger()
+    assert opened[-1] == str(papers)
+    assert make_window()._documents_folder() == str(tmp_path)  # the folder's parent, kept across starts
+    window.settings.set(Key.DOCUMENTS_FOLDER, str(tmp_path / "gone"))
+    assert window._documents_folder() == str(Path.home())  # moved or deleted since: home
