@@ -849,10 +849,14 @@ class MainWindow(QMainWindow):
         except (StoreUnavailable, sqlite3.Error) as exc:
             self._save_failed(f"The chat was not duplicated ({exc}).")
             return None
-        self._new_chat = False
-        self._reload_conversations(select=copy)
-        self.conversations.select(copy)
+        self._open_added_chat(copy)
         return copy
+
+    def _open_added_chat(self, conversation_id: int) -> None:
+        """A chat just written to the store (imported, duplicated): listed and opened."""
+        self._new_chat = False
+        self._reload_conversations(select=conversation_id)
+        self.conversations.select(conversation_id)
 
     def import_chat(self, path: str) -> int | None:
         """A chat exported as JSON made a new chat and opened; the new chat's id, or None (said why)."""
@@ -865,9 +869,7 @@ class MainWindow(QMainWindow):
         except (StoreUnavailable, sqlite3.Error) as exc:
             self._save_failed(f"The chat was not imported ({exc}).")
             return None
-        self._new_chat = False
-        self._reload_conversations(select=conversation_id)
-        self.conversations.select(conversation_id)
+        self._open_added_chat(conversation_id)
         said = f'Imported "{chat.title}" ({len(chat.messages)} messages).'
         if chat.notes:
             self.inform("Chat imported", " ".join([said, *chat.notes]), icon=QMessageBox.Icon.Information)

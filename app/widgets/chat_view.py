@@ -8,7 +8,7 @@ import re
 import time
 
 from PySide6.QtCore import QEvent, Qt, QUrl, Signal
-from PySide6.QtGui import QColor, QGuiApplication, QTextCharFormat, QTextCursor, QTextFormat
+from PySide6.QtGui import QColor, QFontDatabase, QGuiApplication, QTextCharFormat, QTextCursor, QTextFormat
 from PySide6.QtWidgets import (
     QFrame,
     QHBoxLayout,
@@ -104,8 +104,8 @@ class MarkdownView(QTextBrowser):
         """Code (spans and blocks) at the text's size: the Markdown reader gives it the system's fixed font at that
         font's own size, which the app's text size would leave behind."""
         size = self.font().pointSizeF()
-        if size <= 0:
-            return
+        if size <= 0 or size == QFontDatabase.systemFont(QFontDatabase.SystemFont.FixedFont).pointSizeF():
+            return  # the reader's size already (the actual text size): nothing to walk on every streamed chunk
         code = []  # (start, end) of each fragment in the fixed font, collected before any is changed
         block = self.document().begin()
         while block.isValid():

@@ -20,6 +20,15 @@ def _box(window) -> tuple[str, list[str], list[str]]:
             chips)
 
 
+def _send_slowly(qtbot, window, fake_model, text: str) -> None:
+    """Send `text` with the engine reading its prompt slowly, and wait until the reading has begun."""
+    fake_model.prefill_delay = 0.3
+    fake_model.prefill_steps = 20
+    send(qtbot, window, text, wait=False)
+    reply = window.chat.bubbles[-1]
+    qtbot.waitUntil(lambda: "Reading the prompt" in reply.progress.text(), timeout=5_000)
+
+
 def _two_chats(qtbot, window) -> tuple[int, int]:
     send(qtbot, window, "chat one")
     one = window.conversation_id
@@ -117,11 +126,7 @@ def test_deleting_a_chat_drops_its_draft(qtbot, window, fake_model, tmp_path):
 def test_a_message_stopped_in_another_chat_goes_back_to_its_chats_box(qtbot, window, fake_model):
     one, two = _two_chats(qtbot, window)
     window.conversations.select(one)
-    fake_model.prefill_delay = 0.3
-    fake_model.prefill_steps = 20
-    send(qtbot, window, "Stopped while it is read", wait=False)
-    reply = window.chat.bubbles[-1]
-    qtbot.waitUntil(lambda: "Reading the prompt" in reply.progress.text(), timeout=5_000)
+    _send_slowly(qtbot, window, fake_model, "Stopped while it is read")
     window.conversations.select(two)
     window.composer.setPlainText("typed in chat two")
     window.stop()
@@ -237,11 +242,7 @@ def test_a_new_chats_first_message_stopped_while_another_chat_is_shown_is_not_lo
     send(qtbot, window, "chat one")
     one = window.conversation_id
     window.new_conversation()
-    fake_model.prefill_delay = 0.3
-    fake_model.prefill_steps = 20
-    send(qtbot, window, "The first message of a new chat", wait=False)
-    reply = window.chat.bubbles[-1]
-    qtbot.waitUntil(lambda: "Reading the prompt" in reply.progress.text(), timeout=5_000)
+    _send_slowly(qtbot, window, fake_model, "The first message of a new chat")
     window.conversations.select(one)
     window.stop()
     qtbot.waitUntil(lambda: not window.turns.busy, timeout=3_000)
