@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from engine.config import DSV41Config
 from engine.documents import Document
 from engine.events import ContextUsage, Event, PrefillProgress
+from engine.heat import DocumentHeat
 from engine.memory import MemoryReport
 
 if TYPE_CHECKING:
@@ -42,6 +43,10 @@ class EngineSession(Protocol):
 
     def set_system_prompt(self, system_prompt: str | None) -> None:
         """The chat's system prompt changed: the next turn reads the conversation again under it."""
+        ...
+
+    def document_heat(self, text: str) -> DocumentHeat | None:
+        """Which parts of a document the chat has read its cache holds hot now; None where it cannot say."""
         ...
 
 

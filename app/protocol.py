@@ -113,6 +113,15 @@ class UsageRequest:
 
 
 @dataclass(frozen=True)
+class HeatRequest:
+    """Which parts of a sent document the chat's cache holds hot (the document text window asks)."""
+
+    request_id: int
+    conversation_id: int
+    text: str
+
+
+@dataclass(frozen=True)
 class DocumentFigures:
     """One attached document as the engine counts and stores it, after the tokens that come before it (the
     system prompt, the history, the question and the documents attached before it)."""

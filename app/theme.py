@@ -31,6 +31,8 @@ LIGHT = {
     # painted widgets
     "bar_track": "#eef0f3", "bar_outline": "#b8bec6", "plot": "#fafbfc", "plot_grid": "#d5d9de", "plot_text": "#5f6670",
     "free": "#cdd3da",
+    # the document text window's tint: what the cache holds hot (heat_3: in nearly every layer's heads)
+    "heat_1": "#fce8d0", "heat_2": "#fbd9b3", "heat_3": "#f6b877",
 }
 
 DARK = {
@@ -47,6 +49,7 @@ DARK = {
     "chip_text": "#e8d3b6",
     "bar_track": "#2d333a", "bar_outline": "#4a535d", "plot": "#20252b", "plot_grid": "#3a424b", "plot_text": "#a3acb6",
     "free": "#4f5963",
+    "heat_1": "#3e3221", "heat_2": "#4d3a22", "heat_3": "#6e4a1c",
 }
 
 THEMES = {"light": LIGHT, "dark": DARK}

@@ -6,6 +6,7 @@ document parsing in app.documents (a thread pool), storage in app.store.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -36,7 +37,14 @@ from . import knobs as K
 from . import text_size
 from .chat_import import ChatImportError, parse_export, read_export
 from .documents import MIN_SUGGESTED_RATIO, DocumentLoader, assess_fit
-from .protocol import AttachedDocument, ContextFigures, DocumentFigures, GenerationOptions, UsageRequest
+from .protocol import (
+    AttachedDocument,
+    ContextFigures,
+    DocumentFigures,
+    GenerationOptions,
+    HeatRequest,
+    UsageRequest,
+)
 from .settings import Key, Settings
 from .store import ConversationStore, StoreUnavailable, reply_footer
 from .turns import TurnController
@@ -123,6 +131,8 @@ class MainWindow(QMainWindow):
         self._memory_requested = False
         self.open_dialogs: list[QMessageBox] = []
         self.text_windows: list = []  # documents' text shown (DocumentTextDialog), open beside the chat
+        self._heat_asked: dict[int, object] = {}  # HeatRequest.request_id -> the text window that asked
+        self._heat_ids = itertools.count(1)
         self._attach_failures: QMessageBox | None = None  # the open message about files that could not be read
         self._attach_failed = 0  # how many it names
         self.closed = False
@@ -305,6 +315,7 @@ class MainWindow(QMainWindow):
         worker.loaded.connect(self._on_loaded)
         worker.load_failed.connect(self._on_load_failed)
         worker.memory.connect(self._on_memory)
+        worker.heat.connect(self._on_heat)
         worker.usage.connect(self._on_usage)
         worker.reconfigured.connect(self._on_reconfigured)
         worker.reconfigure_failed.connect(self._on_reconfigure_failed)
@@ -570,6 +581,8 @@ class MainWindow(QMainWindow):
         self.report = report
         self.memory_panel.show_report(report)
         self._refresh_chips()
+        for dialog in self.text_windows:  # a turn or the knobs changed what the cache holds: the tints follow
+            self._request_heat(dialog)
 
     def _schedule_usage(self) -> None:
         self.usage_timer.start()
@@ -607,11 +620,27 @@ class MainWindow(QMainWindow):
         """A window with the text the model reads of `document` (an attached one, or a sent message's)."""
         if document is None:  # still being read
             return None
-        dialog = DocumentTextDialog(document, self)
+        dialog = DocumentTextDialog(document, self, self.conversation_id)
         self.text_windows.append(dialog)
         dialog.finished.connect(lambda _r, d=dialog: self.text_windows.remove(d) if d in self.text_windows else None)
+        self._request_heat(dialog)
         dialog.show()
         return dialog
+
+    def _request_heat(self, dialog: DocumentTextDialog) -> None:
+        """Ask the engine what the dialog's chat's cache holds of its text (between turns: the worker runs one thing
+        at a time, so a question asked during a reply is answered after it)."""
+        if dialog.conversation_id is None or self.facts is None:
+            dialog.show_heat(None)
+            return
+        request_id = next(self._heat_ids)
+        self._heat_asked[request_id] = dialog
+        self.client.report_heat.emit(HeatRequest(request_id, dialog.conversation_id, dialog.document_text))
+
+    def _on_heat(self, request_id: int, heat) -> None:
+        dialog = self._heat_asked.pop(request_id, None)
+        if dialog is not None and dialog in self.text_windows:
+            dialog.show_heat(heat)
 
     def _show_sent_document(self, message_id: int, index: int) -> None:
         documents = self.store.attachments(message_id) if message_id else ()

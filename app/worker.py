@@ -39,6 +39,7 @@ from .protocol import (
     AttachedDocument,
     ContextFigures,
     DocumentFigures,
+    HeatRequest,
     HistoryTurn,
     ModelFacts,
     TurnOutcome,
@@ -86,6 +87,7 @@ class EngineWorker(QObject):
     memory = Signal(object)  # engine MemoryReport
     usage = Signal(object)  # ContextFigures
     document_figures = Signal(object)  # tuple of DocumentFigures (sent before the usage they belong to)
+    heat = Signal(int, object)  # HeatRequest.request_id, engine DocumentHeat (None: the chat's cache holds no such text)
     reconfigured = Signal(object, object)  # engine ReconfigureResult, ModelFacts
     reconfigure_failed = Signal(str)
     serving = Signal(str, str)  # the served address ('' when stopped), and why it stopped or could not start
@@ -417,6 +419,19 @@ class EngineWorker(QObject):
         self.memory.emit(self.model.memory_report(session.cache if session is not None else None, last_chat=False))
 
     @Slot(object)
+    def report_heat(self, request: HeatRequest) -> None:
+        """Which parts of a document the chat's cache holds hot now, from the engine; None where the chat has no
+        live cache here (not read since the app started, or a remote model) or does not hold that text."""
+        heat = None
+        session = self._sessions.get(request.conversation_id)
+        if self.model is not None and session is not None:
+            try:
+                heat = session.document_heat(request.text)
+            except Exception as exc:  # noqa: BLE001
+                self.error.emit(_describe(exc))
+        self.heat.emit(request.request_id, heat)
+
+    @Slot(object)
     def count_usage(self, request: UsageRequest) -> None:
         """The context bar's figures, and each attached document's tokens and KV bytes, from the engine."""
         if self.model is None:
@@ -466,6 +481,7 @@ class EngineClient(QObject):
     reconfigure = Signal(object)
     report_memory = Signal(object)
     count_usage = Signal(object)
+    report_heat = Signal(object)  # HeatRequest
     forget_conversation = Signal(int)
     start_serving = Signal(object)  # {"host", "port", "api_key"}
     stop_serving = Signal()
@@ -482,6 +498,7 @@ class EngineClient(QObject):
         self.reconfigure.connect(self.worker.reconfigure)
         self.report_memory.connect(self.worker.report_memory)
         self.count_usage.connect(self.worker.count_usage)
+        self.report_heat.connect(self.worker.report_heat)
         self.forget_conversation.connect(self.worker.forget_conversation)
         self.start_serving.connect(self.worker.start_serving)
         self.stop_serving.connect(self.worker.stop_serving)

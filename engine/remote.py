@@ -87,6 +87,9 @@ class RemoteSession:
     def forget_saved(self) -> int:
         return 0  # nothing of a remote chat is saved on this machine besides the app's own store
 
+    def document_heat(self, text: str) -> None:
+        return None  # the server's cache is not visible from here
+
     def send(self, prompt: str, documents: Sequence[str | Document] = (), *, cancel: threading.Event | None = None,
              **settings) -> Iterator[Event]:
         """Stream one turn. A refusal (context, a bad value, the key, an unreachable server) raises before the

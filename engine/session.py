@@ -301,6 +301,15 @@ class ChatSession:
         store = self.model.conversation_store
         return store.forget(self.fed_text) if store is not None and self.fed_text else 0
 
+    def document_heat(self, text: str):
+        """Which parts of a document this chat has read the cache holds hot now (engine.heat.DocumentHeat), or
+        None when its cache does not hold that text. Between turns only."""
+        from .heat import document_heat
+
+        if self._busy:
+            raise BusyError("A reply is still being generated in this chat; stop it or wait for it to finish.")
+        return document_heat(self, text)
+
     def fork(self) -> ChatSession:
         """A new chat that goes on from this one as it stands: the same messages and a copy of its cache (hot
         set, cold tier, scores, settings), so its next turn reads only that turn, as this one's would. The two

@@ -1,23 +1,38 @@
 """The text the model reads of an attached document: what the reader extracted from the PDF, Word file or web page
 (columns, tables and headings as the reader laid them out), with its figures and the reader's notes, and a find
-box. Opened from a document's chip before sending and from a sent message's attachment."""
+box. Opened from a document's chip before sending and from a sent message's attachment.
+
+Once the chat has read the document, the text is tinted by what the cache holds of it now (engine.heat): each
+token by the share of the cache's layers and heads that hold it hot, on the device; the rest is in the cold tier
+(or discarded with the tier off). It follows each turn and each change of the cache's knobs."""
 
 from __future__ import annotations
 
-from PySide6.QtCore import Qt
-from PySide6.QtGui import QKeySequence, QShortcut, QTextDocument
+import bisect
+
+from PySide6.QtCore import QEvent, QObject, Qt
+from PySide6.QtGui import QKeySequence, QShortcut, QTextCharFormat, QTextCursor, QTextDocument
 from PySide6.QtWidgets import (
+    QCheckBox,
     QDialog,
     QDialogButtonBox,
     QHBoxLayout,
     QLabel,
     QLineEdit,
     QPlainTextEdit,
+    QTextEdit,
+    QToolTip,
     QVBoxLayout,
     QWidget,
 )
 
+from .. import theme
 from ..format import pages as page_count
+
+HEAT_EDGES = (0.1, 0.5, 0.9)  # a token's share of the layers' heads that hold it hot: the tint's three levels
+WHERE_COLD = {"ram": "The rest is in the cold tier in RAM: a question brings back what it needs.",
+              "disk": "The rest is in the cold tier on disk: a question brings back what it needs.",
+              "off": "The rest was discarded by compaction (the cold tier is off)."}
 
 
 def describe(document) -> str:
@@ -30,8 +45,10 @@ def describe(document) -> str:
 
 
 class DocumentTextDialog(QDialog):
-    def __init__(self, document, parent: QWidget | None = None):
+    def __init__(self, document, parent: QWidget | None = None, conversation_id: int | None = None):
         super().__init__(parent)
+        self.document_text = document.text
+        self.conversation_id = conversation_id  # the chat whose cache the tint shows (None: none)
         self.setWindowTitle(f"{document.name} — the text the model reads")
         self.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
         self.resize(760, 640)
@@ -40,9 +57,27 @@ class DocumentTextDialog(QDialog):
         self.figures.setObjectName("dimLabel")
         self.figures.setWordWrap(True)
         layout.addWidget(self.figures)
+        heat_row = QHBoxLayout()
+        self.heat_label = QLabel("")
+        self.heat_label.setObjectName("dimLabel")
+        self.heat_label.setWordWrap(True)
+        self.heat_label.setTextFormat(Qt.TextFormat.RichText)
+        heat_row.addWidget(self.heat_label, 1)
+        self.tint = QCheckBox("Tint")
+        self.tint.setToolTip("Tint the text by what the cache holds hot now")
+        self.tint.setChecked(True)
+        self.tint.toggled.connect(self._paint_heat)
+        self.tint.setVisible(False)
+        heat_row.addWidget(self.tint, 0, Qt.AlignmentFlag.AlignTop)
+        layout.addLayout(heat_row)
+        self.heat = None  # engine.heat.DocumentHeat, once the engine has said
+        self._starts: list[int] = []  # each span's start, for the tooltip's lookup
         self.text = QPlainTextEdit()
         self.text.setReadOnly(True)
         self.text.setPlainText(document.text)
+        self._units = _utf16_offsets(document.text)
+        self._tips = _HeatTips(self)
+        self.text.viewport().installEventFilter(self._tips)
         layout.addWidget(self.text, 1)
         row = QHBoxLayout()
         self.find = QLineEdit()
@@ -78,3 +113,109 @@ class DocumentTextDialog(QDialog):
         self.text.centerCursor()  # the match with the text around it
         self.found.setText("")
         return True
+
+    # ------------------------------------------------------------------ what the cache holds
+    def show_heat(self, heat) -> None:
+        """The engine's DocumentHeat for this text (None: the chat's cache does not hold it here)."""
+        self.heat = heat
+        self._starts = [start for start, _, _ in heat.spans] if heat is not None else []
+        self.tint.setVisible(heat is not None)
+        if heat is None:
+            self.heat_label.setText("What the cache holds of this text shows here once the chat has read it "
+                                    "(ask the chat a question about it).")
+        else:
+            self.heat_label.setText(
+                f"Held hot now: {heat.hot_share:.0%} of its {heat.tokens:,} tokens (on the device, read at every "
+                f"step; cache ratio {heat.ratio:.2f}). {WHERE_COLD.get(heat.cold_tier, '')}<br>"
+                + " ".join(_swatch(f"heat_{level}", text) for level, text in
+                           ((3, "hot in ≥ 90 % of the layers' heads"), (2, "50–90 %"), (1, "10–50 %")))
+                + " untinted: cold")
+        self._paint_heat()
+
+    def _paint_heat(self) -> None:
+        selections = []
+        if self.heat is not None and self.tint.isChecked():
+            formats = {}
+            for level in range(1, len(HEAT_EDGES) + 1):
+                formats[level] = QTextCharFormat()
+                formats[level].setBackground(theme.color(f"heat_{level}"))
+            document = self.text.document()
+            text = self.document_text
+            for start, end, level in self.heat.levels(HEAT_EDGES):
+                if level == 0:
+                    continue
+                for line_start, line_end in _lines(text, start, end):  # a tint across a line's end would
+                    cursor = QTextCursor(document)  # also mark the empty line after a paragraph
+                    cursor.setPosition(self._unit(line_start))
+                    cursor.setPosition(self._unit(line_end), QTextCursor.MoveMode.KeepAnchor)
+                    selection = QTextEdit.ExtraSelection()
+                    selection.cursor, selection.format = cursor, formats[level]
+                    selections.append(selection)
+        self.text.setExtraSelections(selections)
+
+    def _char(self, unit: int) -> int:
+        """The inverse of _unit: the character at UTF-16 offset `unit`."""
+        return bisect.bisect_right(self._units, unit) - 1 if self._units else unit
+
+    def _unit(self, offset: int) -> int:
+        """A character offset of the text as Qt counts it (UTF-16 units: a character past U+FFFF is two)."""
+        units = self._units
+        return units[min(offset, len(units) - 1)] if units else min(offset, len(self.document_text))
+
+    def share_at(self, position: int) -> float | None:
+        """The hot share of the token at character `position` of the text (None outside any or without heat)."""
+        if self.heat is None or not self._starts:
+            return None
+        i = bisect.bisect_right(self._starts, position) - 1
+        if i < 0:
+            return None
+        start, end, share = self.heat.spans[i]
+        return share if start <= position < end else None
+
+
+def _lines(text: str, start: int, end: int):
+    """The pieces of text[start:end] between its line breaks that hold more than white space, as (start, end)."""
+    at = start
+    while at < end:
+        cut = text.find("\n", at, end)
+        stop = end if cut < 0 else cut
+        if text[at:stop].strip():
+            yield at, stop
+        at = stop + 1
+
+
+def _utf16_offsets(text: str) -> list[int]:
+    """For each character offset 0..len(text), its offset in UTF-16 units; [] when they are the same."""
+    if all(ord(c) <= 0xFFFF for c in text):
+        return []
+    offsets, unit = [], 0
+    for c in text:
+        offsets.append(unit)
+        unit += 2 if ord(c) > 0xFFFF else 1
+    offsets.append(unit)
+    return offsets
+
+
+def _swatch(color: str, text: str) -> str:
+    return (f'<span style="background-color:{theme.colors()[color]}; color:{theme.colors()["text"]}">'
+            f"&nbsp;{text}&nbsp;</span>")
+
+
+class _HeatTips(QObject):
+    """Over the tinted text, a token's share as a tooltip."""
+
+    def __init__(self, dialog: DocumentTextDialog):
+        super().__init__(dialog)
+        self.dialog = dialog
+
+    def eventFilter(self, watched, event) -> bool:  # noqa: N802 - Qt's name
+        if event.type() == QEvent.Type.ToolTip and self.dialog.heat is not None:
+            cursor = self.dialog.text.cursorForPosition(event.pos())
+            position = self.dialog._char(cursor.position())
+            share = self.dialog.share_at(position)
+            if share is not None:
+                QToolTip.showText(event.globalPos(), f"held hot in {share:.0%} of the cache's layers' heads")
+            else:
+                QToolTip.hideText()
+            return True
+        return False

@@ -9,6 +9,7 @@ engine's own (engine.documents.user_content, engine.cache.budget.budget_for).
 from __future__ import annotations
 
 import dataclasses
+import re
 import threading
 import time
 
@@ -17,6 +18,7 @@ from engine.config import DSV41Config
 from engine.documents import Document, format_for_prompt, user_content
 from engine.errors import BusyError, ContextOverflowError, ModelLoadError
 from engine.events import ContextUsage, Done, ErrorEvent, PrefillProgress, TokenText, TurnStats
+from engine.heat import DocumentHeat
 from engine.info import LoadInfo, ReconfigureResult
 from engine.memory import MemoryReport
 
@@ -63,6 +65,17 @@ class FakeSession:
     def forget_saved(self):
         self.model.record("forget_saved", history=[dict(m) for m in self.messages])
         return 0
+
+    def document_heat(self, text):
+        """As the engine's: None for a text this chat has not read; else each word's share, the first third of the
+        text held hot in every slot, the second in half of them, the rest cold."""
+        self.model.record("document_heat", chars=len(text))
+        if not text or not any(text in m.get("content", "") for m in self.messages if m.get("role") == "user"):
+            return None
+        spans = tuple((m.start(), m.end(), 1.0 if m.start() < len(text) / 3 else 0.5 if m.start() < 2 * len(text) / 3
+                       else 0.0) for m in re.finditer(r"\S+", text))
+        share = sum(s for _, _, s in spans) / max(len(spans), 1)
+        return DocumentHeat(spans, share, len(spans), 0, self.model.config.cold_tier, self.model.config.kv_cache_ratio)
 
     def send(self, prompt, documents=(), *, cancel=None, **settings):
         model = self.model

@@ -323,6 +323,62 @@ def test_the_text_the_model_reads_is_shown_from_the_chip_and_from_the_sent_messa
     assert window.text_windows[-1].text.toPlainText() == sent_text
 
 
+def test_a_sent_documents_text_is_tinted_by_what_the_cache_holds_and_follows_the_knobs(qtbot, window, fake_model,
+                                                                                        tmp_path):
+    from test_knobs import slider_to
+
+    from app import theme
+
+    md, _ = write_markdown(tmp_path / "notes.md")
+    window.attach_files([str(md)])
+    qtbot.waitUntil(lambda: ready(window, 1), timeout=10_000)
+    next(iter(window.chips.chips.values())).show_text.click()
+    before = window.text_windows[-1]  # not read by the chat yet: nothing to tint, and it says when there will be
+    qtbot.waitUntil(lambda: "once the chat has read it" in before.heat_label.text(), timeout=5_000)
+    assert not before.text.extraSelections() and not before.tint.isVisible()
+    before.close()
+
+    send(qtbot, window, "What does it say?")
+    user = window.chat.bubbles[-2]
+    next(label for label in user.findChildren(QLabel) if "notes.md" in label.text()).linkActivated.emit("document:0")
+    dialog = window.text_windows[-1]
+    qtbot.waitUntil(lambda: dialog.heat is not None, timeout=5_000)
+    asked = [c for c in fake_model.calls if c[0] == "document_heat"]
+    assert asked and asked[-1][2] != "MainThread"  # the engine was asked on the worker thread
+    heat = dialog.heat
+    assert f"Held hot now: {heat.hot_share:.0%} of its {heat.tokens:,} tokens" in dialog.heat_label.text()
+    assert "cache ratio 0.50" in dialog.heat_label.text() and "cold tier in RAM" in dialog.heat_label.text()
+    # the fake holds the first third in every slot (level 3), the second in half (level 2), the rest cold (no tint)
+    selections = dialog.text.extraSelections()
+    assert {s.format.background().color().name() for s in selections} == {theme.colors()["heat_3"],
+                                                                          theme.colors()["heat_2"]}
+    assert selections[0].cursor.selectionStart() == heat.spans[0][0]
+    assert dialog.share_at(heat.spans[0][0]) == 1.0 and dialog.share_at(heat.spans[-1][0]) == 0.0
+    dialog.tint.setChecked(False)
+    assert not dialog.text.extraSelections()
+    dialog.tint.setChecked(True)
+    assert dialog.text.extraSelections()
+
+    slider_to(window, "kv_cache_ratio", 0.3)  # the knobs change what the cache holds: the open window follows
+    qtbot.waitUntil(lambda: dialog.heat is not None and dialog.heat.ratio == 0.3, timeout=10_000)
+    assert "cache ratio 0.30" in dialog.heat_label.text()
+
+
+def test_the_tint_lands_on_the_right_characters_past_u_ffff(qtbot):
+    from app.widgets.document_text import DocumentTextDialog
+    from engine.heat import DocumentHeat
+
+    text = "emoji 😀😀 then the fact"  # two characters past U+FFFF: two UTF-16 units each in Qt's document
+    document = type("D", (), {"name": "e.txt", "kind": "txt", "pages": None, "chars": len(text), "text": text})()
+    dialog = DocumentTextDialog(document)
+    qtbot.addWidget(dialog)
+    fact = text.index("fact")
+    dialog.show_heat(DocumentHeat(((0, 5, 0.0), (fact, fact + 4, 1.0)), 0.5, 2, 0, "off", 0.2))
+    (selection,) = dialog.text.extraSelections()
+    assert selection.cursor.selectedText() == "fact"
+    assert "discarded" in dialog.heat_label.text()
+
+
 def test_a_chip_still_being_read_has_no_text_to_show(qtbot, window, tmp_path, slow_reading):
     md, _ = write_markdown(tmp_path / "notes.md")
     window.attach_files([str(md)])

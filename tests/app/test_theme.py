@@ -16,7 +16,8 @@ TEXT_PAIRS = [("text", "window"), ("text", "surface"), ("strong", "surface"), ("
               ("dim", "user_bubble"), ("progress", "surface"), ("link", "surface"), ("link", "user_bubble"),
               ("on_accent", "accent"), ("danger", "surface"), ("pending", "surface"), ("applied", "surface"),
               ("warn_text", "warn"), ("attach_text", "attach"), ("chip_text", "chip"), ("chip_text", "chip_bad"),
-              ("plot_text", "plot"), ("selection_text", "selection"), ("text", "user_bubble")]
+              ("plot_text", "plot"), ("selection_text", "selection"), ("text", "user_bubble"),
+              ("text", "heat_1"), ("text", "heat_2"), ("text", "heat_3")]
 MEMORY = {"Weights": "#4e79a7", "KV cache": "#f28e2b", "Activations": "#59a14f", "Other": "#9d8f8a"}
 
 

@@ -192,6 +192,7 @@ class Shooter:
         dialog.close()
 
         print("3. asking about it")
+        sent = next(iter(window.attached.values()))
         window.send()
         turn = window.turns.active
         self.wait(lambda: turn.bubble is not None and "Reading the prompt" in turn.bubble.progress.text()
@@ -210,6 +211,19 @@ class Shooter:
         self.wait(lambda: "→" in window.knob_panel.status.text(), 600, "the pending knob to apply")
         self.pause(1.5)
         self.shot("06-reply-knob-applied")
+        # what the cache holds of the document now, at 0.3: its text tinted, the end of the speech read last
+        from PySide6.QtGui import QTextCursor
+
+        dialog = window.show_document_text(sent)
+        dialog.resize(900, 700)
+        self.wait(lambda: dialog.heat is not None, 60, "what the cache holds of the document")
+        dialog.text.moveCursor(QTextCursor.MoveOperation.End)
+        self.pause(0.5)
+        self.app.processEvents()
+        path = self.out / "20-document-heat.png"
+        dialog.grab().save(str(path))
+        self.saved.append(path)
+        dialog.close()
 
         print("4. back to a plain cache: the KV grows past 30 % of the weights, the hint appears")
         window.knob_panel.apply_preset("Max quality")

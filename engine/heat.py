@@ -1,0 +1,120 @@
+"""What the cache holds of a document now: for each token of an attached document's text, the share of the cache's
+(layer, KV head) slots that hold its entry in the hot set (on the device, attended to at every step). What is not
+hot sits in the cold tier (RAM or disk; a question brings back what it needs) or, with the tier off, was discarded.
+
+The app tints the document's text with it (the document text window), so a user sees which parts the last question
+kept hot and what a ratio slider changed. The document is found in the conversation by its tokens: its text is
+tokenized alone, with each token's characters, and located in the transcript the cache holds (the block's first and
+last tokens may have merged with the text around them; the rest is the same sequence).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from . import chat_template as template
+
+ANCHOR = 24  # tokens of the document's text that locate it in the transcript
+MIN_MATCH = 0.95  # share of its tokens that must equal the transcript's where it was found
+
+
+@dataclass(frozen=True)
+class DocumentHeat:
+    """`spans`: (start, end, share) for each token of the document: its characters in the document's text and the
+    share of the cache's (layer, KV head) slots that hold it hot, 0..1."""
+
+    spans: tuple[tuple[int, int, float], ...]
+    hot_share: float  # over the document's tokens
+    tokens: int
+    first_position: int  # the cache position (transcript index) of the document's first token
+    cold_tier: str  # "ram" | "disk" | "off": where what is not hot is
+    ratio: float  # the cache ratio the hot set is held to
+
+    def levels(self, edges: tuple[float, ...] = (0.1, 0.5, 0.9)) -> list[tuple[int, int, int]]:
+        """Runs of adjacent tokens at one level (0: below edges[0] … len(edges)), merged: (start, end, level)."""
+        runs: list[tuple[int, int, int]] = []
+        for start, end, share in self.spans:
+            level = sum(share >= e for e in edges)
+            if runs and runs[-1][2] == level and start <= runs[-1][1] + 1:
+                runs[-1] = (runs[-1][0], max(end, runs[-1][1]), level)
+            else:
+                runs.append((start, end, level))
+        return runs
+
+
+def hot_share(cache):
+    """Per position the cache has seen, the share of its (layer, KV head) slots that hold that position's entry in
+    the hot set (a float32 tensor on the CPU). Torch is imported here: the GUI imports this module's types."""
+    import torch
+
+    seen = cache.seen
+    counts = torch.zeros(seen, dtype=torch.float64)
+    for layer in cache.layers:
+        at = layer.positions[:, :layer.length].reshape(-1).to("cpu", torch.int64)
+        at = at[(at >= 0) & (at < seen)]
+        counts += torch.bincount(at, minlength=seen)[:seen].to(torch.float64)
+    return (counts / (len(cache.layers) * cache.kv_heads)).to(torch.float32)
+
+
+def document_heat(session, text: str) -> DocumentHeat | None:
+    """The hot share of each token of `text`, a document the chat `session` has read (its last copy in the
+    conversation); None when the chat's cache does not hold it (not sent yet, the cache being rebuilt, or a
+    tokenizer that cannot say which characters a token covers)."""
+    tokenizer = session.tokenizer
+    cache = session.cache
+    ids = session.transcript_ids
+    if not text or not getattr(tokenizer, "is_fast", False) or not session.consistent or cache.seen != len(ids):
+        return None
+    body, shift = _as_read(text)
+    encoded = tokenizer(body, add_special_tokens=False, split_special_tokens=True, return_offsets_mapping=True)
+    doc_ids, offsets = list(encoded["input_ids"]), list(encoded["offset_mapping"])
+    start = _locate(ids, doc_ids)
+    if start is None:
+        return None
+    n = min(len(doc_ids), len(ids) - start)
+    share = hot_share(cache)[start:start + n].tolist()
+    spans = tuple((shift(offsets[j][0]), shift(offsets[j][1]), share[j]) for j in range(n))
+    settings = cache.settings
+    return DocumentHeat(spans, sum(share) / n if n else 0.0, n, start, settings.cold_tier, settings.kv_cache_ratio)
+
+
+def _as_read(text: str):
+    """The document's text as its block holds it (engine.documents.format_for_prompt: a closing tag inside it is
+    defused with one character more), and a map from that text's offsets back to `text`'s."""
+    body = template.clean_text(text)
+    inserted = [m.start() + 1 + i for i, m in enumerate(_CLOSING_TAG.finditer(body))]  # where "\\" went in
+    if inserted:
+        body = _CLOSING_TAG.sub(r"<\\/document>", body)
+    if len(body) - len(inserted) != len(text):  # clean_text changed the length: map what can be mapped
+        inserted = []
+
+    def shift(offset: int) -> int:
+        return min(offset - sum(1 for i in inserted if i < offset), len(text))
+
+    return body, shift
+
+
+_CLOSING_TAG = re.compile(r"</document>", re.IGNORECASE)
+
+
+def _locate(ids: list[int], doc_ids: list[int]) -> int | None:
+    """Where `doc_ids` begins in `ids` (its last copy), allowing its first and last tokens to differ; None when it
+    is not there."""
+    n = len(doc_ids)
+    if n == 0 or n > len(ids) + 2:
+        return None
+    skip = 2 if n > ANCHOR + 8 else 1 if n > 4 else 0  # the first tokens may have merged with what comes before
+    anchor = doc_ids[skip:skip + min(ANCHOR, n - 2 * skip)]
+    first = anchor[0]
+    for i in range(len(ids) - len(anchor), -1, -1):
+        if ids[i] != first or ids[i:i + len(anchor)] != anchor:
+            continue
+        start = i - skip
+        if start < 0:
+            continue
+        window = ids[start:start + n]
+        same = sum(a == b for a, b in zip(window, doc_ids, strict=False))
+        if len(window) >= n - 2 and same >= min(MIN_MATCH * n, n - 2):
+            return start
+    return None

@@ -1,0 +1,98 @@
+"""engine.heat: which tokens of a document the cache holds hot, found in the transcript by its tokens, each mapped to
+its characters in the document's text."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.documents import Document
+from engine.errors import BusyError
+
+
+def _model(tiny_folder, **knobs):
+    from engine import DSV41Config, DSV41Model
+
+    return DSV41Model.from_pretrained(DSV41Config(model_path=str(tiny_folder), max_seq_len=4096, csa2_topk=0,
+                                                  **knobs))
+
+
+def _document(name: str, text: str) -> Document:
+    return Document(name=name, path=name, kind="txt", text=text, pages=None, chars=len(text))
+
+
+def _hot(cache, position: int) -> float:
+    """The share of (layer, head) slots holding `position`, counted here from the layers' own positions."""
+    slots = held = 0
+    for layer in cache.layers:
+        for head in range(cache.kv_heads):
+            slots += 1
+            held += position in set(layer.positions[head, : layer.length].tolist())
+    return held / slots
+
+
+@pytest.fixture(scope="module")
+def chat(tiny_folder):
+    """A tiered chat at ratio 0.3 that read two documents in two turns (the second with </document> in it)."""
+    model = _model(tiny_folder, kv_cache_ratio=0.3, cold_tier="ram")
+    session = model.chat_session()
+    first = _document("items.txt", " ".join(f"Line {i}: the value of item {i} is {i * 7}." for i in range(40)))
+    second = _document("notes.txt", "Notes.\nA tag </document> inside the file, then more text: the fact is 42.")
+    list(session.send("What is the value of item 3?", [first], max_new_tokens=4, greedy=True))
+    list(session.send("And the fact?", [second], max_new_tokens=4, greedy=True))
+    return model, session, first, second
+
+
+def test_each_token_of_a_read_document_maps_to_its_characters_and_its_hot_share(chat):
+    model, session, first, _ = chat
+    heat = session.document_heat(first.text)
+    assert heat is not None and heat.tokens > 100 and heat.cold_tier == "ram" and heat.ratio == 0.3
+    tokenizer = model.tokenizer
+    ids = session.transcript_ids
+    inside = [(j, span) for j, span in enumerate(heat.spans) if 2 <= j < heat.tokens - 2]
+    for j, (start, end, share) in inside:
+        # the token at that cache position is the text at those characters (ASCII: byte-level tokens decode exactly)
+        assert tokenizer.decode([ids[heat.first_position + j]]) == first.text[start:end]
+        assert share == pytest.approx(_hot(session.cache, heat.first_position + j))
+    assert [s for s, _, _ in heat.spans] == sorted(s for s, _, _ in heat.spans)
+    shares = [share for _, _, share in heat.spans]
+    assert min(shares) < 0.5 < max(shares)  # at 0.3 part of it is hot and part cold
+    assert heat.hot_share == pytest.approx(sum(shares) / len(shares))
+    levels = heat.levels((0.1, 0.5, 0.9))
+    assert levels[0][0] == heat.spans[0][0] and levels[-1][1] == heat.spans[-1][1]
+    assert all(a[2] != b[2] for a, b in zip(levels, levels[1:], strict=False))  # adjacent runs differ
+
+
+def test_a_defused_closing_tag_keeps_the_characters_of_the_documents_own_text(chat):
+    model, session, _, second = chat
+    heat = session.document_heat(second.text)
+    assert heat is not None
+    after = second.text.index(" inside")
+    tail = [(j, s, e) for j, (s, e, _) in enumerate(heat.spans) if s >= after and j < heat.tokens - 1]
+    assert tail
+    for j, start, end in tail:  # the block reads "<\\/document>": one character more before these tokens
+        assert model.tokenizer.decode([session.transcript_ids[heat.first_position + j]]) == second.text[start:end]
+
+
+def test_a_text_the_chat_has_not_read_has_no_heat_and_a_looser_ratio_holds_more(tiny_folder):
+    model = _model(tiny_folder, kv_cache_ratio=0.2, cold_tier="ram")
+    session = model.chat_session()
+    doc = _document("items.txt", " ".join(f"Row {i} holds {i * 3} apples." for i in range(60)))
+    assert session.document_heat(doc.text) is None  # nothing read yet
+    list(session.send("How many apples in row 5?", [doc], max_new_tokens=4, greedy=True))
+    assert session.document_heat("A text this chat never saw, long enough to look for in it.") is None
+    tight = session.document_heat(doc.text)
+    model.reconfigure(session, kv_cache_ratio=0.6)  # the cold tier holds everything: loosening recalls from it
+    loose = session.document_heat(doc.text)
+    assert loose.ratio == 0.6 and loose.hot_share > tight.hot_share
+    model.reconfigure(session, kv_cache_ratio=1.0)
+    assert session.document_heat(doc.text).hot_share == 1.0
+
+
+def test_heat_is_refused_while_a_reply_runs(tiny_folder):
+    model = _model(tiny_folder)
+    session = model.chat_session()
+    turn = session.send("Hello there", max_new_tokens=8, greedy=True)
+    next(turn)
+    with pytest.raises(BusyError):
+        session.document_heat("Hello there")
+    list(turn)
