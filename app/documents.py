@@ -1,4 +1,5 @@
-"""Attaching documents: parse on a thread pool (never the GUI thread), then judge whether they fit.
+"""Attaching documents: parse (and list a dropped folder's) on a thread pool, never the GUI thread, then judge
+whether they fit.
 
 Parsing goes through engine.documents.load_document, which is pure Python; it runs on
 QThreadPool threads and reports back by queued signals.
@@ -24,6 +25,25 @@ _RATIO = SLIDER["kv_cache_ratio"]
 class _ParseSignals(QObject):
     parsed = Signal(str, object)  # request key, AttachedDocument
     failed = Signal(str, str, str)  # request key, path, message
+    listed = Signal(str, object)  # request key, engine.documents.folder.FolderDocuments
+
+
+class _FolderJob(QRunnable):
+    """A folder's documents listed off the GUI thread (a network share can take seconds to walk)."""
+
+    def __init__(self, key: str, path: str, signals: _ParseSignals):
+        super().__init__()
+        self.key, self.path, self.signals = key, path, signals
+
+    def run(self) -> None:
+        from engine.documents.folder import folder_documents
+
+        try:
+            found = folder_documents(self.path)
+        except Exception as exc:  # noqa: BLE001 - an unexpected failure is said, never lost
+            self.signals.failed.emit(self.key, self.path, f"{self.path}: {type(exc).__name__}: {exc}")
+            return
+        self.signals.listed.emit(self.key, found)
 
 
 class _ParseJob(QRunnable):
@@ -49,6 +69,7 @@ class DocumentLoader(QObject):
 
     parsed = Signal(str, object)
     failed = Signal(str, str, str)
+    listed = Signal(str, object)  # a folder's key (list_folder), its FolderDocuments
 
     def __init__(self, parent: QObject | None = None):
         super().__init__(parent)
@@ -57,6 +78,7 @@ class DocumentLoader(QObject):
         self._signals = _ParseSignals(self)
         self._signals.parsed.connect(self._on_parsed)
         self._signals.failed.connect(self._on_failed)
+        self._signals.listed.connect(self._on_listed)
         self.pending: set[str] = set()
 
     def load(self, path: str) -> str:
@@ -64,6 +86,17 @@ class DocumentLoader(QObject):
         self.pending.add(key)
         self.pool.start(_ParseJob(key, path, self._signals))
         return key
+
+    def list_folder(self, path: str) -> str:
+        """List the documents inside the folder `path` on the pool; the key its `listed` (or `failed`) carries."""
+        key = f"folder-{next(_keys)}"
+        self.pending.add(key)
+        self.pool.start(_FolderJob(key, path, self._signals))
+        return key
+
+    def _on_listed(self, key: str, found) -> None:
+        self.pending.discard(key)
+        self.listed.emit(key, found)
 
     def _on_parsed(self, key: str, doc: AttachedDocument) -> None:
         self.pending.discard(key)

@@ -31,8 +31,6 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from engine.documents.folder import folder_documents
-
 from . import knobs as K
 from . import text_size
 from .chat_import import ChatImportError, parse_export, read_export
@@ -359,6 +357,7 @@ class MainWindow(QMainWindow):
         self.chat.zoom_requested.connect(lambda d: self.set_text_size(text_size.step(self.text_size, d)))
         self.loader.parsed.connect(self._on_document_parsed)
         self.loader.failed.connect(self._on_document_failed)
+        self.loader.listed.connect(self._on_folder_listed)
         self.knob_panel.knobs_changed.connect(self._on_knobs_changed)
         self.knob_panel.generation_changed.connect(self._on_generation_changed)
         self.system_prompt.changed.connect(self._on_system_prompt_changed)
@@ -654,24 +653,41 @@ class MainWindow(QMainWindow):
             self.attach_files([folder])
 
     def attach_files(self, paths: list[str]) -> None:
-        """Read each file as a document (in the loader's thread); a folder gives the documents inside it."""
-        files: list[str] = []
+        """Read each file as a document (in the loader's threads); a folder gives the documents inside it, listed
+        there too (its chip stands for them until then)."""
         for path in paths:
-            if not os.path.isdir(path):
-                files.append(path)
-                continue
-            found = folder_documents(path)
-            files += found.files
-            said = found.summary()
-            if said and not found.files:
-                self.inform("Could not attach the folder", said)
-            elif said:
-                self.statusBar().showMessage(said, 15_000)
-        for path in files:
-            key = self.loader.load(path)
+            key = self.loader.list_folder(path) if os.path.isdir(path) else self.loader.load(path)
             self._doc_paths[key] = path
             self.attached[key] = None
             self.chips.add_pending(key, path)
+        self._update_actions()
+
+    def _on_folder_listed(self, key: str, found) -> None:
+        """A dropped folder's documents: each read in its place (the chip of the folder goes), and what was left out
+        said. A folder whose chip was set aside with its draft fills that draft; one removed meanwhile adds nothing."""
+        self._doc_paths.pop(key, None)
+        target = None  # the box's documents
+        if key in self.attached:
+            self.attached.pop(key)
+            self.chips.remove(key)
+        else:
+            target = next((documents for documents in self._set_aside_documents() if key in documents), None)
+            if target is None:
+                return
+            target.pop(key)
+        said = found.summary()
+        if said and not found.files:
+            self.inform("Could not attach the folder", said)
+        elif said:
+            self.statusBar().showMessage(said, 15_000)
+        for path in found.files:
+            document_key = self.loader.load(path)
+            self._doc_paths[document_key] = path
+            if target is None:
+                self.attached[document_key] = None
+                self.chips.add_pending(document_key, path)
+            else:
+                target[document_key] = None
         self._update_actions()
 
     def _on_document_parsed(self, key: str, doc: AttachedDocument) -> None:
@@ -1293,12 +1309,12 @@ class MainWindow(QMainWindow):
                                  or self.store.conversation(chat) is None) or chat in self._drafts:
             return
         documents = saved.get("documents") if isinstance(saved.get("documents"), list) else []
-        paths = [p for p in documents if isinstance(p, str) and Path(p).is_file()]
+        paths = [p for p in documents if isinstance(p, str) and (Path(p).is_file() or Path(p).is_dir())]
         if not text.strip() and not paths:
             return
         documents: dict = {}
-        for path in paths:
-            key = self.loader.load(path)
+        for path in paths:  # a folder: one saved while its documents were still being listed
+            key = self.loader.list_folder(path) if Path(path).is_dir() else self.loader.load(path)
             self._doc_paths[key] = path
             documents[key] = None  # filled in when read (_on_document_parsed)
         self._drafts[chat] = (text, documents)

@@ -270,9 +270,43 @@ def test_a_dropped_folder_without_documents_says_so_and_attaches_nothing(qtbot, 
     told = []
     window.inform = lambda title, text, **_kw: told.append((title, text))
     drop(window, [folder])
+    qtbot.waitUntil(lambda: bool(told), timeout=5_000)
     assert told == [("Could not attach the folder", 'The folder "photos" holds no documents the app reads (PDF, Word, '
                      "text, Markdown or source files). 1 other file left out (1 .png).")]
     assert not window.attached and not window.chips.chips
+
+
+def test_a_folder_is_listed_off_the_gui_thread_its_chip_standing_for_it_until_then(qtbot, window, fake_model,
+                                                                                  tmp_path, monkeypatch):
+    import threading
+
+    from engine.documents import folder as folder_module
+
+    folder = tmp_path / "share"
+    folder.mkdir()
+    write_markdown(folder / "notes.md")
+    gate, threads = threading.Event(), []
+    real = folder_module.folder_documents
+
+    def slow_share(path):  # a network share: seconds to walk
+        threads.append(threading.current_thread())
+        gate.wait(10)
+        return real(path)
+
+    monkeypatch.setattr(folder_module, "folder_documents", slow_share)
+    drop(window, [folder])
+    qtbot.waitUntil(lambda: bool(threads), timeout=5_000)
+    assert threads[0] is not threading.main_thread()
+    assert [c.title.text() for c in window.chips.chips.values()] == ["Reading share…"]
+    assert list(window.attached.values()) == [None]
+    window.composer.setPlainText("What is in the share?")
+    window.send()  # the folder is still being listed: its documents would be missing
+    assert window.shown_messages[-1][0] == "Still reading documents" and not fake_model.sends()
+    gate.set()
+    qtbot.waitUntil(lambda: ready(window, 1), timeout=10_000)
+    assert [c.document.name for c in window.chips.chips.values()] == ["notes.md"]
+    send(qtbot, window, "What is in the share?")
+    assert fake_model.sends()[-1]["documents"][0].name == "notes.md"
 
 
 def test_attach_a_folder_from_the_chat_menu(qtbot, window, monkeypatch, tmp_path):
