@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import bisect
 
-from PySide6.QtCore import QEvent, QObject, Qt
-from PySide6.QtGui import QKeySequence, QShortcut, QTextCharFormat, QTextCursor, QTextDocument
+from PySide6.QtCore import QEvent, QObject, QPoint, Qt
+from PySide6.QtGui import QKeySequence, QPainter, QShortcut, QTextCharFormat, QTextCursor, QTextDocument
 from PySide6.QtWidgets import (
     QCheckBox,
     QDialog,
@@ -78,7 +78,14 @@ class DocumentTextDialog(QDialog):
         self._units = _utf16_offsets(document.text)
         self._tips = _HeatTips(self)
         self.text.viewport().installEventFilter(self._tips)
-        layout.addWidget(self.text, 1)
+        text_row = QHBoxLayout()
+        text_row.setSpacing(4)
+        text_row.addWidget(self.text, 1)
+        self.strip = HeatStrip(self)
+        self.strip.setVisible(False)
+        self.text.verticalScrollBar().valueChanged.connect(self.strip.update)
+        text_row.addWidget(self.strip)
+        layout.addLayout(text_row, 1)
         row = QHBoxLayout()
         self.find = QLineEdit()
         self.find.setPlaceholderText("Find in the text… (Enter: next, Shift+Enter: previous)")
@@ -120,6 +127,7 @@ class DocumentTextDialog(QDialog):
         self.heat = heat
         self._starts = [start for start, _, _ in heat.spans] if heat is not None else []
         self.tint.setVisible(heat is not None)
+        self.strip.show_heat(heat)
         if heat is None:
             self.heat_label.setText("What the cache holds of this text shows here once the chat has read it "
                                     "(ask the chat a question about it).")
@@ -131,6 +139,12 @@ class DocumentTextDialog(QDialog):
                            ((3, "hot in ≥ 90 % of the layers' heads"), (2, "50–90 %"), (1, "10–50 %")))
                 + " untinted: cold")
         self._paint_heat()
+
+    def changeEvent(self, event) -> None:  # noqa: N802 - Qt's name
+        """A theme change: the tints and the legend in the new theme's colours."""
+        super().changeEvent(event)
+        if event.type() in (QEvent.Type.PaletteChange, QEvent.Type.StyleChange) and self.heat is not None:
+            self.show_heat(self.heat)
 
     def _paint_heat(self) -> None:
         selections = []
@@ -152,6 +166,7 @@ class DocumentTextDialog(QDialog):
                     selection.cursor, selection.format = cursor, formats[level]
                     selections.append(selection)
         self.text.setExtraSelections(selections)
+        self.strip.setVisible(self.heat is not None and self.tint.isChecked())
 
     def _char(self, unit: int) -> int:
         """The inverse of _unit: the character at UTF-16 offset `unit`."""
@@ -161,6 +176,20 @@ class DocumentTextDialog(QDialog):
         """A character offset of the text as Qt counts it (UTF-16 units: a character past U+FFFF is two)."""
         units = self._units
         return units[min(offset, len(units) - 1)] if units else min(offset, len(self.document_text))
+
+    def visible_chars(self) -> tuple[int, int]:
+        """The characters of the text shown in the view, first and last."""
+        viewport = self.text.viewport()
+        first = self.text.cursorForPosition(QPoint(0, 0)).position()
+        last = self.text.cursorForPosition(QPoint(viewport.width() - 1, viewport.height() - 1)).position()
+        return self._char(first), self._char(last)
+
+    def go_to(self, char: int) -> None:
+        """Scroll the view to the character `char` of the text (the strip's click)."""
+        cursor = self.text.textCursor()
+        cursor.setPosition(self._unit(max(char, 0)))
+        self.text.setTextCursor(cursor)
+        self.text.centerCursor()
 
     def share_at(self, position: int) -> float | None:
         """The hot share of the token at character `position` of the text (None outside any or without heat)."""
@@ -199,6 +228,66 @@ def _utf16_offsets(text: str) -> list[int]:
 def _swatch(color: str, text: str) -> str:
     return (f'<span style="background-color:{theme.colors()[color]}; color:{theme.colors()["text"]}">'
             f"&nbsp;{text}&nbsp;</span>")
+
+
+class HeatStrip(QWidget):
+    """Beside the text, the whole document at a glance: each row the tint of its part of the text (by characters),
+    the part in view framed; a click goes there."""
+
+    WIDTH = 14
+
+    def __init__(self, dialog: DocumentTextDialog):
+        super().__init__(dialog)
+        self.dialog = dialog
+        self.setFixedWidth(self.WIDTH)
+        self.setToolTip("The whole text by what the cache holds hot; click to go there")
+        self.shares: list[tuple[float, float]] = []  # (the start as a share of the text, the token's hot share)
+
+    def show_heat(self, heat) -> None:
+        length = max(len(self.dialog.document_text), 1)
+        self.shares = [(start / length, share) for start, _end, share in heat.spans] if heat is not None else []
+        self.update()
+
+    def row_levels(self, rows: int) -> list[int]:
+        """The tint level of each of `rows` rows: the mean hot share of the tokens starting in it (a row with none
+        takes the one above)."""
+        sums, counts = [0.0] * rows, [0] * rows
+        for at, share in self.shares:
+            row = min(int(at * rows), rows - 1)
+            sums[row] += share
+            counts[row] += 1
+        levels, level = [], 0
+        for total, count in zip(sums, counts, strict=True):
+            if count:
+                level = sum(total / count >= edge for edge in HEAT_EDGES)
+            levels.append(level)
+        return levels
+
+    def paintEvent(self, event) -> None:  # noqa: N802 - Qt's name
+        painter = QPainter(self)
+        height = self.height()
+        painter.fillRect(self.rect(), theme.color("bar_track"))
+        for y, level in enumerate(self.row_levels(height)):
+            if level:
+                painter.fillRect(0, y, self.width(), 1, theme.color(f"heat_{level}"))
+        length = max(len(self.dialog.document_text), 1)
+        first, last = self.dialog.visible_chars()
+        top, bottom = int(first / length * height), int(last / length * height)
+        painter.setPen(theme.color("accent"))
+        painter.drawRect(0, top, self.width() - 1, max(bottom - top, 2))
+        painter.end()
+
+    def mousePressEvent(self, event) -> None:  # noqa: N802 - Qt's name
+        self._go(event.position().y())
+
+    def mouseMoveEvent(self, event) -> None:  # noqa: N802 - Qt's name
+        if event.buttons() & Qt.MouseButton.LeftButton:
+            self._go(event.position().y())
+
+    def _go(self, y: float) -> None:
+        share = min(max(y / max(self.height(), 1), 0.0), 1.0)
+        self.dialog.go_to(int(share * len(self.dialog.document_text)))
+        self.update()
 
 
 class _HeatTips(QObject):

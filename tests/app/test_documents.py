@@ -8,7 +8,7 @@ import threading
 import pytest
 from conftest import send
 from gui_documents import write_docx, write_encrypted_pdf, write_markdown, write_pdf
-from PySide6.QtCore import QMimeData, QPointF, Qt, QUrl
+from PySide6.QtCore import QMimeData, QPoint, QPointF, Qt, QUrl
 from PySide6.QtGui import QDragEnterEvent, QDropEvent
 from PySide6.QtWidgets import QApplication, QLabel
 
@@ -388,10 +388,16 @@ def test_a_sent_documents_text_is_tinted_by_what_the_cache_holds_and_follows_the
                                                                           theme.colors()["heat_2"]}
     assert selections[0].cursor.selectionStart() == heat.spans[0][0]
     assert dialog.share_at(heat.spans[0][0]) == 1.0 and dialog.share_at(heat.spans[-1][0]) == 0.0
+    # the strip beside the text: the whole document at a glance (thirds: hot, half, cold), a click goes there
+    assert dialog.strip.isVisible() and dialog.strip.row_levels(3) == [3, 2, 0]
+    qtbot.mouseClick(dialog.strip, Qt.MouseButton.LeftButton, pos=QPoint(5, dialog.strip.height() - 1))
+    assert dialog.text.textCursor().position() >= 0.95 * len(dialog.document_text)
+    qtbot.mouseClick(dialog.strip, Qt.MouseButton.LeftButton, pos=QPoint(5, 0))
+    assert dialog.text.textCursor().position() == 0
     dialog.tint.setChecked(False)
-    assert not dialog.text.extraSelections()
+    assert not dialog.text.extraSelections() and not dialog.strip.isVisible()
     dialog.tint.setChecked(True)
-    assert dialog.text.extraSelections()
+    assert dialog.text.extraSelections() and dialog.strip.isVisible()
 
     slider_to(window, "kv_cache_ratio", 0.3)  # the knobs change what the cache holds: the open window follows
     qtbot.waitUntil(lambda: dialog.heat is not None and dialog.heat.ratio == 0.3, timeout=10_000)
