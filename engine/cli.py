@@ -9,6 +9,7 @@ import threading
 
 from .cli_documents import attach as _attach
 from .cli_documents import documents as _documents
+from .cli_documents import heat as _heat
 from .cli_documents import names as _names
 from .cli_documents import typed_paths as _typed_paths
 from .config import KNOBS, KNOBS_LIST, USER_DEFAULTS, DSV41Config
@@ -190,10 +191,12 @@ def cmd_chat(args) -> int:
     model = _load(args)
     session = model.chat_session(_text(args.system, "system prompt") if args.system else None)
     pending_docs: list = []
+    sent_docs: list = []  # the documents sent in this conversation (/heat)
     for path in args.document:
         _attach(path, pending_docs, model)
     print("Chat with the model. Commands: /doc PATH (a file, or a folder's documents, attached to the next message), "
-          "/doc (list what is attached), /doc clear, /memory, /reset, /quit. Ctrl-C stops a reply.", file=sys.stderr)
+          "/doc (list what is attached), /doc clear, /memory, /heat (what the cache holds of each document sent), "
+          "/reset, /quit. Ctrl-C stops a reply.", file=sys.stderr)
     while True:
         try:
             line = input("> ")
@@ -208,8 +211,12 @@ def cmd_chat(args) -> int:
         if text == "/memory":
             model.print_memory_usage(session.cache)
             continue
+        if text == "/heat":
+            print(_heat(session, sent_docs))
+            continue
         if text == "/reset":
             session.reset()
+            sent_docs = []
             dropped = f"; {_names(pending_docs)} no longer attached" if pending_docs else ""
             pending_docs = []
             print(f"(new conversation{dropped})", file=sys.stderr)
@@ -245,6 +252,7 @@ def cmd_chat(args) -> int:
             kept = f"; {_names(pending_docs)} stay attached" if pending_docs else ""
             print(f"(the message was not kept: type it again to send it{kept})", file=sys.stderr)
         else:
+            sent_docs += pending_docs
             pending_docs = []
 
 

@@ -78,3 +78,17 @@ def typed_paths(text: str) -> list[str]:
 
 def names(docs: list) -> str:
     return ", ".join(doc.name for doc in docs)
+
+
+def heat(session, sent: list) -> str:
+    """/heat: for each document the chat has read, what its cache holds hot now and where (engine.heat)."""
+    if not sent:
+        return "(no document has been sent in this chat yet)"
+    lines = []
+    for doc in sent:
+        found = session.document_heat(doc.text)
+        if found is None:
+            lines.append(f"{doc.name}: not in the cache now (the conversation was reset or read again without it)")
+        else:
+            lines.append(f"{doc.name}: {found.summary()}\n  start |{found.strip(len(doc.text))}| end")
+    return "\n".join(lines)

@@ -43,6 +43,31 @@ class DocumentHeat:
         return runs
 
 
+    def strip(self, length: int, width: int = 60) -> str:
+        """The document at a glance in `width` characters (the terminal's tint): each the mean hot share of the
+        tokens starting in its part of the text (`length` characters in all), from ' ' (cold) to '█'."""
+        sums, counts = [0.0] * width, [0] * width
+        for start, _end, share in self.spans:
+            column = min(start * width // max(length, 1), width - 1)
+            sums[column] += share
+            counts[column] += 1
+        out, last = [], " "
+        for total, count in zip(sums, counts, strict=True):
+            if count:
+                last = _BLOCKS[min(round(total / count * (len(_BLOCKS) - 1)), len(_BLOCKS) - 1)]
+            out.append(last)
+        return "".join(out)
+
+    def summary(self) -> str:
+        """'42 % of its 1,704 tokens hot (cache ratio 0.50); the rest in the cold tier in RAM'."""
+        rest = {"ram": "the rest in the cold tier in RAM", "disk": "the rest in the cold tier on disk",
+                "off": "the rest discarded (cold tier off)"}.get(self.cold_tier, "")
+        return f"{self.hot_share:.0%} of its {self.tokens:,} tokens hot (cache ratio {self.ratio:.2f}); {rest}"
+
+
+_BLOCKS = " ▁▂▃▄▅▆▇█"
+
+
 def hot_share(cache):
     """Per position the cache has seen, the share of its (layer, KV head) slots that hold that position's entry in
     the hot set (a float32 tensor on the CPU). Torch is imported here: the GUI imports this module's types."""

@@ -96,3 +96,16 @@ def test_heat_is_refused_while_a_reply_runs(tiny_folder):
     with pytest.raises(BusyError):
         session.document_heat("Hello there")
     list(turn)
+
+
+def test_the_terminal_strip_shows_where_the_hot_part_is():
+    from engine.heat import DocumentHeat
+
+    text_length = 100
+    spans = tuple((i, i + 10, 1.0 if i < 50 else 0.0) for i in range(0, 100, 10))
+    heat = DocumentHeat(spans, 0.5, 10, 0, "disk", 0.3)
+    assert heat.strip(text_length, width=10) == "█" * 5 + " " * 5
+    assert heat.strip(text_length, width=20) == "█" * 10 + " " * 10  # a column without a token start: as before it
+    assert heat.summary() == "50% of its 10 tokens hot (cache ratio 0.30); the rest in the cold tier on disk"
+    half = DocumentHeat(((0, 100, 0.5),), 0.5, 1, 0, "off", 0.3)
+    assert half.strip(text_length, width=4) == "▄▄▄▄" and "discarded" in half.summary()
