@@ -630,16 +630,16 @@ class MainWindow(QMainWindow):
         """Ask the engine what the dialog's chat's cache holds of its text (between turns: the worker runs one thing
         at a time, so a question asked during a reply is answered after it)."""
         if dialog.conversation_id is None or self.facts is None:
-            dialog.show_heat(None)
+            dialog.show_heat(None, "no_model" if self.facts is None else "not_held")
             return
         request_id = next(self._heat_ids)
         self._heat_asked[request_id] = dialog
         self.client.report_heat.emit(HeatRequest(request_id, dialog.conversation_id, dialog.document_text))
 
-    def _on_heat(self, request_id: int, heat) -> None:
+    def _on_heat(self, request_id: int, heat, why: str) -> None:
         dialog = self._heat_asked.pop(request_id, None)
         if dialog is not None and dialog in self.text_windows:
-            dialog.show_heat(heat)
+            dialog.show_heat(heat, why)
 
     def _show_sent_document(self, message_id: int, index: int) -> None:
         documents = self.store.attachments(message_id) if message_id else ()

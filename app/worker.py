@@ -87,7 +87,7 @@ class EngineWorker(QObject):
     memory = Signal(object)  # engine MemoryReport
     usage = Signal(object)  # ContextFigures
     document_figures = Signal(object)  # tuple of DocumentFigures (sent before the usage they belong to)
-    heat = Signal(int, object)  # HeatRequest.request_id, engine DocumentHeat (None: the chat's cache holds no such text)
+    heat = Signal(int, object, str)  # HeatRequest.request_id, engine DocumentHeat or None, and why none (report_heat)
     reconfigured = Signal(object, object)  # engine ReconfigureResult, ModelFacts
     reconfigure_failed = Signal(str)
     serving = Signal(str, str)  # the served address ('' when stopped), and why it stopped or could not start
@@ -420,16 +420,24 @@ class EngineWorker(QObject):
 
     @Slot(object)
     def report_heat(self, request: HeatRequest) -> None:
-        """Which parts of a document the chat's cache holds hot now, from the engine; None where the chat has no
-        live cache here (not read since the app started, or a remote model) or does not hold that text."""
-        heat = None
+        """Which parts of a document the chat's cache holds hot now, from the engine, or why the engine cannot say:
+        "no_model", "remote" (a server's cache), "not_loaded" (the chat not asked anything since the app started),
+        "not_held" (its cache does not hold that text)."""
+        heat, why = None, ""
         session = self._sessions.get(request.conversation_id)
-        if self.model is not None and session is not None:
+        if self.model is None:
+            why = "no_model"
+        elif self.model.info.remote:
+            why = "remote"
+        elif session is None:
+            why = "not_loaded"
+        else:
             try:
                 heat = session.document_heat(request.text)
             except Exception as exc:  # noqa: BLE001
                 self.error.emit(_describe(exc))
-        self.heat.emit(request.request_id, heat)
+            why = "" if heat is not None else "not_held"
+        self.heat.emit(request.request_id, heat, why)
 
     @Slot(object)
     def count_usage(self, request: UsageRequest) -> None:

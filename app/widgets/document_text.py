@@ -30,6 +30,13 @@ from .. import theme
 from ..format import pages as page_count
 
 HEAT_EDGES = (0.1, 0.5, 0.9)  # a token's share of the layers' heads that hold it hot: the tint's three levels
+NO_HEAT = {  # why there is no tint (EngineWorker.report_heat)
+    "not_held": "What the cache holds of this text shows here once the chat has read it (send it with a question).",
+    "not_loaded": "This chat's cache is loaded when you next ask it something (from its saved copy where there is "
+                  "one); what it holds of this text shows here then.",
+    "no_model": "What the cache holds of this text shows here once a model is loaded and the chat has read it.",
+    "remote": "The model runs on a server: its cache is not visible from here.",
+}
 WHERE_COLD = {"ram": "The rest is in the cold tier in RAM: a question brings back what it needs.",
               "disk": "The rest is in the cold tier on disk: a question brings back what it needs.",
               "off": "The rest was discarded by compaction (the cold tier is off)."}
@@ -71,6 +78,7 @@ class DocumentTextDialog(QDialog):
         heat_row.addWidget(self.tint, 0, Qt.AlignmentFlag.AlignTop)
         layout.addLayout(heat_row)
         self.heat = None  # engine.heat.DocumentHeat, once the engine has said
+        self._why = ""
         self._starts: list[int] = []  # each span's start, for the tooltip's lookup
         self.text = QPlainTextEdit()
         self.text.setReadOnly(True)
@@ -122,15 +130,15 @@ class DocumentTextDialog(QDialog):
         return True
 
     # ------------------------------------------------------------------ what the cache holds
-    def show_heat(self, heat) -> None:
-        """The engine's DocumentHeat for this text (None: the chat's cache does not hold it here)."""
+    def show_heat(self, heat, why: str = "not_held") -> None:
+        """The engine's DocumentHeat for this text, or None and why (EngineWorker.report_heat)."""
         self.heat = heat
+        self._why = why
         self._starts = [start for start, _, _ in heat.spans] if heat is not None else []
         self.tint.setVisible(heat is not None)
         self.strip.show_heat(heat)
         if heat is None:
-            self.heat_label.setText("What the cache holds of this text shows here once the chat has read it "
-                                    "(ask the chat a question about it).")
+            self.heat_label.setText(NO_HEAT.get(why, NO_HEAT["not_held"]))
         else:
             self.heat_label.setText(
                 f"Held hot now: {heat.hot_share:.0%} of its {heat.tokens:,} tokens (on the device, read at every "
@@ -144,7 +152,7 @@ class DocumentTextDialog(QDialog):
         """A theme change: the tints and the legend in the new theme's colours."""
         super().changeEvent(event)
         if event.type() in (QEvent.Type.PaletteChange, QEvent.Type.StyleChange) and self.heat is not None:
-            self.show_heat(self.heat)
+            self.show_heat(self.heat, self._why)
 
     def _paint_heat(self) -> None:
         selections = []

@@ -403,6 +403,12 @@ def test_a_sent_documents_text_is_tinted_by_what_the_cache_holds_and_follows_the
     qtbot.waitUntil(lambda: dialog.heat is not None and dialog.heat.ratio == 0.3, timeout=10_000)
     assert "cache ratio 0.30" in dialog.heat_label.text()
 
+    window.client.worker._sessions.clear()  # as after a restart: the chat's cache not loaded until it is asked again
+    window._request_heat(dialog)
+    qtbot.waitUntil(lambda: dialog.heat is None, timeout=5_000)
+    assert "loaded when you next ask it something" in dialog.heat_label.text()
+    assert not dialog.text.extraSelections() and not dialog.strip.isVisible() and not dialog.tint.isVisible()
+
 
 def test_the_tint_lands_on_the_right_characters_past_u_ffff(qtbot):
     from app.widgets.document_text import DocumentTextDialog

