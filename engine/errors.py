@@ -54,5 +54,9 @@ def _overflow_advice(parts: dict[str, int], limit: int, max_positions: int | Non
     return advice.strip()
 
 
+class PinError(EngineError, ValueError):
+    """Parts of a document to keep hot that the cache cannot keep (more than its room for them, or not found)."""
+
+
 class BusyError(EngineError):
     """An operation that needs an idle engine was asked for while a turn is running."""

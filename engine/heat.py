@@ -1,6 +1,13 @@
-"""What the cache holds of a document now: for each token of an attached document's text, the share of the cache's
-(layer, KV head) slots that hold its entry in the hot set (on the device, attended to at every step). What is not
-hot sits in the cold tier (RAM or disk; a question brings back what it needs) or, with the tier off, was discarded.
+"""What the cache holds of a document now, and the parts of it a user keeps hot.
+
+Heat: for each token of an attached document's text, the share of the cache's (layer, KV head) slots that hold its
+entry in the hot set (on the device, attended to at every step). What is not hot sits in the cold tier (RAM or
+disk; a question brings back what it needs) or, with the tier off, was discarded.
+
+Pins: pieces of a document's text the user keeps hot (ChatSession.set_pins). Each is found in the last document
+block of the conversation that holds it, mapped to the positions of the tokens covering it, and those positions
+rank first in every compaction (DSV41Cache.pin), within half the hot set. They are looked for again after every
+turn: a rebuild or an edit moves positions, and a piece not found yet may be in a document sent later.
 
 The app tints the document's text with it (the document text window), so a user sees which parts the last question
 kept hot and what a ratio slider changed. The document is found in the conversation by its tokens: its text is
@@ -10,10 +17,14 @@ last tokens may have merged with the text around them; the rest is the same sequ
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
 
 from . import chat_template as template
+from .errors import EngineError
+
+log = logging.getLogger(__name__)
 
 ANCHOR = 24  # tokens of the document's text that locate it in the transcript
 MIN_MATCH = 0.95  # share of its tokens that must equal the transcript's where it was found
@@ -89,7 +100,7 @@ def document_heat(session, text: str) -> DocumentHeat | None:
     tokenizer = session.tokenizer
     cache = session.cache
     ids = session.transcript_ids
-    if not text or not getattr(tokenizer, "is_fast", False) or not session.consistent or cache.seen != len(ids):
+    if not text or not getattr(tokenizer, "is_fast", False) or session._dirty or cache.seen != len(ids):
         return None
     body, shift = _as_read(text)
     encoded = tokenizer(body, add_special_tokens=False, split_special_tokens=True, return_offsets_mapping=True)
@@ -143,3 +154,67 @@ def _locate(ids: list[int], doc_ids: list[int]) -> int | None:
         if len(window) >= n - 2 and same >= min(MIN_MATCH * n, n - 2):
             return start
     return None
+
+
+_OPENING = '<document name="'
+_CLOSING = "\n</document>"
+
+
+def pin_range(session, snippet: str) -> tuple[int, int] | None:
+    """The cache positions (start, end) of the tokens covering `snippet`, a piece of a document the chat has read
+    (its last copy in the conversation), or None where no document it read holds it."""
+    tokenizer = session.tokenizer
+    snippet = template.clean_text(snippet)
+    fed = session.fed_text
+    at = fed.rfind(snippet) if snippet.strip() else -1
+    opening = fed.rfind(_OPENING, 0, at + 1) if at >= 0 else -1
+    if opening < 0 or not getattr(tokenizer, "is_fast", False):
+        return None
+    body_start = fed.find("\n", opening) + 1
+    body_end = fed.find(_CLOSING, body_start)
+    if body_start <= 0 or body_end < at + len(snippet):
+        return None  # not inside one document's text
+    encoded = tokenizer(fed[body_start:body_end], add_special_tokens=False, split_special_tokens=True,
+                        return_offsets_mapping=True)
+    start = _locate(session.transcript_ids, list(encoded["input_ids"]))
+    if start is None:
+        return None
+    low, high = at - body_start, at - body_start + len(snippet)
+    covering = [j for j, (a, b) in enumerate(encoded["offset_mapping"]) if a < high and b > low]
+    if not covering:
+        return None
+    return start + covering[0], min(start + covering[-1] + 1, len(session.transcript_ids))
+
+
+def set_pins(session, texts) -> tuple[str, ...]:
+    """ChatSession.set_pins: `texts` become the chat's pins (empty ones dropped), or, past the cache's room for
+    them (PinError), the pins stay as they were."""
+    previous, session.pins = session.pins, [t for t in texts if t and t.strip()]
+    try:
+        return apply_pins(session)
+    except Exception:
+        session.pins = previous
+        raise
+
+
+def keep_pins(session) -> None:
+    """After a turn: the pins hot again where a rebuild dropped them, and found in a document sent since; never fails
+    the turn (more than a tighter ratio has room for: the cache keeps the pins it had)."""
+    try:
+        apply_pins(session)
+    except EngineError as exc:
+        log.warning("pinned parts not kept: %s", exc)
+
+
+def apply_pins(session) -> tuple[str, ...]:
+    """Each of session.pins found in the documents the chat read and kept hot by the cache (DSV41Cache.pin); the
+    pins not found, in order."""
+    ranges, missing = [], []
+    for text in session.pins:
+        found = pin_range(session, text) if session.cache.seen == len(session.transcript_ids) else None
+        if found is None:
+            missing.append(text)
+        else:
+            ranges.append(found)
+    session.cache.pin(ranges)
+    return tuple(missing)

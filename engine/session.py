@@ -62,6 +62,7 @@ class ChatSession:
         self._busy = False
         self._dirty = False  # cache no longer matches fed_text (e.g. cancelled mid-compaction)
         self.last_save_seconds: float | None = None  # writing the last turn's saved cache
+        self.pins: list[str] = []  # parts of its documents kept hot (set_pins)
 
     def set_system_prompt(self, system_prompt: str | None) -> None:
         """A new system prompt for this chat ('' or None: none). The transcript then no longer extends what
@@ -196,6 +197,10 @@ class ChatSession:
                 yield event
             committed = True
             self._commit(turn, result, done, checkpoint)
+            if self.pins and not self._dirty:  # hot again where a rebuild dropped them, found where just sent
+                from .heat import keep_pins
+
+                keep_pins(self)
             if done is not None and done.text:
                 self._save_state()
             if done is not None:
@@ -302,13 +307,22 @@ class ChatSession:
         return store.forget(self.fed_text) if store is not None and self.fed_text else 0
 
     def document_heat(self, text: str):
-        """Which parts of a document this chat has read the cache holds hot now (engine.heat.DocumentHeat), or
-        None when its cache does not hold that text. Between turns only."""
-        from .heat import document_heat
+        """What the cache holds hot of a document this chat has read (engine.heat.DocumentHeat; None: not held)."""
+        from . import heat
 
+        return heat.document_heat(self._idle(), text)
+
+    def set_pins(self, texts: Sequence[str]) -> tuple[str, ...]:
+        """Keep these pieces of the documents this chat has read hot, now and after every turn (engine.heat.set_pins);
+        the pieces not found. Raises PinError, changing nothing, past the cache's room for them."""
+        from . import heat
+
+        return heat.set_pins(self._idle(), texts)
+
+    def _idle(self) -> ChatSession:
         if self._busy:
             raise BusyError("A reply is still being generated in this chat; stop it or wait for it to finish.")
-        return document_heat(self, text)
+        return self
 
     def fork(self) -> ChatSession:
         """A new chat that goes on from this one as it stands: the same messages and a copy of its cache (hot
@@ -322,12 +336,14 @@ class ChatSession:
         try:
             other = ChatSession(self.model, self.system_prompt)
             other.messages = [dict(m) for m in self.messages]
+            other.pins = list(self.pins)
             other.cache.settings = self.cache.settings
             other.cache.reset()
             if self._dirty or self.cache.seen != len(self.transcript_ids):
                 return other  # nothing fed: its first turn renders and reads the whole conversation
             tensors, facts = persist.save_state(self.cache)
             persist.load_state(other.cache, tensors, facts)
+            other.cache.pinned = self.cache.pinned
             other.transcript_ids = list(self.transcript_ids)
             other.fed_text, other.fed_specials = self.fed_text, self.fed_specials
             return other
@@ -339,7 +355,9 @@ class ChatSession:
         """Re-read the transcript with the current cache settings (quality comes back after loosening)."""
         with self._lock:
             ids = list(self.transcript_ids)
+            pinned = self.cache.pinned
             self.cache.reset()
+            self.cache.pinned = pinned  # the same tokens at the same positions: kept hot while they are read again
             self._dirty = True  # until the whole transcript has been read again
             chunk = self.model.chunk_for(self.cache.settings.prefill_chunk)
             device = self.model.device
@@ -369,6 +387,7 @@ class ChatSession:
             self.messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
             self.cache.reset()
             self.transcript_ids, self.fed_text, self.fed_specials, self._dirty = [], "", (), False
+            self.pins = []
 
 
 def _with_context(stats: TurnStats | None, turn: PreparedTurn) -> TurnStats | None:

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import PinError
 from ..paths import cold_dir
 from . import attention, csa2, policies
 from .budget import budget_for, explain_ratio, plan_compactions
@@ -141,6 +142,7 @@ class DSV41Cache:
                                spill=lambda extra, spill=spill: spill()(extra), pinned=self.device.type == "cuda")
                      for _ in range(self.num_layers)] if self.settings.cold_tier != "off" else None
         self.recalled = 0  # entries the last question brought back from the cold tier (per head, summed over layers)
+        self.pinned: tuple[tuple[int, int], ...] = ()  # position ranges kept hot whatever their rank (pin)
         self.recall_seconds = 0.0
         # While a reply is decoded after its question (finish_prefill(answer_follows=True)): the entries the
         # question's forward held, which the reply may attend to until the turn ends (None: the budget)
@@ -646,10 +648,16 @@ class DSV41Cache:
         # drops entries below it, only applies when dropping saves memory for good (benchmarks/followups.py:
         # follow-ups at ratio 0.3, 11/18 without it against 7/18 with it, a one-off run of its cases).
         use_threshold = s.ced_threshold if threshold and policy.uses_attention and self.cold is None else 0.0
-        plans = plan_compactions([policy.rank(layer, when, self._torch_rng) for layer in self.layers], target,
-                                 sink=s.ced_sink_tokens, recent=s.ced_recent_tokens if recent is None else recent,
-                                 threshold=use_threshold,
-                                 scores=[layer.scores[:, : layer.length] for layer in self.layers], floor=s.min_entries)
+        ranks = [policy.rank(layer, when, self._torch_rng) for layer in self.layers]
+        scores = [layer.scores[:, : layer.length] for layer in self.layers]
+        for i, layer in enumerate(self.layers):
+            pinned = self.pinned_mask(layer)
+            if pinned is not None and pinned.any():  # kept first; counted as wanted by the threshold
+                ranks[i] = ranks[i].masked_fill(pinned, float("inf"))
+                scores[i] = scores[i].masked_fill(pinned, float(scores[i].amax()))
+        plans = plan_compactions(ranks, target, sink=s.ced_sink_tokens,
+                                 recent=s.ced_recent_tokens if recent is None else recent, threshold=use_threshold,
+                                 scores=scores, floor=s.min_entries)
         for index, (layer, plan) in enumerate(zip(self.layers, plans, strict=True)):
             if plan is None:
                 continue
@@ -663,6 +671,50 @@ class DSV41Cache:
             self.compactions += 1
         self.compaction_seconds += time.perf_counter() - started
         return dropped
+
+    # ------------------------------------------------------------------ pins
+    def pinned_mask(self, layer) -> torch.Tensor | None:
+        """[h, n]: True where a hot entry's position lies in a pinned range (None without pins)."""
+        if not self.pinned:
+            return None
+        at = layer.positions[:, : layer.length]
+        mask = torch.zeros(at.shape, dtype=torch.bool, device=at.device)
+        for start, end in self.pinned:
+            mask |= (at >= start) & (at < end)
+        return mask
+
+    def pin_room(self) -> int:
+        """Tokens that may be pinned: half of what the budget keeps besides the sinks and the recent window (the
+        rest stays for what each question needs)."""
+        s = self.settings
+        if not s.compressing:
+            return self.seen
+        return max((self.budget() - s.ced_sink_tokens - s.ced_recent_tokens) // 2, 0)
+
+    @torch.inference_mode()
+    def pin(self, ranges) -> None:
+        """Keep the entries at the positions in `ranges` ((start, end) half-open; () unpins) hot in every layer and
+        head whatever their rank, within pin_room. With the cold tier on, the pinned entries that had gone cold come
+        back now (every cold entry is taken back and the compaction keeps the pinned and the best of the rest); with
+        it off, what compaction already dropped stays dropped."""
+        ranges = tuple(sorted({(int(a), int(b)) for a, b in ranges if int(b) > int(a)}))
+        covered = set()
+        for start, end in ranges:
+            covered.update(range(max(start, 0), min(end, self.seen)))
+        if self.settings.compressing and len(covered) > self.pin_room():
+            raise PinError(f"{len(covered):,} tokens to keep hot, the cache has room for {self.pin_room():,} at cache "
+                           f"ratio {self.settings.kv_cache_ratio:.2f} (half its hot set past the first and the recent "
+                           "tokens): keep a shorter part hot, or raise the cache ratio.")
+        self.pinned = ranges
+        if (ranges and self.settings.compressing and self.cold is not None and self.cold[0].length
+                and not self._pins_hot(len(covered))):
+            self._refill()
+            self.finish_prefill()
+            self._size_buckets()
+
+    def _pins_hot(self, covered: int) -> bool:
+        """Whether every head of every layer holds all `covered` pinned positions hot."""
+        return all(bool((self.pinned_mask(layer).sum(dim=1) >= covered).all()) for layer in self.layers)
 
     @torch.inference_mode()
     def reserve(self, entries: int) -> None:

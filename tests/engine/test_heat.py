@@ -109,3 +109,70 @@ def test_the_terminal_strip_shows_where_the_hot_part_is():
     assert heat.summary() == "50% of its 10 tokens hot (cache ratio 0.30); the rest in the cold tier on disk"
     half = DocumentHeat(((0, 100, 0.5),), 0.5, 1, 0, "off", 0.3)
     assert half.strip(text_length, width=4) == "▄▄▄▄" and "discarded" in half.summary()
+
+
+def _share_of(session, text: str, piece: str) -> float:
+    """The hot share of the tokens of `piece` inside the document `text` (engine.heat over the whole text)."""
+    heat = session.document_heat(text)
+    at = text.index(piece)
+    shares = [share for start, end, share in heat.spans if start < at + len(piece) and end > at]
+    return sum(shares) / len(shares)
+
+
+@pytest.mark.parametrize("mode,threshold", [("evict", 0.0), ("evict", 1.0), ("merge", 0.0)])
+def test_a_compaction_keeps_pinned_positions_whatever_their_rank(mode, threshold):
+    from tests.engine.test_cold_tier import _cache, _read
+
+    def held(cache, start, end):
+        return [sum(1 for p in layer.positions[h, : layer.length].tolist() if start <= p < end)
+                for layer in cache.layers for h in range(cache.kv_heads)]
+
+    caches = []
+    for pinned in ((), ((40, 46),)):
+        cache = _cache(kv_cache_ratio=0.2, ced_mode=mode, ced_threshold=threshold)
+        _read(cache, 120, seed=3)
+        cache.pinned = pinned
+        cache.compact()
+        caches.append(cache)
+    assert min(held(caches[0], 40, 46)) < 6  # ranked out without the pin
+    assert held(caches[1], 40, 46) == [6] * 4  # every head of every layer holds the pinned six
+    assert caches[1].stored <= caches[1].budget()
+
+
+def test_a_pinned_piece_stays_hot_through_later_turns_and_comes_back_from_the_cold_tier(tiny_folder):
+    model = _model(tiny_folder, kv_cache_ratio=0.2, cold_tier="ram")
+    session = model.chat_session()
+    lines = [f"Line {i}: the value of item {i} is {i * 7}." for i in range(45)]
+    doc = _document("items.txt", " ".join(lines))
+    piece = "Line 7: the value of item 7 is 49."
+    list(session.send("What is the value of item 30?", [doc], max_new_tokens=4, greedy=True))
+    assert _share_of(session, doc.text, piece) < 1.0  # partly cold
+    assert session.set_pins([piece]) == ()
+    assert _share_of(session, doc.text, piece) == 1.0  # back from the cold tier at once
+    for question in ["And item 40?", "And item 43?", "And item 3?"]:  # later questions about other parts
+        list(session.send(question, max_new_tokens=4, greedy=True))
+        assert _share_of(session, doc.text, piece) == 1.0
+        assert session.cache.stored <= session.cache.budget()  # within the ratio: the pin takes its room
+    assert session.set_pins(["no such words in any document here"]) == ("no such words in any document here",)
+    assert session.pins == ["no such words in any document here"] and session.cache.pinned == ()
+
+
+def test_pins_past_half_the_hot_set_are_refused_and_pins_survive_a_rebuild_and_a_fork(tiny_folder):
+    from engine.errors import PinError
+
+    model = _model(tiny_folder, kv_cache_ratio=0.2, cold_tier="ram")
+    session = model.chat_session()
+    doc = _document("items.txt", " ".join(f"Row {i} holds {i * 3} apples." for i in range(70)))
+    list(session.send("How many apples in row 5?", [doc], max_new_tokens=4, greedy=True))
+    with pytest.raises(PinError, match="room for"):
+        session.set_pins([doc.text[: len(doc.text) // 2]])
+    assert session.pins == [] and session.cache.pinned == ()  # nothing changed
+    piece = "Row 40 holds 120 apples."
+    session.set_pins([piece])
+    model.reconfigure(session, kv_cache_ratio=0.25, ced_decay=0.9)  # a knob that needs the conversation read again
+    assert _share_of(session, doc.text, piece) == 1.0
+    other = session.fork()
+    list(other.send("And row 70?", max_new_tokens=4, greedy=True))
+    assert other.pins == [piece] and _share_of(other, doc.text, piece) == 1.0
+    session.set_pins([])
+    assert session.cache.pinned == ()
