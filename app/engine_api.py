@@ -31,6 +31,7 @@ class EngineSession(Protocol):
     # the session notices when it no longer extends what its cache holds and re-reads it.
     messages: list[dict]
     cache: DSV41Cache  # only handed back to EngineModel.memory_report
+    pins: list[str]  # the pieces of its documents kept hot; the worker sets them from the stored chat before a turn
 
     def send(self, prompt: str, documents: Sequence[str | Document] = (), *,
              cancel: threading.Event | None = None, **settings: Any) -> Iterator[Event]:
@@ -43,6 +44,11 @@ class EngineSession(Protocol):
 
     def set_system_prompt(self, system_prompt: str | None) -> None:
         """The chat's system prompt changed: the next turn reads the conversation again under it."""
+        ...
+
+    def set_pins(self, texts: Sequence[str]) -> tuple[str, ...]:
+        """Keep these pieces of its documents hot now and after every turn; the pieces not found (EngineError when
+        the cache has no room for them)."""
         ...
 
     def document_heat(self, text: str) -> DocumentHeat | None:

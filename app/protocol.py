@@ -86,6 +86,7 @@ class TurnRequest:
     generation: GenerationOptions
     cancel: threading.Event = field(default_factory=threading.Event)
     system_prompt: str = ""  # the chat's ('' for none)
+    pins: tuple[str, ...] = ()  # the pieces of its documents the chat keeps hot (engine ChatSession.set_pins)
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,15 @@ class HeatRequest:
     request_id: int
     conversation_id: int
     text: str
+
+
+@dataclass(frozen=True)
+class PinRequest:
+    """The pieces of its documents a chat keeps hot from now on (all of them; () keeps none)."""
+
+    request_id: int
+    conversation_id: int
+    pins: tuple[str, ...]
 
 
 @dataclass(frozen=True)

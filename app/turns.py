@@ -71,7 +71,7 @@ class TurnController(QObject):
     def start(self, conversation_id: int, prompt: str, documents: tuple[AttachedDocument, ...],
               doc_tokens: dict[str, int], generation: GenerationOptions, settings: dict,
               history: tuple[HistoryTurn, ...], *, replace_from: int | None = None,
-              system_prompt: str = "", version_of: int | None = None) -> ActiveTurn:
+              system_prompt: str = "", version_of: int | None = None, pins: tuple[str, ...] = ()) -> ActiveTurn:
         """Save the user's message (raises sqlite3.Error / StoreUnavailable, with nothing changed, when it
         cannot be saved), show it, and send the turn to the engine. `version_of`: the user message (already
         saved) whose reply is made again; the earlier replies stay as versions."""
@@ -86,7 +86,7 @@ class TurnController(QObject):
         bubble = self.view.add(MessageBubble("assistant", "", message_id=reply_id))
         bubble.set_progress("Waiting for the engine…")
         request = TurnRequest(next(_turn_ids), conversation_id, history, prompt, documents, generation,
-                              system_prompt=system_prompt)
+                              system_prompt=system_prompt, pins=pins)
         self.active = ActiveTurn(request, conversation_id, user_id, reply_id, prompt, documents, bubble,
                                  new_version=version_of is not None)
         self.client.send_turn(request)

@@ -41,6 +41,7 @@ from .protocol import (
     DocumentFigures,
     GenerationOptions,
     HeatRequest,
+    PinRequest,
     UsageRequest,
 )
 from .settings import Key, Settings
@@ -130,6 +131,7 @@ class MainWindow(QMainWindow):
         self.open_dialogs: list[QMessageBox] = []
         self.text_windows: list = []  # documents' text shown (DocumentTextDialog), open beside the chat
         self._heat_asked: dict[int, object] = {}  # HeatRequest.request_id -> the text window that asked
+        self._pin_asked: dict[int, tuple[int, list[str]]] = {}  # PinRequest.request_id -> (chat, its pins)
         self._heat_ids = itertools.count(1)
         self._attach_failures: QMessageBox | None = None  # the open message about files that could not be read
         self._attach_failed = 0  # how many it names
@@ -314,6 +316,7 @@ class MainWindow(QMainWindow):
         worker.load_failed.connect(self._on_load_failed)
         worker.memory.connect(self._on_memory)
         worker.heat.connect(self._on_heat)
+        worker.pinned.connect(self._on_pinned)
         worker.usage.connect(self._on_usage)
         worker.reconfigured.connect(self._on_reconfigured)
         worker.reconfigure_failed.connect(self._on_reconfigure_failed)
@@ -502,9 +505,16 @@ class MainWindow(QMainWindow):
         if conversation_id is None or self.store.read_only or self._showing:
             return
         try:
-            self.store.set_chat_settings(conversation_id, self._chat_settings())
+            pins = self._pins(conversation_id)
+            self.store.set_chat_settings(conversation_id, {**self._chat_settings(), **({"pins": pins} if pins else {})})
         except (sqlite3.Error, StoreUnavailable) as exc:
             log.warning("the chat's settings were not saved: %s", exc)
+
+    def _pins(self, conversation_id: int | None) -> list[str]:
+        """The pieces of its documents the chat keeps hot (stored with its settings)."""
+        stored = self.store.chat_settings(conversation_id) if conversation_id is not None else None
+        pins = stored.get("pins") if isinstance(stored, dict) else None
+        return [p for p in pins if isinstance(p, str) and p.strip()] if isinstance(pins, list) else []
 
     def _restore_chat_settings(self, conversation_id: int | None) -> None:
         """Opening a chat: its system prompt, and the knobs and reply options it was last used with (a chat that
@@ -620,6 +630,9 @@ class MainWindow(QMainWindow):
         if document is None:  # still being read
             return None
         dialog = DocumentTextDialog(document, self, self.conversation_id)
+        dialog.set_pins(self._pins(self.conversation_id))
+        dialog.pin_requested.connect(lambda text, d=dialog: self._send_pins(d, [*self._pins(d.conversation_id), text]))
+        dialog.unpin_requested.connect(lambda d=dialog: self._send_pins(d, []))
         self.text_windows.append(dialog)
         dialog.finished.connect(lambda _r, d=dialog: self.text_windows.remove(d) if d in self.text_windows else None)
         self._request_heat(dialog)
@@ -635,6 +648,49 @@ class MainWindow(QMainWindow):
         request_id = next(self._heat_ids)
         self._heat_asked[request_id] = dialog
         self.client.report_heat.emit(HeatRequest(request_id, dialog.conversation_id, dialog.document_text))
+
+    def _send_pins(self, dialog: DocumentTextDialog, pins: list[str]) -> None:
+        """The chat's pieces kept hot from now on: the engine applies them (or refuses, changing nothing), then they
+        are stored with the chat's settings and every text window of the chat shows them."""
+        if dialog.conversation_id is None:
+            return
+        pins = list(dict.fromkeys(pins))  # each piece once, in the order kept
+        request_id = next(self._heat_ids)
+        self._pin_asked[request_id] = (dialog.conversation_id, pins)
+        self.client.set_pins.emit(PinRequest(request_id, dialog.conversation_id, tuple(pins)))
+
+    def _on_pinned(self, request_id: int, missing, error: str, why: str) -> None:
+        asked = self._pin_asked.pop(request_id, None)
+        if asked is None or self.closed:
+            return
+        conversation_id, pins = asked
+        if error:
+            self.inform("Could not keep it hot", error)
+            return
+        if why in ("no_model", "remote"):
+            self.inform("Could not keep it hot", "The model runs on a server: its cache is not visible from here."
+                        if why == "remote" else "Load a model first: the pieces kept hot are kept by its cache.")
+            return
+        try:
+            stored = self.store.chat_settings(conversation_id) or self._chat_settings()
+            self.store.set_chat_settings(conversation_id, {**stored, "pins": pins})
+        except (sqlite3.Error, StoreUnavailable) as exc:
+            self.inform("Could not keep it hot", f"The chat's settings could not be saved: {exc}")
+            return
+        for dialog in self.text_windows:
+            if dialog.conversation_id == conversation_id:
+                dialog.set_pins(pins)
+                self._request_heat(dialog)
+        if why == "not_loaded":
+            self.statusBar().showMessage("Kept for this chat: its cache keeps it hot from your next question on.",
+                                         10_000)
+        elif missing:
+            self.statusBar().showMessage(f"{len(missing)} piece(s) kept hot are not in the text the chat has read "
+                                         "yet: looked for again after each question.", 10_000)
+        elif pins:
+            self.statusBar().showMessage("Kept hot: later questions about other parts do not push it out.", 10_000)
+        else:
+            self.statusBar().showMessage("Nothing is pinned: the cache decides again what stays hot.", 10_000)
 
     def _on_heat(self, request_id: int, heat, why: str) -> None:
         dialog = self._heat_asked.pop(request_id, None)
@@ -991,7 +1047,8 @@ class MainWindow(QMainWindow):
         conversation_id = self.conversation_id if conversation_id is None else conversation_id
         self.turns.start(conversation_id, prompt, documents, dict(self.doc_tokens), self.knob_panel.generation(),
                          self._reply_settings(), history, replace_from=replace_from,
-                         system_prompt=self.store.system_prompt(conversation_id), version_of=version_of)
+                         system_prompt=self.store.system_prompt(conversation_id), version_of=version_of,
+                         pins=tuple(self._pins(conversation_id)))
         self.settings.set_json(Key.GENERATION, self.knob_panel.generation().__dict__)
         self._update_actions()
 

@@ -42,6 +42,7 @@ from .protocol import (
     HeatRequest,
     HistoryTurn,
     ModelFacts,
+    PinRequest,
     TurnOutcome,
     TurnRequest,
     UsageRequest,
@@ -87,6 +88,7 @@ class EngineWorker(QObject):
     memory = Signal(object)  # engine MemoryReport
     usage = Signal(object)  # ContextFigures
     document_figures = Signal(object)  # tuple of DocumentFigures (sent before the usage they belong to)
+    pinned = Signal(int, object, str, str)  # PinRequest.request_id, the pins not found, an error, why not applied now
     heat = Signal(int, object, str)  # HeatRequest.request_id, engine DocumentHeat or None, and why none (report_heat)
     reconfigured = Signal(object, object)  # engine ReconfigureResult, ModelFacts
     reconfigure_failed = Signal(str)
@@ -215,6 +217,7 @@ class EngineWorker(QObject):
         gen = request.generation
         try:
             session = self._session_for(request.conversation_id, request.history, request.system_prompt)
+            session.pins = list(request.pins)  # kept hot from this turn's end on (and after each later one)
             events = session.send(request.prompt, documents=[_engine_document(d) for d in request.documents],
                                   cancel=request.cancel, max_new_tokens=gen.max_new_tokens,
                                   temperature=gen.temperature, seed=gen.seed, greedy=gen.greedy, top_p=gen.top_p,
@@ -440,6 +443,26 @@ class EngineWorker(QObject):
         self.heat.emit(request.request_id, heat, why)
 
     @Slot(object)
+    def set_pins(self, request: PinRequest) -> None:
+        """The chat's pins applied to its live cache now ("not_loaded": none here yet; its next turn applies
+        them), or the engine's refusal (more than the cache has room for: nothing changed)."""
+        session = self._sessions.get(request.conversation_id)
+        if self.model is None or self.model.info.remote or session is None:
+            why = "no_model" if self.model is None else "remote" if self.model.info.remote else "not_loaded"
+            self.pinned.emit(request.request_id, (), "", why)
+            return
+        try:
+            missing = session.set_pins(list(request.pins))
+        except EngineError as exc:
+            self.pinned.emit(request.request_id, (), str(exc), "")
+            return
+        except Exception as exc:  # noqa: BLE001
+            self.error.emit(_describe(exc))
+            self.pinned.emit(request.request_id, (), _describe(exc), "")
+            return
+        self.pinned.emit(request.request_id, tuple(missing), "", "")
+
+    @Slot(object)
     def count_usage(self, request: UsageRequest) -> None:
         """The context bar's figures, and each attached document's tokens and KV bytes, from the engine."""
         if self.model is None:
@@ -490,6 +513,7 @@ class EngineClient(QObject):
     report_memory = Signal(object)
     count_usage = Signal(object)
     report_heat = Signal(object)  # HeatRequest
+    set_pins = Signal(object)  # PinRequest
     forget_conversation = Signal(int)
     start_serving = Signal(object)  # {"host", "port", "api_key"}
     stop_serving = Signal()
@@ -507,6 +531,7 @@ class EngineClient(QObject):
         self.report_memory.connect(self.worker.report_memory)
         self.count_usage.connect(self.worker.count_usage)
         self.report_heat.connect(self.worker.report_heat)
+        self.set_pins.connect(self.worker.set_pins)
         self.forget_conversation.connect(self.worker.forget_conversation)
         self.start_serving.connect(self.worker.start_serving)
         self.stop_serving.connect(self.worker.stop_serving)

@@ -72,6 +72,7 @@ class RemoteSession:
         self.model = model
         self.system_prompt = system_prompt or None
         self.messages: list[dict] = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        self.pins: list[str] = []
         self.cache = RemoteCache()
         self._lock = threading.Lock()
 
@@ -89,6 +90,10 @@ class RemoteSession:
 
     def document_heat(self, text: str) -> None:
         return None  # the server's cache is not visible from here
+
+    def set_pins(self, texts: Sequence[str]) -> tuple[str, ...]:
+        self.pins = list(texts)  # nothing to keep hot from here: the server's cache is its own
+        return tuple(self.pins)
 
     def send(self, prompt: str, documents: Sequence[str | Document] = (), *, cancel: threading.Event | None = None,
              **settings) -> Iterator[Event]:

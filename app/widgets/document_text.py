@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import bisect
 
-from PySide6.QtCore import QEvent, QObject, QPoint, Qt
+from PySide6.QtCore import QEvent, QObject, QPoint, Qt, Signal
 from PySide6.QtGui import QKeySequence, QPainter, QShortcut, QTextCharFormat, QTextCursor, QTextDocument
 from PySide6.QtWidgets import (
     QCheckBox,
@@ -20,6 +20,7 @@ from PySide6.QtWidgets import (
     QLabel,
     QLineEdit,
     QPlainTextEdit,
+    QPushButton,
     QTextEdit,
     QToolTip,
     QVBoxLayout,
@@ -52,6 +53,9 @@ def describe(document) -> str:
 
 
 class DocumentTextDialog(QDialog):
+    pin_requested = Signal(str)  # the selected text, to keep hot
+    unpin_requested = Signal()
+
     def __init__(self, document, parent: QWidget | None = None, conversation_id: int | None = None):
         super().__init__(parent)
         self.document_text = document.text
@@ -77,12 +81,30 @@ class DocumentTextDialog(QDialog):
         self.tint.setVisible(False)
         heat_row.addWidget(self.tint, 0, Qt.AlignmentFlag.AlignTop)
         layout.addLayout(heat_row)
+        pin_row = QHBoxLayout()
+        self.keep_hot = QPushButton("Keep selection hot")
+        self.keep_hot.setToolTip("Keep the selected text in the hot set: questions about other parts do not push it "
+                                 "out (up to half of the hot set)")
+        self.keep_hot.setEnabled(False)
+        self.keep_hot.clicked.connect(self._keep_selection)
+        pin_row.addWidget(self.keep_hot)
+        self.pins_label = QLabel("")
+        self.pins_label.setObjectName("dimLabel")
+        pin_row.addWidget(self.pins_label, 1)
+        self.unpin = QPushButton("Unpin all")
+        self.unpin.setToolTip("Let the cache decide again what of this chat's documents stays hot")
+        self.unpin.clicked.connect(self.unpin_requested)
+        self.unpin.setVisible(False)
+        pin_row.addWidget(self.unpin)
+        layout.addLayout(pin_row)
+        self.pins: list[str] = []  # the chat's pieces kept hot (all its documents')
         self.heat = None  # engine.heat.DocumentHeat, once the engine has said
         self._why = ""
         self._starts: list[int] = []  # each span's start, for the tooltip's lookup
         self.text = QPlainTextEdit()
         self.text.setReadOnly(True)
         self.text.setPlainText(document.text)
+        self.text.selectionChanged.connect(self._update_keep_hot)
         self._units = _utf16_offsets(document.text)
         self._tips = _HeatTips(self)
         self.text.viewport().installEventFilter(self._tips)
@@ -137,6 +159,7 @@ class DocumentTextDialog(QDialog):
         self._starts = [start for start, _, _ in heat.spans] if heat is not None else []
         self.tint.setVisible(heat is not None)
         self.strip.show_heat(heat)
+        self._update_keep_hot()
         if heat is None:
             self.heat_label.setText(NO_HEAT.get(why, NO_HEAT["not_held"]))
         else:
@@ -148,11 +171,35 @@ class DocumentTextDialog(QDialog):
                 + " untinted: cold")
         self._paint_heat()
 
+    def set_pins(self, pins) -> None:
+        """The chat's pieces kept hot: those in this text underlined, their count said."""
+        self.pins = list(pins)
+        here = sum(1 for pin in self.pins if pin in self.document_text)
+        self.pins_label.setText(f"Kept hot: {here} part{'s' if here != 1 else ''} of this text"
+                                + (f" ({len(self.pins) - here} in other documents)" if len(self.pins) > here else "")
+                                if self.pins else "")
+        self.unpin.setVisible(bool(self.pins))
+        self._paint_heat()
+
+    def selected_text(self) -> str:
+        """The selection as plain text (Qt gives paragraph ends as U+2029)."""
+        return self.text.textCursor().selectedText().replace("\u2029", "\n").strip()
+
+    def _keep_selection(self) -> None:
+        if self.selected_text():
+            self.pin_requested.emit(self.selected_text())
+
+    def _update_keep_hot(self) -> None:
+        """Pinning needs a selection and a chat that has read this text (or whose cache loads at its next turn)."""
+        self.keep_hot.setEnabled(bool(self.selected_text()) and (self.heat is not None or self._why == "not_loaded"))
+
     def changeEvent(self, event) -> None:  # noqa: N802 - Qt's name
         """A theme change: the tints and the legend in the new theme's colours."""
         super().changeEvent(event)
         if event.type() in (QEvent.Type.PaletteChange, QEvent.Type.StyleChange) and self.heat is not None:
             self.show_heat(self.heat, self._why)
+        elif event.type() in (QEvent.Type.PaletteChange, QEvent.Type.StyleChange) and self.pins:
+            self._paint_heat()
 
     def _paint_heat(self) -> None:
         selections = []
@@ -173,8 +220,28 @@ class DocumentTextDialog(QDialog):
                     selection = QTextEdit.ExtraSelection()
                     selection.cursor, selection.format = cursor, formats[level]
                     selections.append(selection)
+        selections += self._pin_selections()
         self.text.setExtraSelections(selections)
         self.strip.setVisible(self.heat is not None and self.tint.isChecked())
+
+    def _pin_selections(self) -> list:
+        """Each piece kept hot underlined where the engine keeps it: its last occurrence in the text."""
+        underline = QTextCharFormat()
+        underline.setUnderlineStyle(QTextCharFormat.UnderlineStyle.SingleUnderline)
+        underline.setUnderlineColor(theme.color("accent"))
+        underline.setFontUnderline(True)
+        selections = []
+        for pin in self.pins:
+            at = self.document_text.rfind(pin)
+            if at < 0:
+                continue
+            cursor = QTextCursor(self.text.document())
+            cursor.setPosition(self._unit(at))
+            cursor.setPosition(self._unit(at + len(pin)), QTextCursor.MoveMode.KeepAnchor)
+            selection = QTextEdit.ExtraSelection()
+            selection.cursor, selection.format = cursor, underline
+            selections.append(selection)
+        return selections
 
     def _char(self, unit: int) -> int:
         """The inverse of _unit: the character at UTF-16 offset `unit`."""

@@ -48,6 +48,7 @@ class FakeSession:
         self.model = model
         self.messages: list[dict] = []
         self.cache = FakeCache(model)
+        self.pins: list[str] = []
         self.system_prompt = None
         self.system_tokens = 0
         self.busy = False
@@ -65,6 +66,16 @@ class FakeSession:
     def forget_saved(self):
         self.model.record("forget_saved", history=[dict(m) for m in self.messages])
         return 0
+
+    def set_pins(self, texts):
+        """As the engine's: past half of what the cache keeps, refused; pieces no message holds, not found."""
+        from engine.errors import PinError
+
+        self.model.record("set_pins", pins=list(texts))
+        if sum(len(t) for t in texts) // 4 > max(self.cache.stored // 2, 8):
+            raise PinError("more to keep hot than the cache has room for: keep a shorter part hot")
+        self.pins = [t for t in texts if t.strip()]
+        return tuple(t for t in self.pins if not any(t in m.get("content", "") for m in self.messages))
 
     def document_heat(self, text):
         """As the engine's: None for a text this chat has not read; else each word's share, the first third of the

@@ -410,6 +410,55 @@ def test_a_sent_documents_text_is_tinted_by_what_the_cache_holds_and_follows_the
     assert not dialog.text.extraSelections() and not dialog.strip.isVisible() and not dialog.tint.isVisible()
 
 
+def test_a_selected_piece_is_kept_hot_for_the_chat_stored_with_it_and_sent_with_each_turn(qtbot, window, fake_model,
+                                                                                           tmp_path):
+    from PySide6.QtGui import QTextCursor
+
+    md, _ = write_markdown(tmp_path / "notes.md")
+    window.attach_files([str(md)])
+    qtbot.waitUntil(lambda: ready(window, 1), timeout=10_000)
+    send(qtbot, window, "What does it say?")
+    user = window.chat.bubbles[-2]
+    next(label for label in user.findChildren(QLabel) if "notes.md" in label.text()).linkActivated.emit("document:0")
+    dialog = window.text_windows[-1]
+    qtbot.waitUntil(lambda: dialog.heat is not None, timeout=5_000)
+    assert not dialog.keep_hot.isEnabled()  # nothing selected
+    cursor = dialog.text.textCursor()
+    cursor.setPosition(0)
+    cursor.setPosition(24, QTextCursor.MoveMode.KeepAnchor)
+    dialog.text.setTextCursor(cursor)
+    piece = dialog.document_text[:24].strip()
+    assert dialog.keep_hot.isEnabled()
+    dialog.keep_hot.click()
+    qtbot.waitUntil(lambda: dialog.pins == [piece], timeout=5_000)
+    pinned = [c for c in fake_model.calls if c[0] == "set_pins"]
+    assert pinned[-1][3]["pins"] == [piece] and pinned[-1][2] != "MainThread"
+    assert window.store.chat_settings(window.conversation_id)["pins"] == [piece]
+    assert dialog.pins_label.text() == "Kept hot: 1 part of this text" and dialog.unpin.isVisible()
+    assert any(s.format.fontUnderline() for s in dialog.text.extraSelections())
+    assert "Kept hot" in window.statusBar().currentMessage()
+
+    send(qtbot, window, "And then?")  # every turn carries the chat's pins to its engine session
+    assert fake_model.sessions[-1].pins == [piece]
+    window.show_conversation(window.conversation_id)  # the knobs saved again: the pins stay with the chat
+    assert window.store.chat_settings(window.conversation_id)["pins"] == [piece]
+
+    cursor.setPosition(0)
+    cursor.setPosition(len(dialog.document_text), QTextCursor.MoveMode.KeepAnchor)
+    dialog.text.setTextCursor(cursor)
+    told = []
+    window.inform = lambda title, text, **_kw: told.append((title, text))
+    dialog.keep_hot.click()  # the whole text: more than the cache has room for
+    qtbot.waitUntil(lambda: bool(told), timeout=5_000)
+    assert told[-1][0] == "Could not keep it hot" and "room" in told[-1][1]
+    assert window.store.chat_settings(window.conversation_id)["pins"] == [piece] and dialog.pins == [piece]
+
+    dialog.unpin.click()
+    qtbot.waitUntil(lambda: dialog.pins == [], timeout=5_000)
+    assert window.store.chat_settings(window.conversation_id)["pins"] == []
+    assert not dialog.unpin.isVisible() and not any(s.format.fontUnderline() for s in dialog.text.extraSelections())
+
+
 def test_the_tint_lands_on_the_right_characters_past_u_ffff(qtbot):
     from app.widgets.document_text import DocumentTextDialog
     from engine.heat import DocumentHeat

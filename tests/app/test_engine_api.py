@@ -66,8 +66,8 @@ def test_the_protocols_cover_what_the_worker_uses():
     assert set(members(EngineModel)) == {
         "config", "info", "context_limit", "max_positions", "kv_bytes_per_token", "chat_session", "memory_report",
         "reconfigure", "document_tokens", "context_usage", "stored_kv_bytes"}
-    assert set(members(EngineSession)) == {"messages", "cache", "send", "forget_saved", "set_system_prompt",
-                                           "document_heat"}
+    assert set(members(EngineSession)) == {"messages", "cache", "pins", "send", "forget_saved", "set_system_prompt",
+                                           "set_pins", "document_heat"}
 
 
 def test_the_fake_is_an_instance_of_the_runtime_checkable_protocols():
