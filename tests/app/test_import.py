@@ -108,9 +108,11 @@ def test_a_chat_duplicated_goes_on_apart_from_the_original(qtbot, window, fake_m
     qtbot.waitUntil(lambda: ready(window, 1), timeout=10_000)
     send(qtbot, window, "What does the document explain?")
     original = window.conversation_id
+    store = ConversationStore()
+    store.set_chat_settings(original, {**store.chat_settings(original), "pins": [snippet]})  # a piece kept hot
     window.conversations.duplicate_requested.emit(original)  # the chats list's menu: Duplicate
     copy = window.conversation_id
-    store = ConversationStore()
+    assert store.chat_settings(copy)["pins"] == [snippet]  # the copy keeps it hot too
     assert copy != original and store.conversation(copy).title == store.conversation(original).title + " (copy)"
     assert [m.content for m in store.messages(copy)] == [m.content for m in store.messages(original)]
     assert snippet in store.attachments(store.messages(copy)[0].id)[0].text
