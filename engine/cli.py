@@ -11,6 +11,7 @@ from .cli_documents import attach as _attach
 from .cli_documents import documents as _documents
 from .cli_documents import heat as _heat
 from .cli_documents import names as _names
+from .cli_documents import pin as _pin
 from .cli_documents import typed_paths as _typed_paths
 from .config import KNOBS, KNOBS_LIST, USER_DEFAULTS, DSV41Config
 from .errors import ConfigError, ContextOverflowError, EngineError
@@ -196,7 +197,7 @@ def cmd_chat(args) -> int:
         _attach(path, pending_docs, model)
     print("Chat with the model. Commands: /doc PATH (a file, or a folder's documents, attached to the next message), "
           "/doc (list what is attached), /doc clear, /memory, /heat (what the cache holds of each document sent), "
-          "/reset, /quit. Ctrl-C stops a reply.", file=sys.stderr)
+          "/pin TEXT (keep that piece of a document hot), /unpin, /reset, /quit. Ctrl-C stops a reply.", file=sys.stderr)
     while True:
         try:
             line = input("> ")
@@ -213,6 +214,9 @@ def cmd_chat(args) -> int:
             continue
         if text == "/heat":
             print(_heat(session, sent_docs))
+            continue
+        if text == "/unpin" or text.startswith("/pin "):
+            print(_pin(session, text[5:].strip() if text.startswith("/pin ") else None), file=sys.stderr)
             continue
         if text == "/reset":
             session.reset()

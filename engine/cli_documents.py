@@ -92,3 +92,17 @@ def heat(session, sent: list) -> str:
         else:
             lines.append(f"{doc.name}: {found.summary()}\n  start |{found.strip(len(doc.text))}| end")
     return "\n".join(lines)
+
+
+def pin(session, text: str | None) -> str:
+    """/pin TEXT keeps that piece of a document the chat has read hot (added to the pieces kept); /unpin (None) keeps
+    none. What happened, in a line."""
+    try:
+        missing = session.set_pins([] if text is None else [*session.pins, text])
+    except EngineError as exc:
+        return f"(not kept: {exc})"
+    if text is None:
+        return "(nothing is kept hot now: the cache decides again)"
+    if text in missing:
+        return "(kept, but no document the chat has read holds that text yet: looked for again after each message)"
+    return f"(kept hot: {len(session.pins)} piece{'s' if len(session.pins) != 1 else ''}; /unpin lets the cache decide again)"

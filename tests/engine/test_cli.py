@@ -60,7 +60,8 @@ def test_interactive_chat_streams_and_handles_commands(tmp_path):
     root = Path(__file__).resolve().parents[2]
     doc = tmp_path / "fact.txt"
     doc.write_text("The secret password of the lighthouse is MARMALADE.\n")
-    script = f"/doc {doc}\nWhat is the secret password of the lighthouse?\n/heat\n/memory\n/reset\n/heat\n/quit\n"
+    script = (f"/doc {doc}\nWhat is the secret password of the lighthouse?\n/heat\n"
+              "/pin password of the lighthouse\n/pin words in no document\n/unpin\n/memory\n/reset\n/heat\n/quit\n")
     proc = subprocess.run([sys.executable, "-m", "engine", "chat", "--greedy", "--max-new-tokens", "24",
                            "--max-seq-len", "2048"], input=script, capture_output=True, text=True, cwd=root,
                           timeout=240)
@@ -72,6 +73,9 @@ def test_interactive_chat_streams_and_handles_commands(tmp_path):
     assert "fact.txt: 100% of its 12 tokens hot (cache ratio 0.50); the rest in the cold tier in RAM" in proc.stdout
     assert "  start |" + "█" * 60 + "| end" in proc.stdout
     assert "(no document has been sent in this chat yet)" in proc.stdout  # after /reset
+    assert "(kept hot: 1 piece; /unpin lets the cache decide again)" in proc.stderr
+    assert "(kept, but no document the chat has read holds that text yet" in proc.stderr
+    assert "(nothing is kept hot now: the cache decides again)" in proc.stderr
 
 
 def test_the_terminal_chat_starts_with_the_cold_tier_on_as_the_app_does():
