@@ -166,14 +166,19 @@ def pin_range(session, snippet: str) -> tuple[int, int] | None:
     tokenizer = session.tokenizer
     snippet = template.clean_text(snippet)
     fed = session.fed_text
-    at = fed.rfind(snippet) if snippet.strip() else -1
-    opening = fed.rfind(_OPENING, 0, at + 1) if at >= 0 else -1
-    if opening < 0 or not getattr(tokenizer, "is_fast", False):
+    if not snippet.strip() or not getattr(tokenizer, "is_fast", False):
         return None
-    body_start = fed.find("\n", opening) + 1
-    body_end = fed.find(_CLOSING, body_start)
-    if body_start <= 0 or body_end < at + len(snippet):
-        return None  # not inside one document's text
+    before = len(fed)
+    while True:  # the document blocks from the last: the first whose text holds the snippet (a question or a reply
+        opening = fed.rfind(_OPENING, 0, before)  # quoting it does not count)
+        if opening < 0:
+            return None
+        body_start = fed.find("\n", opening) + 1
+        body_end = fed.find(_CLOSING, body_start)
+        at = fed.rfind(snippet, body_start, body_end) if 0 < body_start <= body_end else -1
+        if at >= 0:
+            break
+        before = opening
     encoded = tokenizer(fed[body_start:body_end], add_special_tokens=False, split_special_tokens=True,
                         return_offsets_mapping=True)
     start = _locate(session.transcript_ids, list(encoded["input_ids"]))

@@ -176,3 +176,15 @@ def test_pins_past_half_the_hot_set_are_refused_and_pins_survive_a_rebuild_and_a
     assert other.pins == [piece] and _share_of(other, doc.text, piece) == 1.0
     session.set_pins([])
     assert session.cache.pinned == ()
+
+
+def test_a_pin_is_found_in_the_document_not_in_a_question_quoting_it(tiny_folder):
+    model = _model(tiny_folder)
+    session = model.chat_session()
+    doc = _document("fact.txt", "The secret password of the lighthouse is MARMALADE.\n")
+    list(session.send("What is the secret password of the lighthouse?", [doc], max_new_tokens=4, greedy=True))
+    assert session.set_pins(["password of the lighthouse"]) == ()
+    ((start, end),) = session.cache.pinned
+    assert model.tokenizer.decode(session.transcript_ids[start:end]).strip() == "password of the lighthouse"
+    question = session.fed_text.rindex("What is the secret")
+    assert model.tokenizer.decode(session.transcript_ids[:end]) in session.fed_text[:question]  # inside the document
