@@ -672,7 +672,7 @@ class MainWindow(QMainWindow):
                         if why == "remote" else "Load a model first: the pieces kept hot are kept by its cache.")
             return
         try:
-            stored = self.store.chat_settings(conversation_id) or self._chat_settings()
+            stored = self.store.chat_settings(conversation_id) or {}  # (that chat's knobs, not the panel's)
             self.store.set_chat_settings(conversation_id, {**stored, "pins": pins})
         except (sqlite3.Error, StoreUnavailable) as exc:
             self.inform("Could not keep it hot", f"The chat's settings could not be saved: {exc}")
