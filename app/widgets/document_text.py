@@ -85,7 +85,7 @@ class DocumentTextDialog(QDialog):
         self.keep_hot = QPushButton("Keep selection hot")
         self.keep_hot.setToolTip("Keep the selected text in the hot set: questions about other parts do not push it "
                                  "out (up to half of the hot set)")
-        self.keep_hot.setEnabled(False)
+        self.keep_hot.setVisible(False)  # once the engine has said the chat's cache holds this text
         self.keep_hot.clicked.connect(self._keep_selection)
         pin_row.addWidget(self.keep_hot)
         self.pins_label = QLabel("")
@@ -190,8 +190,10 @@ class DocumentTextDialog(QDialog):
             self.pin_requested.emit(self.selected_text())
 
     def _update_keep_hot(self) -> None:
-        """Pinning needs a selection and a chat that has read this text (or whose cache loads at its next turn)."""
-        self.keep_hot.setEnabled(bool(self.selected_text()) and (self.heat is not None or self._why == "not_loaded"))
+        """Pinning needs a chat that has read this text (or whose cache loads at its next turn), and a selection."""
+        can = self.heat is not None or self._why == "not_loaded"
+        self.keep_hot.setVisible(can)
+        self.keep_hot.setEnabled(can and bool(self.selected_text()))
 
     def changeEvent(self, event) -> None:  # noqa: N802 - Qt's name
         """A theme change: the tints and the legend in the new theme's colours."""

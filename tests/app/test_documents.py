@@ -370,6 +370,8 @@ def test_a_sent_documents_text_is_tinted_by_what_the_cache_holds_and_follows_the
     before = window.text_windows[-1]  # not read by the chat yet: nothing to tint, and it says when there will be
     qtbot.waitUntil(lambda: "once the chat has read it" in before.heat_label.text(), timeout=5_000)
     assert not before.text.extraSelections() and not before.tint.isVisible()
+    before.text.selectAll()
+    assert not before.keep_hot.isVisible()  # nothing to keep hot before the chat has read it
     before.close()
 
     send(qtbot, window, "What does it say?")

