@@ -132,6 +132,7 @@ class MainWindow(QMainWindow):
         self.text_windows: list = []  # documents' text shown (DocumentTextDialog), open beside the chat
         self._heat_asked: dict[int, object] = {}  # HeatRequest.request_id -> the text window that asked
         self._pin_asked: dict[int, tuple[int, list[str]]] = {}  # PinRequest.request_id -> (chat, its pins)
+        self._pins_asked: dict[int, list[str]] = {}  # each chat's pins last asked for, until the engine answers
         self._heat_ids = itertools.count(1)
         self._attach_failures: QMessageBox | None = None  # the open message about files that could not be read
         self._attach_failed = 0  # how many it names
@@ -511,7 +512,10 @@ class MainWindow(QMainWindow):
             log.warning("the chat's settings were not saved: %s", exc)
 
     def _pins(self, conversation_id: int | None) -> list[str]:
-        """The pieces of its documents the chat keeps hot (stored with its settings)."""
+        """The pieces of its documents the chat keeps hot (stored with its settings; or those just asked for, which
+        the engine has not answered yet: a message sent meanwhile carries them)."""
+        if conversation_id in self._pins_asked:
+            return list(self._pins_asked[conversation_id])
         stored = self.store.chat_settings(conversation_id) if conversation_id is not None else None
         pins = stored.get("pins") if isinstance(stored, dict) else None
         return [p for p in pins if isinstance(p, str) and p.strip()] if isinstance(pins, list) else []
@@ -657,6 +661,7 @@ class MainWindow(QMainWindow):
         pins = list(dict.fromkeys(pins))  # each piece once, in the order kept
         request_id = next(self._heat_ids)
         self._pin_asked[request_id] = (dialog.conversation_id, pins)
+        self._pins_asked[dialog.conversation_id] = pins
         self.client.set_pins.emit(PinRequest(request_id, dialog.conversation_id, tuple(pins)))
 
     def _on_pinned(self, request_id: int, missing, error: str, why: str) -> None:
@@ -664,6 +669,8 @@ class MainWindow(QMainWindow):
         if asked is None or self.closed:
             return
         conversation_id, pins = asked
+        if self._pins_asked.get(conversation_id) is pins:
+            del self._pins_asked[conversation_id]  # the store says from now on
         if error:
             self.inform("Could not keep it hot", error)
             return

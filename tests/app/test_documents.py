@@ -442,6 +442,21 @@ def test_a_selected_piece_is_kept_hot_for_the_chat_stored_with_it_and_sent_with_
 
     send(qtbot, window, "And then?")  # every turn carries the chat's pins to its engine session
     assert fake_model.sessions[-1].pins == [piece]
+    # pinned while a reply streams: the engine answers after the reply, and a message sent before that carries them
+    fake_model.token_delay = 0.05
+    fake_model.reply_text = " ".join(f"w{i}" for i in range(30))
+    send(qtbot, window, "Stream a while", wait=False)
+    qtbot.waitUntil(lambda: bool(window.turns.active and window.turns.active.text), timeout=5_000)
+    other = dialog.document_text[30:60].strip()
+    window._send_pins(dialog, [piece, other])
+    assert window._pins(window.conversation_id) == [piece, other]
+    qtbot.waitUntil(lambda: not window.turns.busy, timeout=10_000)
+    fake_model.token_delay, fake_model.reply_text = 0.0, None
+    send(qtbot, window, "And now?")
+    assert fake_model.sessions[-1].pins == [piece, other]
+    qtbot.waitUntil(lambda: window.store.chat_settings(window.conversation_id)["pins"] == [piece, other], timeout=5_000)
+    window._send_pins(dialog, [piece])
+    qtbot.waitUntil(lambda: dialog.pins == [piece], timeout=5_000)
     window.show_conversation(window.conversation_id)  # the knobs saved again: the pins stay with the chat
     assert window.store.chat_settings(window.conversation_id)["pins"] == [piece]
 
