@@ -160,6 +160,7 @@ class DocumentTextDialog(QDialog):
         self.tint.setVisible(heat is not None)
         self.strip.show_heat(heat)
         self._update_keep_hot()
+        self._say_pins()
         if heat is None:
             self.heat_label.setText(NO_HEAT.get(why, NO_HEAT["not_held"]))
         else:
@@ -174,12 +175,33 @@ class DocumentTextDialog(QDialog):
     def set_pins(self, pins) -> None:
         """The chat's pieces kept hot: those in this text underlined, their count said."""
         self.pins = list(pins)
-        here = sum(1 for pin in self.pins if pin in self.document_text)
-        self.pins_label.setText(f"Kept hot: {here} part{'s' if here != 1 else ''} of this text"
-                                + (f" ({len(self.pins) - here} in other documents)" if len(self.pins) > here else "")
-                                if self.pins else "")
+        self._say_pins()
         self.unpin.setVisible(bool(self.pins))
         self._paint_heat()
+
+    def _say_pins(self) -> None:
+        """'Kept hot: 2 parts of this text', and how many of them the engine's heat shows not wholly hot (a tighter
+        ratio than they were pinned at has no room for the later ones)."""
+        if not self.pins:
+            self.pins_label.setText("")
+            return
+        here = [pin for pin in self.pins if pin in self.document_text]
+        text = f"Kept hot: {len(here)} part{'s' if len(here) != 1 else ''} of this text"
+        if len(self.pins) > len(here):
+            text += f" ({len(self.pins) - len(here)} in other documents)"
+        cold = sum(1 for pin in here if not self._wholly_hot(pin))
+        if self.heat is not None and cold:
+            text += (f"; {cold} not wholly hot at cache ratio {self.heat.ratio:.2f}: raise the ratio, or unpin "
+                     "to let the cache choose")
+        self.pins_label.setText(text)
+
+    def _wholly_hot(self, pin: str) -> bool:
+        """Every token of the piece (its last occurrence, where the engine keeps it) hot in every head."""
+        if self.heat is None:
+            return True
+        at = self.document_text.rfind(pin)
+        end = at + len(pin)
+        return all(share >= 0.999 for start, stop, share in self.heat.spans if start < end and stop > at)
 
     def selected_text(self) -> str:
         """The selection as plain text (Qt gives paragraph ends as U+2029)."""

@@ -608,6 +608,7 @@ class DSV41Cache:
         (ChatSession.rebuild)."""
         self.uncount_cold()
         old, self.settings = self.settings, settings
+        self.pinned = self._pins_that_fit()
         if old.needs_rebuild(settings):
             if self.cold is None or not old.only_budget_changed(settings):
                 return "needs_rebuild"
@@ -697,10 +698,8 @@ class DSV41Cache:
         head whatever their rank, within pin_room. With the cold tier on, the pinned entries that had gone cold come
         back now (every cold entry is taken back and the compaction keeps the pinned and the best of the rest); with
         it off, what compaction already dropped stays dropped."""
-        ranges = tuple(sorted({(int(a), int(b)) for a, b in ranges if int(b) > int(a)}))
-        covered = set()
-        for start, end in ranges:
-            covered.update(range(max(start, 0), min(end, self.seen)))
+        ranges = tuple(dict.fromkeys((int(a), int(b)) for a, b in ranges if int(b) > int(a)))  # in the order given
+        covered = self._covered(ranges)
         if self.settings.compressing and len(covered) > self.pin_room():
             raise PinError(f"{len(covered):,} tokens to keep hot, the cache has room for {self.pin_room():,} at cache "
                            f"ratio {self.settings.kv_cache_ratio:.2f} (half its hot set past the first and the recent "
@@ -711,6 +710,22 @@ class DSV41Cache:
             self._refill()
             self.finish_prefill()
             self._size_buckets()
+
+    def _covered(self, ranges) -> set[int]:
+        covered = set()
+        for start, end in ranges:
+            covered.update(range(max(start, 0), min(end, self.seen)))
+        return covered
+
+    def _pins_that_fit(self) -> tuple[tuple[int, int], ...]:
+        """The pinned ranges, in the order pinned, as many as pin_room holds (a tighter ratio has less room: the later
+        pins stop being kept hot; ChatSession.set_pins refuses them again until the ratio is raised)."""
+        kept: list[tuple[int, int]] = []
+        for pinned in self.pinned:
+            if self.settings.compressing and len(self._covered([*kept, pinned])) > self.pin_room():
+                break
+            kept.append(pinned)
+        return tuple(kept)
 
     def _pins_hot(self, covered: int) -> bool:
         """Whether every head of every layer holds all `covered` pinned positions hot."""

@@ -437,6 +437,14 @@ def test_a_selected_piece_is_kept_hot_for_the_chat_stored_with_it_and_sent_with_
     assert pinned[-1][3]["pins"] == [piece] and pinned[-1][2] != "MainThread"
     assert window.store.chat_settings(window.conversation_id)["pins"] == [piece]
     assert dialog.pins_label.text() == "Kept hot: 1 part of this text" and dialog.unpin.isVisible()
+    from engine.heat import DocumentHeat
+
+    cold = DocumentHeat(tuple((s, e, 0.5) for s, e, _ in dialog.heat.spans), 0.5, dialog.heat.tokens, 0, "ram", 0.1)
+    dialog.show_heat(cold)  # as after the ratio went down past the pins' room: the engine's heat says so
+    assert dialog.pins_label.text() == ("Kept hot: 1 part of this text; 1 not wholly hot at cache ratio 0.10: raise "
+                                        "the ratio, or unpin to let the cache choose")
+    window._request_heat(dialog)
+    qtbot.waitUntil(lambda: dialog.pins_label.text() == "Kept hot: 1 part of this text", timeout=5_000)
     assert any(s.format.fontUnderline() for s in dialog.text.extraSelections())
     assert "Kept hot" in window.statusBar().currentMessage()
 

@@ -188,3 +188,24 @@ def test_a_pin_is_found_in_the_document_not_in_a_question_quoting_it(tiny_folder
     assert model.tokenizer.decode(session.transcript_ids[start:end]).strip() == "password of the lighthouse"
     question = session.fed_text.rindex("What is the secret")
     assert model.tokenizer.decode(session.transcript_ids[:end]) in session.fed_text[:question]  # inside the document
+
+
+def test_a_tighter_ratio_keeps_the_first_pins_that_fit_and_the_rest_are_refused_until_it_is_raised(tiny_folder):
+    from engine.errors import PinError
+
+    model = _model(tiny_folder, kv_cache_ratio=0.4, cold_tier="ram")
+    session = model.chat_session()
+    doc = _document("items.txt", " ".join(f"Row {i} holds {i * 3} apples." for i in range(70)))
+    list(session.send("How many apples in row 5?", [doc], max_new_tokens=4, greedy=True))
+    first = "Row 10 holds 30 apples. Row 11 holds 33 apples. Row 12 holds 36 apples."
+    second = "Row 50 holds 150 apples. Row 51 holds 153 apples. Row 52 holds 156 apples."
+    session.set_pins([second, first])  # in this order: the first pinned is kept first
+    pinned = session.cache.pinned
+    assert len(pinned) == 2
+    model.reconfigure(session, kv_cache_ratio=0.1)  # room for one of them, not both
+    assert pinned[1][1] - pinned[1][0] <= session.cache.pin_room() < len(session.cache._covered(pinned))
+    assert session.cache.pinned == pinned[:1]
+    assert _share_of(session, doc.text, second) == 1.0
+    assert session.cache.stored <= session.cache.budget()
+    with pytest.raises(PinError):
+        session.set_pins([second, first])
