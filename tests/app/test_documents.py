@@ -369,7 +369,7 @@ def test_a_sent_documents_text_is_tinted_by_what_the_cache_holds_and_follows_the
     next(iter(window.chips.chips.values())).show_text.click()
     before = window.text_windows[-1]  # not read by the chat yet: nothing to tint, and it says when there will be
     qtbot.waitUntil(lambda: "once the chat has read it" in before.heat_label.text(), timeout=5_000)
-    assert not before.text.extraSelections() and not before.tint.isVisible()
+    assert not before.tints() and not before.tint.isVisible()
     before.text.selectAll()
     assert not before.keep_hot.isVisible()  # nothing to keep hot before the chat has read it
     before.close()
@@ -385,10 +385,12 @@ def test_a_sent_documents_text_is_tinted_by_what_the_cache_holds_and_follows_the
     assert f"Held hot now: {heat.hot_share:.0%} of its {heat.tokens:,} tokens" in dialog.heat_label.text()
     assert "cache ratio 0.50" in dialog.heat_label.text() and "cold tier in RAM" in dialog.heat_label.text()
     # the fake holds the first third in every slot (level 3), the second in half (level 2), the rest cold (no tint)
-    selections = dialog.text.extraSelections()
-    assert {s.format.background().color().name() for s in selections} == {theme.colors()["heat_3"],
-                                                                          theme.colors()["heat_2"]}
-    assert selections[0].cursor.selectionStart() == heat.spans[0][0]
+    tints = dialog.tints()
+    assert {colour for _, _, colour, _ in tints} == {theme.colors()["heat_3"], theme.colors()["heat_2"]}
+    assert tints[0][0] == heat.spans[0][0]
+    third = len(dialog.document_text) / 3
+    assert all((colour == theme.colors()["heat_3"]) == (start < third) for start, _, colour, _ in tints)
+    assert all(start < 2 * third for start, _, _, _ in tints)  # the last third cold: untinted
     assert dialog.share_at(heat.spans[0][0]) == 1.0 and dialog.share_at(heat.spans[-1][0]) == 0.0
     # the strip beside the text: the whole document at a glance (thirds: hot, half, cold), a click goes there
     assert dialog.strip.isVisible() and dialog.strip.row_levels(3) == [3, 2, 0]
@@ -397,9 +399,9 @@ def test_a_sent_documents_text_is_tinted_by_what_the_cache_holds_and_follows_the
     qtbot.mouseClick(dialog.strip, Qt.MouseButton.LeftButton, pos=QPoint(5, 0))
     assert dialog.text.textCursor().position() == 0
     dialog.tint.setChecked(False)
-    assert not dialog.text.extraSelections() and not dialog.strip.isVisible()
+    assert not dialog.tints() and not dialog.strip.isVisible()
     dialog.tint.setChecked(True)
-    assert dialog.text.extraSelections() and dialog.strip.isVisible()
+    assert dialog.tints() and dialog.strip.isVisible()
 
     slider_to(window, "kv_cache_ratio", 0.3)  # the knobs change what the cache holds: the open window follows
     qtbot.waitUntil(lambda: dialog.heat is not None and dialog.heat.ratio == 0.3, timeout=10_000)
@@ -409,7 +411,7 @@ def test_a_sent_documents_text_is_tinted_by_what_the_cache_holds_and_follows_the
     window._request_heat(dialog)
     qtbot.waitUntil(lambda: dialog.heat is None, timeout=5_000)
     assert "loaded when you next ask it something" in dialog.heat_label.text()
-    assert not dialog.text.extraSelections() and not dialog.strip.isVisible() and not dialog.tint.isVisible()
+    assert not dialog.tints() and not dialog.strip.isVisible() and not dialog.tint.isVisible()
 
 
 def test_a_selected_piece_is_kept_hot_for_the_chat_stored_with_it_and_sent_with_each_turn(qtbot, window, fake_model,
@@ -445,7 +447,8 @@ def test_a_selected_piece_is_kept_hot_for_the_chat_stored_with_it_and_sent_with_
                                         "the ratio, or unpin to let the cache choose")
     window._request_heat(dialog)
     qtbot.waitUntil(lambda: dialog.pins_label.text() == "Kept hot: 1 part of this text", timeout=5_000)
-    assert any(s.format.fontUnderline() for s in dialog.text.extraSelections())
+    underlined = {i for start, end, _, under in dialog.tints() if under for i in range(start, end)}
+    assert underlined == {i for i in range(len(piece)) if piece[i] != "\n"}  # the piece, but its line breaks
     assert "Kept hot" in window.statusBar().currentMessage()
 
     send(qtbot, window, "And then?")  # every turn carries the chat's pins to its engine session
@@ -481,7 +484,7 @@ def test_a_selected_piece_is_kept_hot_for_the_chat_stored_with_it_and_sent_with_
     dialog.unpin.click()
     qtbot.waitUntil(lambda: dialog.pins == [], timeout=5_000)
     assert window.store.chat_settings(window.conversation_id)["pins"] == []
-    assert not dialog.unpin.isVisible() and not any(s.format.fontUnderline() for s in dialog.text.extraSelections())
+    assert not dialog.unpin.isVisible() and not any(underlined for *_, underlined in dialog.tints())
 
 
 def test_the_tint_lands_on_the_right_characters_past_u_ffff(qtbot):
@@ -494,8 +497,13 @@ def test_the_tint_lands_on_the_right_characters_past_u_ffff(qtbot):
     qtbot.addWidget(dialog)
     fact = text.index("fact")
     dialog.show_heat(DocumentHeat(((0, 5, 0.0), (fact, fact + 4, 1.0)), 0.5, 2, 0, "off", 0.2))
-    (selection,) = dialog.text.extraSelections()
-    assert selection.cursor.selectedText() == "fact"
+    ((start, end, _, _),) = dialog.tints()
+    assert dialog.text.toPlainText()[start:end] != "fact"  # Qt counts the two emoji as two units each
+    assert (start, end) == (fact + 2, fact + 6)
+    cursor = dialog.text.textCursor()
+    cursor.setPosition(start)
+    cursor.setPosition(end, cursor.MoveMode.KeepAnchor)
+    assert cursor.selectedText() == "fact"
     assert "discarded" in dialog.heat_label.text()
 
 
