@@ -246,6 +246,8 @@ class MainWindow(QMainWindow):
                 ("edit_last", "Edit the last message", QKeySequence("Ctrl+E"), self.edit_last),
                 ("attach", "Attach documents…", QKeySequence("Ctrl+O"), self._pick_files),
                 ("attach_folder", "Attach a folder…", QKeySequence("Ctrl+Shift+O"), self._pick_folder),
+                ("document_memory", "What the cache holds of the documents", QKeySequence("Ctrl+Shift+H"),
+                 self.show_document_memory),
                 ("import", "Import a chat…", QKeySequence(), self._pick_chat_to_import)):
             action = QAction(label, self, shortcut=keys)
             action.setShortcutContext(Qt.ShortcutContext.WindowShortcut)
@@ -703,6 +705,18 @@ class MainWindow(QMainWindow):
         dialog = self._heat_asked.pop(request_id, None)
         if dialog is not None and dialog in self.text_windows:
             dialog.show_heat(heat, why)
+
+    def show_document_memory(self) -> list:
+        """The text windows of the documents sent with the chat's last message that had any (Chat menu): what the
+        cache holds of each, tinted. Says how to get there in a chat without documents."""
+        messages = self.store.messages(self.conversation_id) if self.conversation_id is not None else []
+        sent = next((m for m in reversed(messages) if m.role == "user" and m.attachments), None)
+        if sent is None:
+            self.inform("No documents in this chat", "Attach a document (Ctrl+O, or drop it on the window) and ask "
+                        "about it: this then shows its text tinted by what the cache holds of it, and lets you keep "
+                        "parts of it hot.", icon=QMessageBox.Icon.Information)
+            return []
+        return [self.show_document_text(document) for document in self.store.attachments(sent.id)]
 
     def _show_sent_document(self, message_id: int, index: int) -> None:
         documents = self.store.attachments(message_id) if message_id else ()

@@ -487,6 +487,23 @@ def test_a_selected_piece_is_kept_hot_for_the_chat_stored_with_it_and_sent_with_
     assert not dialog.unpin.isVisible() and not any(underlined for *_, underlined in dialog.tints())
 
 
+def test_the_chat_menu_opens_what_the_cache_holds_of_the_last_documents_sent(qtbot, window, fake_model, tmp_path):
+    action = window.actions_by_name["document_memory"]
+    assert action.shortcut().toString() == "Ctrl+Shift+H"
+    assert "Ctrl+Shift+H — What the cache holds of the documents" in window.shortcut_lines()
+    action.trigger()  # a chat without documents: says how to get there
+    assert window.shown_messages[-1][0] == "No documents in this chat" and not window.text_windows
+    md, _ = write_markdown(tmp_path / "notes.md")
+    window.attach_files([str(md)])
+    qtbot.waitUntil(lambda: ready(window, 1), timeout=10_000)
+    send(qtbot, window, "What does it say?")
+    send(qtbot, window, "And more?")  # the last message with documents is an earlier one
+    action.trigger()
+    (dialog,) = window.text_windows
+    assert dialog.windowTitle().startswith("notes.md") and dialog.conversation_id == window.conversation_id
+    qtbot.waitUntil(lambda: dialog.heat is not None, timeout=5_000)
+
+
 def test_the_tint_lands_on_the_right_characters_past_u_ffff(qtbot):
     from app.widgets.document_text import DocumentTextDialog
     from engine.heat import DocumentHeat
