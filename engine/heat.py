@@ -1,7 +1,7 @@
 """What the cache holds of a document now, and the parts of it a user keeps hot.
 
 Heat: for each token of an attached document's text, the share of the cache's (layer, KV head) slots that hold its
-entry in the hot set (on the device, attended to at every step). What is not hot sits in the cold tier (RAM or
+entry in the hot set (attended to at every step; on the GPU where there is one). What is not hot sits in the cold tier (RAM or
 disk; a question brings back what it needs) or, with the tier off, was discarded.
 
 Pins: pieces of a document's text the user keeps hot (ChatSession.set_pins). Each is found in the last document

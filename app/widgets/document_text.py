@@ -3,7 +3,7 @@
 box. Opened from a document's chip before sending and from a sent message's attachment.
 
 Once the chat has read the document, the text is tinted by what the cache holds of it now (engine.heat): each
-token by the share of the cache's layers and heads that hold it hot, on the device; the rest is in the cold tier
+token by the share of the cache's layers and heads that hold it hot (attended at every step); the rest is in the cold tier
 (or discarded with the tier off). It follows each turn and each change of the cache's knobs."""
 
 from __future__ import annotations
@@ -165,8 +165,8 @@ class DocumentTextDialog(QDialog):
             self.heat_label.setText(NO_HEAT.get(why, NO_HEAT["not_held"]))
         else:
             self.heat_label.setText(
-                f"Held hot now: {heat.hot_share:.0%} of its {heat.tokens:,} tokens (on the device, read at every "
-                f"step; cache ratio {heat.ratio:.2f}). {WHERE_COLD.get(heat.cold_tier, '')}<br>"
+                f"Held hot now: {heat.hot_share:.0%} of its {heat.tokens:,} tokens (the hot set: attended at "
+                f"every step; cache ratio {heat.ratio:.2f}). {WHERE_COLD.get(heat.cold_tier, '')}<br>"
                 + " ".join(_swatch(f"heat_{level}", text) for level, text in
                            ((3, "hot in ≥ 90 % of the layers' heads"), (2, "50–90 %"), (1, "10–50 %")))
                 + " untinted: cold")
