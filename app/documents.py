@@ -28,40 +28,32 @@ class _ParseSignals(QObject):
     listed = Signal(str, object)  # request key, engine.documents.folder.FolderDocuments
 
 
-class _FolderJob(QRunnable):
-    """A folder's documents listed off the GUI thread (a network share can take seconds to walk)."""
+class _Job(QRunnable):
+    """One file read as a document, or one folder's documents listed (a network share can take seconds to walk)."""
 
-    def __init__(self, key: str, path: str, signals: _ParseSignals):
+    def __init__(self, key: str, path: str, signals: _ParseSignals, *, folder: bool = False):
         super().__init__()
-        self.key, self.path, self.signals = key, path, signals
-
-    def run(self) -> None:
-        from engine.documents.folder import folder_documents
-
-        try:
-            found = folder_documents(self.path)
-        except Exception as exc:  # noqa: BLE001 - an unexpected failure is said, never lost
-            self.signals.failed.emit(self.key, self.path, f"{self.path}: {type(exc).__name__}: {exc}")
-            return
-        self.signals.listed.emit(self.key, found)
-
-
-class _ParseJob(QRunnable):
-    def __init__(self, key: str, path: str, signals: _ParseSignals):
-        super().__init__()
-        self.key, self.path, self.signals = key, path, signals
+        self.key, self.path, self.signals, self.folder = key, path, signals, folder
 
     def run(self) -> None:
         try:
-            from engine.documents import load_document
+            if self.folder:
+                from engine.documents.folder import folder_documents
 
-            doc = load_document(self.path)
+                found = folder_documents(self.path)
+            else:
+                from engine.documents import load_document
+
+                doc = load_document(self.path)
         except Exception as exc:  # noqa: BLE001 - DocumentError carries the user's message; others too
             message = str(exc) if isinstance(exc, DocumentError) else f"{self.path}: {type(exc).__name__}: {exc}"
             self.signals.failed.emit(self.key, self.path, message)
             return
-        self.signals.parsed.emit(self.key, AttachedDocument(self.key, doc.name, doc.path, doc.kind, doc.text,
-                                                            doc.pages, doc.chars, tuple(doc.notes)))
+        if self.folder:
+            self.signals.listed.emit(self.key, found)
+        else:
+            self.signals.parsed.emit(self.key, AttachedDocument(self.key, doc.name, doc.path, doc.kind, doc.text,
+                                                                doc.pages, doc.chars, tuple(doc.notes)))
 
 
 class DocumentLoader(QObject):
@@ -84,14 +76,14 @@ class DocumentLoader(QObject):
     def load(self, path: str) -> str:
         key = f"doc-{next(_keys)}"
         self.pending.add(key)
-        self.pool.start(_ParseJob(key, path, self._signals))
+        self.pool.start(_Job(key, path, self._signals))
         return key
 
     def list_folder(self, path: str) -> str:
         """List the documents inside the folder `path` on the pool; the key its `listed` (or `failed`) carries."""
         key = f"folder-{next(_keys)}"
         self.pending.add(key)
-        self.pool.start(_FolderJob(key, path, self._signals))
+        self.pool.start(_Job(key, path, self._signals, folder=True))
         return key
 
     def _on_listed(self, key: str, found) -> None:

@@ -133,7 +133,7 @@ class MainWindow(QMainWindow):
         self._heat_asked: dict[int, object] = {}  # HeatRequest.request_id -> the text window that asked
         self._pin_asked: dict[int, tuple[int, list[str]]] = {}  # PinRequest.request_id -> (chat, its pins)
         self._pins_asked: dict[int, list[str]] = {}  # each chat's pins last asked for, until the engine answers
-        self._heat_ids = itertools.count(1)
+        self._request_ids = itertools.count(1)
         self._attach_failures: QMessageBox | None = None  # the open message about files that could not be read
         self._attach_failed = 0  # how many it names
         self.closed = False
@@ -651,7 +651,7 @@ class MainWindow(QMainWindow):
         if dialog.conversation_id is None or self.facts is None:
             dialog.show_heat(None, "no_model" if self.facts is None else "not_held")
             return
-        request_id = next(self._heat_ids)
+        request_id = next(self._request_ids)
         self._heat_asked[request_id] = dialog
         self.client.report_heat.emit(HeatRequest(request_id, dialog.conversation_id, dialog.document_text))
 
@@ -661,7 +661,7 @@ class MainWindow(QMainWindow):
         if dialog.conversation_id is None:
             return
         pins = list(dict.fromkeys(pins))  # each piece once, in the order kept
-        request_id = next(self._heat_ids)
+        request_id = next(self._request_ids)
         self._pin_asked[request_id] = (dialog.conversation_id, pins)
         self._pins_asked[dialog.conversation_id] = pins
         self.client.set_pins.emit(PinRequest(request_id, dialog.conversation_id, tuple(pins)))

@@ -426,15 +426,9 @@ class EngineWorker(QObject):
         """Which parts of a document the chat's cache holds hot now, from the engine, or why the engine cannot say:
         "no_model", "remote" (a server's cache), "not_loaded" (the chat not asked anything since the app started),
         "not_held" (its cache does not hold that text)."""
-        heat, why = None, ""
-        session = self._sessions.get(request.conversation_id)
-        if self.model is None:
-            why = "no_model"
-        elif self.model.info.remote:
-            why = "remote"
-        elif session is None:
-            why = "not_loaded"
-        else:
+        heat = None
+        session, why = self._live_session(request.conversation_id)
+        if session is not None:
             try:
                 heat = session.document_heat(request.text)
             except Exception as exc:  # noqa: BLE001
@@ -442,13 +436,22 @@ class EngineWorker(QObject):
             why = "" if heat is not None else "not_held"
         self.heat.emit(request.request_id, heat, why)
 
+    def _live_session(self, conversation_id: int) -> tuple[EngineSession | None, str]:
+        """The chat's session with a cache of this process, or None and why not: "no_model", "remote" (a server's
+        cache), "not_loaded" (the chat not asked anything since the model was loaded)."""
+        if self.model is None:
+            return None, "no_model"
+        if self.model.info.remote:
+            return None, "remote"
+        session = self._sessions.get(conversation_id)
+        return session, "" if session is not None else "not_loaded"
+
     @Slot(object)
     def set_pins(self, request: PinRequest) -> None:
         """The chat's pins applied to its live cache now ("not_loaded": none here yet; its next turn applies
         them), or the engine's refusal (more than the cache has room for: nothing changed)."""
-        session = self._sessions.get(request.conversation_id)
-        if self.model is None or self.model.info.remote or session is None:
-            why = "no_model" if self.model is None else "remote" if self.model.info.remote else "not_loaded"
+        session, why = self._live_session(request.conversation_id)
+        if session is None:
             self.pinned.emit(request.request_id, (), "", why)
             return
         try:

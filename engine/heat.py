@@ -18,10 +18,10 @@ last tokens may have merged with the text around them; the rest is the same sequ
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass
 
 from . import chat_template as template
+from .documents import BLOCK_CLOSING, BLOCK_OPENING, CLOSING_TAG, defuse
 from .errors import EngineError
 
 log = logging.getLogger(__name__)
@@ -54,20 +54,25 @@ class DocumentHeat:
         return runs
 
 
-    def strip(self, length: int, width: int = 60) -> str:
-        """The document at a glance in `width` characters (the terminal's tint): each the mean hot share of the
-        tokens starting in its part of the text (`length` characters in all), from ' ' (cold) to '█'."""
+    def profile(self, length: int, width: int) -> list[float]:
+        """The document at a glance in `width` parts of its text (`length` characters in all): each the mean hot
+        share of the tokens starting in it (a part where none starts takes the one before; 0 before any)."""
         sums, counts = [0.0] * width, [0] * width
         for start, _end, share in self.spans:
-            column = min(start * width // max(length, 1), width - 1)
-            sums[column] += share
-            counts[column] += 1
-        out, last = [], " "
+            part = min(start * width // max(length, 1), width - 1)
+            sums[part] += share
+            counts[part] += 1
+        out, last = [], 0.0
         for total, count in zip(sums, counts, strict=True):
             if count:
-                last = _BLOCKS[min(round(total / count * (len(_BLOCKS) - 1)), len(_BLOCKS) - 1)]
+                last = total / count
             out.append(last)
-        return "".join(out)
+        return out
+
+    def strip(self, length: int, width: int = 60) -> str:
+        """The profile in `width` characters (the terminal's tint), from ' ' (cold) to '█'."""
+        top = len(_BLOCKS) - 1
+        return "".join(_BLOCKS[min(round(share * top), top)] for share in self.profile(length, width))
 
     def summary(self) -> str:
         """'42 % of its 1,704 tokens hot (cache ratio 0.50); the rest in the cold tier in RAM'."""
@@ -97,31 +102,47 @@ def document_heat(session, text: str) -> DocumentHeat | None:
     """The hot share of each token of `text`, a document the chat `session` has read (its last copy in the
     conversation); None when the chat's cache does not hold it (not sent yet, the cache being rebuilt, or a
     tokenizer that cannot say which characters a token covers)."""
-    tokenizer = session.tokenizer
-    cache = session.cache
-    ids = session.transcript_ids
-    if not text or not getattr(tokenizer, "is_fast", False) or session._dirty or cache.seen != len(ids):
+    if not text or not _readable(session):
         return None
     body, shift = _as_read(text)
-    encoded = tokenizer(body, add_special_tokens=False, split_special_tokens=True, return_offsets_mapping=True)
-    doc_ids, offsets = list(encoded["input_ids"]), list(encoded["offset_mapping"])
-    start = _locate(ids, doc_ids)
-    if start is None:
+    found = _find(session, body)
+    if found is None:
         return None
-    n = min(len(doc_ids), len(ids) - start)
-    share = hot_share(cache)[start:start + n].tolist()
+    start, offsets = found
+    n = min(len(offsets), len(session.transcript_ids) - start)
+    share = hot_share(session.cache)[start:start + n].tolist()
     spans = tuple((shift(offsets[j][0]), shift(offsets[j][1]), share[j]) for j in range(n))
-    settings = cache.settings
+    settings = session.cache.settings
     return DocumentHeat(spans, sum(share) / n if n else 0.0, n, start, settings.cold_tier, settings.kv_cache_ratio)
+
+
+def _readable(session) -> bool:
+    """The chat's cache holds exactly its transcript's tokens, and its tokenizer says which characters each covers."""
+    return (getattr(session.tokenizer, "is_fast", False) and not session._dirty
+            and session.cache.seen == len(session.transcript_ids))
+
+
+def _find(session, body: str, found: dict | None = None) -> tuple[int, list] | None:
+    """Where a document's text `body` (as its block holds it) sits in the chat's transcript: the position of its first
+    token and each token's (start, end) characters in `body`; None where it is not there. `found` keeps the answer
+    per body across calls (one tokenization of a document for all the pins in it)."""
+    if found is not None and body in found:
+        return found[body]
+    encoded = session.tokenizer(body, add_special_tokens=False, split_special_tokens=True,
+                                return_offsets_mapping=True)
+    start = _locate(session.transcript_ids, list(encoded["input_ids"]))
+    result = None if start is None else (start, list(encoded["offset_mapping"]))
+    if found is not None:
+        found[body] = result
+    return result
 
 
 def _as_read(text: str):
     """The document's text as its block holds it (engine.documents.format_for_prompt: a closing tag inside it is
     defused with one character more), and a map from that text's offsets back to `text`'s."""
     body = template.clean_text(text)
-    inserted = [m.start() + 1 + i for i, m in enumerate(_CLOSING_TAG.finditer(body))]  # where "\\" went in
-    if inserted:
-        body = _CLOSING_TAG.sub(r"<\\/document>", body)
+    inserted = [m.start() + 1 + i for i, m in enumerate(CLOSING_TAG.finditer(body))]  # where "\\" went in
+    body = defuse(body)
     if len(body) - len(inserted) != len(text):  # clean_text changed the length: map what can be mapped
         inserted = []
 
@@ -129,9 +150,6 @@ def _as_read(text: str):
         return min(offset - sum(1 for i in inserted if i < offset), len(text))
 
     return body, shift
-
-
-_CLOSING_TAG = re.compile(r"</document>", re.IGNORECASE)
 
 
 def _locate(ids: list[int], doc_ids: list[int]) -> int | None:
@@ -156,36 +174,30 @@ def _locate(ids: list[int], doc_ids: list[int]) -> int | None:
     return None
 
 
-_OPENING = '<document name="'
-_CLOSING = "\n</document>"
-
-
-def pin_range(session, snippet: str) -> tuple[int, int] | None:
+def pin_range(session, snippet: str, found: dict | None = None) -> tuple[int, int] | None:
     """The cache positions (start, end) of the tokens covering `snippet`, a piece of a document the chat has read
-    (its last copy in the conversation), or None where no document it read holds it."""
-    tokenizer = session.tokenizer
+    (its last copy in the conversation), or None where no document it read holds it. `found`: as _find's."""
     snippet = template.clean_text(snippet)
     fed = session.fed_text
-    if not snippet.strip() or not getattr(tokenizer, "is_fast", False):
+    if not snippet.strip():
         return None
     before = len(fed)
     while True:  # the document blocks from the last: the first whose text holds the snippet (a question or a reply
-        opening = fed.rfind(_OPENING, 0, before)  # quoting it does not count)
+        opening = fed.rfind(BLOCK_OPENING, 0, before)  # quoting it does not count)
         if opening < 0:
             return None
         body_start = fed.find("\n", opening) + 1
-        body_end = fed.find(_CLOSING, body_start)
+        body_end = fed.find(BLOCK_CLOSING, body_start)
         at = fed.rfind(snippet, body_start, body_end) if 0 < body_start <= body_end else -1
         if at >= 0:
             break
         before = opening
-    encoded = tokenizer(fed[body_start:body_end], add_special_tokens=False, split_special_tokens=True,
-                        return_offsets_mapping=True)
-    start = _locate(session.transcript_ids, list(encoded["input_ids"]))
-    if start is None:
+    located = _find(session, fed[body_start:body_end], found)
+    if located is None:
         return None
+    start, offsets = located
     low, high = at - body_start, at - body_start + len(snippet)
-    covering = [j for j, (a, b) in enumerate(encoded["offset_mapping"]) if a < high and b > low]
+    covering = [j for j, (a, b) in enumerate(offsets) if a < high and b > low]
     if not covering:
         return None
     return start + covering[0], min(start + covering[-1] + 1, len(session.transcript_ids))
@@ -214,12 +226,13 @@ def keep_pins(session) -> None:
 def apply_pins(session) -> tuple[str, ...]:
     """Each of session.pins found in the documents the chat read and kept hot by the cache (DSV41Cache.pin); the
     pins not found, in order."""
-    ranges, missing = [], []
+    ranges, missing, found = [], [], {}
+    readable = _readable(session)
     for text in session.pins:
-        found = pin_range(session, text) if session.cache.seen == len(session.transcript_ids) else None
-        if found is None:
+        where = pin_range(session, text, found) if readable else None
+        if where is None:
             missing.append(text)
         else:
-            ranges.append(found)
+            ranges.append(where)
     session.cache.pin(ranges)
     return tuple(missing)

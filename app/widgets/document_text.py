@@ -349,27 +349,21 @@ class HeatStrip(QWidget):
         self.dialog = dialog
         self.setFixedWidth(self.WIDTH)
         self.setToolTip("The whole text by what the cache holds hot; click to go there")
-        self.shares: list[tuple[float, float]] = []  # (the start as a share of the text, the token's hot share)
+        self.heat = None
+        self._rows: tuple[int, list[int]] = (0, [])  # the levels painted last, for their height (a scroll repaints)
 
     def show_heat(self, heat) -> None:
-        length = max(len(self.dialog.document_text), 1)
-        self.shares = [(start / length, share) for start, _end, share in heat.spans] if heat is not None else []
+        self.heat, self._rows = heat, (0, [])
         self.update()
 
     def row_levels(self, rows: int) -> list[int]:
-        """The tint level of each of `rows` rows: the mean hot share of the tokens starting in it (a row with none
-        takes the one above)."""
-        sums, counts = [0.0] * rows, [0] * rows
-        for at, share in self.shares:
-            row = min(int(at * rows), rows - 1)
-            sums[row] += share
-            counts[row] += 1
-        levels, level = [], 0
-        for total, count in zip(sums, counts, strict=True):
-            if count:
-                level = sum(total / count >= edge for edge in HEAT_EDGES)
-            levels.append(level)
-        return levels
+        """The tint level of each of `rows` rows (DocumentHeat.profile: each row's part of the text)."""
+        if self.heat is None:
+            return [0] * rows
+        if self._rows[0] != rows:
+            profile = self.heat.profile(len(self.dialog.document_text), rows)
+            self._rows = (rows, [sum(share >= edge for edge in HEAT_EDGES) for share in profile])
+        return self._rows[1]
 
     def paintEvent(self, event) -> None:  # noqa: N802 - Qt's name
         painter = QPainter(self)

@@ -267,11 +267,17 @@ def format_for_prompt(doc: Document) -> str:
     block cannot be closed early by the file's content.
     """
     name = html.escape(doc.name, quote=True)
-    body = _CLOSING_TAG.sub(r"<\\/document>", doc.text)
-    return f'<document name="{name}">\n{body}\n</document>'
+    return f'{BLOCK_OPENING}{name}">\n{defuse(doc.text)}{BLOCK_CLOSING}'
 
 
-_CLOSING_TAG = re.compile(r"</document>", re.IGNORECASE)
+BLOCK_OPENING = '<document name="'  # a document's block in a user turn starts so, its text after the line's end,
+BLOCK_CLOSING = "\n</document>"  # and ends so (engine.heat finds documents in a conversation by them)
+CLOSING_TAG = re.compile(r"</document>", re.IGNORECASE)
+
+
+def defuse(text: str) -> str:
+    """A document's text as its block holds it: each closing tag inside it with one character more."""
+    return CLOSING_TAG.sub(r"<\\/document>", text)
 
 
 def user_content(prompt: str, documents=()) -> str:

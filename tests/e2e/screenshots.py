@@ -103,6 +103,15 @@ class Shooter:
         self.saved.append(path)
         print(f"  saved {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
 
+    def dialog_shot(self, dialog, name: str) -> None:
+        """A window of its own (not the screen): its PNG, then closed."""
+        self.pause(0.5)
+        self.app.processEvents()
+        path = self.out / f"{name}.png"
+        dialog.grab().save(str(path))
+        self.saved.append(path)
+        dialog.close()
+
     def download_shot(self, window) -> None:
         import shutil
 
@@ -185,12 +194,7 @@ class Shooter:
         dialog = window.show_document_text(next(iter(window.attached.values())))
         dialog.find.setText("freedom")
         dialog.find_next()
-        self.pause(0.5)
-        self.app.processEvents()
-        path = self.out / "19-document-text.png"
-        dialog.grab().save(str(path))
-        self.saved.append(path)
-        dialog.close()
+        self.dialog_shot(dialog, "19-document-text")
 
         print("3. asking about it")
         sent = next(iter(window.attached.values()))
@@ -230,12 +234,7 @@ class Shooter:
             self.wait(lambda: dialog.pins, 60, "the pinned sentence")
             self.pause(1.0)
         dialog.text.moveCursor(QTextCursor.MoveOperation.End)
-        self.pause(0.5)
-        self.app.processEvents()
-        path = self.out / "20-document-heat.png"
-        dialog.grab().save(str(path))
-        self.saved.append(path)
-        dialog.close()
+        self.dialog_shot(dialog, "20-document-heat")
 
         print("4. back to a plain cache: the KV grows past 30 % of the weights, the hint appears")
         window.knob_panel.apply_preset("Max quality")
