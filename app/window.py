@@ -677,7 +677,7 @@ class MainWindow(QMainWindow):
             self.inform("Could not keep it hot", error)
             return
         if why in ("no_model", "remote"):
-            self.inform("Could not keep it hot", "The model runs on a server: its cache is not visible from here."
+            self.inform("Could not keep it hot", "The model runs on a server other than DS-V4.1's: its cache is not visible from here."
                         if why == "remote" else "Load a model first: the pieces kept hot are kept by its cache.")
             return
         try:

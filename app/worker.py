@@ -424,8 +424,8 @@ class EngineWorker(QObject):
     @Slot(object)
     def report_heat(self, request: HeatRequest) -> None:
         """Which parts of a document the chat's cache holds hot now, from the engine, or why the engine cannot say:
-        "no_model", "remote" (a server's cache), "not_loaded" (the chat not asked anything since the app started),
-        "not_held" (its cache does not hold that text)."""
+        "no_model", "remote" (another server's cache), "not_loaded" (the chat not asked anything since the app
+        started), "not_held" (its cache does not hold that text)."""
         heat = None
         session, why = self._live_session(request.conversation_id)
         if session is not None:
@@ -437,12 +437,13 @@ class EngineWorker(QObject):
         self.heat.emit(request.request_id, heat, why)
 
     def _live_session(self, conversation_id: int) -> tuple[EngineSession | None, str]:
-        """The chat's session with a cache of this process, or None and why not: "no_model", "remote" (a server's
-        cache), "not_loaded" (the chat not asked anything since the model was loaded)."""
+        """The chat's session with a live cache (this process's, or our server's for a chat it reaches), or None and
+        why not: "no_model", "remote" (another server's cache), "not_loaded" (the chat not asked anything since the
+        model was loaded)."""
         if self.model is None:
             return None, "no_model"
-        if self.model.info.remote:
-            return None, "remote"
+        if self.model.info.remote == "openai":
+            return None, "remote"  # our server answers for its cache (engine.served); another server cannot
         session = self._sessions.get(conversation_id)
         return session, "" if session is not None else "not_loaded"
 

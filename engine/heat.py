@@ -42,6 +42,24 @@ class DocumentHeat:
     cold_tier: str  # "ram" | "disk" | "off": where what is not hot is
     ratio: float  # the cache ratio the hot set is held to
 
+    def to_dict(self) -> dict:
+        """As JSON (our server's POST /v1/dsv41/heat): the spans as [start, end, share] lists."""
+        return {"spans": [list(s) for s in self.spans], "hot_share": self.hot_share, "tokens": self.tokens,
+                "first_position": self.first_position, "cold_tier": self.cold_tier, "ratio": self.ratio}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> DocumentHeat:
+        """to_dict's inverse; ValueError for anything else (a server's answer is checked, not trusted)."""
+        try:
+            spans = tuple((int(a), int(b), float(c)) for a, b, c in data["spans"])
+            heat = cls(spans, float(data["hot_share"]), int(data["tokens"]), int(data["first_position"]),
+                       str(data["cold_tier"]), float(data["ratio"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"not a document's heat: {exc}") from exc
+        if heat.tokens != len(spans) or any(not 0.0 <= c <= 1.0 or a > b for a, b, c in spans):
+            raise ValueError("not a document's heat: its spans and figures disagree")
+        return heat
+
     def levels(self, edges: tuple[float, ...] = (0.1, 0.5, 0.9)) -> list[tuple[int, int, int]]:
         """Runs of adjacent tokens at one level (0: below edges[0] … len(edges)), merged: (start, end, level)."""
         runs: list[tuple[int, int, int]] = []

@@ -8,15 +8,16 @@ llama.cpp's server... RemoteModel and RemoteSession have the surface of DSV41Mod
 
 What a remote model can and cannot tell:
 - Our server (it answers GET /v1/dsv41/model): the memory report of the conversation, the cache knobs (sent with
-  every request; the server validates them like the config), token counts as its engine counts them.
+  every request; the server validates them like the config), token counts as its engine counts them, what its
+  cache holds of a document (document_heat) and the pieces kept hot (set_pins; sent with every request too).
 - Any other server: the reply and its `usage`; nothing about memory (memory_report() says "not reported"), no cache
-  knobs (reconfigure() answers "unsupported"), token counts estimated (ContextUsage.estimated) from characters,
-  the context limit from /v1/models' `max_model_len` where the server gives it (vLLM does), else the panel's.
+  knobs (reconfigure() answers "unsupported"), no heat or pins, token counts estimated (ContextUsage.estimated)
+  from characters, the context limit from /v1/models' `max_model_len` where the server gives it (vLLM does), else the panel's.
 The user's text and documents travel as the text of the user message, as the app lays them out for its own engine.
 
 Why this file is long: RemoteModel stands in for the whole of DSV41Model's surface the app uses (load, turns, counts,
-memory, knobs), each answered from our server or honestly estimated for another; splitting it would split one
-object.
+memory, knobs, heat and pins), each answered from our server or honestly estimated for another; splitting it would
+split one object.
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ from urllib.parse import urlsplit
 
 from .config import CACHE_KNOBS, DSV41Config
 from .documents import Document, format_for_prompt, load_document, user_content
-from .errors import BusyError, ConfigError, ContextOverflowError, EngineError, ModelLoadError
+from .errors import BusyError, ConfigError, ContextOverflowError, EngineError, ModelLoadError, PinError
 from .events import ContextUsage, Done, ErrorEvent, Event, TokenText, TurnStats
+from .heat import DocumentHeat
 from .info import LoadInfo, ReconfigureResult
 from .memory import MemoryReport
 
@@ -88,12 +90,27 @@ class RemoteSession:
     def forget_saved(self) -> int:
         return 0  # nothing of a remote chat is saved on this machine besides the app's own store
 
-    def document_heat(self, text: str) -> None:
-        return None  # the server's cache is not visible from here
+    def document_heat(self, text: str) -> DocumentHeat | None:
+        """What our server's cache of this conversation holds of a document it sent (POST /dsv41/heat); None from
+        another server, or where the server does not hold this conversation (it re-reads it at the next question)."""
+        if not self.model.ours or not text:
+            return None
+        answer = self.model.ask("/dsv41/heat", {"messages": self.messages, "text": text})
+        try:
+            return DocumentHeat.from_dict(answer["heat"]) if answer.get("heat") is not None else None
+        except ValueError as exc:
+            raise EngineError(f"The server at {self.model.url} sent a heat that cannot be read: {exc}") from exc
 
     def set_pins(self, texts: Sequence[str]) -> tuple[str, ...]:
-        self.pins = list(texts)  # nothing to keep hot from here: the server's cache is its own
-        return tuple(self.pins)
+        """Our server keeps these pieces hot in its cache of this conversation now (POST /dsv41/pins), or from the
+        next question on where it does not hold the conversation; every request carries them (`dsv41_pins`). The
+        pieces not found; PinError past the cache's room, changing nothing. Another server keeps nothing hot."""
+        texts = [t for t in texts if t and t.strip()]
+        missing: list[str] = []
+        if self.model.ours and self.messages:
+            missing = list(self.model.ask("/dsv41/pins", {"messages": self.messages, "pins": texts})["missing"])
+        self.pins = texts
+        return tuple(missing)
 
     def send(self, prompt: str, documents: Sequence[str | Document] = (), *, cancel: threading.Event | None = None,
              **settings) -> Iterator[Event]:
@@ -105,7 +122,7 @@ class RemoteSession:
         user = {"role": "user", "content": user_content(prompt, docs)}
         started = time.perf_counter()
         # the server counts and refuses what does not fit (ours with the numbers: ContextOverflowError)
-        response = self.model.open_chat(self.messages + [user], settings)  # raises before any event
+        response = self.model.open_chat(self.messages + [user], settings, self.pins)  # raises before any event
         return self._stream(response, user, cancel or threading.Event(), started)
 
     def _stream(self, response, user: dict, cancel: threading.Event, started: float) -> Iterator[Event]:
@@ -273,14 +290,16 @@ class RemoteModel:
         except httpx.HTTPError as exc:
             raise EngineError(_network_message(exc, self.url)) from exc
 
-    def open_chat(self, messages: list[dict], settings: dict):
-        """POST /chat/completions with stream=true; the response once it streams (or the refusal as an error)."""
+    def open_chat(self, messages: list[dict], settings: dict, pins: Sequence[str] = ()):
+        """POST /chat/completions with stream=true; the response once it streams (or the refusal as an error).
+        Our server also gets the cache knobs and the pieces kept hot (`pins`)."""
         import httpx
 
         body = {"model": self.model_id, "messages": messages, "stream": True,
                 "stream_options": {"include_usage": True}, **self._sampling(settings)}
         if self.ours:
             body.update({k: v for k, v in self.config.to_dict().items() if k in CACHE_KNOBS})
+            body["dsv41_pins"] = list(pins)
         for attempt in range(2):
             try:
                 request = self._client.build_request("POST", self.url + "/chat/completions", json=body)
@@ -299,6 +318,17 @@ class RemoteModel:
                 continue
             raise self._refusal(response.status_code, message, payload)
         raise AssertionError("unreachable")
+
+    def ask(self, path: str, body: dict) -> dict:
+        """Our server's answer to one of its own requests (POST /dsv41/…), or its refusal as an EngineError (PinError
+        for a pin past the cache's room). Waits for a turn running there (the server does one thing at a time)."""
+        response = self._post(path, body, timeout=READ_TIMEOUT_S)
+        if response.status_code == 200:
+            return response.json()
+        message, payload = _error_of(response)
+        if (payload.get("error") or {}).get("code") == "pin_room":
+            raise PinError(message)
+        raise self._refusal(response.status_code, message, payload)
 
     def _sampling(self, settings: dict) -> dict:
         out = {}

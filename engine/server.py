@@ -11,11 +11,14 @@
     GET  /v1/dsv41/memory       the memory report of the last conversation
     GET  /v1/dsv41/model        what the app needs to show and tune a model it reaches through this server
     POST /v1/dsv41/tokens       token counts as the engine counts them (the app's context bar over the network)
+    POST /v1/dsv41/heat         what a kept conversation's cache holds of a document's text (engine.served)
+    POST /v1/dsv41/pins         pieces of a kept conversation's documents kept hot (engine.served); a chat request's
+                                `dsv41_pins` field sets them too, from that turn's end on
 
 Requests run one at a time (the engine holds one model); a bounded queue waits behind the running one and a full
 queue answers 429 with Retry-After. A chat client resends the whole conversation every time: the request whose
 messages extend a kept conversation's reuses its cache (only the new turn is read, as in the app); another
-conversation gets a session (and cache) of its own, the least recently used of SESSIONS dropped. A request that
+conversation gets a session (and cache) of its own, the least recently used of served.SESSIONS dropped. A request that
 cannot fit the context is refused before any work with the numbers (400, OpenAI's error shape, the numbers also
 under `dsv41`), never truncated. A client that disconnects cancels its request at the next step, whether it waits
 in the queue, its prompt is being read (a stream's headers go out once it is accepted) or it is replying, streamed
@@ -33,43 +36,17 @@ import json
 import threading
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from .errors import ConfigError, ContextOverflowError
+from . import served
+from .errors import ConfigError, ContextOverflowError, PinError
 from .events import Done, TokenText
 from .openai_api import count_tokens, error, memory_figures, model_facts, parse_completion, parse_request
 from .threads import EngineThread
 
-SESSIONS = 4  # conversations whose caches are kept
 QUEUE = 8  # requests that may wait behind the running one
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
-
-
-class Conversations:
-    """The kept chat sessions, found by the conversation a request carries (its messages before the last)."""
-
-    def __init__(self, model, size: int = SESSIONS):
-        self.model, self.size = model, size
-        self.sessions: OrderedDict[int, object] = OrderedDict()
-        self.last = None
-
-    def session_for(self, system: str | None, history: list[dict]):
-        """A session holding `history` under `system`: one whose transcript it extends (only the new turn is then
-        read), else a new one."""
-        for key, session in reversed(self.sessions.items()):
-            mine = [m for m in session.messages if m["role"] != "system"]
-            if (session.system_prompt or None) == system and mine == history[: len(mine)] and mine:
-                self.sessions.move_to_end(key)
-                session.messages = ([{"role": "system", "content": system}] if system else []) + history
-                return session
-        session = self.model.chat_session(system)
-        session.messages = ([{"role": "system", "content": system}] if system else []) + history
-        self.sessions[id(session)] = session
-        while len(self.sessions) > self.size:
-            self.sessions.popitem(last=False)
-        return session
 
 
 def create_app(model, *, api_key: str | None = None, queue: int = QUEUE, name: str | None = None,
@@ -81,7 +58,7 @@ def create_app(model, *, api_key: str | None = None, queue: int = QUEUE, name: s
     from starlette.responses import JSONResponse, StreamingResponse
     from starlette.routing import Route
 
-    conversations = Conversations(model)
+    conversations = served.Conversations(model)
     submit = submit or EngineThread("engine-request").submit  # one engine call at a time, in order
     waiting = {"n": 0}
     model_id = name or model.info.display_name
@@ -131,6 +108,20 @@ def create_app(model, *, api_key: str | None = None, queue: int = QUEUE, name: s
         except ConfigError as exc:
             return error(400, str(exc), code="invalid_value")
 
+    def about_conversation(answer):
+        """A route answering about a kept conversation (engine.served), on the engine's thread."""
+        async def route(request):
+            body, refused = await json_body(request)
+            if refused is not None:
+                return refused
+            try:
+                return JSONResponse(await asyncio.wrap_future(submit(lambda: answer(conversations, body))))
+            except PinError as exc:
+                return error(400, str(exc), code="pin_room")
+            except ConfigError as exc:
+                return error(400, str(exc), code="invalid_value")
+        return route
+
     def overflow(exc: ContextOverflowError):
         return error(400, str(exc), code="context_length_exceeded",
                      extra={"dsv41": {"needed": exc.needed, "limit": exc.limit, "parts": exc.parts}})
@@ -144,6 +135,7 @@ def create_app(model, *, api_key: str | None = None, queue: int = QUEUE, name: s
                 system, history, prompt, settings, knobs = parse_request(body)
             else:
                 prompt, settings, knobs = parse_completion(body)
+            pins = served.pins_of(body) if chat else None
             model.generation_settings(**settings)  # validated before queueing
             if knobs:
                 model.config.replace(**knobs)
@@ -178,6 +170,8 @@ def create_app(model, *, api_key: str | None = None, queue: int = QUEUE, name: s
                         wanted = model.cache_settings().replace(**knobs)
                         if session.cache.settings != wanted:
                             session.apply_settings(wanted)
+                        if pins is not None:  # kept hot from this turn's end on, as the app's own chats
+                            session.pins = list(pins)
                         stream = session.send(prompt, cancel=cancel, **settings)
                     else:
                         stream = model.complete(prompt, cancel=cancel, knobs=knobs, **settings)
@@ -311,6 +305,8 @@ def create_app(model, *, api_key: str | None = None, queue: int = QUEUE, name: s
     return Starlette(routes=[Route("/v1/models", models), Route("/v1/dsv41/memory", memory_route),
                              Route("/v1/dsv41/model", model_route),
                              Route("/v1/dsv41/tokens", tokens_route, methods=["POST"]),
+                             Route("/v1/dsv41/heat", about_conversation(served.heat), methods=["POST"]),
+                             Route("/v1/dsv41/pins", about_conversation(served.pin), methods=["POST"]),
                              Route("/v1/chat/completions", chat_completions, methods=["POST"]),
                              Route("/v1/completions", completions, methods=["POST"])])
 

@@ -35,7 +35,7 @@ NO_HEAT = {  # why there is no tint (EngineWorker.report_heat)
     "not_loaded": "This chat's cache is loaded when you next ask it something (from its saved copy where there is "
                   "one); what it holds of this text shows here then.",
     "no_model": "What the cache holds of this text shows here once a model is loaded and the chat has read it.",
-    "remote": "The model runs on a server: its cache is not visible from here.",
+    "remote": "The model runs on a server other than DS-V4.1's: its cache is not visible from here.",
 }
 WHERE_COLD = {"ram": "The rest is in the cold tier in RAM: a question brings back what it needs.",
               "disk": "The rest is in the cold tier on disk: a question brings back what it needs.",

@@ -1,7 +1,8 @@
 """The app on an OpenAI-compatible server (engine.remote), through the real worker: our own server (in front of the
 default model, on a loopback port) and a stand-in for any other server (vLLM, LM Studio... : the reply, nothing
 else). A turn streams, stop works, regenerate works, the memory panel shows the server's figures or says they are
-not reported, and the cache knobs are disabled with the reason unless the server is ours. Also Serve: the app's
+not reported, and the cache knobs are disabled with the reason unless the server is ours; a document's text is
+tinted by our server's cache and a piece kept hot there. Also Serve: the app's
 loaded model served to other programs while the app chats with it."""
 
 from __future__ import annotations
@@ -93,6 +94,50 @@ def test_the_app_on_our_own_server(qtbot, make_window, served_model, data_dir):
         qtbot.waitUntil(lambda: window.facts.config["kv_cache_ratio"] == 0.5, timeout=5_000)
         ask(qtbot, window, "Bye.")
         qtbot.waitUntil(lambda: window.memory_panel.report.kv_target_ratio == 0.5, timeout=10_000)
+        window.close()
+
+
+def test_the_heat_and_the_pins_of_a_chat_on_our_server(qtbot, make_window, tiny_folder, tmp_path, data_dir):
+    """The document text window of a chat on our server: tinted by that server's cache, a selection kept hot there
+    (through a compaction by a question about another part), the other server's case below says why there is none."""
+    from PySide6.QtGui import QTextCursor
+    from PySide6.QtWidgets import QLabel
+
+    from engine import DSV41Config, DSV41Model
+
+    items = " ".join(f"Line {i}: the value of item {i} is {i * 7}." for i in range(48))
+    piece = "Line 17: the value of item 17 is 119."
+    model = DSV41Model.from_pretrained(DSV41Config(model_path=str(tiny_folder), max_seq_len=4096, csa2_topk=0))
+    path = tmp_path / "items.txt"
+    path.write_text(items, encoding="utf-8")
+    with served_in_thread(model) as base:
+        window = remote_window(qtbot, make_window, base + "/v1")
+        window.knob_panel.set_values({"kv_cache_ratio": 0.3, "cold_tier": "ram"}, notify=True)
+        qtbot.waitUntil(lambda: "Sent to the server" in window.knob_panel.status.text(), timeout=5_000)
+        window.attach_files([str(path)])
+        qtbot.waitUntil(lambda: len(window.attached) == 1 and None not in window.attached.values(), timeout=10_000)
+        ask(qtbot, window, "What is the value of item 40?")
+        user = window.chat.bubbles[-2]
+        next(label for label in user.findChildren(QLabel) if "items.txt" in label.text()).linkActivated.emit(
+            "document:0")
+        dialog = window.text_windows[-1]
+        qtbot.waitUntil(lambda: dialog.heat is not None, timeout=10_000)
+        assert "cache ratio 0.30" in dialog.heat_label.text() and dialog.tints()
+        at = dialog.document_text.index(piece)
+        cursor = dialog.text.textCursor()
+        cursor.setPosition(at)
+        cursor.setPosition(at + len(piece), QTextCursor.MoveMode.KeepAnchor)
+        dialog.text.setTextCursor(cursor)
+        dialog.keep_hot.click()
+        qtbot.waitUntil(lambda: dialog.pins == [piece], timeout=10_000)
+        assert "Kept hot" in window.statusBar().currentMessage() and not window.shown_messages
+        pinned = dialog.heat
+        ask(qtbot, window, "And the value of item 2?")  # another part: the server's compaction keeps the piece
+        qtbot.waitUntil(lambda: dialog.heat is not pinned and dialog.heat is not None, timeout=10_000)  # follows
+        shares = [dialog.share_at(i) for i in range(at, at + len(piece))]
+        assert shares and set(shares) - {None} == {1.0}
+        assert min(dialog.share_at(i) or 1.0 for i in range(len(items))) < 1.0  # other parts went cold
+        assert dialog.pins_label.text() == "Kept hot: 1 part of this text"
         window.close()
 
 
