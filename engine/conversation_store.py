@@ -176,8 +176,7 @@ class ConversationStore:
         for _, size, p in sorted(files):
             if total <= self.cap_bytes:
                 break
-            if p != keep:
-                p.unlink(missing_ok=True)
+            if p != keep and _remove(p):
                 total -= size
         self._total = total
 
@@ -189,14 +188,14 @@ class ConversationStore:
             facts = self._header(path)
             n = facts.get("text_len") if facts else None
             if isinstance(n, int) and n <= len(text) and text_digest(text[:n]) == facts.get("text_sha"):
-                path.unlink(missing_ok=True)
-                removed += 1
+                removed += _remove(path)
         self._total = None
         return removed
 
     def discard(self, path: Path) -> None:
-        """Remove a state that was refused (unreadable, or it does not fit the cache it was meant for)."""
-        path.unlink(missing_ok=True)
+        """Remove a state that was refused (unreadable, or it does not fit the cache it was meant for); one that
+        cannot be removed (a folder by that name, a file the user may not delete) is left, and passed over."""
+        _remove(path)
         self._total = None
 
     def total_bytes(self) -> int:
@@ -215,7 +214,7 @@ class ConversationStore:
             return None
         best = None
         for path in self.folder.glob("*" + SUFFIX):
-            facts = self._header(path)
+            facts = self._header(path) if path.is_file() else None
             if facts is None:  # not a state (damaged, or not ours): it can never be used
                 self.discard(path)
                 continue
@@ -263,3 +262,13 @@ class ConversationStore:
             return json.loads(meta[HEADER_KEY])
         except Exception:  # noqa: BLE001 - any unreadable header is refused the same way
             return None
+
+
+def _remove(path: Path) -> bool:
+    """Delete a state's file; False (logged) where it cannot be: the store goes on without it, never fails a turn."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as exc:
+        log.warning("could not remove the saved conversation cache %s: %s", path.name, exc)
+        return False
+    return True

@@ -8,16 +8,15 @@ end-of-prefill compaction (query-aware CED).
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from . import chat_template as template
+from . import saved_state
 from .cache import CacheSettings
 from .documents import Document, format_for_prompt, load_document, user_content
 from .errors import BusyError, ContextOverflowError
@@ -25,8 +24,6 @@ from .events import ContextUsage, Done, Event, PrefillProgress, TurnStats
 from .generate import TurnPlan, TurnResult, run_turn
 from .models import adapter
 from .sampling import GenerationSettings
-
-log = logging.getLogger(__name__)
 
 MAX_QUESTION_WINDOW = 512  # question tokens that score the document at the end of a turn's prefill
 
@@ -124,7 +121,7 @@ class ChatSession:
         # A cache that holds nothing yet (a chat reopened) or must be rebuilt: a saved state may spare the re-read.
         # Every state ends after a reply, so a chat without one (a new chat) has none to look for.
         restored = ((rebuild or not self.transcript_ids) and any(m.get("role") == "assistant" for m in self.messages)
-                    and self._restore_saved(full))
+                    and saved_state.restore(self, full))
         if restored:
             rebuild = not full.extends(self.fed_text, self.fed_specials)
         offset = 0 if rebuild else len(self.fed_text)
@@ -202,7 +199,7 @@ class ChatSession:
 
                 keep_pins(self)
             if done is not None and done.text:
-                self._save_state()
+                saved_state.save(self)
             if done is not None:
                 done = Done(done.reason, done.text, _with_context(done.stats, turn), done.token_ids)
                 self.last_stats = done.stats
@@ -249,58 +246,7 @@ class ChatSession:
         if self.cache.seen != len(self.transcript_ids):  # interrupted between a forward and its record
             self._dirty = True
 
-    # ------------------------------------------------------------------ saved caches (engine.conversation_store)
-    def _save_state(self) -> None:
-        """Save the cache as it stands after a turn; a failure is logged, never raised (the chat goes on)."""
-        from .cache import persist
-
-        store = self.model.conversation_store
-        if store is None or self._dirty or self.cache.seen != len(self.transcript_ids):
-            return
-        started = time.perf_counter()
-        try:
-            tensors, facts = persist.save_state(self.cache)
-            store.save(model_key=self.model.state_key, settings_key=self.model.settings_key(self.cache.settings),
-                       text=self.fed_text, specials=self.fed_specials, transcript_ids=self.transcript_ids,
-                       tensors=tensors, cache_facts=facts)
-        except Exception as exc:  # noqa: BLE001 - a cache that was not saved is re-read later, nothing is lost
-            log.warning("the conversation cache was not saved: %s", str(exc).splitlines()[0] if str(exc) else exc)
-        self.last_save_seconds = time.perf_counter() - started
-
-    def _restore_saved(self, rendered: template.Rendered) -> bool:
-        """Instead of re-reading the conversation: restore the longest saved state that `rendered` starts with
-        (same model and settings). A state that cannot be read or does not fit is refused (and removed)."""
-        from .cache import persist
-
-        store = self.model.conversation_store
-        if store is None:
-            return False
-        model_key, settings_key = self.model.state_key, self.model.settings_key(self.cache.settings)
-        for _ in range(3):  # a refused file is removed; the next best may still do
-            found = store.find(model_key=model_key, settings_key=settings_key, rendered=rendered)
-            if found is None:
-                return False
-            saved = store.load(found)
-            if saved is None:
-                continue
-            n = int(saved.facts["text_len"])
-            self.cache.reset()
-            try:
-                persist.load_state(self.cache, saved.tensors, saved.facts["cache"])
-                if self.cache.seen != len(saved.transcript_ids):
-                    raise persist.StateMismatch("its token count and its cache disagree")
-            except (persist.StateMismatch, KeyError, TypeError, ValueError) as exc:
-                log.warning("refused the saved conversation cache %s: %s", found.path.name, exc)
-                store.discard(found.path)
-                self.cache.reset()
-                continue
-            self.transcript_ids = list(saved.transcript_ids)
-            self.fed_text = rendered.text[:n]
-            self.fed_specials = tuple(tuple(int(x) for x in span) for span in saved.facts["specials"])
-            self._dirty = False
-            return True
-        return False
-
+    # ------------------------------------------------------------------ saved caches (engine.saved_state)
     def forget_saved(self) -> int:
         """Remove this conversation's saved caches (the chat was deleted). Returns how many files went."""
         store = self.model.conversation_store

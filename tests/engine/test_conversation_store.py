@@ -123,6 +123,31 @@ def test_a_damaged_file_is_refused_removed_and_the_chat_re_read(model, folder, d
         assert done.text == ask(reference, "And item 40?").text
 
 
+def test_an_entry_that_cannot_be_read_or_removed_is_passed_over(model, folder, monkeypatch):
+    """A folder named like a state, or a damaged state in a folder the user may not delete from: the chat restores
+    the state it can read (or re-reads) and the turn goes on."""
+    from pathlib import Path
+
+    session, replies = _chat(model)
+    (folder / ("0000-not-a-state" + SUFFIX)).mkdir()
+    damaged = folder / ("0001-damaged" + SUFFIX)
+    damaged.write_bytes(b"not a state at all")
+    real_unlink = Path.unlink
+
+    def refuse(path, missing_ok=False):
+        if path == damaged:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_unlink(path, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", refuse)
+    session.messages = session.messages[:2]  # regenerate
+    done = ask(session, "And item 40?")
+    assert done.stats.restored_context and done.text == replies[1].text
+    assert damaged.exists() and (folder / ("0000-not-a-state" + SUFFIX)).is_dir()
+    ConversationStore(folder, cap_bytes=1).trim()  # the cap: what can go goes, the rest is passed over
+    assert damaged.exists() and not [p for p in _saved_files(folder) if p.is_file() and p != damaged]
+
+
 class _store_off:
     def __init__(self, model):
         self.model = model

@@ -1,0 +1,65 @@
+"""A chat's cache saved after each turn and restored instead of re-reading the conversation (engine.conversation_store
+keeps the files; engine.cache.persist turns a cache into tensors and back). ChatSession calls these."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from . import chat_template as template
+
+log = logging.getLogger(__name__)
+
+
+def save(session) -> None:
+    """Save the chat's cache as it stands after a turn; a failure is logged, never raised (the chat goes on)."""
+    from .cache import persist
+
+    store = session.model.conversation_store
+    if store is None or session._dirty or session.cache.seen != len(session.transcript_ids):
+        return
+    started = time.perf_counter()
+    try:
+        tensors, facts = persist.save_state(session.cache)
+        store.save(model_key=session.model.state_key, settings_key=session.model.settings_key(session.cache.settings),
+                   text=session.fed_text, specials=session.fed_specials, transcript_ids=session.transcript_ids,
+                   tensors=tensors, cache_facts=facts)
+    except Exception as exc:  # noqa: BLE001 - a cache that was not saved is re-read later, nothing is lost
+        log.warning("the conversation cache was not saved: %s", str(exc).splitlines()[0] if str(exc) else exc)
+    session.last_save_seconds = time.perf_counter() - started
+
+
+def restore(session, rendered: template.Rendered) -> bool:
+    """Instead of re-reading the conversation: restore the longest saved state that `rendered` starts with (same
+    model and settings) into the chat's cache. A state that cannot be read or does not fit is refused (and removed)."""
+    from .cache import persist
+
+    store = session.model.conversation_store
+    if store is None:
+        return False
+    cache = session.cache
+    model_key, settings_key = session.model.state_key, session.model.settings_key(cache.settings)
+    for _ in range(3):  # a refused file is removed; the next best may still do
+        found = store.find(model_key=model_key, settings_key=settings_key, rendered=rendered)
+        if found is None:
+            return False
+        saved = store.load(found)
+        if saved is None:
+            continue
+        n = int(saved.facts["text_len"])
+        cache.reset()
+        try:
+            persist.load_state(cache, saved.tensors, saved.facts["cache"])
+            if cache.seen != len(saved.transcript_ids):
+                raise persist.StateMismatch("its token count and its cache disagree")
+        except (persist.StateMismatch, KeyError, TypeError, ValueError) as exc:
+            log.warning("refused the saved conversation cache %s: %s", found.path.name, exc)
+            store.discard(found.path)
+            cache.reset()
+            continue
+        session.transcript_ids = list(saved.transcript_ids)
+        session.fed_text = rendered.text[:n]
+        session.fed_specials = tuple(tuple(int(x) for x in span) for span in saved.facts["specials"])
+        session._dirty = False
+        return True
+    return False
