@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 from . import chat_template as template
 from .documents import BLOCK_CLOSING, BLOCK_OPENING, CLOSING_TAG, defuse
@@ -172,30 +173,36 @@ def _as_read(text: str):
 
 def _locate(ids: list[int], doc_ids: list[int]) -> int | None:
     """Where `doc_ids` begins in `ids` (its last copy), allowing its first and last tokens to differ; None when it
-    is not there."""
+    is not there. A repetitive text matches itself shifted by its period nearly everywhere: the place that agrees
+    best wins (the last of equals), so a document sent twice is found at its second copy, not one period late."""
+    import numpy as np
+
     n = len(doc_ids)
     if n == 0 or n > len(ids) + 2:
         return None
     skip = 2 if n > ANCHOR + 8 else 1 if n > 4 else 0  # the first tokens may have merged with what comes before
-    anchor = doc_ids[skip:skip + min(ANCHOR, n - 2 * skip)]
-    first = anchor[0]
-    for i in range(len(ids) - len(anchor), -1, -1):
-        if ids[i] != first or ids[i:i + len(anchor)] != anchor:
-            continue
+    seq, doc = np.asarray(ids, dtype=np.int64), np.asarray(doc_ids, dtype=np.int64)
+    anchor = doc[skip:skip + min(ANCHOR, n - 2 * skip)]
+    best, agreed = None, -1
+    for i in np.flatnonzero(seq[: len(seq) - len(anchor) + 1] == anchor[0])[::-1].tolist():
         start = i - skip
-        if start < 0:
+        if start < 0 or not np.array_equal(seq[i:i + len(anchor)], anchor):
             continue
-        window = ids[start:start + n]
-        same = sum(a == b for a, b in zip(window, doc_ids, strict=False))
-        if len(window) >= n - 2 and same >= min(MIN_MATCH * n, n - 2):
-            return start
-    return None
+        window = seq[start:start + n]
+        if len(window) < n - 2:
+            continue
+        same = int(np.count_nonzero(window == doc[: len(window)]))
+        if same > agreed:
+            best, agreed = start, same
+        if same >= n - 2:  # as close as a real copy comes (its edge tokens may have merged)
+            break
+    return best if best is not None and agreed >= min(MIN_MATCH * n, n - 2) else None
 
 
 def pin_range(session, snippet: str, found: dict | None = None) -> tuple[int, int] | None:
     """The cache positions (start, end) of the tokens covering `snippet`, a piece of a document the chat has read
     (its last copy in the conversation), or None where no document it read holds it. `found`: as _find's."""
-    snippet = template.clean_text(snippet)
+    snippet = defuse(template.clean_text(snippet))  # as the block holds it (a closing tag in it defused)
     fed = session.fed_text
     if not snippet.strip():
         return None
@@ -239,6 +246,33 @@ def keep_pins(session) -> None:
         apply_pins(session)
     except EngineError as exc:
         log.warning("pinned parts not kept: %s", exc)
+
+
+def pins_ahead(session, turn) -> None:
+    """Before a turn reads its tokens: the pins kept hot from its first token on. A chat restored from a saved
+    state (reopened, regenerated, edited) has them applied now (what of them had gone cold comes back); where the
+    turn reads a document or the whole conversation again, the pins found in the transcript it is about to hold rank
+    first in the compactions while it reads (those that fit the room the cache will have at its end). keep_pins
+    applies them again once the turn is over."""
+    if not session.pins:
+        return
+    if turn.restored and not turn.rebuild:
+        keep_pins(session)
+    if not (turn.rebuild or BLOCK_OPENING in turn.delta_text):
+        return
+    ahead = SimpleNamespace(fed_text=session.fed_text + turn.delta_text, tokenizer=session.tokenizer,
+                            transcript_ids=list(session.transcript_ids) + list(turn.new_ids))
+    found: dict = {}
+    ranges = [r for r in (pin_range(ahead, text, found) for text in session.pins) if r is not None]
+    cache = session.cache
+    room = cache.pin_room() if not cache.settings.compressing else max(
+        (cache.budget(len(ahead.transcript_ids)) - cache.settings.ced_sink_tokens
+         - cache.settings.ced_recent_tokens) // 2, 0)
+    kept: list[tuple[int, int]] = []
+    for where in dict.fromkeys(ranges):
+        if sum(end - start for start, end in [*kept, where]) <= room:
+            kept.append(where)
+    cache.pinned = tuple(kept)
 
 
 def apply_pins(session) -> tuple[str, ...]:

@@ -181,6 +181,10 @@ class ChatSession:
             if turn.rebuild:
                 self.cache.reset()
                 self.transcript_ids, self.fed_text, self.fed_specials, self._dirty = [], "", (), False
+            if self.pins:  # hot while the turn reads (engine.heat.pins_ahead)
+                from .heat import pins_ahead
+
+                pins_ahead(self, turn)
             checkpoint = self.cache.checkpoint()
             plan = TurnPlan(turn.new_ids, turn.question_tokens, self.model.chunk_for(self.cache.settings.prefill_chunk),
                             self.model.headroom_tokens(self.cache), self.context_limit)
@@ -325,7 +329,11 @@ class ChatSession:
         done = self.cache.apply(settings)
         if done == "needs_rebuild":
             self.rebuild(progress)
-            return "rebuilt"
+            done = "rebuilt"
+        if self.pins:  # a looser ratio has room again for the pins a tighter one left out
+            from .heat import keep_pins
+
+            keep_pins(self)
         return done
 
     def reset(self) -> None:

@@ -209,3 +209,73 @@ def test_a_tighter_ratio_keeps_the_first_pins_that_fit_and_the_rest_are_refused_
     assert session.cache.stored <= session.cache.budget()
     with pytest.raises(PinError):
         session.set_pins([second, first])
+
+
+def test_pins_are_hot_while_a_reopened_or_regenerated_chat_answers(tiny_folder, tmp_path, monkeypatch):
+    """A chat restored from its saved state (reopened after a restart, a regenerated or edited reply) has its pins
+    hot from the reply's first token, not only after the turn."""
+    from engine.events import TokenText
+    from engine.heat import hot_share
+
+    monkeypatch.setenv("DSV41_CONVERSATIONS_DIR", str(tmp_path / "conversations"))
+    model = _model(tiny_folder, kv_cache_ratio=0.2, cold_tier="ram")
+    text = " ".join(f"Line {i}: the value of item {i} is {i * 7}." for i in range(48))
+    piece = "Line 17: the value of item 17 is 119."
+    session = model.chat_session()
+    list(session.send("What is the value of item 40?", [_document("items.txt", text)], max_new_tokens=4,
+                      greedy=True))
+    session.set_pins([piece])
+    (start, end), = session.cache.pinned
+    list(session.send("And item 2?", max_new_tokens=4, greedy=True))
+
+    def share_as_it_answers(chat, question):
+        shares = []
+        for event in chat.send(question, max_new_tokens=4, greedy=True):
+            if isinstance(event, TokenText) and not shares:
+                shares.append(float(hot_share(chat.cache)[start:end].mean()))
+        return shares[0]
+
+    reopened = model.chat_session()  # as the app reopens a chat: its messages, its pins, its saved state
+    reopened.messages, reopened.pins = [dict(m) for m in session.messages], [piece]
+    assert share_as_it_answers(reopened, "And item 44?") == 1.0
+    assert reopened.last_stats.restored_context
+    session.messages = session.messages[:-2]  # regenerate the last reply
+    assert share_as_it_answers(session, "And item 2?") == 1.0
+
+
+def test_a_piece_with_a_closing_tag_in_it_is_found_and_kept_hot(chat):
+    _, session, _, second = chat
+    piece = "A tag </document> inside the file"
+    assert session.set_pins([piece]) == ()
+    assert _share_of(session, second.text, piece) == 1.0
+    session.set_pins([])
+
+
+def test_pins_a_tighter_ratio_left_out_are_hot_again_when_it_is_loosened(tiny_folder):
+    model = _model(tiny_folder, kv_cache_ratio=0.3, cold_tier="ram")
+    text = " ".join(f"Line {i}: the value of item {i} is {i * 7}." for i in range(48))
+    first = "Line 5: the value of item 5 is 35. Line 6: the value of item 6 is 42."
+    second = "Line 30: the value of item 30 is 210. Line 31: the value of item 31 is 217."
+    session = model.chat_session()
+    list(session.send("What is the value of item 20?", [_document("items.txt", text)], max_new_tokens=4,
+                      greedy=True))
+    session.set_pins([first, second])
+    model.reconfigure(session, kv_cache_ratio=0.1)  # room for the first only
+    assert len(session.cache.pinned) == 1 and _share_of(session, text, second) < 1.0
+    model.reconfigure(session, kv_cache_ratio=0.3)
+    assert len(session.cache.pinned) == 2
+    assert _share_of(session, text, first) == 1.0 and _share_of(session, text, second) == 1.0
+
+
+def test_a_repetitive_document_is_found_where_it_begins_not_one_period_late(tiny_folder):
+    model = _model(tiny_folder, kv_cache_ratio=0.3, cold_tier="ram")
+    text = "The river rose in spring and fell in autumn. " * 80 + "Only one line says the key is 4417."
+    session = model.chat_session()
+    list(session.send("Summarise this.", [_document("river.txt", text)], max_new_tokens=4, greedy=True))
+    heat = session.document_heat(text)
+    begins = session.fed_text.index(text)  # where the text begins, as characters of the transcript
+    before = model.tokenizer.decode(session.transcript_ids[: heat.first_position + 2])
+    assert begins <= len(before) <= begins + 12  # its first tokens, not a period (~10 tokens) later
+    session.set_pins(["the key is 4417."])
+    (start, end), = session.cache.pinned
+    assert "4417" in model.tokenizer.decode(session.transcript_ids[start:end])
