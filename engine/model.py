@@ -64,8 +64,8 @@ class DSV41Model:
         self.eos_ids = _eos_ids(hf_model, tokenizer)
         self._sessions: weakref.WeakSet[ChatSession] = weakref.WeakSet()
         self._active: ChatSession | None = None
-        self._pending: dict | None = None
-        self._pending_session: ChatSession | None = None  # the chat a deferred change is for (None: every chat)
+        self._pending: list[tuple[ChatSession | None, dict]] = []  # changes asked for during a reply, in order: the
+        # chat each is for (None: every chat) and its knobs
         self._lock = threading.Lock()
         self.generation_defaults = GenerationSettings()
 
@@ -403,10 +403,11 @@ class DSV41Model:
         if bad:
             raise ConfigError(bad[0], knobs[bad[0]], "a cache knob (" + ", ".join(sorted(CACHE_KNOBS)) + "); "
                               "other fields need a reload with DSV41Model.from_pretrained")
-        new_config = self.config.replace(**knobs)  # validates
+        # a chat's change is made to its own knobs (another chat's change, which the model's took, is not in it)
+        base = self.config if session is None else self.config.replace(**dataclasses.asdict(session.cache.settings))
+        new_config = base.replace(**knobs)  # validates
         if any(s.busy for s in self._sessions):
-            self._pending = {**(self._pending or {}), **knobs}
-            self._pending_session = session
+            self._pending.append((session, dict(knobs)))
             return ReconfigureResult("deferred", None, None)
         targets = [session] if session is not None else list(self._sessions)
         settings = CacheSettings.from_config(new_config)
@@ -427,14 +428,17 @@ class DSV41Model:
 
     @property
     def pending_knobs(self) -> dict | None:
-        return dict(self._pending) if self._pending else None
+        """The knobs of the changes deferred until the running reply ends (the later over the earlier)."""
+        merged = {k: v for _, knobs in self._pending for k, v in knobs.items()}
+        return merged or None
 
     def turn_finished(self, session: ChatSession) -> None:
         """Called by a session when its turn is over: knob changes asked for during it are applied now."""
         self._active = session
         if self._pending and not any(s.busy for s in self._sessions):
-            knobs, self._pending = self._pending, None
-            self.reconfigure(self._pending_session, **knobs)
+            changes, self._pending = self._pending, []
+            for chat, knobs in changes:  # each to the chat it was asked for, in the order asked
+                self.reconfigure(chat, **knobs)
 
 
 def collect_text(events) -> str:

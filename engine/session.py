@@ -285,6 +285,7 @@ class ChatSession:
             raise BusyError("A reply is still being generated in this chat; stop it or wait for it to finish.")
         try:
             other = ChatSession(self.model, self.system_prompt)
+            self.model._sessions.add(other)  # a chat of the model's like any other (knob changes, deferral)
             other.messages = [dict(m) for m in self.messages]
             other.pins = list(self.pins)
             other.cache.settings = self.cache.settings

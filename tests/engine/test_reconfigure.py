@@ -92,3 +92,35 @@ def test_a_chats_knobs_leave_the_other_chats_caches_alone(model_with_document):
     # without a session every live chat takes them (the API's live reconfigure)
     model.reconfigure(None, kv_cache_ratio=0.25)
     assert first.cache.settings.kv_cache_ratio == second.cache.settings.kv_cache_ratio == 0.25
+
+
+def test_changes_for_two_chats_asked_during_a_reply_each_go_to_their_own_chat(tiny_folder):
+    model = DSV41Model.from_pretrained(DSV41Config(model_path=str(tiny_folder), max_seq_len=4096, csa2_topk=0,
+                                                   kv_cache_ratio=0.3, cold_tier="ram"))
+    a, b = model.chat_session(), model.chat_session()
+    for chat in (a, b):
+        list(chat.send("Tell me about rivers and the sea, at length.", max_new_tokens=4, greedy=True))
+    stream = a.send("And lakes?", max_new_tokens=8, greedy=True, ignore_eos=True)
+    next(e for e in stream if isinstance(e, TokenText))
+    assert model.reconfigure(a, kv_cache_ratio=0.5).action == "deferred"
+    assert model.reconfigure(b, csa2_topk=64).action == "deferred"
+    assert model.pending_knobs == {"kv_cache_ratio": 0.5, "csa2_topk": 64}
+    list(stream)
+    assert a.cache.settings.kv_cache_ratio == 0.5 and a.cache.settings.csa2_topk == 0
+    assert b.cache.settings.kv_cache_ratio == 0.3 and b.cache.settings.csa2_topk == 64
+    assert model.pending_knobs is None
+
+
+def test_a_fork_is_one_of_the_models_chats(tiny_folder):
+    model = DSV41Model.from_pretrained(DSV41Config(model_path=str(tiny_folder), max_seq_len=4096, csa2_topk=0,
+                                                   kv_cache_ratio=0.3, cold_tier="ram"))
+    chat = model.chat_session()
+    list(chat.send("Tell me about rivers and the sea, at length.", max_new_tokens=4, greedy=True))
+    fork = chat.fork()
+    model.reconfigure(kv_cache_ratio=0.5)  # every chat of the model, the fork too
+    assert fork.cache.settings.kv_cache_ratio == 0.5
+    stream = fork.send("And lakes?", max_new_tokens=8, greedy=True, ignore_eos=True)
+    next(e for e in stream if isinstance(e, TokenText))
+    assert model.reconfigure(fork, kv_cache_ratio=0.2).action == "deferred"  # never mid-reply
+    list(stream)
+    assert fork.cache.settings.kv_cache_ratio == 0.2
