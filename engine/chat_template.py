@@ -204,3 +204,13 @@ def decode_fed(tokenizer, token_ids: list[int], offset: int) -> tuple[str, tuple
             run.append(token_id)
     flush()
     return text, tuple(spans)
+
+
+def reply_tokens_kept(tokenizer, token_ids: list[int], reply: str, most: int = 8) -> int:
+    """How many of a reply's fed tokens to keep so that their text begins `reply`, the reply as the conversation keeps
+    it (cut before a stop string; a character whose last bytes were never fed left out): all where it already does,
+    else the most that do, giving up at most `most` from the end; all where none does (the next turn re-reads)."""
+    for keep in range(len(token_ids), max(len(token_ids) - most, 0) - 1, -1):
+        if reply.startswith(decode_fed(tokenizer, token_ids[:keep], 0)[0]):
+            return keep
+    return len(token_ids)

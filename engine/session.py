@@ -240,6 +240,9 @@ class ChatSession:
                 self._dirty = True
             return
         fed_gen = result.generated[: result.fed_generated]
+        keep = template.reply_tokens_kept(self.tokenizer, fed_gen, reply)
+        if keep < len(fed_gen) and self.cache.forget_last(len(fed_gen) - keep):
+            fed_gen = fed_gen[:keep]  # the rest of the reply is read again, as its text, with the next turn
         text, specials = template.decode_fed(self.tokenizer, fed_gen, len(self.fed_text) + len(turn.delta_text))
         self.transcript_ids += turn.new_ids + fed_gen
         offset = len(self.fed_text)  # turn.rendered starts with fed_text (or both start afresh)

@@ -197,6 +197,27 @@ class DSV41Cache:
         self._fwd = Forward()
         return True
 
+    @torch.inference_mode()
+    def forget_last(self, tokens: int) -> bool:
+        """Forget the last `tokens` positions fed (a reply's tail its transcript does not keep: the start of a stop
+        string, a character cut in two), where they are the last entries of every head of every layer and none is
+        cold (the recent window keeps them hot); False, and nothing changed, otherwise."""
+        first = self.seen - tokens
+        if tokens <= 0 or first < 0:
+            return tokens == 0
+        if self.cold is not None and any(c.length and bool((c.positions[:, : c.length] >= first).any())
+                                         for c in self.cold):
+            return False
+        for layer in self.layers:  # positions are unique in a head: the last `tokens` ≥ first are exactly those
+            if layer.length < tokens or not bool((layer.positions[:, layer.length - tokens:layer.length] >= first)
+                                                 .all()):
+                return False
+        for layer in self.layers:
+            layer.truncate(layer.length - tokens)
+        self.seen = first
+        self._fwd = Forward()
+        return True
+
     def budget(self, seen: int | None = None) -> int:
         s = self.settings
         return budget_for(self.seen if seen is None else seen, s.kv_cache_ratio, s.ced_sink_tokens,
