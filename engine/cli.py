@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import argparse
 import queue
+import re
 import sys
 import threading
 
 from .cli_documents import attach as _attach
+from .cli_documents import doc_command as _doc
 from .cli_documents import documents as _documents
 from .cli_documents import heat as _heat
 from .cli_documents import names as _names
 from .cli_documents import pin as _pin
-from .cli_documents import typed_paths as _typed_paths
 from .config import KNOBS, KNOBS_LIST, USER_DEFAULTS, DSV41Config
 from .errors import ConfigError, ContextOverflowError, EngineError
 from .threads import EngineThread
@@ -185,6 +186,29 @@ def _overflow_help(pending: list) -> str:
     return f" In this chat: {dropped}/reset starts a new conversation."
 
 
+_COMMANDS = (  # the terminal chat's commands, as /help lists them
+    ("/doc PATH", "attach a file, or a folder's documents, to the next message"),
+    ("/doc", "list what is attached to the next message; /doc clear drops it"),
+    ("/memory", "what the model, the cache and the activations take in memory"),
+    ("/heat", "what the cache holds hot of each document sent, and where"),
+    ("/pin TEXT", "keep that piece of a document hot"),
+    ("/unpin", "let the cache decide again what stays hot"),
+    ("/reset", "start a new conversation"),
+    ("/help", "these lines (also /?)"),
+    ("/quit", "leave the chat (also /exit, or Ctrl-D)"),
+)
+_BARE = ("/memory", "/heat", "/unpin", "/reset", "/quit", "/exit")  # commands that take nothing after them
+
+
+def _command(text: str) -> tuple[str, str] | None:
+    """A chat line's command and what follows it, or None for a message: its first word is not "/" and letters
+    only (or "/?"), as "/usr/bin is a folder" or "/ 2" are not."""
+    word, rest = (text.split(None, 1) + [""])[:2]
+    if word != "/?" and not re.fullmatch(r"/[A-Za-z]+", word):
+        return None
+    return word, rest.strip()
+
+
 def cmd_chat(args) -> int:
     _sampling(args)
     if hasattr(sys.stdin, "reconfigure"):  # bytes that are not UTF-8 reach us as surrogate escapes, not a crash
@@ -197,49 +221,49 @@ def cmd_chat(args) -> int:
         _attach(path, pending_docs, model)
     print("Chat with the model. Commands: /doc PATH (a file, or a folder's documents, attached to the next message), "
           "/doc (list what is attached), /doc clear, /memory, /heat (what the cache holds of each document sent), "
-          "/pin TEXT (keep that piece of a document hot), /unpin, /reset, /quit. Ctrl-C stops a reply.", file=sys.stderr)
+          "/pin TEXT (keep that piece of a document hot), /unpin, /reset, /help, /quit. Ctrl-C stops a reply.",
+          file=sys.stderr)
     while True:
         try:
             line = input("> ")
-        except (EOFError, KeyboardInterrupt):
+        except EOFError:
             print()
             return 0
+        except KeyboardInterrupt:  # as Python's prompt: the line is dropped and the chat goes on
+            print()
+            print("(Ctrl-D or /quit to quit)", file=sys.stderr)
+            continue
         text = _text(line.strip(), "message")
         if not text:
             continue
-        if text in ("/quit", "/exit"):
-            return 0
-        if text == "/memory":
-            model.print_memory_usage(session.cache)
-            continue
-        if text == "/heat":
-            print(_heat(session, sent_docs))
-            continue
-        if text == "/unpin" or text.startswith("/pin "):
-            print(_pin(session, text[5:].strip() if text.startswith("/pin ") else None), file=sys.stderr)
-            continue
-        if text == "/reset":
-            session.reset()
-            sent_docs = []
-            dropped = f"; {_names(pending_docs)} no longer attached" if pending_docs else ""
-            pending_docs = []
-            print(f"(new conversation{dropped})", file=sys.stderr)
-            continue
-        if text == "/doc" or text.startswith("/doc "):
-            path = text[4:].strip()
-            if path == "clear":
-                print(f"({_names(pending_docs)} no longer attached)" if pending_docs else "(nothing was attached)",
-                      file=sys.stderr)
+        command = _command(text)
+        if command is not None:
+            word, rest = command
+            if word not in _BARE + ("/doc", "/pin", "/help", "/?"):
+                print(f"Unknown command {word}: /help lists the commands", file=sys.stderr)
+            elif word in _BARE and rest:
+                print(f"({word} takes nothing after it: /help lists the commands)", file=sys.stderr)
+            elif word in ("/quit", "/exit"):
+                return 0
+            elif word in ("/help", "/?"):
+                print("\n".join(f"{usage:<10} {what}" for usage, what in _COMMANDS), file=sys.stderr)
+            elif word == "/memory":
+                model.print_memory_usage(session.cache)
+            elif word == "/heat":
+                print(_heat(session, sent_docs))
+            elif word == "/unpin" or (word == "/pin" and rest):
+                print(_pin(session, rest or None), file=sys.stderr)
+            elif word == "/pin":
+                print("usage: /pin TEXT keeps that piece of a document the chat has read hot (/unpin lets the cache "
+                      "decide again)", file=sys.stderr)
+            elif word == "/reset":
+                session.reset()
+                sent_docs = []
+                dropped = f"; {_names(pending_docs)} no longer attached" if pending_docs else ""
                 pending_docs = []
-            elif path:
-                for one in _typed_paths(path):
-                    _attach(one, pending_docs, model)
-            elif pending_docs:
-                print(f"(attached to the next message: {_names(pending_docs)}; /doc clear removes them)",
-                      file=sys.stderr)
+                print(f"(new conversation{dropped})", file=sys.stderr)
             else:
-                print("usage: /doc PATH attaches a file (or a folder's documents) to the next message (nothing is attached now)",
-                      file=sys.stderr)
+                pending_docs = _doc(rest, pending_docs, model)
             continue
         recorded = len(session.messages)
         try:

@@ -10,47 +10,49 @@ import sys
 from .errors import EngineError
 
 
-def expand(paths: list[str]) -> list[str]:
-    """Each path as given, a folder replaced by the documents inside it (what it left out said on stderr; a folder
-    without any is a DocumentError)."""
+def expand(path: str):
+    """The files a path gives: itself, or the documents inside a folder (a folder without any is a DocumentError).
+    With them the folder's FolderDocuments, or None for a file."""
     from .documents.folder import documents_or_refuse
 
-    files = []
-    for path in paths:
-        if not os.path.isdir(os.path.expanduser(path)):
-            files.append(path)
-            continue
-        found = documents_or_refuse(os.path.expanduser(path))
-        files += found.files
-        if found.summary():
-            print(f"({found.summary()})", file=sys.stderr)
-    return files
+    if not os.path.isdir(os.path.expanduser(path)):
+        return [path], None
+    found = documents_or_refuse(os.path.expanduser(path))
+    return found.files, found
 
 
 def documents(paths: list[str]) -> list:
     """The --document files (or folders) read before the model loads (a bad one fails at once, without the wait)."""
     from .documents import load_document
 
-    return [load_document(path) for path in expand(paths)]
+    docs = []
+    for path in paths:
+        files, found = expand(path)
+        docs += [load_document(one) for one in files]
+        if found is not None and found.summary():
+            print(f"({found.summary()})", file=sys.stderr)
+    return docs
 
 
 def attach(path: str, pending: list, model=None) -> None:
-    """Read a /doc or --document file now (a folder: each document in it): its error (or its size) is said at once,
-    and only good files wait. With the model, a file too large for the context is said at once too (it stays
-    attached until /doc clear)."""
+    """Read a /doc or --document file now (a folder: each document in it, then what the folder gave): its error (or
+    its size) is said at once, and only good files wait. With the model, a file too large for the context is said at
+    once too (it stays attached until /doc clear)."""
     from .documents import load_document
 
     try:
-        files = expand([path])
+        files, found = expand(path)
     except EngineError as exc:
         print(f"error: {exc} (not attached)", file=sys.stderr)
         return
+    read = []
     for one in files:
         try:
             doc = load_document(one)
         except EngineError as exc:
             print(f"error: {exc} (not attached)", file=sys.stderr)
             continue
+        read.append(one)
         pending.append(doc)
         notes = "".join(f"; {note}" for note in doc.notes)
         print(f"(attached {doc.name}, {doc.chars:,} characters, to the next message{notes})", file=sys.stderr)
@@ -60,6 +62,26 @@ def attach(path: str, pending: list, model=None) -> None:
                 print(f"warning: {doc.name} is {tokens:,} tokens and the context holds {model.context_limit:,}: no "
                       f"message can carry it. /doc clear drops it; a larger context needs --max-seq-len (up to the "
                       f"model's {model.max_positions:,} positions) when the chat starts.", file=sys.stderr)
+    said = found.summary(tuple(p for p in found.files if p not in read)) if found is not None else ""
+    if said:
+        print(f"({said})", file=sys.stderr)
+
+
+def doc_command(rest: str, pending: list, model) -> list:
+    """/doc PATH attaches the file(s) or folder it names, /doc clear drops what is attached, /doc lists it. The
+    documents attached to the next message after it."""
+    if rest == "clear":
+        print(f"({names(pending)} no longer attached)" if pending else "(nothing was attached)", file=sys.stderr)
+        return []
+    if rest:
+        for one in typed_paths(rest):
+            attach(one, pending, model)
+    elif pending:
+        print(f"(attached to the next message: {names(pending)}; /doc clear removes them)", file=sys.stderr)
+    else:
+        print("usage: /doc PATH attaches a file (or a folder's documents) to the next message (nothing is attached now)",
+              file=sys.stderr)
+    return pending
 
 
 def typed_paths(text: str) -> list[str]:

@@ -186,7 +186,7 @@ def main(argv: list | None = None) -> int:
             return rc
         return commands.launch_app([py, "-m", "app"] + rest, env, home)
     if command == "chat":
-        return commands.launch([py, "-m", "engine", "chat"] + rest, env=env)
+        return commands.launch([py, "-m", "engine", "chat"] + rest, env=env, ctrl_c_is_theirs=True)
     if command == "doctor":
         return commands.launch([py, "-m", "engine", "doctor"] + rest, env=env)
     if command == "selftest":
@@ -195,7 +195,7 @@ def main(argv: list | None = None) -> int:
     if not common.has_display(env):
         env["QT_QPA_PLATFORM"] = "offscreen"
         common.say("No display: running the tests with QT_QPA_PLATFORM=offscreen.")
-    rc = commands.launch([py, "-m", "pytest"] + rest, cwd=repo, env=env)
+    rc = commands.launch([py, "-m", "pytest"] + rest, cwd=repo, env=env, ctrl_c_is_theirs=True)
     if rc == 5:
         common.say("pytest collected no tests (exit 5): the test suite is empty or the arguments select "
                    "nothing. Treating this as a failure.")

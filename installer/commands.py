@@ -21,14 +21,23 @@ from pathlib import Path
 from . import common, setup_runner, venv_setup
 
 
-def launch(cmd: list, cwd: Path | None = None, env: dict | None = None) -> int:
+def launch(cmd: list, cwd: Path | None = None, env: dict | None = None, ctrl_c_is_theirs: bool = False) -> int:
+    """Run `cmd` and return its exit code. Ctrl-C in a terminal reaches the child as well as this process: with
+    `ctrl_c_is_theirs` (the terminal chat, where it stops a reply or drops a line, and pytest) the child decides
+    and this process keeps waiting for it; otherwise the child is stopped with this process."""
     try:
-        return subprocess.call([str(c) for c in cmd], cwd=str(cwd) if cwd else None, env=env)
-    except KeyboardInterrupt:
-        return 130
+        proc = subprocess.Popen([str(c) for c in cmd], cwd=str(cwd) if cwd else None, env=env)
     except OSError as e:
         common.say(f"Could not start {cmd[0]}: {e}. Rerun '{common.BOOTSTRAP_CMD} setup --force'.")
         return 1
+    while True:
+        try:
+            return proc.wait()
+        except KeyboardInterrupt:
+            if not ctrl_c_is_theirs:
+                proc.kill()
+                proc.wait()
+                return 130
 
 
 # ------------------------------------------------------------------------ the first-run window

@@ -30,16 +30,21 @@ class FolderDocuments:
     cut_short: bool = False  # the walk stopped at MAX_SCANNED entries
     unreadable: str = ""  # why the folder itself could not be listed (permission denied), if it could not
 
-    def summary(self) -> str:
-        """What was attached from the folder and what was not, in a sentence or two ('' when all of it)."""
+    def summary(self, refused: tuple[str, ...] = ()) -> str:
+        """What was attached from the folder and what was not, in a sentence or two ('' when all of it). `refused`:
+        its files that could not be read once they were (not counted as attached; named)."""
         name = os.path.basename(os.path.normpath(self.folder)) or self.folder
         if self.unreadable:
             return f'The folder "{name}" could not be opened: {self.unreadable}.'
+        attached = len(self.files) - len(refused)
         if not self.files:
             head = f'The folder "{name}" holds no documents the app reads (PDF, Word, text, Markdown or source files).'
         else:
-            head = f'{len(self.files)} document{"s" if len(self.files) != 1 else ""} attached from the folder "{name}".'
+            count = f'{attached} document{"s" if attached != 1 else ""}' if attached else "No document"
+            head = f'{count} attached from the folder "{name}".'
         parts = []
+        if refused:
+            parts.append(f"{len(refused)} could not be read: {', '.join(os.path.basename(p) for p in refused)}.")
         if self.more:
             parts.append(f"{self.more} more were not attached (at most {MAX_FILES} from one folder): drop them "
                          "separately, or a smaller folder.")
@@ -50,7 +55,7 @@ class FolderDocuments:
             kinds = ", ".join(f"{count} {suffix or 'without a suffix'}" for suffix, count in
                               sorted(self.left_out.items(), key=lambda kv: (-kv[1], kv[0]))[:4])
             parts.append(f"{total} other file{'s' if total != 1 else ''} left out ({kinds}).")
-        if self.files and not parts:
+        if attached and not parts:
             return ""
         return " ".join([head, *parts])
 

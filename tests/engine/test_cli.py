@@ -163,10 +163,15 @@ def test_the_engine_thread_runs_calls_in_order_and_hands_back_their_errors():
     assert thread.call(lambda: "still running") == "still running"
 
 
-def _fake_chat(monkeypatch, lines: list[str]):
+def _fake_chat(monkeypatch, lines: list, prompts: list | None = None):
     """cmd_chat over a fake model: a message "stop" is stopped before anything is kept (as Ctrl-C while its
-    document is read), any other is answered and recorded; returns the documents each send was given."""
+    document is read), "ctrl-c" is stopped by a Ctrl-C sent to the chat while it is answered, any other is answered
+    and recorded; a line KeyboardInterrupt is Ctrl-C at the prompt. Returns the documents each send was given (and
+    adds each message sent to `prompts`)."""
     import builtins
+    import signal
+    import threading
+    import time
 
     from engine import cli
     from engine.errors import ContextOverflowError
@@ -180,9 +185,15 @@ def _fake_chat(monkeypatch, lines: list[str]):
 
         def send(self, prompt, documents, cancel=None, **settings):
             sent.append([doc.name for doc in documents])
+            if prompts is not None:
+                prompts.append(prompt)
             if sum(len(doc.text) for doc in documents) >= Model.context_limit:
                 raise ContextOverflowError(200, Model.context_limit, {"documents": 200})
-            if prompt == "stop":
+            if prompt == "ctrl-c":  # as the terminal does: SIGINT to the main thread, once it waits for the reply
+                time.sleep(0.2)
+                signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+                assert cancel.wait(10), "Ctrl-C during the reply did not stop it"
+            if prompt in ("stop", "ctrl-c"):
                 yield Done("cancelled", "")
                 return
             self.messages = self.messages + [{"role": "user", "content": prompt},
@@ -198,10 +209,10 @@ def _fake_chat(monkeypatch, lines: list[str]):
     feed = iter(lines)
 
     def fake_input(prompt=""):
-        try:
-            return next(feed)
-        except StopIteration:
-            raise EOFError from None
+        line = next(feed, EOFError)
+        if line in (EOFError, KeyboardInterrupt):
+            raise line
+        return line
 
     monkeypatch.setattr(DSV41Model, "from_pretrained", staticmethod(lambda config, progress=None: Model()))
     monkeypatch.setattr(builtins, "input", fake_input)
@@ -270,6 +281,62 @@ def test_a_doc_folder_attaches_the_documents_inside_it(monkeypatch, capsys, tmp_
             "files). 1 other file left out (1 .png). (not attached)") in err
 
 
+def test_a_doc_folder_counts_the_documents_read_and_names_those_refused(monkeypatch, capsys, tmp_path):
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    (mixed / "a.md").write_text("A.")
+    (mixed / "empty.txt").write_text("")
+    (mixed / "good.txt").write_text("Good.")
+    (mixed / "logo.png").write_bytes(b"\x89PNG\r\n\x1a\n")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "blank.txt").write_text("")
+    sent = _fake_chat(monkeypatch, [f"/doc {mixed}", f"/doc {broken}", "What do they say?"])
+    err = capsys.readouterr().err
+    assert sent == [["a.md", "good.txt"]]
+    assert "3 documents attached" not in err
+    refused = err.index('error: "empty.txt" contains no text. (not attached)')
+    said = err.index('(2 documents attached from the folder "mixed". 1 could not be read: empty.txt. 1 other file '
+                     'left out (1 .png).)')
+    assert refused < said  # counted once the documents were read
+    assert '(No document attached from the folder "broken". 1 could not be read: blank.txt.)' in err
+
+
+def test_a_doc_folder_read_whole_says_nothing_more_than_its_documents(monkeypatch, capsys, tmp_path):
+    (tmp_path / "a.txt").write_text("A.")
+    (tmp_path / "b.txt").write_text("B.")
+    sent = _fake_chat(monkeypatch, [f"/doc {tmp_path}", "Read them."])
+    err = capsys.readouterr().err
+    assert sent == [["a.txt", "b.txt"]]
+    assert "attached from the folder" not in err and "could not be read" not in err
+
+
+def test_pin_alone_help_and_a_mistyped_command_are_not_sent_to_the_model(monkeypatch, capsys):
+    prompts: list = []
+    sent = _fake_chat(monkeypatch, ["/pin", "/help", "/?", "/hep", "/unknown", "/heat all", "/reset now",
+                                    "/usr/bin is a folder, right?", "/ 2", "/pin   "], prompts)
+    err = capsys.readouterr().err
+    assert prompts == ["/usr/bin is a folder, right?", "/ 2"] and len(sent) == 2  # not commands: messages
+    assert err.count("usage: /pin TEXT keeps that piece of a document the chat has read hot") == 2
+    for line in ("/doc PATH  attach a file, or a folder's documents, to the next message",
+                 "/pin TEXT  keep that piece of a document hot", "/reset     start a new conversation",
+                 "/help      these lines (also /?)", "/quit      leave the chat (also /exit, or Ctrl-D)"):
+        assert err.count(line + "\n") == 2  # /help and /?, a command a line
+    assert "Unknown command /hep: /help lists the commands" in err
+    assert "Unknown command /unknown: /help lists the commands" in err
+    assert "(/heat takes nothing after it: /help lists the commands)" in err
+    assert "(/reset now" not in err and "(new conversation" not in err  # /reset with words after it did nothing
+
+
+def test_ctrl_c_at_the_prompt_drops_the_line_and_during_a_reply_stops_it(monkeypatch, capsys):
+    prompts: list = []
+    sent = _fake_chat(monkeypatch, [KeyboardInterrupt, "hello", "ctrl-c", KeyboardInterrupt, "again"], prompts)
+    err = capsys.readouterr().err
+    assert prompts == ["hello", "ctrl-c", "again"] and len(sent) == 3  # the chat went on after each
+    assert err.count("(Ctrl-D or /quit to quit)") == 2
+    assert "(the message was not kept: type it again to send it)" in err  # the stopped reply
+
+
 def test_the_reading_progress_line_ends_before_the_reply(monkeypatch, capsys):
     from engine import cli
     from engine.events import Done, PrefillProgress, TokenText
@@ -322,7 +389,7 @@ def test_serve_offers_no_flags_it_would_ignore(capsys):
 
 
 def test_a_doc_path_is_read_as_a_terminal_gives_it(tmp_path, monkeypatch):
-    from engine.cli import _typed_paths
+    from engine.cli_documents import typed_paths as _typed_paths
 
     monkeypatch.setenv("HOME", str(tmp_path))
     spaced = tmp_path / "my file ünï 文件.txt"

@@ -565,14 +565,14 @@ def test_test_command_maps_no_tests_to_failure(tmp_path, monkeypatch, capsys):
 
     launched = []
     monkeypatch.setattr(setup_runner, "ensure_setup", fake_setup)
-    monkeypatch.setattr(commands, "launch", lambda cmd, cwd=None, env=None: launched.append(cmd) or 5)
+    monkeypatch.setattr(commands, "launch", lambda cmd, cwd=None, env=None, **_kw: launched.append(cmd) or 5)
     assert bs.main(["test", "-k", "nothing"]) == 1
     assert "collected no tests" in capsys.readouterr().out
     assert seen["extras"] == {"dev"}
     assert [str(a) for a in launched[0][1:]] == ["-m", "pytest", "-k", "nothing"]
-    monkeypatch.setattr(commands, "launch", lambda cmd, cwd=None, env=None: 0)
+    monkeypatch.setattr(commands, "launch", lambda cmd, cwd=None, env=None, **_kw: 0)
     assert bs.main(["test"]) == 0
-    monkeypatch.setattr(commands, "launch", lambda cmd, cwd=None, env=None: 1)
+    monkeypatch.setattr(commands, "launch", lambda cmd, cwd=None, env=None, **_kw: 1)
     assert bs.main(["test"]) == 1
 
 
@@ -622,7 +622,7 @@ def test_arguments_after_a_command_go_to_its_program_untouched(tmp_path, monkeyp
     monkeypatch.setattr(setup_runner, "ensure_setup", lambda ctx, force=False: 0)
     monkeypatch.setattr(commands, "ensure_qt_libraries", lambda py, env: 0)
     started = []
-    monkeypatch.setattr(commands, "launch", lambda cmd, cwd=None, env=None: started.append(cmd) or 0)
+    monkeypatch.setattr(commands, "launch", lambda cmd, cwd=None, env=None, **_kw: started.append(cmd) or 0)
     monkeypatch.setattr(commands, "launch_app", lambda cmd, env, home: started.append(cmd) or 0)
     assert bs.main([command] + PASSED_ON) == 0
     assert [str(a) for a in started[0][1:]] == program + PASSED_ON
@@ -671,3 +671,24 @@ def test_bootstrap_runs_as_a_file_from_an_isolated_python(tmp_path):
     r = subprocess.run([sys.executable, "-I", script, "status"], capture_output=True, text=True, timeout=60, env=env)
     assert r.returncode == 1 and "setup needed: no complete environment" in r.stdout, r.stderr
     assert not (tmp_path / "home" / "venv").exists()
+
+
+@pytest.mark.parametrize("theirs", [True, False])
+def test_ctrl_c_reaches_the_terminal_chat_which_goes_on_where_the_app_is_stopped(monkeypatch, theirs):
+    """The terminal sends Ctrl-C to the launcher and its child alike: the chat (and pytest) handle it themselves and
+    the launcher keeps waiting; any other child is stopped with the launcher."""
+    import subprocess
+
+    real_wait = subprocess.Popen.wait
+    interrupted = []
+
+    def wait(self, timeout=None):
+        if not interrupted:  # Ctrl-C while the child runs
+            interrupted.append(True)
+            raise KeyboardInterrupt
+        return real_wait(self, timeout)
+
+    monkeypatch.setattr(subprocess.Popen, "wait", wait)
+    code = "import time; time.sleep(0.5); raise SystemExit(7)"
+    rc = commands.launch([sys.executable, "-c", code], ctrl_c_is_theirs=theirs)
+    assert interrupted and rc == (7 if theirs else 130)
