@@ -28,7 +28,7 @@ class MemoryReport:
     total: int  # device (or system RAM) capacity
     free: int
     tokens_seen: int = 0
-    kv_stored_tokens: int = 0
+    kv_stored_tokens: int = 0  # entries kept per layer and KV head, the layers' mean (DSV41Cache.stored)
     kv_reserved: int = 0  # allocated for the cache, incl. spare capacity (counted in `other` beyond kv_stored)
     kv_cold: int = 0  # the cold tier (host RAM): entries out of the hot set, kept for recall; not in kv_stored
     kv_cold_disk: int = 0  # the cold tier's part in a file (past its RAM cap, or cold_tier 'disk')
@@ -57,7 +57,8 @@ class MemoryReport:
 
     @property
     def kept_share(self) -> float:
-        """Entries stored per token seen (1.0 before anything is compacted)."""
+        """Entries stored per token seen: the share of the uncompressed KV the cache keeps, whatever each layer keeps
+        (1.0 before anything is compacted)."""
         return self.kv_stored_tokens / self.tokens_seen if self.tokens_seen else 1.0
 
     def quality_hint(self) -> str | None:

@@ -100,7 +100,8 @@ def explain_ratio(*, seen: int, stored: int, byte_ratio: float, settings, thresh
     """Why the cache's byte ratio (stored / uncompressed bytes) is not the ratio the slider asks for, in words for
     the memory panel ('' when they agree within 2 %): the budget floor or protected window keeps a short chat
     whole, a reply's entries wait for the turn's compaction, the threshold removed more, INT8 bytes, and the
-    bookkeeping each entry carries (position, score, merge count)."""
+    bookkeeping each entry carries (position, score, merge count). `stored`: entries per layer and head, the layers'
+    mean (DSV41Cache.stored), so stored / seen is the share of the KV kept when the threshold cut layers apart."""
     s = settings
     if seen <= 0 or stored <= 0:
         return ""

@@ -169,7 +169,16 @@ class DSV41Cache:
 
     @property
     def stored(self) -> int:
-        return self.layers[0].length if self.layers else 0
+        """Entries kept per layer and KV head: the mean over the layers, rounded. stored / seen is the share of the
+        uncompressed KV the cache keeps (what the memory report and a turn's stats say): every head of a layer keeps
+        the same count, but the layers need not (the CED threshold cuts each layer to what its own scores want)."""
+        return round(sum(layer.length for layer in self.layers) / len(self.layers)) if self.layers else 0
+
+    @property
+    def longest(self) -> int:
+        """Entries per head of the layer that keeps the most: what the budget, a turn's headroom and the room reserved
+        for it hold every layer to (`stored` while the layers keep the same count)."""
+        return max((layer.length for layer in self.layers), default=0)
 
     @torch.inference_mode()
     def checkpoint(self) -> Checkpoint:
@@ -457,9 +466,9 @@ class DSV41Cache:
         if question_tokens:
             self.exchange_from, self.question_at = self.question_at, self.seen + total - question_tokens
         self.recalled, self.recall_seconds = 0, 0.0  # this turn's (a turn without a question recalls nothing)
-        streaming = headroom is not None and s.compressing and self.stored + total > headroom
+        streaming = headroom is not None and s.compressing and self.longest + total > headroom
         wants_probe = streaming and question_tokens > 0 and self.policy.waits_for_question
-        room = self.stored + total + 1
+        room = self.longest + total + 1
         if question_tokens:
             room += self._recall_room(self.seen + total)  # what it may recall
         self.reserve(min(room, headroom) if streaming else room)
@@ -470,7 +479,7 @@ class DSV41Cache:
         probe of the question has scored the cache): down to a target between half the headroom and the
         budget, never below the budget floor."""
         headroom = prefill.headroom
-        if headroom is None or not self.settings.compressing or self.stored + size <= headroom:
+        if headroom is None or not self.settings.compressing or self.longest + size <= headroom:
             return
         target = max(min(headroom - size, max(self.budget(self.seen), headroom // 2)), self.budget(0))
         if prefill.probe is not None:
@@ -515,7 +524,7 @@ class DSV41Cache:
         question-aware compaction to the budget, spare room released, the CSA2 screening fitted. When a reply
         follows and the cache answers before compacting, the compaction waits for finish_turn."""
         if answer_follows and self.answers_before_compacting:
-            if self.recalled and self.stored > self.budget() + REPLY_RECALLED:
+            if self.recalled and self.longest > self.budget() + REPLY_RECALLED:
                 # a question that recalled: its reply keeps the budget plus the REPLY_RECALLED entries its question
                 # needs most of all it read (its own tokens stay), the rest goes back cold before the reply's first
                 # decode step (run_turn calls this once the first token, which the question's logits gave, is sampled)
@@ -523,7 +532,7 @@ class DSV41Cache:
                              recent=max(self.settings.ced_recent_tokens, self.question_tokens))
             if self.recalled and COUNT_COLD:
                 self.count_cold()
-            self.answer_limit = max(self.stored, self.budget())
+            self.answer_limit = max(self.longest, self.budget())
         elif self.settings.compressing:
             self.compact(when=QUESTION)
             self.shrink(SPARE_TOKENS + self._recall_room())
@@ -588,15 +597,16 @@ class DSV41Cache:
         return shared
 
     def after_decode_step(self) -> int:
-        """Every `compact_every` decode steps: fit CSA2 once a reply has grown the cache past the point where
-        it pays, and compact back to the budget. Returns entries dropped per head."""
+        """Every `compact_every` decode steps: fit CSA2 once a reply has grown a layer without a side cache past the
+        point where it pays, and compact back to the budget (when any layer is past it). Returns entries dropped per
+        head."""
         s = self.settings
-        if (s.csa2_topk > 0 and self.decode_steps % s.compact_every == 0 and self.layers
-                and self.layers[0].projected_keys is None and csa2.pays(self.stored, self.settings)):
+        if (s.csa2_topk > 0 and self.decode_steps % s.compact_every == 0
+                and any(layer.projected_keys is None and csa2.pays(layer.length, s) for layer in self.layers)):
             self.fit_sparse()
         if s.compressing and self.decode_steps and self.decode_steps % s.compact_every == 0:
             limit = self.budget() if self.answer_limit is None else max(self.answer_limit + REPLY_ROOM, self.budget())
-            if self.stored > limit:
+            if self.longest > limit:
                 return self.compact(limit)
         return 0
 
@@ -607,7 +617,7 @@ class DSV41Cache:
         if self.answer_limit is not None:
             self.answer_limit = None
             self.finish_prefill()
-        elif self.settings.compressing and self.stored > self.budget():
+        elif self.settings.compressing and self.longest > self.budget():
             self.compact()
         self._size_buckets()
 

@@ -30,7 +30,10 @@ class CacheStats:
 
     @property
     def stored(self) -> int:
-        return max(self.stored_per_layer, default=0)
+        """Entries kept per layer and KV head, the mean over the layers (DSV41Cache.stored): stored / tokens_seen is
+        the share of the uncompressed KV kept, also when the CED threshold left the layers different counts."""
+        n = len(self.stored_per_layer)
+        return round(sum(self.stored_per_layer) / n) if n else 0
 
     @property
     def compression_ratio(self) -> float:

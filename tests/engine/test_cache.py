@@ -370,6 +370,20 @@ def test_csa2_is_dense_below_its_crossover_and_fits_when_the_cache_grows(monkeyp
     assert layer.projected_keys is not None and cache._sparse_ready(layer)
 
 
+def test_csa2_fits_a_layer_that_grew_past_its_crossover_whatever_layer_0_holds(monkeypatch):
+    """The layers may hold different counts (the CED threshold): a reply's check for CSA2 looks at every layer, so a
+    long layer gets its side cache although layer 0 is still short (dense there)."""
+    settings = CacheSettings(kv_cache_ratio=1.0, csa2_topk=16, ced_sink_tokens=2, ced_recent_tokens=4)
+    cache = DSV41Cache(2, 2, 8, torch.float32, "cpu", settings)
+    monkeypatch.setattr(csa2, "DENSE_BELOW", 12)  # 12 x 16 = 192 entries
+    short, long = cache.layers
+    short.append(torch.randn(2, 100, 8), torch.randn(2, 100, 8), torch.arange(100))
+    long.append(torch.randn(2, 200, 8), torch.randn(2, 200, 8), torch.arange(200))
+    cache.decode_steps = settings.compact_every
+    cache.after_decode_step()
+    assert long.projected_keys is not None and short.projected_keys is None
+
+
 def test_scores_age_by_scoring_steps_not_by_unscored_document_tokens(tiny_model, monkeypatch):
     """s <- decay^dt s + a with dt = scoring steps: a scored chunk ages older scores by decay^window, a
     document chunk read without scoring (waiting for its question) leaves them as they are."""
@@ -499,6 +513,77 @@ def test_every_layer_planned_together_as_one_at_a_time():
                     assert torch.equal(getattr(got, name), getattr(want, name)), (budget, name)
     counts = {p.keep.shape[1] for p in budget_mod.plan_compactions(ranks[:5], 1000, scores=ranks[:5], **knobs) if p}
     assert len(counts) > 1  # the threshold kept different counts in different layers
+
+
+def _layers_apart(short: int):
+    """Two layers (no cold tier) that the CED threshold left at different counts: 64 tokens read, ratio 0.5 (budget
+    32), layer `short`'s scores on four entries (the threshold keeps them, the sinks and the recent window: 10), the
+    other layer's even (the budget: 32)."""
+    settings = CacheSettings(kv_cache_ratio=0.5, csa2_topk=0, ced_sink_tokens=2, ced_recent_tokens=4, min_entries=8,
+                             ced_threshold=0.5, cold_tier="off")
+    cache = DSV41Cache(2, 2, 8, torch.float32, "cpu", settings)
+    g = torch.Generator().manual_seed(0)
+    for layer in cache.layers:
+        layer.append(torch.randn(2, 64, 8, generator=g), torch.randn(2, 64, 8, generator=g), torch.arange(64))
+        layer.scores[:, :64] = 1.0
+    cache.seen = 64
+    cache.layers[short].scores[:, :64] = 0.0
+    cache.layers[short].scores[:, 20:24] = 1.0
+    cache.compact()
+    assert [layer.length for layer in cache.layers] == ([10, 32] if short == 0 else [32, 10])
+    return cache
+
+
+def _decode(cache, steps: int, seed: int = 1) -> list[int]:
+    """`steps` one-token forwards through the cache's own attend, each followed by after_decode_step; what each
+    step's compaction dropped."""
+    g = torch.Generator().manual_seed(seed)
+    dropped = []
+    for _ in range(steps):
+        cache.begin_forward(1, prefill=False)
+        for index in range(cache.num_layers):
+            cache.attend(index, torch.randn(1, 4, 1, 8, generator=g), torch.randn(1, 2, 1, 8, generator=g),
+                         torch.randn(1, 2, 1, 8, generator=g), 8**-0.5)
+        cache.end_forward()
+        dropped.append(cache.after_decode_step())
+    return dropped
+
+
+@pytest.mark.parametrize("short", [0, 1])
+def test_stored_is_the_mean_of_what_the_layers_keep_when_the_threshold_cut_them_apart(short):
+    """The threshold cuts each layer to what its own scores want, so the layers keep different counts: `stored` (what
+    the memory report and a turn's stats show) is their mean, stored / seen the share of the KV bytes kept, whichever
+    layer is the short one; `longest` is the layer that keeps the most."""
+    cache = _layers_apart(short)
+    assert cache.stored == cache.stats().stored == 21 and cache.longest == 32
+    element = 2 * cache.kv_heads * cache.head_dim * cache.kv_bytes_per_element  # K and V of one entry in one layer
+    kept = sum(layer.length for layer in cache.layers) * element
+    assert cache.stored / cache.seen == kept / cache.uncompressed_bytes()
+    # the byte ratio is under the slider's 0.5 because of the threshold, and the reason says so
+    ratio = cache.stored_kv_bytes() / cache.uncompressed_bytes()
+    assert cache.ratio_reason(ratio).startswith("threshold 0.50 removed more")
+
+
+def test_the_budget_and_the_headroom_hold_the_longest_layer_not_the_first():
+    """With layer 0 the short one, the checks that keep every layer within the budget (a reply's compaction every
+    compact_every steps, the turn's end), within a turn's headroom, and the room reserved for a turn go by the
+    longest layer: by layer 0's count (or the mean) the other layer would pass them."""
+    cache = _layers_apart(0)
+    dropped = _decode(cache, cache.settings.compact_every)  # seen 80, budget 40: layer 0 holds 26, layer 1 48
+    assert dropped[-1] > 0 and all(layer.length <= cache.budget() for layer in cache.layers)
+
+    cache = _layers_apart(0)
+    _decode(cache, 10)  # seen 74, budget 37: layer 0 holds 20, layer 1 42; no compaction yet
+    assert cache.longest == 42 > cache.budget() > cache.stored
+    cache.finish_turn()
+    assert all(layer.length <= cache.budget() for layer in cache.layers)
+
+    cache = _layers_apart(0)
+    cache.start_prefill(490, 0, None)  # storage grows in blocks of 256: 10 + 490 would fit in 512
+    assert all(layer.capacity >= layer.length + 490 for layer in cache.layers)  # room for the turn in every layer
+    prefill = cache.start_prefill(12, 0, 40)
+    cache.before_chunk(prefill, 12)  # layer 1's 32 and the chunk's 12 pass the headroom of 40
+    assert prefill.compacted and all(layer.length + 12 <= 40 for layer in cache.layers)
 
 
 @pytest.mark.parametrize("int8", [False, True])

@@ -80,3 +80,37 @@ def test_a_real_caches_report_carries_the_target_and_the_reason(tiny_model):
     ratio = cache.stored_kv_bytes() / cache.uncompressed_bytes()
     assert ratio > 1.0  # head_dim 16: positions, scores and counts are a large share of an entry
     assert cache.ratio_reason(ratio) == f"+{(ratio - 1) * 100:.0f} % for positions and scores"
+
+
+def test_a_chats_report_counts_every_layer_when_the_threshold_cut_them_apart(tiny_folder):
+    """With the CED threshold on and no cold tier, each layer keeps the count its own scores want. The report's
+    stored entries are the layers' mean, so its kept share is the share of the KV kept, and the reason and the
+    quality warning follow it: here layer 0 keeps over 30 % of what was read, the other layer the floor, the cache
+    as a whole under 30 % (docs/reliability.md: the warning also comes when the threshold took the cache that low)."""
+    import torch
+
+    from engine import DSV41Config, DSV41Model
+
+    model = DSV41Model.from_pretrained(DSV41Config(model_path=str(tiny_folder), max_seq_len=4096, kv_cache_ratio=0.4,
+                                                   cold_tier="off", ced_threshold=0.5, csa2_topk=0))
+    session = model.chat_session()
+    document = " ".join(f"Line {i}: the value of item {i} is {i * 7}." for i in range(45))
+    list(session.send(document + "\n\nWhat is the value of item 3?", max_new_tokens=6, greedy=True))
+    cache = session.cache
+    other = cache.layers[1]
+    with torch.inference_mode():  # this layer's attention sits on a few entries: the threshold keeps the floor
+        other.scores[:, : other.length] = 0.0
+        other.scores[:, 100:104] = 1.0
+    cache.compact()
+    lengths = [layer.length for layer in cache.layers]
+    seen = cache.seen
+    assert lengths[1] == cache.settings.min_entries and lengths[0] / seen >= QUALITY_KEPT_SHARE
+
+    report = model.memory_report(cache)
+    assert report.tokens_seen == seen and report.kv_stored_tokens == round(sum(lengths) / len(lengths))
+    kept = sum(lengths) / (len(lengths) * seen)  # the KV bytes kept over the uncompressed KV's, bookkeeping aside
+    assert abs(report.kept_share - kept) <= 0.5 / seen and round(report.kept_share, 2) < QUALITY_KEPT_SHARE
+    assert report.kv_ratio_reason.startswith("threshold 0.50 removed more")
+    hint = report.quality_hint()
+    assert hint is not None and f"keeps {report.kept_share * 100:.0f} % of the {seen:,} tokens" in hint
+    assert report.short_hint() is not None
