@@ -109,13 +109,15 @@ class ConversationStore:
 
     # ------------------------------------------------------------------ writing
     def save(self, *, model_key: str, settings_key: str, text: str, specials, transcript_ids: list[int],
-             tensors: dict[str, torch.Tensor], cache_facts: dict) -> Path | None:
+             tensors: dict[str, torch.Tensor], cache_facts: dict, layout_key: str = "",
+             knobs: dict | None = None) -> Path | None:
         """Write one state (atomically) and trim the folder to its cap. Returns the file, or None when it was
         not saved (too large for the cap, or the disk refused: said in `last_error`, never raised)."""
         from safetensors.torch import save_file
 
         facts = {"model": model_key, "settings": settings_key, "text_len": len(text), "text_sha": text_digest(text),
-                 "specials": [list(s) for s in specials], "cache": cache_facts, "saved_at": time.time()}
+                 "specials": [list(s) for s in specials], "cache": cache_facts, "saved_at": time.time(),
+                 "layout": layout_key, "knobs": knobs or {}}
         payload = dict(tensors)
         payload["transcript_ids"] = torch.tensor(transcript_ids, dtype=torch.int64)
         size = sum(t.numel() * t.element_size() for t in payload.values())
@@ -207,9 +209,11 @@ class ConversationStore:
         return self._total or 0
 
     # ------------------------------------------------------------------ finding and reading
-    def find(self, *, model_key: str, settings_key: str, rendered) -> SavedState | None:
+    def find(self, *, model_key: str, settings_key: str, rendered, layout_key: str = "") -> SavedState | None:
         """The saved state of this model and settings whose conversation text is the longest start of
-        `rendered` (a chat_template.Rendered), with the same control tokens in it; None when there is none."""
+        `rendered` (a chat_template.Rendered), with the same control tokens in it; None when there is none. With
+        `layout_key`, a state made under other settings of the same layout (engine.saved_state: only the knobs that
+        move the budget differ) counts too, after one of these settings as long."""
         if not self.folder.is_dir():
             return None
         best = None
@@ -218,10 +222,13 @@ class ConversationStore:
             if facts is None:  # not a state (damaged, or not ours): it can never be used
                 self.discard(path)
                 continue
-            if facts.get("model") != model_key or facts.get("settings") != settings_key:
+            exact = facts.get("settings") == settings_key
+            if facts.get("model") != model_key or not (exact or (layout_key and facts.get("layout") == layout_key)):
                 continue
             n = facts.get("text_len")
-            if not isinstance(n, int) or n > len(rendered.text) or (best is not None and n <= best.facts["text_len"]):
+            if not isinstance(n, int) or n > len(rendered.text) or (best is not None and (
+                    n < best.facts["text_len"] or n == best.facts["text_len"]
+                    and (best.facts.get("settings") == settings_key or not exact))):
                 continue
             if text_digest(rendered.text[:n]) != facts.get("text_sha"):
                 continue

@@ -21,9 +21,10 @@ def save(session) -> None:
     started = time.perf_counter()
     try:
         tensors, facts = persist.save_state(session.cache)
-        store.save(model_key=session.model.state_key, settings_key=session.model.settings_key(session.cache.settings),
+        settings = session.cache.settings
+        store.save(model_key=session.model.state_key, settings_key=session.model.settings_key(settings),
                    text=session.fed_text, specials=session.fed_specials, transcript_ids=session.transcript_ids,
-                   tensors=tensors, cache_facts=facts)
+                   tensors=tensors, cache_facts=facts, layout_key=layout_key(settings), knobs=_held_knobs(settings))
     except Exception as exc:  # noqa: BLE001 - a cache that was not saved is re-read later, nothing is lost
         log.warning("the conversation cache was not saved: %s", str(exc).splitlines()[0] if str(exc) else exc)
     session.last_save_seconds = time.perf_counter() - started
@@ -38,23 +39,32 @@ def restore(session, rendered: template.Rendered) -> bool:
     if store is None:
         return False
     cache = session.cache
-    model_key, settings_key = session.model.state_key, session.model.settings_key(cache.settings)
+    current = cache.settings
+    model_key, settings_key = session.model.state_key, session.model.settings_key(current)
     for _ in range(3):  # a refused file is removed; the next best may still do
-        found = store.find(model_key=model_key, settings_key=settings_key, rendered=rendered)
+        found = store.find(model_key=model_key, settings_key=settings_key, rendered=rendered,
+                           layout_key=layout_key(current))
         if found is None:
             return False
         saved = store.load(found)
         if saved is None:
             continue
         n = int(saved.facts["text_len"])
-        cache.reset()
         try:
+            # made under other budget knobs (the ratio moved since): read as it was made, then the knobs applied to
+            # it as a live change is (looser: recalled from its cold tier; tighter: compacted)
+            cache.settings = current if found.facts["settings"] == settings_key else current.replace(
+                **saved.facts["knobs"])
+            cache.reset()
             persist.load_state(cache, saved.tensors, saved.facts["cache"])
             if cache.seen != len(saved.transcript_ids):
                 raise persist.StateMismatch("its token count and its cache disagree")
+            if cache.settings != current and cache.apply(current) == "needs_rebuild":
+                raise persist.StateMismatch("the settings it was made under keep less than these need")
         except (persist.StateMismatch, KeyError, TypeError, ValueError) as exc:
             log.warning("refused the saved conversation cache %s: %s", found.path.name, exc)
             store.discard(found.path)
+            cache.settings = current
             cache.reset()
             continue
         session.transcript_ids = list(saved.transcript_ids)
@@ -63,3 +73,26 @@ def restore(session, rendered: template.Rendered) -> bool:
         session._dirty = False
         return True
     return False
+
+
+def _held_knobs(settings) -> dict:
+    """The knobs that shape what a saved state holds (the live ones aside): the settings it was made under."""
+    import dataclasses
+
+    from .config import KNOBS, LIVE
+
+    return {k: v for k, v in dataclasses.asdict(settings).items() if KNOBS[k].applies != LIVE}
+
+
+def layout_key(settings) -> str:
+    """What a saved state holds, but for how much of it is hot: its held knobs without those that move the budget
+    (the ratio, the threshold, the protected windows). With the cold tier on, a state made under other values of
+    those is restored and the current ones applied to it, as a live change of the knobs would (a looser ratio
+    recalls from the tier): a chat whose ratio moved since its last turn is not re-read to regenerate or reopen.
+    With the cold tier off a looser ratio has nothing to recall from: '' (no such states)."""
+    from .config import KNOBS
+    from .conversation_store import key_of
+
+    if settings.cold_tier == "off":
+        return ""
+    return key_of({k: v for k, v in _held_knobs(settings).items() if KNOBS[k].looser not in ("up", "down")})

@@ -171,11 +171,12 @@ def test_a_state_of_another_model_or_other_settings_never_matches(model, folder)
         assert not reopened.prepare("And item 40?").restored
     finally:
         model._state_key = real
-    other = model.chat_session()
-    other.messages = list(session.messages)
-    other.cache.settings = other.cache.settings.replace(kv_cache_ratio=0.3)
-    other.cache.reset()
-    assert not other.prepare("And item 40?").restored
+    for changed in ({"ced_mode": "merge"}, {"cold_tier_dtype": "auto"}, {"kv_cache_ratio": 0.3, "cold_tier": "off"}):
+        other = model.chat_session()  # what the cache holds differs: never restored
+        other.messages = list(session.messages)
+        other.cache.settings = other.cache.settings.replace(**changed)
+        other.cache.reset()
+        assert not other.prepare("And item 40?").restored, changed
     same = model.chat_session()
     same.messages = list(session.messages)
     assert same.prepare("And item 40?").restored
@@ -187,6 +188,28 @@ def test_a_state_of_another_model_or_other_settings_never_matches(model, folder)
                                                       cold_tier_ram_mb=512, prefill_chunk=256)
     live.cache.reset()
     assert live.prepare("And item 40?").restored
+
+
+def test_a_chat_whose_ratio_moved_since_its_last_turn_is_restored_with_the_new_ratio_applied(model, folder):
+    """Regenerate, edit or reopen after the ratio moved: the state saved under the old ratio is restored and the new
+    one applied to it as a live change is (looser: recalled from the cold tier), not the document re-read."""
+    session, replies = _chat(model)  # ratio 0.2, cold tier in RAM
+    live = session.fork()
+    assert model.reconfigure(live, kv_cache_ratio=0.4).action == "recalled"
+    reopened = model.chat_session()
+    reopened.messages = list(session.messages)
+    reopened.cache.settings = live.cache.settings
+    reopened.cache.reset()
+    turn = reopened.prepare("And item 44?")
+    assert turn.restored and not turn.rebuild and reopened.cache.settings == live.cache.settings
+    assert _equal_states(_state(reopened.cache), _state(live.cache))  # as the live change made it
+    done = list(reopened._run(turn, model.generation_settings(max_new_tokens=6, greedy=True), None))[-1]
+    assert done.text == ask(live, "And item 44?").text and done.stats.prefill_tokens == len(turn.new_ids) < 40
+    tighter = model.chat_session()  # tighter: compacted
+    tighter.messages = list(session.messages[:2])
+    tighter.cache.settings = tighter.cache.settings.replace(kv_cache_ratio=0.1)
+    tighter.cache.reset()
+    assert tighter.prepare("And item 40?").restored and tighter.cache.stored <= tighter.cache.budget()
 
 
 def test_a_crash_while_saving_leaves_the_earlier_state_usable(model, folder, monkeypatch):
