@@ -16,10 +16,11 @@ every yield exactly what was fed.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,6 +31,8 @@ from .memory import begin_turn
 from .models import adapter
 from .sampling import GenerationSettings, next_token
 from .threads import decode_threads
+
+log = logging.getLogger(__name__)
 
 REPETITION_WINDOW = 256  # recent tokens the repetition penalty looks at
 
@@ -43,6 +46,10 @@ class TurnPlan:
     chunk: int = 512
     headroom_tokens: int | None = None  # max stored entries while this turn prefills (None: unbounded)
     limit: int = 8192  # tokens seen may not exceed this (context window)
+    head: int = 0  # with on_head: the tokens before the question, read apart from it; on_head is called once they
+    on_head: Callable[[], None] | None = None  # are (the session saves the cache there; never fails the turn)
+    lead: list[int] = field(default_factory=list)  # this turn's tokens read before new_ids (a turn restored from the
+    # state saved after its documents): the repetition penalty looks at them as when the turn read them
 
 
 @dataclass
@@ -93,7 +100,7 @@ def run_turn(model, tokenizer, cache: DSV41Cache, plan: TurnPlan, settings: Gene
             if threads is not None and threads.use != torch.get_num_threads():
                 torch.set_num_threads(threads.use)
             step_began, using = None, threads.use if threads is not None else 0
-            seen_ids = torch.tensor(plan.new_ids[-REPETITION_WINDOW:] if penalise else [], dtype=torch.long,
+            seen_ids = torch.tensor((plan.lead + plan.new_ids)[-REPETITION_WINDOW:] if penalise else [], dtype=torch.long,
                                     device=logits.device)
             while True:
                 if cancel.is_set():
@@ -192,7 +199,7 @@ def _prefill(model, cache: DSV41Cache, plan: TurnPlan, cancel, device, result: T
     The cache decides how the turn is read (DSV41Cache.start_prefill); this loop only runs the forwards."""
     ids = plan.new_ids
     total = len(ids)
-    chunks = _chunk_bounds(total, plan.chunk, plan.question_tokens)
+    chunks = _chunk_bounds(total, plan.chunk, plan.question_tokens, apart=plan.on_head is not None)
     logits = None
     prefill = cache.start_prefill(total, plan.question_tokens, plan.headroom_tokens)
     if prefill.wants_probe:
@@ -210,11 +217,17 @@ def _prefill(model, cache: DSV41Cache, plan: TurnPlan, cancel, device, result: T
                                  prefill=True, question=last and plan.question_tokens > 0)  # window capped at the chunk
         result.prefilled = end
         yield PrefillProgress(end, total)
+        if plan.on_head is not None and end == plan.head and not last:
+            try:
+                plan.on_head()
+            except Exception:  # noqa: BLE001 - a state not saved is read again later, nothing else
+                log.warning("the documents' state was not saved", exc_info=True)
     return logits  # the caller runs cache.finish_prefill once the first reply token is out
 
 
-def _chunk_bounds(total: int, chunk: int, question_tokens: int) -> list[tuple[int, int]]:
-    """Chunk [0, total); the final chunk holds the whole question (so one forward scores with all of it)."""
+def _chunk_bounds(total: int, chunk: int, question_tokens: int, apart: bool = False) -> list[tuple[int, int]]:
+    """Chunk [0, total); the final chunk holds the whole question (so one forward scores with all of it). `apart`:
+    the question never shares a chunk with what comes before it."""
     if total == 0:
         return []
     tail = min(total, max(question_tokens, 1))
@@ -223,7 +236,7 @@ def _chunk_bounds(total: int, chunk: int, question_tokens: int) -> list[tuple[in
     if question_tokens:
         if tail > chunk:
             bounds += [(s, min(s + chunk, total)) for s in range(head_end, total, chunk)]
-        elif bounds and total - bounds[-1][0] <= chunk:
+        elif bounds and total - bounds[-1][0] <= chunk and not apart:
             bounds[-1] = (bounds[-1][0], total)  # the question fits beside the last document piece: one forward less
         else:
             bounds.append((head_end, total))

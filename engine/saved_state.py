@@ -1,20 +1,25 @@
-"""A chat's cache saved after each turn and restored instead of re-reading the conversation (engine.conversation_store
-keeps the files; engine.cache.persist turns a cache into tensors and back). ChatSession calls these."""
+"""A chat's cache saved after each turn, and after a turn's documents before its question, and restored instead of
+re-reading the conversation (engine.conversation_store keeps the files; engine.cache.persist turns a cache into
+tensors and back). ChatSession calls these."""
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 from . import chat_template as template
 
 log = logging.getLogger(__name__)
 
+HEAD_MIN = 512  # tokens before a turn's question worth a state of their own (save_head)
+
 
 def save(session) -> None:
     """Save the chat's cache as it stands after a turn; a failure is logged, never raised (the chat goes on)."""
     from .cache import persist
 
+    _finish_head(session)
     store = session.model.conversation_store
     if store is None or session._dirty or session.cache.seen != len(session.transcript_ids):
         return
@@ -28,6 +33,50 @@ def save(session) -> None:
     except Exception as exc:  # noqa: BLE001 - a cache that was not saved is re-read later, nothing is lost
         log.warning("the conversation cache was not saved: %s", str(exc).splitlines()[0] if str(exc) else exc)
     session.last_save_seconds = time.perf_counter() - started
+
+
+def save_head(session, turn, question_at: int | None) -> None:
+    """A turn's documents (and the history it re-reads) read, its question not yet: the cache saved there, so that
+    regenerating the reply, editing the question, or asking about the same documents in a new chat with the same
+    start reads only the question. The tensors are copied now (the question's forward goes on appending to the
+    cache) and written on a thread of their own; the turn's own save waits for it. `question_at`: the previous
+    question's position, as it was before this turn (the state is one from before this turn's question)."""
+    from .cache import persist
+
+    store = session.model.conversation_store
+    text = session.fed_text + turn.delta_text[: turn.head_chars]
+    ids = list(session.transcript_ids) + list(turn.new_ids[: turn.head])
+    if store is None or session.cache.seen != len(ids):
+        return
+    tensors, facts = persist.save_state(session.cache)
+    if session.cache.device.type == "cpu":  # copies of their own: a slice that was contiguous already is the cache's
+        # memory, which the question's forward goes on updating (scores, query moments) while the thread writes (from
+        # a GPU, .cpu() has copied them)
+        tensors = {name: tensor.clone() for name, tensor in tensors.items()}
+    facts["question_at"] = question_at
+    facts["turn_from"] = len(session.transcript_ids)  # where this turn's tokens begin (its repetition window)
+    settings = session.cache.settings
+    specials = turn.rendered.specials_before(len(text))
+
+    def write():
+        try:
+            store.save(model_key=session.model.state_key, settings_key=session.model.settings_key(settings),
+                       text=text, specials=specials, transcript_ids=ids, tensors=tensors, cache_facts=facts,
+                       layout_key=layout_key(settings), knobs=_held_knobs(settings))
+        except Exception as exc:  # noqa: BLE001 - not saved: read again when asked again, nothing else
+            log.warning("the documents' state was not saved: %s", exc)
+
+    _finish_head(session)
+    session._head_save = threading.Thread(target=write, name="save-documents-state", daemon=True)
+    session._head_save.start()
+
+
+def _finish_head(session) -> None:
+    """Wait for a documents' state still being written (one store write at a time)."""
+    writing = getattr(session, "_head_save", None)
+    if writing is not None:
+        writing.join()
+        session._head_save = None
 
 
 def restore(session, rendered: template.Rendered) -> bool:
@@ -68,6 +117,8 @@ def restore(session, rendered: template.Rendered) -> bool:
             cache.reset()
             continue
         session.transcript_ids = list(saved.transcript_ids)
+        turn_from = saved.facts["cache"].get("turn_from")  # a state saved inside a turn, after its documents
+        session.lead = [] if turn_from is None else session.transcript_ids[int(turn_from):]
         session.fed_text = rendered.text[:n]
         session.fed_specials = tuple(tuple(int(x) for x in span) for span in saved.facts["specials"])
         session._dirty = False

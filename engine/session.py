@@ -39,6 +39,8 @@ class PreparedTurn:
     documents: list[Document] = field(default_factory=list)
     rendered: template.Rendered | None = None  # the whole conversation with this turn (delta_text is its end)
     restored: bool = False  # the conversation's saved cache was restored (nothing before this turn is re-read)
+    head: int = 0  # tokens of new_ids before the question (what the question is asked about), and their characters
+    head_chars: int = 0  # in delta_text: saved once read where there are enough of them (saved_state.save_head)
 
 
 class ChatSession:
@@ -59,6 +61,8 @@ class ChatSession:
         self._busy = False
         self._dirty = False  # cache no longer matches fed_text (e.g. cancelled mid-compaction)
         self.last_save_seconds: float | None = None  # writing the last turn's saved cache
+        self.lead: list[int] = []  # restored from a state saved inside a turn: that turn's tokens read before it
+        self._head_save = None  # the thread writing a turn's documents' state (saved_state.save_head)
         self.pins: list[str] = []  # parts of its documents kept hot (set_pins)
 
     def set_system_prompt(self, system_prompt: str | None) -> None:
@@ -119,8 +123,10 @@ class ChatSession:
                    or not full.extends(self.fed_text, self.fed_specials)
                    or (not self.transcript_ids and any(m.get("role") == "assistant" for m in self.messages)))
         # A cache that holds nothing yet (a chat reopened) or must be rebuilt: a saved state may spare the re-read.
-        # Every state ends after a reply, so a chat without one (a new chat) has none to look for.
-        restored = ((rebuild or not self.transcript_ids) and any(m.get("role") == "assistant" for m in self.messages)
+        # States end after a reply or after a turn's documents (saved_state.save_head): a chat with neither before
+        # its question (a new chat asked without documents) has none to look for.
+        restored = ((rebuild or not self.transcript_ids)
+                    and (blocks or any(m.get("role") == "assistant" for m in self.messages))
                     and saved_state.restore(self, full))
         if restored:
             rebuild = not full.extends(self.fed_text, self.fed_specials)
@@ -154,7 +160,9 @@ class ChatSession:
             raise ContextOverflowError(needed, self.context_limit, {
                 "system": usage.system, "history": usage.history, "documents": usage.documents,
                 "prompt": usage.prompt}, max_positions=self.model.max_positions)
-        return PreparedTurn(user, delta, new_ids, question, usage, rebuild, docs, full, restored)
+        head = len(head_ids) if question == len(tail_ids) else 0  # (a question past its window: no clean cut)
+        return PreparedTurn(user, delta, new_ids, question, usage, rebuild, docs, full, restored, head,
+                            cut if head else 0)
 
     def send(self, prompt: str, documents: Sequence[str | Document] = (), *, cancel: threading.Event | None = None,
              settings: GenerationSettings | None = None, **overrides) -> Iterator[Event]:
@@ -188,6 +196,9 @@ class ChatSession:
             checkpoint = self.cache.checkpoint()
             plan = TurnPlan(turn.new_ids, turn.question_tokens, self.model.chunk_for(self.cache.settings.prefill_chunk),
                             self.model.headroom_tokens(self.cache), self.context_limit)
+            plan.lead = list(self.lead) if turn.restored else []
+            if turn.head >= saved_state.HEAD_MIN and self.model.conversation_store is not None:
+                plan.head, plan.on_head = turn.head, lambda: saved_state.save_head(self, turn, checkpoint.question_at)
             done = None
             events = run_turn(self.model.hf_model, self.tokenizer, self.cache, plan, settings, cancel=cancel,
                               eos_ids=self.stop_ids, result=result)

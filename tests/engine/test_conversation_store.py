@@ -212,6 +212,51 @@ def test_a_chat_whose_ratio_moved_since_its_last_turn_is_restored_with_the_new_r
     assert tighter.prepare("And item 40?").restored and tighter.cache.stored <= tighter.cache.budget()
 
 
+def test_the_first_reply_regenerated_or_edited_reads_only_its_question(model, folder):
+    """The state saved once a turn's documents are read (before its question): regenerating the first reply, editing
+    the first question, or a new chat about the same document read only the question, and regenerating gives the
+    first reply's cache and answer bit for bit (the repetition penalty sees the document as the first turn did)."""
+    from engine.documents import Document
+
+    doc = Document(name="items.txt", path="items.txt", kind="txt", text=DOCUMENT, pages=None, chars=len(DOCUMENT))
+    settings = dict(max_new_tokens=8, greedy=True, repetition_penalty=1.3)
+    session = model.chat_session()
+    first = list(session.send("What is the value of item 3?", [doc], **settings))[-1]
+    assert first.stats.prefill_tokens > 500 and not first.stats.restored_context
+    after_first = _state(session.cache)
+    session.messages = []  # regenerate the first reply
+    turn = session.prepare("What is the value of item 3?", [doc])
+    assert turn.restored and session.lead == session.transcript_ids  # the turn's document, read before its question
+    again = list(session._run(turn, model.generation_settings(**settings), None))[-1]
+    assert again.stats.restored_context and again.stats.prefill_tokens < 40
+    assert again.text == first.text and _equal_states(_state(session.cache), after_first)
+    session.messages = []  # edit the first question
+    edited = list(session.send("What is the value of item 44?", [doc], **settings))[-1]
+    assert edited.stats.restored_context and edited.stats.prefill_tokens < 40
+    other = model.chat_session()  # another chat asking about the same document
+    assert list(other.send("What is the value of item 3?", [doc], **settings))[-1].text == first.text
+    short = model.chat_session()  # a short document: no state of its own (the question is read with it)
+    files = set(_saved_files(folder))
+    list(short.send("Sum up: " + "a b c " * 20, **settings))
+    assert len(set(_saved_files(folder)) - files) == 1  # the turn's own, after its reply
+
+
+def test_a_documents_state_that_cannot_be_saved_leaves_the_turn_as_it_was(model, folder, monkeypatch):
+    from engine.documents import Document
+
+    doc = Document(name="items.txt", path="items.txt", kind="txt", text=DOCUMENT, pages=None, chars=len(DOCUMENT))
+    with _store_off(model):
+        reference = list(model.chat_session().send("What is the value of item 3?", [doc], max_new_tokens=6,
+                                                   greedy=True))[-1]
+
+    def fail(*_args, **_kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(persist, "save_state", fail)  # the documents' state and the turn's own: neither saved
+    done = list(model.chat_session().send("What is the value of item 3?", [doc], max_new_tokens=6, greedy=True))[-1]
+    assert done.reason != "error" and done.text == reference.text
+
+
 def test_a_crash_while_saving_leaves_the_earlier_state_usable(model, folder, monkeypatch):
     session, _ = _chat(model, ("What is the value of item 3?",))
     (before,) = _saved_files(folder)
