@@ -46,8 +46,9 @@ class TurnPlan:
     chunk: int = 512
     headroom_tokens: int | None = None  # max stored entries while this turn prefills (None: unbounded)
     limit: int = 8192  # tokens seen may not exceed this (context window)
-    head: int = 0  # with on_head: the tokens before the question, read apart from it; on_head is called once they
-    on_head: Callable[[], None] | None = None  # are (the session saves the cache there; never fails the turn)
+    head: int = 0  # with on_head: the tokens before the question. on_head(n) is called before the chunk that holds
+    on_head: Callable[[int], None] | None = None  # the question's first token, n tokens read (the session saves the
+    # cache there; never fails the turn). The chunks are what they are without it.
     lead: list[int] = field(default_factory=list)  # this turn's tokens read before new_ids (a turn restored from the
     # state saved after its documents): the repetition penalty looks at them as when the turn read them
 
@@ -199,7 +200,8 @@ def _prefill(model, cache: DSV41Cache, plan: TurnPlan, cancel, device, result: T
     The cache decides how the turn is read (DSV41Cache.start_prefill); this loop only runs the forwards."""
     ids = plan.new_ids
     total = len(ids)
-    chunks = _chunk_bounds(total, plan.chunk, plan.question_tokens, apart=plan.on_head is not None)
+    chunks = _chunk_bounds(total, plan.chunk, plan.question_tokens)
+    save_at = max((s for s, _ in chunks if s <= plan.head), default=0) if plan.on_head is not None else 0
     logits = None
     prefill = cache.start_prefill(total, plan.question_tokens, plan.headroom_tokens)
     if prefill.wants_probe:
@@ -210,6 +212,11 @@ def _prefill(model, cache: DSV41Cache, plan: TurnPlan, cancel, device, result: T
         if cancel.is_set():
             return None
         last = index == len(chunks) - 1
+        if save_at and start == save_at:
+            try:
+                plan.on_head(start)
+            except Exception:  # noqa: BLE001 - a state not saved is read again later, nothing else
+                log.warning("the documents' state was not saved", exc_info=True)
         cache.before_chunk(prefill, end - start)
         result.compacted_during_prefill = prefill.compacted
         chunk_ids = torch.tensor([ids[start:end]], device=device)
@@ -217,17 +224,11 @@ def _prefill(model, cache: DSV41Cache, plan: TurnPlan, cancel, device, result: T
                                  prefill=True, question=last and plan.question_tokens > 0)  # window capped at the chunk
         result.prefilled = end
         yield PrefillProgress(end, total)
-        if plan.on_head is not None and end == plan.head and not last:
-            try:
-                plan.on_head()
-            except Exception:  # noqa: BLE001 - a state not saved is read again later, nothing else
-                log.warning("the documents' state was not saved", exc_info=True)
     return logits  # the caller runs cache.finish_prefill once the first reply token is out
 
 
-def _chunk_bounds(total: int, chunk: int, question_tokens: int, apart: bool = False) -> list[tuple[int, int]]:
-    """Chunk [0, total); the final chunk holds the whole question (so one forward scores with all of it). `apart`:
-    the question never shares a chunk with what comes before it."""
+def _chunk_bounds(total: int, chunk: int, question_tokens: int) -> list[tuple[int, int]]:
+    """Chunk [0, total); the final chunk holds the whole question (so one forward scores with all of it)."""
     if total == 0:
         return []
     tail = min(total, max(question_tokens, 1))
@@ -236,7 +237,7 @@ def _chunk_bounds(total: int, chunk: int, question_tokens: int, apart: bool = Fa
     if question_tokens:
         if tail > chunk:
             bounds += [(s, min(s + chunk, total)) for s in range(head_end, total, chunk)]
-        elif bounds and total - bounds[-1][0] <= chunk and not apart:
+        elif bounds and total - bounds[-1][0] <= chunk:
             bounds[-1] = (bounds[-1][0], total)  # the question fits beside the last document piece: one forward less
         else:
             bounds.append((head_end, total))

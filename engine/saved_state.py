@@ -35,18 +35,19 @@ def save(session) -> None:
     session.last_save_seconds = time.perf_counter() - started
 
 
-def save_head(session, turn, question_at: int | None) -> None:
-    """A turn's documents (and the history it re-reads) read, its question not yet: the cache saved there, so that
-    regenerating the reply, editing the question, or asking about the same documents in a new chat with the same
-    start reads only the question. The tensors are copied now (the question's forward goes on appending to the
-    cache) and written on a thread of their own; the turn's own save waits for it. `question_at`: the previous
-    question's position, as it was before this turn (the state is one from before this turn's question)."""
+def save_head(session, turn, question_at: int | None, read: int) -> None:
+    """A turn's documents (and the history it re-reads) read up to the chunk that holds its question (`read` of its
+    new tokens; the rest of them, `pending`, are read with the question, as they were in this turn): the cache saved
+    there, so that regenerating the reply, editing the question, or asking about the same documents in a new chat
+    with the same start reads only those and the question. The tensors are copied now (the question's forward goes
+    on appending to the cache) and written on a thread of their own; the turn's own save waits for it.
+    `question_at`: the previous question's position, as it was before this turn."""
     from .cache import persist
 
     store = session.model.conversation_store
     text = session.fed_text + turn.delta_text[: turn.head_chars]
-    ids = list(session.transcript_ids) + list(turn.new_ids[: turn.head])
-    if store is None or session.cache.seen != len(ids):
+    ids = list(session.transcript_ids) + list(turn.new_ids[:read])
+    if store is None or session.cache.seen != len(ids) or not 0 < read <= turn.head:
         return
     tensors, facts = persist.save_state(session.cache)
     if session.cache.device.type == "cpu":  # copies of their own: a slice that was contiguous already is the cache's
@@ -55,6 +56,7 @@ def save_head(session, turn, question_at: int | None) -> None:
         tensors = {name: tensor.clone() for name, tensor in tensors.items()}
     facts["question_at"] = question_at
     facts["turn_from"] = len(session.transcript_ids)  # where this turn's tokens begin (its repetition window)
+    facts["pending"] = [int(i) for i in turn.new_ids[read:turn.head]]  # its tokens before the question not read yet
     settings = session.cache.settings
     specials = turn.rendered.specials_before(len(text))
 
@@ -119,6 +121,7 @@ def restore(session, rendered: template.Rendered) -> bool:
         session.transcript_ids = list(saved.transcript_ids)
         turn_from = saved.facts["cache"].get("turn_from")  # a state saved inside a turn, after its documents
         session.lead = [] if turn_from is None else session.transcript_ids[int(turn_from):]
+        session.pending = [int(i) for i in saved.facts["cache"].get("pending") or []]
         session.fed_text = rendered.text[:n]
         session.fed_specials = tuple(tuple(int(x) for x in span) for span in saved.facts["specials"])
         session._dirty = False

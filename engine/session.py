@@ -61,7 +61,10 @@ class ChatSession:
         self._busy = False
         self._dirty = False  # cache no longer matches fed_text (e.g. cancelled mid-compaction)
         self.last_save_seconds: float | None = None  # writing the last turn's saved cache
-        self.lead: list[int] = []  # restored from a state saved inside a turn: that turn's tokens read before it
+        # restored from a state saved inside a turn (saved_state.save_head): that turn's tokens the cache read before
+        # it (the repetition penalty looks at them) and those it had not read yet (read first by the next turn)
+        self.lead: list[int] = []
+        self.pending: list[int] = []
         self._head_save = None  # the thread writing a turn's documents' state (saved_state.save_head)
         self.pins: list[str] = []  # parts of its documents kept hot (set_pins)
 
@@ -140,7 +143,8 @@ class ChatSession:
             tail_ids = template.encode(self.tokenizer, full, offset + cut)
         else:
             head_ids, tail_ids = [], template.encode(self.tokenizer, full, offset)
-        new_ids = head_ids + tail_ids
+        pending = [] if rebuild else list(self.pending)  # a turn's tokens a restored state had not read yet
+        new_ids = pending + head_ids + tail_ids
         question = min(len(tail_ids), MAX_QUESTION_WINDOW)
         doc_tokens = sum(self._count(b) for b in blocks)
         already = 0 if rebuild else self.cache.seen
@@ -160,7 +164,7 @@ class ChatSession:
             raise ContextOverflowError(needed, self.context_limit, {
                 "system": usage.system, "history": usage.history, "documents": usage.documents,
                 "prompt": usage.prompt}, max_positions=self.model.max_positions)
-        head = len(head_ids) if question == len(tail_ids) else 0  # (a question past its window: no clean cut)
+        head = len(pending) + len(head_ids) if question == len(tail_ids) else 0  # (a longer question: no clean cut)
         return PreparedTurn(user, delta, new_ids, question, usage, rebuild, docs, full, restored, head,
                             cut if head else 0)
 
@@ -189,6 +193,7 @@ class ChatSession:
             if turn.rebuild:
                 self.cache.reset()
                 self.transcript_ids, self.fed_text, self.fed_specials, self._dirty = [], "", (), False
+                self.lead, self.pending = [], []
             if self.pins:  # hot while the turn reads (engine.heat.pins_ahead)
                 from .heat import pins_ahead
 
@@ -198,7 +203,8 @@ class ChatSession:
                             self.model.headroom_tokens(self.cache), self.context_limit)
             plan.lead = list(self.lead) if turn.restored else []
             if turn.head >= saved_state.HEAD_MIN and self.model.conversation_store is not None:
-                plan.head, plan.on_head = turn.head, lambda: saved_state.save_head(self, turn, checkpoint.question_at)
+                plan.head = turn.head
+                plan.on_head = lambda read: saved_state.save_head(self, turn, checkpoint.question_at, read)
             done = None
             events = run_turn(self.model.hf_model, self.tokenizer, self.cache, plan, settings, cancel=cancel,
                               eos_ids=self.stop_ids, result=result)
@@ -256,6 +262,7 @@ class ChatSession:
             fed_gen = fed_gen[:keep]  # the rest of the reply is read again, as its text, with the next turn
         text, specials = template.decode_fed(self.tokenizer, fed_gen, len(self.fed_text) + len(turn.delta_text))
         self.transcript_ids += turn.new_ids + fed_gen
+        self.lead, self.pending = [], []
         offset = len(self.fed_text)  # turn.rendered starts with fed_text (or both start afresh)
         self.fed_specials = self.fed_specials + tuple(span for span in turn.rendered.specials
                                                       if span[0] >= offset) + specials
@@ -310,6 +317,7 @@ class ChatSession:
             persist.load_state(other.cache, tensors, facts)
             other.cache.pinned = self.cache.pinned
             other.transcript_ids = list(self.transcript_ids)
+            other.lead, other.pending = list(self.lead), list(self.pending)
             other.fed_text, other.fed_specials = self.fed_text, self.fed_specials
             return other
         finally:
@@ -356,7 +364,7 @@ class ChatSession:
             self.messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
             self.cache.reset()
             self.transcript_ids, self.fed_text, self.fed_specials, self._dirty = [], "", (), False
-            self.pins = []
+            self.pins, self.lead, self.pending = [], [], []
 
 
 def _with_context(stats: TurnStats | None, turn: PreparedTurn) -> TurnStats | None:
