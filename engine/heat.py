@@ -258,8 +258,8 @@ def pins_ahead(session, turn) -> None:
         return
     if turn.restored and not turn.rebuild:
         keep_pins(session)
-    if not (turn.rebuild or BLOCK_OPENING in turn.delta_text):
-        return
+    if not (turn.rebuild or turn.restored or BLOCK_OPENING in turn.delta_text):
+        return  # (a state restored inside a turn holds the document but for the piece read with the question)
     ahead = SimpleNamespace(fed_text=session.fed_text + turn.delta_text, tokenizer=session.tokenizer,
                             transcript_ids=list(session.transcript_ids) + list(turn.new_ids))
     found: dict = {}
