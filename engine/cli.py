@@ -293,7 +293,7 @@ def cmd_memory(args) -> int:
     _print_stats(done)
     report = model.print_memory_usage(session.cache)
     print(f"Device: {report.device_label}; {report.free / 2**30:.2f} of {report.total / 2**30:.2f} GB free")
-    print(f"Tokens seen {report.tokens_seen}, KV entries stored {report.kv_stored_tokens} per layer and head, "
+    print(f"Tokens seen {report.tokens_seen}, KV entries stored {report.kv_stored_tokens} per layer and head (the layers' mean), "
           f"compression ×{report.compression_ratio:.2f}")
     if report.hint():
         print("Hint:", report.hint())
