@@ -34,7 +34,8 @@ class AttachedDocument:
 
 @dataclass(frozen=True)
 class HistoryTurn:
-    """One finished exchange of a conversation, as the engine should see it again."""
+    """One exchange of a conversation as the chat shows it, as the engine should read it again (reply "": a
+    question shown without a reply, read without one)."""
 
     prompt: str
     documents: tuple[AttachedDocument, ...]

@@ -465,19 +465,28 @@ class ConversationStore:
 
     # ------------------------------------------------------------------ what the engine sees again
     def history(self, conversation_id: int, before_message_id: int | None = None) -> tuple[HistoryTurn, ...]:
-        """Finished exchanges (a user message followed by a non-empty reply), oldest first."""
+        """The exchanges the chat shows, as the model should read them, oldest first: each user message with its
+        reply shown, or with none (reply "") where it has none or an empty one (its reply deleted, or stopped or cut
+        off before it began): the model reads the question the chat shows."""
         turns = []
         pending_user: Message | None = None
+
+        def close(reply: str) -> None:
+            turns.append(HistoryTurn(pending_user.content, self.attachments(pending_user.id), reply,
+                                     pending_user.model_content))
+
         for m in self.messages(conversation_id):
             if before_message_id is not None and m.id >= before_message_id:
                 break
             if m.role == "user":
+                if pending_user is not None:
+                    close("")
                 pending_user = m
             elif pending_user is not None:
-                if m.content:
-                    turns.append(HistoryTurn(pending_user.content, self.attachments(pending_user.id), m.content,
-                                             pending_user.model_content))
+                close(m.content)
                 pending_user = None
+        if pending_user is not None:
+            close("")
         return tuple(turns)
 
     # ------------------------------------------------------------------ export

@@ -182,6 +182,17 @@ class TurnController(QObject):
         turn.text = text
         self.finished.emit(outcome, turn)
 
+    def withdraw_unanswered(self) -> ActiveTurn | None:
+        """The window is closing: a turn whose reply has not begun is taken back as a stop before it would be (its
+        rows gone: the new version, or the message with its reply); returned for its message to go back in the box.
+        A reply under way is kept as it stands (closeEvent saves it as stopped)."""
+        turn = self.active
+        if turn is None or turn.text:
+            return None
+        self.active = None
+        self._roll_back(turn)
+        return turn
+
     def _roll_back(self, turn: ActiveTurn) -> None:
         if turn.new_version:  # the new version goes; the one shown before is shown again
             self._write(self.store.delete_message, turn.reply_id)

@@ -1005,6 +1005,7 @@ class MainWindow(QMainWindow):
         prompt = self.composer.toPlainText().rstrip().lstrip("\n")
         if self.turns.busy or not prompt.strip():
             return
+        self.knob_panel.flush()  # a knob moved just before: this turn reads with it, as its settings will say
         if self.statusBar().currentMessage() == WITHDRAWN_NOTICE:
             self.statusBar().clearMessage()  # it was about the message now being sent
         if self.store.read_only:
@@ -1103,6 +1104,7 @@ class MainWindow(QMainWindow):
         if self.store.read_only:
             self.inform("Chats cannot be saved", self.store.problem)
             return
+        self.knob_panel.flush()  # a knob moved just before: the new version reads with it
         documents = self.store.attachments(user.id)
         history = self.store.history(self.conversation_id, before_message_id=user.id)
         try:
@@ -1416,11 +1418,15 @@ class MainWindow(QMainWindow):
         if self.closed:
             super().closeEvent(event)
             return
+        self.system_prompt.flush()  # edits still waiting for their pause are the chat's, as when switching chats
+        self.knob_panel.flush()
         self.closed = True
         self.memory_timer.stop()
         self.usage_timer.stop()
-        self.knob_panel.cancel_pending()
         self.conversations.cancel_pending()
+        turn = self.turns.withdraw_unanswered()
+        if turn is not None:  # closed before its reply began: as a stop then, nothing kept and the message back
+            self._put_turn_back(turn)
         self.save_settings()
         self.turns.save_now()
         started = time.monotonic()

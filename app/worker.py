@@ -308,7 +308,8 @@ class EngineWorker(QObject):
             if content is None:
                 content = user_content(item.prompt, [_engine_document(d) for d in item.documents])
             messages.append({"role": "user", "content": content})
-            messages.append({"role": "assistant", "content": item.reply})
+            if item.reply:  # a question shown without a reply is read without one
+                messages.append({"role": "assistant", "content": item.reply})
         return messages
 
     @Slot(int)
