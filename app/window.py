@@ -1003,7 +1003,12 @@ class MainWindow(QMainWindow):
     def send(self) -> None:
         # trailing space and blank lines around the message go; the first line's indentation (code) stays
         prompt = self.composer.toPlainText().rstrip().lstrip("\n")
-        if self.turns.busy or not prompt.strip():
+        if self.turns.busy:
+            return
+        if not prompt.strip():
+            if self.attached:  # a document alone is not a question: say what Send waits for
+                self.statusBar().showMessage("Type a question about the attached document, then send.", 10000)
+                self.composer.setFocus()
             return
         self.knob_panel.flush()  # a knob moved just before: this turn reads with it, as its settings will say
         if self.statusBar().currentMessage() == WITHDRAWN_NOTICE:

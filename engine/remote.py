@@ -122,7 +122,10 @@ class RemoteSession:
         user = {"role": "user", "content": user_content(prompt, docs)}
         started = time.perf_counter()
         # the server counts and refuses what does not fit (ours with the numbers: ContextOverflowError)
-        response = self.model.open_chat(self.messages + [user], settings, self.pins)  # raises before any event
+        try:
+            response = self.model.open_chat(self.messages + [user], settings, self.pins)  # raises before any event
+        except ContextOverflowError as exc:
+            raise self.model.overflow_with_documents(exc, docs) from None
         return self._stream(response, user, cancel or threading.Event(), started)
 
     def _stream(self, response, user: dict, cancel: threading.Event, started: float) -> Iterator[Event]:
@@ -363,6 +366,16 @@ class RemoteModel:
         if status == 429:
             return EngineError(f"The server at {self.url} is busy with other requests (429): try again shortly.")
         return EngineError(f"The server at {self.url} refused the request ({status}): {message}")
+
+    def overflow_with_documents(self, exc: ContextOverflowError, docs: Sequence[Document]) -> ContextOverflowError:
+        """A server's refusal counts the documents, which travel inside the user's text, as the message: their share
+        moved where it belongs and the model's positions named, as the local engine says it."""
+        parts = dict(exc.parts)
+        if docs and parts.get("prompt"):
+            moved = min(sum(self.document_tokens(d) for d in docs), parts["prompt"])
+            parts["prompt"] -= moved
+            parts["documents"] = parts.get("documents", 0) + moved
+        return ContextOverflowError(exc.needed, exc.limit, parts, max_positions=self.max_positions if self.ours else None)
 
     # ------------------------------------------------------------------ the engine's surface (app.engine_api)
     def chat_session(self, system_prompt: str | None = None) -> RemoteSession:

@@ -78,3 +78,13 @@ def test_edits_still_waiting_at_close_are_kept(qtbot, window, make_window, fake_
     again.conversations.select(chat)
     assert again.store.system_prompt(chat) == "Answer in French."
     assert again.knob_panel.values()["kv_cache_ratio"] == 0.3
+
+
+def test_send_with_a_document_and_no_question_says_what_it_waits_for(qtbot, window, fake_model, tmp_path):
+    path = tmp_path / "note.txt"
+    path.write_text("A note about rivers.")
+    window.attach_files([str(path)])
+    qtbot.waitUntil(lambda: window.attached and None not in window.attached.values(), timeout=5_000)
+    window.send()
+    assert "Type a question about the attached document" in window.statusBar().currentMessage()
+    assert not fake_model.sends() and list(window.attached)  # nothing sent, the document still attached

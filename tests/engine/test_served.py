@@ -128,3 +128,18 @@ def test_a_heat_from_a_server_is_checked_not_trusted():
                 {**heat.to_dict(), "spans": "nope"}):
         with pytest.raises(ValueError, match="not a document's heat"):
             DocumentHeat.from_dict(bad)
+
+
+def test_a_document_too_large_for_a_servers_context_is_said_to_be_the_document(served):
+    from engine.errors import ContextOverflowError
+
+    _, base = served
+    text = " ".join([ITEMS] * 4)
+    doc = Document(name="long.txt", path="long.txt", kind="txt", text=text, pages=None, chars=len(text))
+    remote = _remote(base)
+    with pytest.raises(ContextOverflowError) as refused:
+        remote.chat_session().send("What is this about?", [doc], max_new_tokens=4)
+    parts = refused.value.parts
+    assert parts["documents"] > 1000 and parts["prompt"] < 40  # the question's few tokens, not the document's
+    assert "Attach a shorter document" in str(refused.value) and "Shorten the message" not in str(refused.value)
+    remote.close()
