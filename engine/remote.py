@@ -32,7 +32,7 @@ from urllib.parse import urlsplit
 from .config import CACHE_KNOBS, DSV41Config
 from .documents import Document, format_for_prompt, load_document, user_content
 from .errors import BusyError, ConfigError, ContextOverflowError, EngineError, ModelLoadError, PinError
-from .events import ContextUsage, Done, ErrorEvent, Event, TokenText, TurnStats
+from .events import ContextUsage, Done, ErrorEvent, Event, PrefillProgress, TokenText, TurnStats
 from .heat import DocumentHeat
 from .info import LoadInfo, ReconfigureResult
 from .memory import MemoryReport
@@ -152,6 +152,10 @@ class RemoteSession:
                 if "error" in chunk:
                     failure = str(chunk["error"].get("message", chunk["error"]))
                     break
+                read = chunk.get("dsv41_progress")
+                if isinstance(read, dict):
+                    yield PrefillProgress(int(read.get("done", 0)), int(read.get("total", 0)))
+                    continue
                 usage = chunk.get("usage") or usage
                 memory = chunk.get("dsv41") or memory
                 for choice in chunk.get("choices") or []:
@@ -303,6 +307,7 @@ class RemoteModel:
         if self.ours:
             body.update({k: v for k, v in self.config.to_dict().items() if k in CACHE_KNOBS})
             body["dsv41_pins"] = list(pins)
+            body["dsv41_progress"] = True  # the prompt's reading, as the local engine reports it
         for attempt in range(2):
             try:
                 request = self._client.build_request("POST", self.url + "/chat/completions", json=body)

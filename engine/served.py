@@ -73,6 +73,15 @@ def pins_of(body: dict, field: str = "dsv41_pins") -> list[str] | None:
     return pins
 
 
+def wants_progress(body: dict) -> bool:
+    """Whether a streamed request asks for the prompt's reading as it goes (`dsv41_progress`: chunks with no choices,
+    which a client that did not ask might not expect), or ConfigError."""
+    wanted = body.get("dsv41_progress", False)
+    if not isinstance(wanted, bool):
+        raise ConfigError("dsv41_progress", wanted, "true or false")
+    return wanted and bool(body.get("stream"))
+
+
 def heat(conversations: Conversations, body: dict) -> dict:
     """POST /v1/dsv41/heat {messages, text}: {"heat": DocumentHeat.to_dict() or None, "reason": why none} where
     reason is "not_loaded" (no kept conversation is that one) or "not_held" (its cache does not hold that text)."""

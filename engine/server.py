@@ -13,7 +13,8 @@
     POST /v1/dsv41/tokens       token counts as the engine counts them (the app's context bar over the network)
     POST /v1/dsv41/heat         what a kept conversation's cache holds of a document's text (engine.served)
     POST /v1/dsv41/pins         pieces of a kept conversation's documents kept hot (engine.served); a chat request's
-                                `dsv41_pins` field sets them too, from that turn's end on
+                                `dsv41_pins` field sets them too, from that turn's end on; `dsv41_progress: true` in a
+                                streamed request: the prompt's reading as chunks without choices (`dsv41_progress`)
 
 Requests run one at a time (the engine holds one model); a bounded queue waits behind the running one and a full
 queue answers 429 with Retry-After. A chat client resends the whole conversation every time: the request whose
@@ -41,7 +42,7 @@ from concurrent.futures import Future
 
 from . import served
 from .errors import ConfigError, ContextOverflowError, PinError
-from .events import Done, TokenText
+from .events import Done, PrefillProgress, TokenText
 from .openai_api import count_tokens, error, memory_figures, model_facts, parse_completion, parse_request
 from .threads import EngineThread
 
@@ -136,6 +137,7 @@ def create_app(model, *, api_key: str | None = None, queue: int = QUEUE, name: s
             else:
                 prompt, settings, knobs = parse_completion(body)
             pins = served.pins_of(body) if chat else None
+            progress = served.wants_progress(body)
             model.generation_settings(**settings)  # validated before queueing
             if knobs:
                 model.config.replace(**knobs)
@@ -181,6 +183,8 @@ def create_app(model, *, api_key: str | None = None, queue: int = QUEUE, name: s
                 for event in stream:
                     if isinstance(event, TokenText) and event.text:
                         put(("text", event.text))
+                    elif isinstance(event, PrefillProgress) and progress:
+                        put(("progress", {"done": int(event.done), "total": int(event.total)}))
                     elif isinstance(event, Done):
                         stats = event.stats
                         put(("done", {"reason": event.reason, "text": event.text,
@@ -279,6 +283,10 @@ def create_app(model, *, api_key: str | None = None, queue: int = QUEUE, name: s
                     what, value = item
                     if what == "accepted":
                         pass
+                    elif what == "progress":  # asked for with dsv41_progress: a chunk without choices
+                        yield "data: " + json.dumps({"id": ident, "object": kind + (".chunk" if chat else ""),
+                                                     "created": created, "model": model_id, "choices": [],
+                                                     "dsv41_progress": value}) + "\n\n"
                     elif what == "text":
                         yield chunk(value)
                     elif what == "done":

@@ -116,7 +116,10 @@ def test_the_heat_and_the_pins_of_a_chat_on_our_server(qtbot, make_window, tiny_
         qtbot.waitUntil(lambda: "Sent to the server" in window.knob_panel.status.text(), timeout=5_000)
         window.attach_files([str(path)])
         qtbot.waitUntil(lambda: len(window.attached) == 1 and None not in window.attached.values(), timeout=10_000)
+        read = []  # the server reports its reading of the prompt, as the local engine does
+        window.client.worker.prefill_progress.connect(lambda turn, done, total: read.append((done, total)))
         ask(qtbot, window, "What is the value of item 40?")
+        qtbot.waitUntil(lambda: bool(read) and read[-1][0] == read[-1][1] > 500, timeout=5_000)
         user = window.chat.bubbles[-2]
         next(label for label in user.findChildren(QLabel) if "items.txt" in label.text()).linkActivated.emit(
             "document:0")

@@ -143,3 +143,28 @@ def test_a_document_too_large_for_a_servers_context_is_said_to_be_the_document(s
     assert parts["documents"] > 1000 and parts["prompt"] < 40  # the question's few tokens, not the document's
     assert "Attach a shorter document" in str(refused.value) and "Shorten the message" not in str(refused.value)
     remote.close()
+
+
+def test_a_served_prompts_reading_is_reported_to_a_client_that_asks(served):
+    from engine.events import PrefillProgress
+
+    _, base = served
+    doc = Document(name="items.txt", path="items.txt", kind="txt", text=ITEMS, pages=None, chars=len(ITEMS))
+    remote = _remote(base)
+    events = list(remote.chat_session().send("What is the value of item 3?", [doc], max_new_tokens=4, greedy=True))
+    read = [e for e in events if isinstance(e, PrefillProgress)]
+    assert read and read[-1].done == read[-1].total > 500 and [e.done for e in read] == sorted(e.done for e in read)
+    assert events.index(read[-1]) < next(i for i, e in enumerate(events) if type(e).__name__ == "TokenText")
+    remote.close()
+    # a client that did not ask gets no chunk without choices besides OpenAI's own usage chunk
+    body = {"messages": [{"role": "user", "content": ITEMS + "\n\nWhat is the value of item 3?"}], "stream": True,
+            "max_tokens": 4, "temperature": 0}
+    request = urllib.request.Request(base + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        chunks = [json.loads(line[5:]) for line in response.read().decode().splitlines()
+                  if line.startswith("data:") and line[5:].strip() != "[DONE]"]
+    assert chunks and all(c["choices"] for c in chunks if "usage" not in c)
+    assert not any("dsv41_progress" in c for c in chunks)
+    status, refused = _post(base, "/v1/chat/completions", {**body, "dsv41_progress": "yes"})
+    assert status == 400 and "dsv41_progress" in refused["error"]["message"]
