@@ -257,7 +257,9 @@ class ChatSession:
                 self._dirty = True
             return
         fed_gen = result.generated[: result.fed_generated]
-        keep = template.reply_tokens_kept(self.tokenizer, fed_gen, reply)
+        # a stop string of several tokens: the tokens fed of its start, which the reply does not keep, leave the cache
+        keep = template.reply_tokens_kept(self.tokenizer, fed_gen, reply) if done and done.reason == "stop" else len(
+            fed_gen)
         if keep < len(fed_gen) and self.cache.forget_last(len(fed_gen) - keep):
             fed_gen = fed_gen[:keep]  # the rest of the reply is read again, as its text, with the next turn
         text, specials = template.decode_fed(self.tokenizer, fed_gen, len(self.fed_text) + len(turn.delta_text))

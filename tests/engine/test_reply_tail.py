@@ -1,6 +1,6 @@
-"""A reply's last tokens that its message does not keep (the start of a stop string of several tokens, a character
-whose last bytes were never fed) leave the cache with the reply's turn: the next turn reads only its own tokens
-(and that tail, as text), instead of re-reading the whole conversation."""
+"""A reply's last tokens that its message does not keep (the start of a stop string of several tokens) leave the cache
+with the reply's turn: the next turn reads only its own tokens (and that tail, as text), instead of re-reading the
+whole conversation. The choice of tokens is also right for a character whose last bytes were never fed."""
 
 from __future__ import annotations
 
