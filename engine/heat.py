@@ -265,9 +265,7 @@ def pins_ahead(session, turn) -> None:
     found: dict = {}
     ranges = [r for r in (pin_range(ahead, text, found) for text in session.pins) if r is not None]
     cache = session.cache
-    room = cache.pin_room() if not cache.settings.compressing else max(
-        (cache.budget(len(ahead.transcript_ids)) - cache.settings.ced_sink_tokens
-         - cache.settings.ced_recent_tokens) // 2, 0)
+    room = cache.pin_room(len(ahead.transcript_ids))  # the room the cache will have once the turn is read
     kept: list[tuple[int, int]] = []
     for where in dict.fromkeys(ranges):
         if sum(end - start for start, end in [*kept, where]) <= room:

@@ -26,10 +26,8 @@ def save(session) -> None:
     started = time.perf_counter()
     try:
         tensors, facts = persist.save_state(session.cache)
-        settings = session.cache.settings
-        store.save(model_key=session.model.state_key, settings_key=session.model.settings_key(settings),
-                   text=session.fed_text, specials=session.fed_specials, transcript_ids=session.transcript_ids,
-                   tensors=tensors, cache_facts=facts, layout_key=layout_key(settings), knobs=_held_knobs(settings))
+        _write(session, session.cache.settings, session.fed_text, session.fed_specials, session.transcript_ids,
+               tensors, facts)
     except Exception as exc:  # noqa: BLE001 - a cache that was not saved is re-read later, nothing is lost
         log.warning("the conversation cache was not saved: %s", str(exc).splitlines()[0] if str(exc) else exc)
     session.last_save_seconds = time.perf_counter() - started
@@ -62,9 +60,7 @@ def save_head(session, turn, question_at: int | None, read: int) -> None:
 
     def write():
         try:
-            store.save(model_key=session.model.state_key, settings_key=session.model.settings_key(settings),
-                       text=text, specials=specials, transcript_ids=ids, tensors=tensors, cache_facts=facts,
-                       layout_key=layout_key(settings), knobs=_held_knobs(settings))
+            _write(session, settings, text, specials, ids, tensors, facts)
         except Exception as exc:  # noqa: BLE001 - not saved: read again when asked again, nothing else
             log.warning("the documents' state was not saved: %s", exc)
 
@@ -73,11 +69,18 @@ def save_head(session, turn, question_at: int | None, read: int) -> None:
     session._head_save.start()
 
 
+def _write(session, settings, text: str, specials, ids: list[int], tensors: dict, facts: dict) -> None:
+    """One state into the chat's store, found later by the model, the settings it was made under and its text."""
+    session.model.conversation_store.save(
+        model_key=session.model.state_key, settings_key=session.model.settings_key(settings), text=text,
+        specials=specials, transcript_ids=ids, tensors=tensors, cache_facts=facts, layout_key=layout_key(settings),
+        knobs=_held_knobs(settings))
+
+
 def _finish_head(session) -> None:
     """Wait for a documents' state still being written (one store write at a time)."""
-    writing = getattr(session, "_head_save", None)
-    if writing is not None:
-        writing.join()
+    if session._head_save is not None:
+        session._head_save.join()
         session._head_save = None
 
 

@@ -715,13 +715,14 @@ class DSV41Cache:
             mask |= (at >= start) & (at < end)
         return mask
 
-    def pin_room(self) -> int:
+    def pin_room(self, seen: int | None = None) -> int:
         """Tokens that may be pinned: half of what the budget keeps besides the sinks and the recent window (the
-        rest stays for what each question needs)."""
+        rest stays for what each question needs); `seen`: once that many tokens are read (default: now)."""
         s = self.settings
+        seen = self.seen if seen is None else seen
         if not s.compressing:
-            return self.seen
-        return max((self.budget() - s.ced_sink_tokens - s.ced_recent_tokens) // 2, 0)
+            return seen
+        return max((self.budget(seen) - s.ced_sink_tokens - s.ced_recent_tokens) // 2, 0)
 
     @torch.inference_mode()
     def pin(self, ranges) -> None:
