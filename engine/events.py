@@ -35,6 +35,7 @@ class TurnStats:
     restored_context: bool = False  # the conversation's saved cache was restored instead (engine.conversation_store)
     recall_s: float = 0.0  # time the question spent recalling from the cold tier
     recalled_entries: int = 0  # entries it brought back (per head, summed over layers)
+    prompt_tokens: int = 0  # the whole prompt the reply follows: kept in the cache from before, plus prefill_tokens
 
     @property
     def compression_ratio(self) -> float:

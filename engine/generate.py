@@ -86,6 +86,7 @@ def run_turn(model, tokenizer, cache: DSV41Cache, plan: TurnPlan, settings: Gene
     shown = ""  # text already emitted (stop strings are held back until they cannot match)
     prefill_done = decoded_at = None
     threads = None
+    prompt_tokens = cache.seen + len(plan.new_ids)  # what is kept from earlier turns, and this turn's new tokens
     try:
         logits = yield from _prefill(model, cache, plan, cancel, device, result)
         prefill_done = time.perf_counter()
@@ -181,7 +182,7 @@ def run_turn(model, tokenizer, cache: DSV41Cache, plan: TurnPlan, settings: Gene
             yield TokenText(delta, result.generated[-1] if result.generated else -1)
     ended = time.perf_counter()
     stats = _stats(cache, plan, result, started, prefill_done, first_token_at, decoded_at or ended, ended,
-                   compaction_before)
+                   compaction_before, prompt_tokens)
     yield stats
     yield Done(reason, shown, stats, tuple(result.generated))
 
@@ -261,7 +262,7 @@ def _held_back(text: str, stops: tuple[str, ...]) -> int:
 
 
 def _stats(cache, plan, result, started, prefill_done, first_token_at, decoded_at, ended,
-           compaction_before) -> TurnStats:
+           compaction_before, prompt_tokens) -> TurnStats:
     prefill_done = prefill_done or ended
     prefill_s = max(prefill_done - started, 1e-9)
     decode_tokens = len(result.generated)
@@ -277,6 +278,7 @@ def _stats(cache, plan, result, started, prefill_done, first_token_at, decoded_a
         decode_tok_s=(decode_tokens - 1) / decode_s if decode_tokens > 1 and decode_s > 0 else 0.0,
         total_s=ended - started,
         tokens_seen=cstats.tokens_seen,
+        prompt_tokens=prompt_tokens,
         kv_stored_tokens=cstats.stored,
         kv_stored_bytes=cstats.stored_bytes,
         kv_uncompressed_bytes=cstats.uncompressed_bytes,

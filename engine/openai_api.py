@@ -1,12 +1,58 @@
 """The OpenAI API's shapes as the server reads and writes them (engine/server.py serves them): requests to engine
-settings, the error body, and our extensions (the memory report, the model's facts, token counts)."""
+settings, the error body, and our extensions (the memory report, the model's facts, token counts).
+
+`usage.prompt_tokens` is the whole prompt, the kept conversation's share of it under
+`prompt_tokens_details.cached_tokens`; `n`, `best_of`, `echo` and `logprobs` other than their defaults are 400s (one
+reply, no log-probabilities: never an answer that quietly is not what was asked for)."""
 
 from __future__ import annotations
+
+import hmac
 
 from .config import CACHE_KNOBS
 from .errors import ConfigError
 
 ROLES = ("system", "user", "assistant")
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def _host_name(value: str) -> str:
+    """The host of a Host header or an origin's authority, without port or brackets ("[::1]:8000" -> "::1")."""
+    value = value.strip().lower()
+    if value.startswith("["):
+        return value[1:].partition("]")[0]
+    return value.rpartition(":")[0] if value.count(":") == 1 else value
+
+
+def access_refused(headers, api_key: str | None):
+    """The error to answer a request with, or None when it may be served.
+
+    With an API key: the key (`Authorization: Bearer <key>`). Without one (the server then listens on the loopback
+    address only, engine.server.check_bind) a web page the user has open could still reach it: a page of another
+    site can POST to 127.0.0.1 without asking first (a text/plain body) and a site whose name it points at
+    127.0.0.1 (DNS rebinding) could even read the replies. So the Host must be this machine's name and a request a
+    browser marks as coming from a page (`Origin`) must come from a page served by this machine."""
+    if api_key is not None:
+        scheme, _, key = headers.get("authorization", "").strip().partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(key.strip().encode(), api_key.encode()):
+            return None
+        return error(401, "Missing or wrong API key: send Authorization: Bearer <key>.", "authentication_error")
+    host, origin = headers.get("host", ""), headers.get("origin")
+    if _host_name(host) not in LOCAL_HOSTS:
+        return error(403, f"This server answers requests for 127.0.0.1 or localhost only, not {host!r}; to reach it "
+                     "under another name, start it with --api-key.", "permission_error")
+    if origin is not None and _host_name(origin.partition("://")[2].partition("/")[0]) not in LOCAL_HOSTS:
+        return error(403, f"Requests from web pages of other sites ({origin}) are refused; a page served from this "
+                     "machine may ask, or start the server with --api-key.", "permission_error")
+    return None
+
+
+def usage(prompt_tokens: int, read: int, completion_tokens: int) -> dict:
+    """OpenAI's usage: the whole prompt, of which `prompt_tokens - read` came from the kept conversation's cache
+    (`prompt_tokens_details.cached_tokens`, as OpenAI and vLLM report a prefix cache's share)."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": max(prompt_tokens - read, 0)}}
 
 
 def error(status: int, message: str, kind: str = "invalid_request_error", code: str | None = None, headers=None,
@@ -37,6 +83,13 @@ def _sampling(body: dict) -> dict:
     for name in ("stream", "ignore_eos"):
         if body.get(name) is not None and not isinstance(body[name], bool):
             raise ConfigError(name, body[name], "true or false")
+    for name, allowed, wanted in (("n", (1,), "1 (one reply a request)"), ("best_of", (1,), "1"),
+                                  ("echo", (False,), "false (the prompt is not echoed)"),
+                                  ("logprobs", (False,), "false (log-probabilities are not given)"),
+                                  ("top_logprobs", (0,), "0 (log-probabilities are not given)")):
+        value = body.get(name)  # asked and not done would be an answer that is not what was asked for
+        if value is not None and not any(value == a and type(value) is type(a) for a in allowed):
+            raise ConfigError(name, value, wanted)
     return settings
 
 

@@ -183,7 +183,9 @@ class RemoteSession:
         ended = time.perf_counter()
         if text:  # as ChatSession: an exchange without any reply text is not kept
             self.messages = self.messages + [user, {"role": "assistant", "content": text}]
-        prompt_tokens = int(usage.get("prompt_tokens") or 0)
+        # read this turn: the prompt less what the server kept of the conversation (ours says; others count it all)
+        prompt_tokens = int(usage.get("prompt_tokens") or 0) - int(
+            (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
         completion = int(usage.get("completion_tokens") or len(parts))
         ttft = (first_at or ended) - started
         decode_s = max(ended - (first_at or ended), 1e-9)

@@ -24,7 +24,8 @@ cannot fit the context is refused before any work with the numbers (400, OpenAI'
 under `dsv41`), never truncated. A client that disconnects cancels its request at the next step, whether it waits
 in the queue, its prompt is being read (a stream's headers go out once it is accepted) or it is replying, streamed
 or not; the session's cache and transcript stay consistent (ChatSession). Binds to 127.0.0.1; another address
-needs an API key (`Authorization: Bearer <key>`).
+needs an API key (`Authorization: Bearer <key>`); without one, pages of other sites are refused (access_refused).
+A failed reply is an error (a 500, or the text so far then an error chunk), never a "stop"; openai_api says the rest.
 Every request's engine work runs on the thread the model runs on (engine.threads says why); the app serving its
 loaded model runs them on its own engine worker thread, between its own turns.
 """
@@ -32,7 +33,6 @@ loaded model runs them on its own engine worker thread, between its own turns.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import threading
 import time
@@ -42,8 +42,17 @@ from concurrent.futures import Future
 
 from . import served
 from .errors import ConfigError, ContextOverflowError, PinError
-from .events import Done, PrefillProgress, TokenText
-from .openai_api import count_tokens, error, memory_figures, model_facts, parse_completion, parse_request
+from .events import Done, ErrorEvent, PrefillProgress, TokenText
+from .openai_api import (
+    access_refused,
+    count_tokens,
+    error,
+    memory_figures,
+    model_facts,
+    parse_completion,
+    parse_request,
+    usage,
+)
 from .threads import EngineThread
 
 QUEUE = 8  # requests that may wait behind the running one
@@ -64,19 +73,10 @@ def create_app(model, *, api_key: str | None = None, queue: int = QUEUE, name: s
     waiting = {"n": 0}
     model_id = name or model.info.display_name
 
-    def authorised(request) -> bool:
-        if api_key is None:
-            return True
-        scheme, _, key = request.headers.get("authorization", "").strip().partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(key.strip().encode(), api_key.encode())
-
-    def unauthorised():
-        return error(401, "Missing or wrong API key: send Authorization: Bearer <key>.", "authentication_error")
-
     async def json_body(request):
         """(the request's JSON object, None), or (None, the error to answer with)."""
-        if not authorised(request):
-            return None, unauthorised()
+        if (refused := access_refused(request.headers, api_key)) is not None:
+            return None, refused
         try:
             body = await request.json()
         except (ValueError, json.JSONDecodeError):
@@ -84,20 +84,20 @@ def create_app(model, *, api_key: str | None = None, queue: int = QUEUE, name: s
         return (body if isinstance(body, dict) else {}), None
 
     async def models(request):
-        if not authorised(request):
-            return unauthorised()
+        if (refused := access_refused(request.headers, api_key)) is not None:
+            return refused
         return JSONResponse({"object": "list", "data": [{"id": model_id, "object": "model", "created": 0,
                                                          "owned_by": "local",
                                                          "max_model_len": int(model.context_limit)}]})
 
     async def memory_route(request):
-        if not authorised(request):
-            return unauthorised()
+        if (refused := access_refused(request.headers, api_key)) is not None:
+            return refused
         return JSONResponse(memory_figures(model, conversations.last))
 
     async def model_route(request):
-        if not authorised(request):
-            return unauthorised()
+        if (refused := access_refused(request.headers, api_key)) is not None:
+            return refused
         return JSONResponse(model_facts(model, model_id))
 
     async def tokens_route(request):
@@ -185,12 +185,13 @@ def create_app(model, *, api_key: str | None = None, queue: int = QUEUE, name: s
                         put(("text", event.text))
                     elif isinstance(event, PrefillProgress) and progress:
                         put(("progress", {"done": int(event.done), "total": int(event.total)}))
+                    elif isinstance(event, ErrorEvent):  # the reply failed (out of memory...): said, never a "stop"
+                        put(("failed", event))
                     elif isinstance(event, Done):
                         stats = event.stats
                         put(("done", {"reason": event.reason, "text": event.text,
-                                      "prompt_tokens": stats.prefill_tokens if stats else 0,
-                                      "completion_tokens": stats.decode_tokens if stats else 0,
-                                      "memory": memory_figures(model, session)}))
+                                      "usage": usage(stats.prompt_tokens, stats.prefill_tokens, stats.decode_tokens)
+                                      if stats else usage(0, 0, 0), "memory": memory_figures(model, session)}))
             except Exception as exc:  # noqa: BLE001 - the request ends with the error (an EngineError's message is
                 # the user's), and the server stays up
                 put(("error", exc))
@@ -204,10 +205,6 @@ def create_app(model, *, api_key: str | None = None, queue: int = QUEUE, name: s
 
         def finish_reason(reason: str) -> str:
             return {"length": "length", "context_full": "length", "stop": "stop", "eos": "stop"}.get(reason, "stop")
-
-        def usage(done: dict) -> dict:
-            return {"prompt_tokens": done["prompt_tokens"], "completion_tokens": done["completion_tokens"],
-                    "total_tokens": done["prompt_tokens"] + done["completion_tokens"]}
 
         def release() -> None:
             waiting["n"] -= 1
@@ -238,7 +235,7 @@ def create_app(model, *, api_key: str | None = None, queue: int = QUEUE, name: s
                     what, value = await next_event()
                     if what == "done":
                         done = value
-                    elif what in ("refused", "error"):
+                    elif what in ("refused", "error", "failed"):
                         problem = value
                     elif what == "end":
                         break
@@ -246,13 +243,15 @@ def create_app(model, *, api_key: str | None = None, queue: int = QUEUE, name: s
                 release()
             if isinstance(problem, ContextOverflowError):
                 return overflow(problem)
+            if isinstance(problem, ErrorEvent):  # the reply failed: its message says what to do
+                return error(500, problem.message, "server_error", "out_of_memory" if problem.kind == "oom" else None)
             if problem is not None or done is None:
                 return error(500, f"{type(problem).__name__}: {problem}", "server_error")
             reason = finish_reason(done["reason"])
             choice = ({"index": 0, "message": {"role": "assistant", "content": done["text"]}, "finish_reason": reason}
                       if chat else {"index": 0, "text": done["text"], "logprobs": None, "finish_reason": reason})
             return JSONResponse({"id": ident, "object": kind, "created": created, "model": model_id,
-                                 "choices": [choice], "usage": usage(done), "dsv41": done["memory"]})
+                                 "choices": [choice], "usage": done["usage"], "dsv41": done["memory"]})
 
         # streaming: the refusal must come before the first byte (a 400, not an event); once the request is accepted
         # the headers go out, so that a client leaving during the prompt's read is seen (and cancels it)
@@ -275,7 +274,7 @@ def create_app(model, *, api_key: str | None = None, queue: int = QUEUE, name: s
                            "model": model_id, "choices": [choice], **(extra or {})}
                 return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
-            item = first
+            item, failed = first, False
             try:
                 if chat:
                     yield chunk("")
@@ -289,11 +288,12 @@ def create_app(model, *, api_key: str | None = None, queue: int = QUEUE, name: s
                                                      "dsv41_progress": value}) + "\n\n"
                     elif what == "text":
                         yield chunk(value)
-                    elif what == "done":
-                        yield chunk(None, finish_reason(value["reason"]), {"usage": usage(value),
+                    elif what == "done" and not failed:
+                        yield chunk(None, finish_reason(value["reason"]), {"usage": value["usage"],
                                                                            "dsv41": value["memory"]})
-                    elif what == "error":
-                        yield f"data: {json.dumps({'error': {'message': str(value), 'type': 'server_error'}})}\n\n"
+                    elif what in ("error", "failed"):  # the reply so far, then the error (OpenAI's shape), no finish
+                        failed, message = True, value.message if isinstance(value, ErrorEvent) else str(value)
+                        yield f"data: {json.dumps({'error': {'message': message, 'type': 'server_error'}})}\n\n"
                     elif what == "end":
                         yield "data: [DONE]\n\n"
                         return

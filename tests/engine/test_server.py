@@ -42,6 +42,11 @@ def chat(url, messages, **extra):
     return status, json.loads(text)
 
 
+def read(body) -> int:
+    """The prompt tokens a request read: its whole prompt less what came from a kept conversation."""
+    return body["usage"]["prompt_tokens"] - body["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
 def test_models_completion_and_the_conversation_resent_reads_only_its_new_turn(server):
     url, model = server
     status, _, text = call(url, "/v1/models")
@@ -57,13 +62,16 @@ def test_models_completion_and_the_conversation_resent_reads_only_its_new_turn(s
     # the client resends the whole conversation with one more question: only that turn is read
     second = first + [{"role": "assistant", "content": answer}, {"role": "user", "content": "And of Italy?"}]
     status, again = chat(url, second)
-    assert status == 200 and again["usage"]["prompt_tokens"] < usage["prompt_tokens"]
+    assert status == 200 and read(again) < usage["prompt_tokens"]
+    # usage counts the whole prompt (as OpenAI's does), the kept conversation's share under cached_tokens
+    assert again["usage"]["prompt_tokens"] > usage["prompt_tokens"] + usage["completion_tokens"]
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"]
     # another conversation is read from the start, in a cache of its own
     status, other = chat(url, [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi."}])
     assert status == 200 and other["dsv41"]["tokens_seen"] < again["dsv41"]["tokens_seen"]
     status, back = chat(url, second + [{"role": "assistant", "content": again["choices"][0]["message"]["content"]},
                                       {"role": "user", "content": "Thanks."}])
-    assert status == 200 and back["usage"]["prompt_tokens"] < usage["prompt_tokens"]  # its cache was kept apart
+    assert status == 200 and read(back) < usage["prompt_tokens"]  # its cache was kept apart
 
 
 def test_streaming_by_server_sent_events(server):
@@ -225,7 +233,10 @@ def test_bad_request_shapes_are_refused_with_400s_naming_the_field(server):
               "messages"),
              ({"messages": [{"role": "user", "content": ["hi"]}]}, "messages"),
              ({"messages": hi, "stream": "no"}, "stream"), ({"messages": hi, "ignore_eos": "yes"}, "ignore_eos"),
-             ({"messages": hi, "max_tokens": True}, "max_new_tokens")]
+             ({"messages": hi, "max_tokens": True}, "max_new_tokens"),
+             # asked for and not done would be a 200 that is not what was asked for
+             ({"messages": hi, "n": 3}, "n"), ({"messages": hi, "n": True}, "n"), ({"messages": hi, "echo": True}, "echo"),
+             ({"messages": hi, "logprobs": True}, "logprobs"), ({"messages": hi, "top_logprobs": 2}, "top_logprobs")]
     for body, field in cases:
         status, _, text = call(url, "/v1/chat/completions", body)
         assert status == 400, (body, status, text)
@@ -259,7 +270,7 @@ def test_a_requests_cache_knobs_apply_to_its_conversation_alone(server):
     first.append({"role": "assistant", "content": body["choices"][0]["message"]["content"]})
     status, body = chat(url, first + [{"role": "user", "content": "And coffee?"}])
     assert status == 200 and body["dsv41"]["kv_target_ratio"] == own
-    assert body["usage"]["prompt_tokens"] < 20  # its own session (a new one would read the whole conversation)
+    assert read(body) < 20  # its own session (a new one would read the whole conversation)
     # the model's owner changing a knob between requests reaches the requests that send none
     model.reconfigure(None, kv_cache_ratio=0.6)
     try:
@@ -308,3 +319,67 @@ def test_a_client_that_goes_away_before_the_reply_stops_it(server, monkeypatch):
     _leave_after(url, {**story, "stream": True,
                        "messages": [{"role": "user", "content": document + "\nSummarise the records."}]}, 0.3)
     assert _last_conversation_seen(url) == 0  # stopped while reading: the turn was undone
+
+
+def test_a_reply_that_fails_is_an_error_never_a_stop(server, monkeypatch):
+    """Out of memory (or any failure) after a few tokens: not a 200 with finish_reason "stop" a client would take for
+    a finished reply, but the engine's message: a 500 when not streamed; streamed, the text so far, then the error
+    chunk and no finish_reason."""
+    from engine.models import adapter
+
+    url, _ = server
+    real, calls = adapter.forward_token, {"n": 0}
+
+    def failing(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] > 3:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(adapter, "forward_token", failing)
+    status, body = chat(url, [{"role": "user", "content": "Write a story about a dragon."}], max_tokens=40)
+    assert status == 500 and body["error"]["code"] == "out_of_memory", body
+    assert "kv_cache_ratio" in body["error"]["message"]  # what to do
+    calls["n"] = 0
+    status, _, text = call(url, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "Write a story about a knight."}], "max_tokens": 40,
+        "temperature": 0, "stream": True})
+    events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+    assert status == 200 and "out of memory" in events[-1]["error"]["message"].lower()
+    assert any(e.get("choices") and e["choices"][0]["delta"].get("content") for e in events)  # the text so far
+    assert not any(e.get("choices") and e["choices"][0].get("finish_reason") for e in events)
+    monkeypatch.setattr(adapter, "forward_token", real)
+    status, body = chat(url, [{"role": "user", "content": "What is the capital of France?"}])
+    assert status == 200 and "Paris" in body["choices"][0]["message"]["content"]  # and the server goes on
+
+
+def test_without_a_key_pages_of_other_sites_are_refused(default_model):
+    """A page the user has open in a browser can POST to 127.0.0.1 without asking first (a text/plain body), and a
+    site whose name it points at 127.0.0.1 could read the replies: without an API key only requests that name this
+    machine as their Host, and come from no page of another site, are served."""
+    import http.client
+
+    def post(port, headers):
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        body = json.dumps({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+        connection.request("POST", "/v1/chat/completions", body, {"Content-Type": "text/plain", **headers})
+        response = connection.getresponse()
+        return response.status, json.loads(response.read())
+
+    with served_in_thread(default_model) as url:
+        port = int(url.rpartition(":")[2])
+        status, body = post(port, {"Origin": "https://evil.example"})
+        assert status == 403 and "other sites" in body["error"]["message"], body
+        status, body = post(port, {"Origin": "null"})
+        assert status == 403
+        status, body = post(port, {"Host": f"rebound.example:{port}"})  # DNS rebinding
+        assert status == 403 and "--api-key" in body["error"]["message"]
+        for allowed in ({}, {"Origin": f"http://localhost:{port}"}, {"Host": f"localhost:{port}"},
+                        {"Origin": "http://[::1]:3000"}):
+            status, body = post(port, allowed)
+            assert status == 200, (allowed, body)
+    # with a key, the key decides (a page cannot send it without the browser asking the server first)
+    with served_in_thread(default_model, api_key="k") as url:
+        port = int(url.rpartition(":")[2])
+        status, _ = post(port, {"Host": f"my-machine.lan:{port}", "Authorization": "Bearer k"})
+        assert status == 200
