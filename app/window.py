@@ -1039,14 +1039,14 @@ class MainWindow(QMainWindow):
             else:
                 history = self.store.history(conversation)
             self._start_turn(prompt, documents, history, conversation, replace_from=self.editing_message_id)
-        except (sqlite3.Error, StoreUnavailable) as exc:
+        except Exception as exc:  # noqa: BLE001 - whatever failed, no chat is left behind without its message
             if created is not None:
                 try:
                     self.store.delete(created)
                 except sqlite3.Error:
                     pass
-            self._save_failed(f"Your message was not sent: it could not be saved ({exc}).\n\nIt is still in the "
-                              "message box.")
+            why = "it could not be saved" if isinstance(exc, (sqlite3.Error, StoreUnavailable)) else "it failed"
+            self._save_failed(f"Your message was not sent: {why} ({exc}).\n\nIt is still in the message box.")
             return
         if created is not None:
             self.conversation_id = created

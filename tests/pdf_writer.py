@@ -7,8 +7,9 @@ def _pdf_string(s: str) -> str:
     return s.replace("\\", "\\\\").replace("(", "\\(").replace(")", "\\)")
 
 
-def make_pdf(pages: list[list[str] | None]) -> bytes:
-    """A valid PDF; each page is a list of ASCII lines, or None for a page with only a grey box."""
+def make_pdf(pages: list[list[str] | None], damaged: tuple[int, ...] = ()) -> bytes:
+    """A valid PDF; each page is a list of ASCII lines, or None for a page with only a grey box. The pages numbered
+    in `damaged` (from 1) have a compressed content stream whose bytes are not what they were (a damaged file)."""
     objs: dict[int, bytes] = {
         1: b"<< /Type /Catalog /Pages 2 0 R >>",
         3: b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica /Encoding /WinAnsiEncoding >>",
@@ -30,7 +31,14 @@ def make_pdf(pages: list[list[str] | None]) -> bytes:
             "<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] "
             f"/Resources << /Font << /F1 3 0 R >> >> /Contents {content_id} 0 R >>"
         ).encode()
-        objs[content_id] = b"<< /Length %d >>\nstream\n" % len(stream) + stream + b"endstream"
+        if len(kids) in damaged:
+            import zlib
+
+            stream = bytearray(zlib.compress(stream))
+            stream[8:40] = b"\x00" * 32
+            objs[content_id] = b"<< /Length %d /Filter /FlateDecode >>\nstream\n" % len(stream) + stream + b"endstream"
+        else:
+            objs[content_id] = b"<< /Length %d >>\nstream\n" % len(stream) + stream + b"endstream"
     objs[2] = (
         "<< /Type /Pages /Kids [" + " ".join(f"{k} 0 R" for k in kids) + f"] /Count {len(kids)} >>"
     ).encode()

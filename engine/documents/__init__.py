@@ -249,7 +249,7 @@ def _extract(kind: str, data: bytes, label: str, fail, notes: list[str], max_byt
              web: bool) -> tuple[str, str, int | None]:
     """(kind, text, pages) of `data` read as `kind`; a text that is a whole web page becomes "web" when `web`."""
     if kind == "pdf":
-        text, pages = _pdf_text(data, label, fail, max_chars)
+        text, pages = _pdf_text(data, label, fail, max_chars, notes)
         return kind, _clean_pdf_text(_normalise_pdf_spacing(text), notes), pages
     if kind == "docx":
         return kind, _docx_text(data, label, fail, max_bytes), None

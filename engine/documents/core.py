@@ -187,8 +187,13 @@ _LEADING_BLANK_LINES = re.compile(r"\A(?:[ \t]*\n)+")
 _TERMINAL_ESCAPES = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)|[@-Z\\-_])?")
 
 
+# A UTF-16 surrogate alone is no character (a PDF's broken font map gives them, a decoder told to pass them): it
+# cannot be encoded, so it could not be stored, tokenized or shown. U+FFFD shows where it was.
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def _normalise(text: str) -> str:
-    text = text.replace("\x00", "")
+    text = _LONE_SURROGATE.sub("\ufffd", text.replace("\x00", ""))
     if "\x1b" in text:
         text = _TERMINAL_ESCAPES.sub("", text)
     if text.startswith("\ufeff"):

@@ -35,7 +35,8 @@ _SIMPLIFIED_RADICALS = {"\u2f3e": "\u6237"}  # ⼾ -> 户 (NFKC gives 戶)
 _SIMPLIFIED_ONLY = re.compile("[这们个为说时国会来对学发经过动后没现开关问题样长门见让还应间实]")
 
 # C0 controls in extracted text are glyphs the PDF gives no character for (its ToUnicode map omits them)
-_PDF_UNMAPPED = re.compile("[\x01-\x08\x0b\x0c\x0e-\x1f\x7f]")
+# (and a UTF-16 surrogate alone: a broken font map's half of a character, no character at all)
+_PDF_UNMAPPED = re.compile("[\x01-\x08\x0b\x0c\x0e-\x1f\x7f\ud800-\udfff]")
 
 
 def _clean_pdf_text(text: str, notes: list[str]) -> str:
@@ -71,7 +72,26 @@ def _looks_scanned(text: str, pages: int) -> bool:
     return True
 
 
-def _pdf_text(data: bytes, label: str, fail, max_chars: int) -> tuple[str, int]:
+def _damaged(page) -> bool:
+    """Whether a page that gave no text has a content stream that holds bytes but decodes to nothing: pypdf logs the
+    decompression error and reads the page as blank, where a blank page has no such stream."""
+    try:
+        from pypdf.generic import ArrayObject
+
+        contents = page.get("/Contents")
+        if contents is None:
+            return False
+        contents = contents.get_object()
+        for stream in (contents if isinstance(contents, ArrayObject) else [contents]):
+            stream = stream.get_object()
+            if getattr(stream, "_data", b"") and not stream.get_data():
+                return True
+    except Exception:  # noqa: BLE001 - a stream that fails to decode at all is damaged too
+        return True
+    return False
+
+
+def _pdf_text(data: bytes, label: str, fail, max_chars: int, notes: list[str] | None = None) -> tuple[str, int]:
     try:
         from pypdf import PdfReader
         from pypdf.errors import DependencyError
@@ -140,6 +160,10 @@ def _pdf_text(data: bytes, label: str, fail, max_chars: int) -> tuple[str, int]:
             parts.append(f"[page {index + 1}: text could not be extracted]")
             continue
         page_text = page_text.strip("\n")
+        if not page_text.strip() and _damaged(page_list[index]):  # not blank: its text could not be decompressed
+            failures.append((index + 1, None))
+            parts.append(f"[page {index + 1}: text could not be extracted]")
+            continue
         if page_text.strip():
             parts.append(page_text)
             total += len(page_text) + 2
@@ -151,8 +175,15 @@ def _pdf_text(data: bytes, label: str, fail, max_chars: int) -> tuple[str, int]:
                     f"{index + 1} of {n_pages}); the limit is {max_chars:,}. "
                     "Split it into smaller files or drop an excerpt.",
                 )
+    damaged = "its content is damaged (it could not be decompressed)"
     if failures and len(failures) == n_pages:
         page, exc = failures[0]
-        raise fail("unreadable", f"{label} could not be read as a PDF: page {page}: {_reason_of(exc)}.")
+        raise fail("unreadable", f"{label} could not be read as a PDF: page {page}: "
+                   f"{damaged if exc is None else _reason_of(exc)}. Download or export it again.")
+    if failures and notes is not None:
+        pages = ", ".join(str(page) for page, _ in failures[:10]) + (", ..." if len(failures) > 10 else "")
+        notes.append(f"Page{'s' if len(failures) > 1 else ''} {pages} of this PDF could not be read (damaged): the "
+                     "model does not see {} text. Download or export the PDF again.".format(
+                         "their" if len(failures) > 1 else "its"))
     return "\n\n".join(parts), n_pages
 

@@ -48,6 +48,21 @@ def test_a_full_disk_in_a_new_chat_keeps_the_message_and_leaves_no_empty_chat(qt
     assert window.store.conversations() == [] and window.conversation_id is None
 
 
+def test_any_failure_to_send_in_a_new_chat_keeps_the_message_and_leaves_no_empty_chat(qtbot, window, monkeypatch):
+    """Not only the store's own errors: whatever fails while the message is saved (text SQLite refuses, say) leaves
+    neither an empty chat in the list nor the message lost, and says what happened."""
+    def refuse(*args, **kwargs):
+        raise UnicodeEncodeError("utf-8", "\ud835", 0, 1, "surrogates not allowed")
+
+    monkeypatch.setattr(window.store, "add_turn", refuse)
+    window.new_conversation()
+    window.composer.setPlainText("what is the value?")
+    window.send()
+    assert window.composer.toPlainText() == "what is the value?" and not window.turns.busy
+    assert window.store.conversations() == [] and window.conversation_id is None
+    assert "was not sent" in window.shown_messages[-1][1] and "surrogates" in window.shown_messages[-1][1]
+
+
 def test_a_full_disk_while_a_reply_streams_says_so_once_and_keeps_the_reply(qtbot, window, monkeypatch,
                                                                             fake_model):
     fake_model.token_delay = 0.03

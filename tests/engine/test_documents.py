@@ -318,6 +318,37 @@ def test_pdf_mixed_text_and_image_pages(tmp_path):
     assert squash(PDF_PAGES[2][0]) in squash(doc.text)
 
 
+def test_a_damaged_page_is_marked_and_said_not_read_as_blank(tmp_path):
+    """pypdf reads a page whose content stream does not decompress as blank: the model would miss it unseen."""
+    path = tmp_path / "damaged.pdf"
+    path.write_bytes(make_pdf(PDF_PAGES, damaged=(2,)))
+    doc = load_document(path)
+    assert doc.pages == 3 and "[page 2: text could not be extracted]" in doc.text
+    assert squash(PDF_PAGES[0][0]) in squash(doc.text) and squash(PDF_PAGES[2][0]) in squash(doc.text)
+    assert squash(PDF_PAGES[1][0]) not in squash(doc.text)
+    assert any("Page 2 of this PDF could not be read (damaged)" in note for note in doc.notes), doc.notes
+    path.write_bytes(make_pdf([PDF_PAGES[0]], damaged=(1,)))  # nothing readable: damaged, not "scanned"
+    with pytest.raises(DocumentError) as exc_info:
+        load_document(path)
+    err = assert_error(exc_info, "unreadable", "damaged.pdf")
+    assert "damaged" in str(err) and "OCR" not in str(err)
+    path.write_bytes(make_pdf([PDF_PAGES[0], None]))  # a page with no text at all is no damage
+    assert load_document(path).notes == ()
+
+
+def test_a_lone_surrogate_becomes_a_replacement_character_with_a_note():
+    """A broken font map can give half a UTF-16 pair: no character, which nothing can encode (storing the chat
+    failed on it)."""
+    from engine.documents.core import _normalise
+    from engine.documents.pdf import _clean_pdf_text
+
+    notes: list[str] = []
+    assert _clean_pdf_text("The value is \ud835A here", notes) == "The value is \ufffdA here"
+    assert len(notes) == 1 and "1 character of this PDF could not be read" in notes[0]
+    assert _normalise("a\udc80b") == "a\ufffdb"
+    _normalise("a\ud835b").encode("utf-8")  # encodable
+
+
 @pytest.mark.parametrize("fraction", [0.3, 0.6, 0.95])
 def test_pdf_truncated(tmp_path, pdf_bytes, fraction, caplog):
     path = tmp_path / "truncated.pdf"
