@@ -80,6 +80,7 @@ LOAD_HELP = {
     "corrupt": "Download the model again.",
     "unsupported": "Pick a model folder (config.json + .safetensors) or a .gguf file.",
     "unsupported_architecture": "Pick a Llama, Mistral, Qwen2 or Qwen3 model.",
+    "unsupported_type": "Pick a .gguf file of the same model in a common quantization (Q4_K_M, Q8_0, ...).",
     "remote_code": "Only models that run without their own Python code are supported.",
     "oom": "Pick INT8 or INT4 weights, a smaller model, or the CPU.",
     "config": "Fix the value named in the message.",

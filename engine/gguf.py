@@ -14,6 +14,7 @@ import contextlib
 import hashlib
 import json
 import math
+import re
 import shutil
 import struct
 import threading
@@ -143,6 +144,13 @@ def convert_gguf(path: Path, *, progress=None, weights: bool = True) -> Path:
         raise ModelLoadError(f"Could not write the converted model to {target.parent} ({exc}). Free some disk space "
                              "or set DSV41_CACHE_DIR to a folder with room.", reason="disk", source=str(path)) from exc
     except Exception as exc:  # noqa: BLE001
+        unknown = re.search(r"(\d+)\)? is not a valid GGMLQuantizationType", str(exc))
+        if isinstance(exc, ValueError) and unknown:  # a type the gguf package does not know: not a damaged file
+            raise ModelLoadError(
+                f"{path.name} stores weights in a quantization type this version cannot read (GGML type "
+                f"{unknown.group(1)}; a newer llama.cpp may have written it). Pick a file of a common type (Q4_K_M, "
+                "Q5_K_M, Q6_K, Q8_0, Q4_0 or F16) of the same model.", reason="unsupported_type",
+                source=str(path)) from exc
         raise ModelLoadError(f"Could not convert {path.name}: {type(exc).__name__}: {exc}", reason="corrupt",
                              source=str(path)) from exc
     finally:

@@ -155,6 +155,29 @@ def test_truncated_gguf(tmp_path, monkeypatch):
     assert not (tmp_path / "cache" / "models").exists() or not any((tmp_path / "cache" / "models").iterdir())
 
 
+def test_a_gguf_of_a_quantization_type_unknown_here_says_so_not_download_again(tmp_path, monkeypatch):
+    """A file a newer llama.cpp wrote (a type the gguf package has no number for) is no damaged file: downloading
+    it again would not help."""
+    import struct
+
+    from gguf import GGUFReader
+
+    monkeypatch.setenv("DSV41_CACHE_DIR", str(tmp_path / "cache"))
+    src = default_gguf_path()
+    reader = GGUFReader(src)
+    field = reader.tensors[0].field  # its parts: name length, name, dimensions, their sizes, type, offset
+    offset = field.parts[-2].ctypes.data - reader.data.ctypes.data
+    assert int(field.parts[-2][0]) == int(reader.tensors[0].tensor_type)
+    data = bytearray(src.read_bytes())
+    data[offset:offset + 4] = struct.pack("<I", 99)
+    bad = tmp_path / "newer.gguf"
+    bad.write_bytes(bytes(data))
+    del reader
+    with pytest.raises(ModelLoadError, match="GGML type 99") as err:
+        load(bad)
+    assert err.value.reason == "unsupported_type" and "Q4_K_M" in str(err.value)
+
+
 def test_not_a_gguf(tmp_path):
     bad = tmp_path / "fake.gguf"
     bad.write_bytes(b"PK\x03\x04 definitely a zip")
