@@ -184,7 +184,7 @@ class RemoteSession:
         if text:  # as ChatSession: an exchange without any reply text is not kept
             self.messages = self.messages + [user, {"role": "assistant", "content": text}]
         # read this turn: the prompt less what the server kept of the conversation (ours says; others count it all)
-        prompt_tokens = int(usage.get("prompt_tokens") or 0) - int(
+        read = int(usage.get("prompt_tokens") or 0) - int(
             (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
         completion = int(usage.get("completion_tokens") or len(parts))
         ttft = (first_at or ended) - started
@@ -192,7 +192,7 @@ class RemoteSession:
         if memory is not None:
             self.cache.report = memory
         report = (memory or {}).get("report") or {}
-        stats = TurnStats(ttft_s=ttft, prefill_tokens=prompt_tokens, prefill_tok_s=prompt_tokens / max(ttft, 1e-9),
+        stats = TurnStats(ttft_s=ttft, prefill_tokens=read, prefill_tok_s=read / max(ttft, 1e-9),
                           decode_tokens=completion, decode_tok_s=max(completion - 1, 0) / decode_s,
                           total_s=ended - started, tokens_seen=int(report.get("tokens_seen") or 0),
                           kv_stored_tokens=int(report.get("kv_stored_tokens") or 0),

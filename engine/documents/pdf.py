@@ -84,6 +84,7 @@ def _damaged(page) -> bool:
         contents = contents.get_object()
         for stream in (contents if isinstance(contents, ArrayObject) else [contents]):
             stream = stream.get_object()
+            # the raw bytes as read (pypdf keeps them in _data and drops /Length once it has read the stream)
             if getattr(stream, "_data", b"") and not stream.get_data():
                 return True
     except Exception:  # noqa: BLE001 - a stream that fails to decode at all is damaged too
@@ -149,19 +150,17 @@ def _pdf_text(data: bytes, label: str, fail, max_chars: int, notes: list[str] | 
 
     parts: list[str] = []
     total = 0
-    failures: list[tuple[int, BaseException]] = []
+    failures: list[tuple[int, BaseException | None]] = []  # (page, why; None: its content did not decompress)
     for index in range(n_pages):
         try:
-            page_text = page_list[index].extract_text() or ""
+            page_text = (page_list[index].extract_text() or "").strip("\n")
+            failed = None if page_text.strip() or not _damaged(page_list[index]) else (index + 1, None)
         except Exception as exc:  # a damaged page: mark it, keep the rest
             if encrypted and isinstance(exc, DependencyError):  # AES streams, no crypto library
                 raise fail("encrypted", aes_message) from None
-            failures.append((index + 1, exc))
-            parts.append(f"[page {index + 1}: text could not be extracted]")
-            continue
-        page_text = page_text.strip("\n")
-        if not page_text.strip() and _damaged(page_list[index]):  # not blank: its text could not be decompressed
-            failures.append((index + 1, None))
+            failed = (index + 1, exc)
+        if failed is not None:
+            failures.append(failed)
             parts.append(f"[page {index + 1}: text could not be extracted]")
             continue
         if page_text.strip():
@@ -182,8 +181,8 @@ def _pdf_text(data: bytes, label: str, fail, max_chars: int, notes: list[str] | 
                    f"{damaged if exc is None else _reason_of(exc)}. Download or export it again.")
     if failures and notes is not None:
         pages = ", ".join(str(page) for page, _ in failures[:10]) + (", ..." if len(failures) > 10 else "")
-        notes.append(f"Page{'s' if len(failures) > 1 else ''} {pages} of this PDF could not be read (damaged): the "
-                     "model does not see {} text. Download or export the PDF again.".format(
-                         "their" if len(failures) > 1 else "its"))
+        several = len(failures) > 1
+        notes.append(f"Page{'s' if several else ''} {pages} of this PDF could not be read (damaged): the model does "
+                     f"not see {'their' if several else 'its'} text. Download or export the PDF again.")
     return "\n\n".join(parts), n_pages
 
