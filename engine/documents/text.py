@@ -3,6 +3,9 @@ UTF-8, or (for legacy code pages) charset-normalizer, and binary files refused w
 
 from __future__ import annotations
 
+import codecs
+import threading
+
 _SNIFF = 8192
 # C0 controls that do not occur in text (tab, LF, VT, FF, CR and ESC do).
 _CONTROL_BYTES = bytes(b for b in range(32) if b not in (9, 10, 11, 12, 13, 27)) + b"\x7f"
@@ -69,15 +72,20 @@ def _decode_text(data: bytes, label: str, fail, notes: list[str]) -> str:
     except UnicodeDecodeError:
         pass
 
-    # 4. UTF-8 with some invalid bytes (a pasted Windows-1252 quote, a damaged download): when it holds at
-    #    least as many valid multi-byte characters as invalid bytes it is UTF-8, whose characters a legacy
-    #    code page would turn into mojibake ("café" -> "cafÃ©"). The replaced bytes are said.
-    lenient = data.decode("utf-8", errors="replace")
-    bad = lenient.count("\ufffd") - data.count(b"\xef\xbf\xbd")
-    good_non_ascii = sum(1 for ch in lenient if ord(ch) > 127) - lenient.count("\ufffd")
-    if good_non_ascii >= bad > 0:
-        notes.append(_replaced_note(bad, "UTF-8"))
-        return lenient
+    # 4. UTF-8 with some invalid bytes (a pasted Windows-1252 quote, a file joined from two encodings, a damaged
+    #    download): valid multi-byte characters say it is UTF-8, whose characters a legacy code page would turn
+    #    into mojibake ("café" -> "cafÃ©"). A lone invalid byte between valid text is read as the Windows-1252
+    #    character it is there ("naïve" saved by another editor); runs of invalid bytes are replaced. Both are said.
+    #    Legacy double-byte text (GB18030, Shift-JIS) holds byte pairs that happen to be valid UTF-8, but its
+    #    invalid bytes come in runs, and it has more of them than valid characters: it goes on to 5.
+    valid = _valid_non_ascii(data)
+    mended, as_cp1252, replaced = _decode_mixed(data) if valid else ("", 0, 0)
+    if valid and (valid >= as_cp1252 + replaced or not replaced):
+        if as_cp1252:
+            notes.append(f"{as_cp1252} byte{'s' if as_cp1252 != 1 else ''} not valid UTF-8, read as Windows-1252")
+        if replaced:
+            notes.append(_replaced_note(replaced, "UTF-8"))
+        return mended
 
     # 5. A legacy encoding: a maintained detector (charset-normalizer) decides; never UTF-16/32 without a BOM.
     guess = _detect_legacy(data)
@@ -99,6 +107,49 @@ def _decode_text(data: bytes, label: str, fail, notes: list[str]) -> str:
         return data.decode("cp1252")
     except UnicodeDecodeError:
         return data.decode("latin-1")
+
+
+def _valid_non_ascii(data: bytes) -> int:
+    """How many characters past ASCII decode as valid UTF-8 in `data` (U+FFFD written as such not counted)."""
+    lenient = data.decode("utf-8", errors="replace")
+    return sum(1 for ch in lenient if ord(ch) > 127) - lenient.count("\ufffd")
+
+
+def _decode_mixed(data: bytes) -> tuple[str, int, int]:
+    """UTF-8 `data` with invalid bytes: (text, bytes read as Windows-1252, bytes replaced with U+FFFD)."""
+    counts = _MIXED_COUNTS.__dict__
+    counts["cp1252"] = counts["replaced"] = 0
+    text = data.decode("utf-8", errors=_MIXED_ERRORS)
+    return text, counts["cp1252"], counts["replaced"]
+
+
+def _mend_invalid(error: UnicodeDecodeError) -> tuple[str, int]:
+    """The decode error handler of `_decode_mixed`: a lone invalid byte between valid text is its Windows-1252
+    character; anything else is U+FFFD a byte."""
+    data, bad_at, bad_end = error.object, error.start, error.end
+    lone = (bad_end - bad_at == 1 and (bad_at == 0 or data[bad_at - 1] < 0x80)
+            and (bad_end == len(data) or data[bad_end] < 0x80))
+    char = _cp1252_char(data[bad_at]) if lone else None
+    counts = _MIXED_COUNTS.__dict__
+    if char is None:
+        counts["replaced"] += bad_end - bad_at
+        return "\ufffd" * (bad_end - bad_at), bad_end
+    counts["cp1252"] += 1
+    return char, bad_end
+
+
+_MIXED_ERRORS = "dsv41-mixed-utf8"
+_MIXED_COUNTS = threading.local()  # the handler's counts, per thread (documents load on workers)
+codecs.register_error(_MIXED_ERRORS, _mend_invalid)
+
+
+def _cp1252_char(byte: int) -> str | None:
+    """The Windows-1252 letter or punctuation mark `byte` stands for, or None (undefined, or a control)."""
+    try:
+        char = bytes([byte]).decode("cp1252")
+    except UnicodeDecodeError:
+        return None
+    return None if char == "\xa0" or not char.isprintable() else char
 
 
 def _replaced_note(count: int, encoding: str) -> str:

@@ -26,6 +26,24 @@ def test_one_accent_and_one_bad_byte_is_still_utf8(tmp_path):
     assert doc.text.startswith("A café.") and doc.notes
 
 
+def test_a_file_joined_from_utf8_and_windows_1252_reads_both_right(tmp_path):
+    """One UTF-8 accent and more Windows-1252 ones (a file pasted together from two editors): the UTF-8 text is
+    not read as mojibake ("Café" -> "CafÃ©") and the lone Windows-1252 bytes are their characters, said."""
+    path = tmp_path / "joined.txt"
+    path.write_bytes("Café au lait.\n".encode() + "The naïve résumé writers, “quoted”.".encode("cp1252"))
+    doc = load_document(path)
+    assert doc.text == "Café au lait.\nThe naïve résumé writers, “quoted”."
+    assert doc.notes == ("5 bytes not valid UTF-8, read as Windows-1252",)
+
+
+def test_many_windows_1252_bytes_among_utf8_text(tmp_path):
+    path = tmp_path / "many.txt"
+    path.write_bytes(("Café " + "x" * 20).encode() * 50_000 + b"d\xe9j\xe0 vu " * 50_000)
+    doc = load_document(path)
+    assert doc.text.count("déjà vu") == 50_000 and "Ã" not in doc.text
+    assert doc.notes == ("100000 bytes not valid UTF-8, read as Windows-1252",)
+
+
 def test_a_real_legacy_file_is_detected_and_the_encoding_named(tmp_path):
     path = tmp_path / "legacy.txt"
     path.write_bytes((SPEECH + " “Quoted.”\n") .encode("cp1252") * 5)
