@@ -56,6 +56,15 @@ def default_gguf_path() -> Path:
     return path
 
 
+def _starts_like_gguf(path: Path) -> bool:
+    """Whether `path` is a file that opens with the GGUF magic, whatever its name."""
+    try:
+        with open(path, "rb") as handle:
+            return handle.read(4) == b"GGUF"
+    except OSError:  # a folder, a missing or unreadable file: not a GGUF by content
+        return False
+
+
 def resolve_source(model_path: str, *, progress=None, weights: bool = True) -> ResolvedSource:
     """Turn the user's `model_path` into a folder of HF files, converting a GGUF if needed (without `weights`, a
     GGUF's folder holds its config and tokenizer only: load_gguf reads the weights from the file)."""
@@ -64,7 +73,7 @@ def resolve_source(model_path: str, *, progress=None, weights: bool = True) -> R
         return ResolvedSource("default", convert_gguf(gguf, progress=progress, weights=weights), DEFAULT_MODEL_NAME,
                               "default", gguf)
     path = Path(model_path).expanduser()
-    if path.suffix.lower() == ".gguf":
+    if path.suffix.lower() == ".gguf" or _starts_like_gguf(path):  # a GGUF saved as .bin is one too
         if not path.is_file():
             raise ModelLoadError(f"GGUF file not found: {path}. Check the path or pick the file again.",
                                  reason="missing", source=model_path)

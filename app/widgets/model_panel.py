@@ -299,6 +299,6 @@ class ModelPanel(QWidget):
             self.source.setCurrentText(folder)
 
     def _pick_gguf(self) -> None:
-        path, _ = QFileDialog.getOpenFileName(self, "Pick a GGUF model file", "", "GGUF models (*.gguf)")
+        path, _ = QFileDialog.getOpenFileName(self, "Pick a GGUF model file", "", "GGUF models (*.gguf);;All files (*)")
         if path:
             self.source.setCurrentText(path)

@@ -186,6 +186,22 @@ def test_not_a_gguf(tmp_path):
     assert err.value.reason == "corrupt"
 
 
+def test_a_gguf_saved_under_another_name_is_read_as_one(tmp_path, monkeypatch):
+    """What the file holds decides: a GGUF downloaded as `model.bin` loads as the GGUF it is; another `.bin` is
+    still refused as no model."""
+    monkeypatch.setenv("DSV41_CACHE_DIR", str(tmp_path / "cache"))
+    renamed = tmp_path / "model.bin"
+    renamed.symlink_to(default_gguf_path())
+    source = resolve_source(str(renamed), weights=False)
+    assert source.kind == "gguf" and source.gguf == renamed
+    assert (source.path / "config.json").is_file()
+    other = tmp_path / "pytorch_model.bin"
+    other.write_bytes(b"PK\x03\x04 a pickled checkpoint")
+    with pytest.raises(ModelLoadError, match="is a file, not a model") as err:
+        resolve_source(str(other))
+    assert err.value.reason == "unsupported"
+
+
 def test_missing_gguf_file(tmp_path):
     with pytest.raises(ModelLoadError, match="not found") as err:
         load(tmp_path / "nothing.gguf")
