@@ -97,9 +97,9 @@ class DSV41Model:
                     trust_remote_code=config.trust_remote_code, allow_pickled_weights=config.allow_pickled_weights)
         # float32 compute; weights held as bf16 where that is exact, or (dtype "auto") where the checkpoint was
         # quantized coarser than bf16 anyway (adapter.pack_weights). In that second case (the default model)
-        # prefill runs in bf16 too (matrix products and attention; norms, the residual and every decode step
-        # compute in float32) and the KV cache holds bf16 (kv_dtype): 2.6x faster prefill, half the cache,
-        # perplexity within +-0.2 % (adapter.set_prefill_bf16)
+        # prefill runs in bf16 too (attention, and matrix products where the CPU has a fast bf16 GEMM; norms, the
+        # residual and every decode step compute in float32) and the KV cache holds bf16 (kv_dtype): 2.6x faster
+        # prefill with AMX, half the cache, perplexity within +-0.2 % (adapter.set_prefill_bf16)
         # A GGUF's matrices are held in their own block formats where our kernels multiply them (the checkpoint's
         # exact values, its bytes read per token; adapter.hold_gguf), the others as above. DSV41_GGUF_BLOCKS=0
         # converts every matrix as before (for comparison).
@@ -136,7 +136,7 @@ class DSV41Model:
         info = LoadInfo(source.kind, source.display_name, str(source.path), resolved - started,
                         time.perf_counter() - resolved, str(first_device),
                         str(dtype).replace("torch.", ""), config.weight_quant, backend,
-                        adapter.packed_format(hf_model) or "", adapter.prefill_bf16(hf_model),
+                        adapter.packed_format(hf_model) or "", adapter.prefill_products_bf16(hf_model),
                         adapter.attention_kernels_line(hf_model, backend, first_device))
         if first_device.type == "cpu":
             memory_mod.return_free_heap()

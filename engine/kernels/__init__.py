@@ -5,9 +5,9 @@ here knows transformers or the cache's policies: the fused step takes plain tens
 from .fused import FusedDecodeStep
 from .gguf_blocks import GGUFMatrix, GGUFWeight
 from .library import KernelLibrary, KernelsUnavailable, build, load, unavailable_reason
-from .packed import KernelMatrix, PackedMatrix, bf16_exact
+from .packed import KernelMatrix, PackedMatrix, bf16_exact, bf16_products_fast
 from .quant import quantize_int8, quantize_rows_int8
 
 __all__ = ["FusedDecodeStep", "GGUFMatrix", "GGUFWeight", "KernelLibrary", "KernelMatrix", "KernelsUnavailable",
-           "PackedMatrix", "bf16_exact", "build", "load",
+           "PackedMatrix", "bf16_exact", "bf16_products_fast", "build", "load",
            "quantize_int8", "quantize_rows_int8", "unavailable_reason"]

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 
 from .library import KernelLibrary, load, unavailable_reason
@@ -10,6 +13,26 @@ from .library import KernelLibrary, load, unavailable_reason
 def cpu_vector(t: torch.Tensor, n: int) -> bool:
     """Whether `t` is what a C product reads or writes as n float32s: contiguous, on the CPU."""
     return t.dtype == torch.float32 and t.numel() == n and t.is_contiguous() and t.device.type == "cpu"
+
+
+def bf16_products_fast() -> bool:
+    """Whether prefill products may multiply in bf16 on this CPU: oneDNN's bf16 GEMM needs AVX-512 (AVX-512 BF16
+    or AMX in hardware, emulated on AVX-512 BW/VL/DQ). On a CPU with AVX2 alone torch takes a reference path: a
+    [512, 576] x [576, 1536] product took 751 ms in bf16 against 6.4 ms in float32, and our tiled bf16 product
+    (GGUFWeight.mm_bf16) ran 4x slower than dequantising to float32 for one float32 GEMM (AMD EPYC, AVX2). There
+    the products stay float32 (adapter.set_prefill_bf16). DSV41_BF16_PRODUCTS=1 or 0 forces the choice."""
+    forced = os.environ.get("DSV41_BF16_PRODUCTS", "").strip()
+    if forced in ("0", "1"):
+        return forced == "1"
+    return _onednn_bf16()
+
+
+@functools.cache
+def _onednn_bf16() -> bool:
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a torch built without oneDNN: no fast bf16 GEMM either
+        return False
 
 
 class KernelMatrix:

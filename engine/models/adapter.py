@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import GGUFWeight, KernelMatrix, PackedMatrix, bf16_exact, load, quantize_rows_int8
+from ..kernels.packed import bf16_products_fast
 from . import static_step
 from .decoder import Decoder, DecoderWeights, LayerWeights
 
@@ -45,6 +46,7 @@ class Runtime:
     compute_dtype: torch.dtype  # activations and the KV cache (weights may be held more compactly)
     decoder: Decoder | None  # our forward; None: transformers' forward runs (quantized layers, other layouts)
     packed: str | None  # "bf16" / "int8" when the decoder's matrices are held for our CPU kernels
+    prefill_bf16: bool = False  # prefill chunks attend in bf16 and the KV cache is bf16 (set_prefill_bf16)
 
 
 _RUNTIMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -142,20 +144,27 @@ def transformers_attention(model, implementation: str = "sdpa"):
 
 def set_prefill_bf16(model, on: bool) -> bool:
     """Prefill in bf16 (on) or float32 (off) for a model whose matrices are held as bf16 for our CPU kernels:
-    matrix products of bf16 activations x bf16 weights with float32 accumulation, the products rounded to
-    bf16 (torch's CPU bf16 GEMM), and caches made by DSV41Model.new_cache attend prefill chunks in bf16
-    (DSV41Cache.prefill_bf16) and store bf16 keys and values (DSV41Model.kv_dtype: that attention reads them
-    rounded anyway). Norms, the residual stream, CED scoring and every decode step compute in float32. Measured on the default model (2 cores with AMX; benchmarks/cpu_kernels.py):
-    products alone took a 1k-token prompt from 1.22 to 0.67 s and an 8k document from 17.0 to 12.9 s, bf16
-    attention then the 8k document to 6.8 s; perplexity on four speeches moved by -0.1 to +0.2 % (mean
-    about +0.05 %) against float32. Returns whether it is on (False where no matrix is held as bf16)."""
+    caches made by DSV41Model.new_cache attend prefill chunks in bf16 (DSV41Cache.prefill_bf16) and store bf16
+    keys and values (DSV41Model.kv_dtype: that attention reads them rounded anyway), and, where the CPU has a
+    fast bf16 GEMM (packed.bf16_products_fast), matrix products of bf16 activations x bf16 weights with float32
+    accumulation, the products rounded to bf16. Norms, the residual stream, CED scoring and every decode step
+    compute in float32. Measured on the default model (2 cores with AMX; benchmarks/cpu_kernels.py): products
+    alone took a 1k-token prompt from 1.22 to 0.67 s and an 8k document from 17.0 to 12.9 s, bf16 attention then
+    the 8k document to 6.8 s; perplexity on four speeches moved by -0.1 to +0.2 % (mean about +0.05 %) against
+    float32. On a CPU with AVX2 alone bf16 products took a 1k-token prompt from 3.4 to 15.4 s (AMD EPYC): there
+    the products stay float32 and the attention and the cache are bf16 (torch's flash kernel in bf16 runs at its
+    float32 speed there). Returns whether it is on (False where no matrix is held as bf16)."""
     step = step_matrices(model) or []
     decoder = runtime(model).decoder
     packed = [m for m in step if _bf16_capable(m)]  # bf16 or GGUF blocks, not int8
+    products = on and bf16_products_fast()
     for matrix in packed:
-        matrix.bf16_rows = on
+        matrix.bf16_rows = products
     if decoder is not None and _bf16_capable(decoder.w.embed):
-        decoder.w.embed.bf16_rows = on
+        decoder.w.embed.bf16_rows = products
+    found = _RUNTIMES.get(model)
+    if found is not None:
+        found.prefill_bf16 = bool(on and packed)
     return bool(on and packed)
 
 
@@ -165,7 +174,14 @@ def _bf16_capable(m) -> bool:
 
 
 def prefill_bf16(model) -> bool:
-    """Whether prefill chunks multiply the bf16-held matrices in bf16 (set_prefill_bf16)."""
+    """Whether prefill runs in bf16 (set_prefill_bf16): its attention and the KV cache, and its products where
+    prefill_products_bf16."""
+    return runtime(model).prefill_bf16
+
+
+def prefill_products_bf16(model) -> bool:
+    """Whether prefill chunks multiply the bf16-held matrices in bf16 (set_prefill_bf16, on a CPU with a fast bf16
+    GEMM)."""
     step = step_matrices(model) or []
     return any(_bf16_capable(m) and m.bf16_rows for m in step)
 

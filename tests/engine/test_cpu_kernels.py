@@ -200,3 +200,35 @@ def test_prefill_in_bf16_only_where_the_matrices_are_bf16(tiny_model):
     adapter.install(bf16, pack_rounding=True, prefill_bf16=True)
     assert adapter.prefill_bf16(bf16)
     assert not adapter.set_prefill_bf16(bf16, False) and not adapter.prefill_bf16(bf16)
+
+
+@needs_kernels
+@pytest.mark.parametrize("fast", ["0", "1"])
+def test_bf16_products_only_where_the_cpu_multiplies_bf16_fast(tiny_model, monkeypatch, fast):
+    """On a CPU without a fast bf16 GEMM (AVX2 alone: torch's reference path, ~100x slower than float32) a bf16
+    prefill keeps its products float32 and still attends in bf16 into a bf16 cache; with one, the products are
+    bf16 too. DSV41_BF16_PRODUCTS forces either for this test."""
+    monkeypatch.setenv("DSV41_BF16_PRODUCTS", fast)
+    model = tiny_model("llama")
+    adapter.install(model, pack_rounding=True, prefill_bf16=True)
+    assert adapter.prefill_bf16(model)  # the cache's side: bf16 attention, bf16 keys and values
+    assert adapter.prefill_products_bf16(model) == (fast == "1")
+    matrix = next(m for m in adapter.step_matrices(model) if isinstance(m, PackedMatrix))
+    x = torch.randn(9, matrix.shape[1])
+    exact = torch.nn.functional.linear(x, matrix.dense(torch.float32))
+    got = matrix.linear(x)
+    assert torch.equal(got, exact) == (fast == "0")  # float32 products are the float32 GEMM's, bit for bit
+    monkeypatch.setenv("DSV41_BF16_PRODUCTS", "1" if fast == "0" else "0")
+    adapter.set_prefill_bf16(model, True)  # applied again, it follows the CPU's (here: forced) answer
+    assert adapter.prefill_products_bf16(model) == (fast == "0") and adapter.prefill_bf16(model)
+
+
+def test_the_cpus_bf16_gemm_decides_without_the_environment(monkeypatch):
+    from engine.kernels import packed
+
+    monkeypatch.delenv("DSV41_BF16_PRODUCTS", raising=False)
+    assert packed.bf16_products_fast() == bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    monkeypatch.setattr(packed, "_onednn_bf16", lambda: False)
+    assert not packed.bf16_products_fast()
+    monkeypatch.setenv("DSV41_BF16_PRODUCTS", "1")
+    assert packed.bf16_products_fast()

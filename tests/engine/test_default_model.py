@@ -224,24 +224,30 @@ def test_plain_cache_reproduces_transformers_logits_on_the_default_model(default
     assert torch.allclose(got, reference, atol=2e-4, rtol=1e-4), (got - reference).abs().max()
 
 
-def test_default_model_prefills_in_bf16_within_bf16_rounding_of_float32(default_model):
-    """The default load (a Q4_1 checkpoint, weights held rounded to bf16) multiplies prefill chunks in bf16:
-    its logits stay close to the float32 products' (one-token steps keep float32 products: test_cpu_kernels)."""
-
+def test_default_model_prefills_in_bf16_within_bf16_rounding_of_float32(default_model, monkeypatch):
+    """The default load (a Q4_1 checkpoint, weights held rounded to bf16) prefills in bf16: its attention, and its
+    products where the CPU has a fast bf16 GEMM (test_cpu_kernels). Those bf16 products (forced here, so any CPU
+    checks them) keep the logits close to the float32 products' (one-token steps keep float32 products)."""
+    from engine import DSV41Config, DSV41Model
+    from engine.kernels import bf16_products_fast
     from engine.models import adapter
 
     hf = default_model.hf_model
-    assert adapter.prefill_bf16(hf) and default_model.info.prefill_bf16
-    from engine import DSV41Config, DSV41Model
-
+    assert adapter.prefill_bf16(hf)
+    assert default_model.info.prefill_bf16 == adapter.prefill_products_bf16(hf) == bf16_products_fast()
     exact_model = DSV41Model.from_pretrained(DSV41Config(dtype="float32"))
     assert not adapter.prefill_bf16(exact_model.hf_model) and not exact_model.info.prefill_bf16
-    got, _ = _against_reference(default_model, None)
-    adapter.set_prefill_bf16(hf, False)
+    monkeypatch.setenv("DSV41_BF16_PRODUCTS", "1")
     try:
+        adapter.set_prefill_bf16(hf, True)
+        assert adapter.prefill_products_bf16(hf)
+        got, _ = _against_reference(default_model, None)
+        adapter.set_prefill_bf16(hf, False)
         exact, _ = _against_reference(default_model, None)
     finally:
+        monkeypatch.delenv("DSV41_BF16_PRODUCTS")
         adapter.set_prefill_bf16(hf, True)
+    assert adapter.prefill_products_bf16(hf) == bf16_products_fast()
     n = got.shape[1] - 4
     error = (got[:, :n] - exact[:, :n]).abs()
     scale = exact.abs().max()
