@@ -53,6 +53,8 @@ OURS = {  # row -> (environment, engine knobs)
     "ours, GGUF blocks, int8 x": ({"DSV41_GGUF_X": "int8"}, dict(kv_cache_ratio=1.0, csa2_topk=0)),
     "ours, bf16 weights": ({"DSV41_GGUF_BLOCKS": "0"}, dict(kv_cache_ratio=1.0, csa2_topk=0)),
     "ours, defaults (CED + CSA2)": ({}, {}),
+    # prefill products in bf16 whatever the CPU (kernels.packed.bf16_products_fast): on AVX2 alone, the slow route
+    "ours, GGUF blocks, bf16 products": ({"DSV41_BF16_PRODUCTS": "1"}, dict(kv_cache_ratio=1.0, csa2_topk=0)),
 }
 PEER = "llama.cpp"
 
@@ -277,6 +279,7 @@ def main(argv=None) -> int:
     parser.add_argument("--contexts", help="prompt lengths, comma-separated (default: 128,1024,4096,8000)")
     parser.add_argument("--speed-only", action="store_true", help="decode and TTFT only, no perplexity")
     parser.add_argument("--folder", default="gguf-llamacpp", help="the results folder's name")
+    parser.add_argument("--rows", help="which of ours to run beside llama.cpp, separated by semicolons (default: all)")
     parser.add_argument("--memory", action="store_true",
                         help="measure only each row's peak memory (one process each, the longest prompt) into the "
                              "existing results")
@@ -313,7 +316,9 @@ def main(argv=None) -> int:
     file_tensor_bytes = sum(t.nbytes for t in tensor_index(gguf).values())
     base = {"gguf": gguf, "n_ctx": 8192, "new_tokens": NEW_TOKENS, "names": names,
             "prompts": [ids for ids, _ in built], "questions": [q for _, q in built]}
-    rows = [PEER] + list(OURS)
+    rows = [PEER] + (list(OURS) if not args.rows else [row.strip() for row in args.rows.split(";")])
+    if unknown := [row for row in rows if row != PEER and row not in OURS]:
+        parser.error(f"unknown rows {unknown}; ours are {list(OURS)}")
     raw: dict[str, list[dict]] = {row: [] for row in rows}
     for rep in range(reps):
         for row in rows:
@@ -341,7 +346,7 @@ def main(argv=None) -> int:
                "reps": reps, "prompt_tokens": {n: len(ids) for n, (ids, _) in zip(names, built, strict=True)},
                "rows": summary, "perplexity": ppl, "raw": raw,
                "same_tokens": same_tokens(raw, names),
-               "weights": {row: raw[row][0].get("weights") for row in OURS}}
+               "weights": {row: raw[row][0].get("weights") for row in rows if row in OURS}}
     folder = write_results(args.folder, payload, table(payload))
     plot(payload, folder)
     print(table(payload))
@@ -392,7 +397,7 @@ def summarise(raw: dict, names: list[str], bandwidth: float, file_bytes: int) ->
 def same_tokens(raw: dict, names: list[str]) -> dict:
     """How many of the greedy tokens ours (GGUF blocks) and llama.cpp agree on before they first differ."""
     out = {}
-    for name in names:
+    for name in names if "ours, GGUF blocks" in raw else ():
         a = raw[PEER][0]["runs"][name]["tokens"]
         b = raw["ours, GGUF blocks"][0]["runs"][name].get("tokens")
         if b is None:
