@@ -20,7 +20,7 @@ def test_memory_feeds_a_document_and_prints_the_seed_lines(capsys, tmp_path, def
     import pydoc_data.topics
 
     doc = tmp_path / "topics.txt"
-    doc.write_text("\n\n".join(list(pydoc_data.topics.topics.values())[:6]))
+    doc.write_text("\n\n".join(list(pydoc_data.topics.topics.values())[:6])[:12_000])  # ~3k tokens, read in chunks
     code = main(["memory", "--document", str(doc), "--max-seq-len", "8192", "--kv-cache-ratio", "0.5"])
     out, _ = capsys.readouterr()
     assert code == 0
