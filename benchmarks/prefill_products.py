@@ -1,8 +1,8 @@
 """Which products a prefill should multiply in bf16 on this CPU: the default model's time to read a prompt.
 
 The default load prefills in bf16 (adapter.set_prefill_bf16): the attention and the KV cache always, the matrix
-products where the CPU has a fast bf16 GEMM (kernels.packed.bf16_products_fast: oneDNN's, which needs AVX-512;
-on AVX2 alone torch takes a reference path). Three variants of the one loaded model, interleaved, on the same
+products where the CPU has bf16 dot products (kernels.packed.bf16_products_fast: AVX-512 BF16 or AMX; on AVX2
+alone torch's bf16 GEMM is a reference path). Three variants of the one loaded model, interleaved, on the same
 prompt token ids (a speech's first N tokens, read in 512-token chunks as a chat reads a document):
 
 - "as chosen for this CPU": the default load as it is;

@@ -97,7 +97,7 @@ class DSV41Model:
                     trust_remote_code=config.trust_remote_code, allow_pickled_weights=config.allow_pickled_weights)
         # float32 compute; weights held as bf16 where that is exact, or (dtype "auto") where the checkpoint was
         # quantized coarser than bf16 anyway (adapter.pack_weights). In that second case (the default model)
-        # prefill runs in bf16 too (attention, and matrix products where the CPU has a fast bf16 GEMM; norms, the
+        # prefill runs in bf16 too (attention, and matrix products where the CPU has bf16 dot products; norms, the
         # residual and every decode step compute in float32) and the KV cache holds bf16 (kv_dtype): 2.6x faster
         # prefill with AMX, half the cache, perplexity within +-0.2 % (adapter.set_prefill_bf16)
         # A GGUF's matrices are held in their own block formats where our kernels multiply them (the checkpoint's

@@ -16,11 +16,12 @@ def cpu_vector(t: torch.Tensor, n: int) -> bool:
 
 
 def bf16_products_fast() -> bool:
-    """Whether prefill products may multiply in bf16 on this CPU: oneDNN's bf16 GEMM needs AVX-512 (AVX-512 BF16
-    or AMX in hardware, emulated on AVX-512 BW/VL/DQ). On a CPU with AVX2 alone torch takes a reference path: a
-    [512, 576] x [576, 1536] product took 751 ms in bf16 against 6.4 ms in float32, and our tiled bf16 product
-    (GGUFWeight.mm_bf16) ran 4x slower than dequantising to float32 for one float32 GEMM (AMD EPYC, AVX2). There
-    the products stay float32 (adapter.set_prefill_bf16). DSV41_BF16_PRODUCTS=1 or 0 forces the choice."""
+    """Whether prefill products may multiply in bf16 on this CPU: where it has bf16 dot products in hardware (AVX-512
+    BF16 or AMX, where the bf16 products were measured faster) and oneDNN's bf16 GEMM. On a CPU with AVX2 alone
+    torch takes a reference path: a [512, 576] x [576, 1536] product took 751 ms in bf16 against 6.4 ms in float32,
+    and our tiled bf16 product (GGUFWeight.mm_bf16) ran 4x slower than dequantising to float32 for one float32 GEMM
+    (AMD EPYC, AVX2); on AVX-512 without BF16 oneDNN emulates bf16 (not measured here). Elsewhere the products stay
+    float32 (adapter.set_prefill_bf16). DSV41_BF16_PRODUCTS=1 or 0 forces the choice."""
     forced = os.environ.get("DSV41_BF16_PRODUCTS", "").strip()
     if forced in ("0", "1"):
         return forced == "1"
@@ -30,8 +31,9 @@ def bf16_products_fast() -> bool:
 @functools.cache
 def _onednn_bf16() -> bool:
     try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):  # a torch built without oneDNN: no fast bf16 GEMM either
+        native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+        return bool(native and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a torch without these checks or without oneDNN: float32 products
         return False
 
 

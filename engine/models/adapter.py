@@ -145,8 +145,8 @@ def transformers_attention(model, implementation: str = "sdpa"):
 def set_prefill_bf16(model, on: bool) -> bool:
     """Prefill in bf16 (on) or float32 (off) for a model whose matrices are held as bf16 for our CPU kernels:
     caches made by DSV41Model.new_cache attend prefill chunks in bf16 (DSV41Cache.prefill_bf16) and store bf16
-    keys and values (DSV41Model.kv_dtype: that attention reads them rounded anyway), and, where the CPU has a
-    fast bf16 GEMM (packed.bf16_products_fast), matrix products of bf16 activations x bf16 weights with float32
+    keys and values (DSV41Model.kv_dtype: that attention reads them rounded anyway), and, where the CPU has
+    bf16 dot products (packed.bf16_products_fast), matrix products of bf16 activations x bf16 weights with float32
     accumulation, the products rounded to bf16. Norms, the residual stream, CED scoring and every decode step
     compute in float32. Measured on the default model (2 cores with AMX; benchmarks/cpu_kernels.py): products
     alone took a 1k-token prompt from 1.22 to 0.67 s and an 8k document from 17.0 to 12.9 s, bf16 attention then

@@ -205,7 +205,7 @@ def test_prefill_in_bf16_only_where_the_matrices_are_bf16(tiny_model):
 @needs_kernels
 @pytest.mark.parametrize("fast", ["0", "1"])
 def test_bf16_products_only_where_the_cpu_multiplies_bf16_fast(tiny_model, monkeypatch, fast):
-    """On a CPU without a fast bf16 GEMM (AVX2 alone: torch's reference path, ~100x slower than float32) a bf16
+    """On a CPU without bf16 dot products (AVX2 alone: torch's reference path, ~100x slower than float32) a bf16
     prefill keeps its products float32 and still attends in bf16 into a bf16 cache; with one, the products are
     bf16 too. DSV41_BF16_PRODUCTS forces either for this test."""
     monkeypatch.setenv("DSV41_BF16_PRODUCTS", fast)
@@ -227,7 +227,8 @@ def test_the_cpus_bf16_gemm_decides_without_the_environment(monkeypatch):
     from engine.kernels import packed
 
     monkeypatch.delenv("DSV41_BF16_PRODUCTS", raising=False)
-    assert packed.bf16_products_fast() == bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    assert packed.bf16_products_fast() == bool(native and torch.ops.mkldnn._is_mkldnn_bf16_supported())
     monkeypatch.setattr(packed, "_onednn_bf16", lambda: False)
     assert not packed.bf16_products_fast()
     monkeypatch.setenv("DSV41_BF16_PRODUCTS", "1")

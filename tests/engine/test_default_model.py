@@ -226,7 +226,7 @@ def test_plain_cache_reproduces_transformers_logits_on_the_default_model(default
 
 def test_default_model_prefills_in_bf16_within_bf16_rounding_of_float32(default_model, monkeypatch):
     """The default load (a Q4_1 checkpoint, weights held rounded to bf16) prefills in bf16: its attention, and its
-    products where the CPU has a fast bf16 GEMM (test_cpu_kernels). Those bf16 products (forced here, so any CPU
+    products where the CPU has bf16 dot products (test_cpu_kernels). Those bf16 products (forced here, so any CPU
     checks them) keep the logits close to the float32 products' (one-token steps keep float32 products)."""
     from engine import DSV41Config, DSV41Model
     from engine.kernels import bf16_products_fast
