@@ -21,6 +21,7 @@ from .errors import ModelLoadError
 from .gguf import check_gguf_file, convert_gguf
 from .gguf import discard_conversion as discard_conversion  # re-exported: engine.model calls loader.X
 from .gguf import source_is_quantized as source_is_quantized  # re-exported, as above
+from .gguf_index import GGUF_MAGIC
 from .hf_load import _quiet_transformers, check_finite
 from .models.adapter import SUPPORTED_ARCHITECTURES, UnsupportedArchitecture, check_architecture
 
@@ -60,7 +61,7 @@ def _starts_like_gguf(path: Path) -> bool:
     """Whether `path` is a file that opens with the GGUF magic, whatever its name."""
     try:
         with open(path, "rb") as handle:
-            return handle.read(4) == b"GGUF"
+            return handle.read(4) == GGUF_MAGIC
     except OSError:  # a folder, a missing or unreadable file: not a GGUF by content
         return False
 

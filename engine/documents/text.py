@@ -78,9 +78,10 @@ def _decode_text(data: bytes, label: str, fail, notes: list[str]) -> str:
     #    character it is there ("naïve" saved by another editor); runs of invalid bytes are replaced. Both are said.
     #    Legacy double-byte text (GB18030, Shift-JIS) holds byte pairs that happen to be valid UTF-8, but its
     #    invalid bytes come in runs, and it has more of them than valid characters: it goes on to 5.
-    valid = _valid_non_ascii(data)
-    mended, as_cp1252, replaced = _decode_mixed(data) if valid else ("", 0, 0)
-    if valid and (valid >= as_cp1252 + replaced or not replaced):
+    mended, as_cp1252, replaced = _decode_mixed(data)
+    # characters past ASCII that were valid UTF-8 (neither a Windows-1252 byte read here nor U+FFFD)
+    valid = sum(1 for ch in mended if ord(ch) > 127) - as_cp1252 - mended.count("\ufffd")
+    if valid > 0 and (valid >= as_cp1252 + replaced or not replaced):
         if as_cp1252:
             notes.append(f"{as_cp1252} byte{'s' if as_cp1252 != 1 else ''} not valid UTF-8, read as Windows-1252")
         if replaced:
@@ -109,18 +110,11 @@ def _decode_text(data: bytes, label: str, fail, notes: list[str]) -> str:
         return data.decode("latin-1")
 
 
-def _valid_non_ascii(data: bytes) -> int:
-    """How many characters past ASCII decode as valid UTF-8 in `data` (U+FFFD written as such not counted)."""
-    lenient = data.decode("utf-8", errors="replace")
-    return sum(1 for ch in lenient if ord(ch) > 127) - lenient.count("\ufffd")
-
-
 def _decode_mixed(data: bytes) -> tuple[str, int, int]:
     """UTF-8 `data` with invalid bytes: (text, bytes read as Windows-1252, bytes replaced with U+FFFD)."""
-    counts = _MIXED_COUNTS.__dict__
-    counts["cp1252"] = counts["replaced"] = 0
+    _MIXED_COUNTS.cp1252 = _MIXED_COUNTS.replaced = 0
     text = data.decode("utf-8", errors=_MIXED_ERRORS)
-    return text, counts["cp1252"], counts["replaced"]
+    return text, _MIXED_COUNTS.cp1252, _MIXED_COUNTS.replaced
 
 
 def _mend_invalid(error: UnicodeDecodeError) -> tuple[str, int]:
@@ -130,11 +124,10 @@ def _mend_invalid(error: UnicodeDecodeError) -> tuple[str, int]:
     lone = (bad_end - bad_at == 1 and (bad_at == 0 or data[bad_at - 1] < 0x80)
             and (bad_end == len(data) or data[bad_end] < 0x80))
     char = _cp1252_char(data[bad_at]) if lone else None
-    counts = _MIXED_COUNTS.__dict__
     if char is None:
-        counts["replaced"] += bad_end - bad_at
+        _MIXED_COUNTS.replaced += bad_end - bad_at
         return "\ufffd" * (bad_end - bad_at), bad_end
-    counts["cp1252"] += 1
+    _MIXED_COUNTS.cp1252 += 1
     return char, bad_end
 
 
