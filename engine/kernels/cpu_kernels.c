@@ -70,7 +70,9 @@ static inline void stream_to(Stream *st, const char *target) {
  * build, thousands of rounds (benchmarks/kernels_ab.py --products): x1.03-1.04 in two runs (x1.035-1.055 in the
  * rounds whose reads were fastest, x1.015 in the slowest); 6: x1.03, 12: x0.99, 16: x0.98; no stream: x0.57. The
  * float32-x Q4 loop is bound by its instructions and lost 7 % to the stream's own work, so it keeps its per-row
- * prefetch. */
+ * prefetch. The AVX2 build's integer Q4 loops stream too (an AMD EPYC with AVX2 alone, the step's products on int16
+ * x: x1.58 over a prefetch into L1 per row, ~2,000 paired rounds; 4 groups ahead x1.04 / x1.00 against 8, 12 x0.97,
+ * both within the noise). */
 #define GROUPS_AHEAD 8
 static inline Stream group_stream(const uint8_t *w, int64_t r0, int64_t r1, int64_t row_bytes) {
     Stream st = {(const char *)w + (r0 + 4 * GROUPS_AHEAD) * row_bytes, (const char *)(w + r1 * row_bytes)};
@@ -1184,41 +1186,75 @@ static inline int64_t q4_x_at(int64_t b, int i, int planes) {
  * then 32 l); a block's 32 nibbles as unsigned bytes in one ymm (bytes 0-15 the low nibbles: weights 0-15, 16-31 the
  * high ones), vpmaddubsw against h and against l (pair sums at most 2 * 15 * 128: no saturation), widened by
  * vpmaddwd with 256 and with 1 (x16_dot_avx2): the exact integer sum of q x16 over four weights a lane, converted exactly, times
- * d dx. About half the instructions of the float32 loop above, four rows at a time over the same x. The whole
+ * d dx. About half the instructions of the float32 loop above, four rows at a time over the same x, the rows ahead
+ * streamed into L2 (group_stream: the step's products 11.7 -> 7.3 ms on an AMD EPYC with AVX2 alone, where a
+ * prefetch into L1 per row left them at 46 % of the rate their bytes read at). The whole
  * groups of a split row (interleaved, q4_split_at) go eight blocks a ymm, a block's sums in its own lane over the
  * group's four chunks, then one conversion and multiply-add per eight blocks; their x as q4_x_at lays it out
  * (q16_blocks' `grouped`: the first blocks that many). */
+/* One block of 32 x rounded for the integer routes (top: 127 or 32639 = max |x| / scale): the rounded values' 32-bit
+ * integers in q[4] (weights 0-7, 8-15, 16-23, 24-31), the scale, NaN where a value is not finite (its integers then
+ * 0). The rounding is the multiply and the round to nearest even of _mm256_cvtps_epi32, as lrintf rounds. */
+static inline float x_block_ints(const float *xs, float top, __m256i q[4]) {
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 v[4], m = _mm256_setzero_ps(), z = _mm256_setzero_ps();
+    for (int k = 0; k < 4; k++) {
+        v[k] = _mm256_loadu_ps(xs + 8 * k);
+        m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[k]));
+        z = _mm256_fmadd_ps(v[k], _mm256_setzero_ps(), z); /* 0 unless some value is NaN or infinite */
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+    const int finite = hsum256(z) == 0.f;
+    const float amax = finite ? _mm_cvtss_f32(m4) : __builtin_nanf("");
+    const __m256 inv = _mm256_set1_ps(finite && amax > 0.f ? top / amax : 0.f);
+    for (int k = 0; k < 4; k++) q[k] = finite ? _mm256_cvtps_epi32(_mm256_mul_ps(v[k], inv)) : _mm256_setzero_si256();
+    return amax / top;
+}
+/* 32 int32 lanes (each within int8) as 32 bytes in their order */
+static inline __m256i ints_to_bytes(const __m256i q[4]) {
+    const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    return _mm256_permutevar8x32_epi32(b, _mm256_set_epi32(7, 3, 6, 2, 5, 1, 4, 0));
+}
+static inline int32_t isum256(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    return _mm_cvtsi128_si32(s);
+}
+/* 32 bytes of block b's x (weights 0-31 in order) where q4_x_at puts them in a whole interleaved group: four bytes
+ * at a time */
+static inline void q4_x_scatter(int8_t *xq, int64_t b, int planes, __m256i bytes) {
+    _Alignas(32) int32_t w[8];
+    _mm256_store_si256((__m256i *)w, bytes);
+    for (int k = 0; k < 8; k++) memcpy(xq + q4_x_at(b, 4 * k, planes), w + k, 4);
+}
+
 static void q16_blocks(const float *x, int64_t blocks, int8_t *xq, float *dx, float *xsum, float *xsum16,
                        int64_t grouped) {
+    const __m256i b128 = _mm256_set1_epi32(128);
     for (int64_t b = 0; b < blocks; b++) {
-        const float *xs = x + b * 32;
-        float amax = 0.f;
-        int finite = 1;
-        for (int i = 0; i < 32; i++) {
-            const float a = __builtin_fabsf(xs[i]);
-            finite &= __builtin_isfinite(xs[i]) != 0;
-            amax = a > amax ? a : amax;
+        __m256i q[4], h[4], l[4];
+        dx[b] = x_block_ints(x + b * 32, 32639.f, q);
+        for (int k = 0; k < 4; k++) {
+            h[k] = _mm256_srai_epi32(_mm256_add_epi32(q[k], b128), 8);
+            l[k] = _mm256_sub_epi32(q[k], _mm256_slli_epi32(h[k], 8));
         }
-        if (!finite) amax = __builtin_nanf("");
-        const float inv = amax > 0.f ? 32639.f / amax : 0.f;
-        int32_t sum[2] = {0, 0};
-        int8_t *h = xq + b * 64, *l = h + 32;
-        for (int i = 0; i < 32; i++) {
-            const int32_t q = finite ? (int32_t)__builtin_lrintf(xs[i] * inv) : 0, hi = (q + 128) >> 8;
-            if (b < grouped) { /* a whole group of interleaved Q4 integers: q4_x_at */
-                int8_t *at = xq + q4_x_at(b, i, 2);
-                at[0] = (int8_t)hi;
-                at[128] = (int8_t)(q - hi * 256);
-            } else {
-                h[i] = (int8_t)hi;
-                l[i] = (int8_t)(q - hi * 256);
-            }
-            sum[i / 16] += q;
+        const __m256i hb = ints_to_bytes(h), lb = ints_to_bytes(l);
+        if (b < grouped) { /* a whole group of interleaved Q4 integers: q4_x_at, the low bytes 128 after the high */
+            q4_x_scatter(xq, b, 2, hb);
+            q4_x_scatter(xq + 128, b, 2, lb);
+        } else {
+            _mm256_storeu_si256((__m256i *)(xq + b * 64), hb);
+            _mm256_storeu_si256((__m256i *)(xq + b * 64 + 32), lb);
         }
-        dx[b] = amax / 32639.f;
-        xsum[b] = dx[b] * (float)(sum[0] + sum[1]);
-        if (xsum16) /* Q6_K's -32 against each sub-block of 16 */
-            for (int k = 0; k < 2; k++) xsum16[2 * b + k] = 32.f * (dx[b] * (float)sum[k]);
+        const int32_t s0 = isum256(_mm256_add_epi32(q[0], q[1])), s1 = isum256(_mm256_add_epi32(q[2], q[3]));
+        xsum[b] = dx[b] * (float)(s0 + s1);
+        if (xsum16) { /* Q6_K's -32 against each sub-block of 16 */
+            xsum16[2 * b] = 32.f * (dx[b] * (float)s0);
+            xsum16[2 * b + 1] = 32.f * (dx[b] * (float)s1);
+        }
     }
 }
 
@@ -1252,6 +1288,7 @@ static void rows_q4_int16_avx2(int64_t type, int split, const uint8_t *w, const 
                   m_at = split ? 2 * blocks : 2;
     const __m128i nib = _mm_set1_epi8(0x0F);
     const __m256i nib32 = _mm256_set1_epi8(0x0F);
+    Stream st = group_stream(w, r0, r1, row_bytes);
     for (int64_t r = r0; r < r1; r += 4) {
         const int64_t n = r1 - r < 4 ? r1 - r : 4; /* a short last group repeats its last row, not stored */
         __m256 a[4];
@@ -1265,6 +1302,7 @@ static void rows_q4_int16_avx2(int64_t type, int split, const uint8_t *w, const 
         __m256 ev[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
         for (int64_t c = 0; c < grouped; c += Q4_GROUP) /* whole groups of interleaved blocks, eight a ymm */
             for (int hv = 0; hv < 2; hv++) {
+                group_stream_to(&st, w, r, row_bytes, c + 8 * hv + 8, blocks);
                 __m256i t[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
                 for (int s = 0; s < 4; s++) {
                     const int8_t *xg = xq + q4_x_at(c, 4 * s, 2) + 32 * hv;
@@ -1273,7 +1311,6 @@ static void rows_q4_int16_avx2(int64_t type, int split, const uint8_t *w, const 
 #pragma GCC unroll 4
                     for (int j = 0; j < 4; j++) {
                         const uint8_t *b = rowp[j] + q_at + c * 16 + 64 * s + 32 * hv;
-                        if (s == 0) _mm_prefetch((const char *)(b + 16 * row_bytes), _MM_HINT_T0);
                         const __m256i v = _mm256_loadu_si256((const __m256i *)b);
                         const __m256i lo = _mm256_and_si256(v, nib32), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib32);
                         t[j] = _mm256_add_epi32(t[j], _mm256_add_epi32(x16_dot_avx2(lo, lh, ll), x16_dot_avx2(hi, hh, hl)));
@@ -1293,13 +1330,141 @@ static void rows_q4_int16_avx2(int64_t type, int split, const uint8_t *w, const 
             const __m256i xh = _mm256_loadu_si256((const __m256i *)(xq + bi * 64)),
                           xl = _mm256_loadu_si256((const __m256i *)(xq + bi * 64 + 32));
             const float dxb = dx[bi], xs = xsum[bi];
+            group_stream_to(&st, w, r, row_bytes, bi + 1, blocks);
 #pragma GCC unroll 4
             for (int j = 0; j < 4; j++) {
                 const uint8_t *b = rowp[j] + q_at + bi * q_step, *ds = rowp[j] + bi * d_step;
-                _mm_prefetch((const char *)(b + 16 * row_bytes), _MM_HINT_T0); /* four groups of rows ahead */
                 const __m128i v = _mm_loadu_si128((const __m128i *)b);
                 const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), nib), _mm_and_si128(v, nib));
                 const __m256i t = x16_dot_avx2(q, xh, xl);
+                const float dv = f16_load(ds);
+                extra[j] += (with_min ? f16_load(ds + m_at) : -8.f * dv) * xs;
+                a[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(dv * dxb), a[j]);
+            }
+        }
+        for (int j = 0; j < n; j++) store(y, r + j, hsum256(a[j]) + extra[j], acc);
+    }
+}
+
+/* The int8 mode's Q4 product on AVX2 (what llama.cpp's AVX2 Q4 x Q8 product does): x rounded to int8 per block of 32
+ * (scale max |x| / 127, NaN where a value is not finite), one vpmaddubsw of the nibbles against it (pair sums at
+ * most 2 * 15 * 127) where int16 x takes two and two vpmaddwd. The whole groups of a split row (q4_split_at) add
+ * their four chunks' pair sums in int16 (8 * 2 * 15 * 127 = 30,480: no overflow) and widen them once per eight
+ * blocks, a block in its own lane; x laid out by q4_x_at with one plane (the first `grouped` blocks), the rest 32
+ * bytes a block in the weights' order. */
+static void q8_blocks(const float *x, int64_t blocks, int8_t *xq, float *dx, float *xsum, int64_t grouped) {
+    for (int64_t b = 0; b < blocks; b++) {
+        __m256i q[4];
+        dx[b] = x_block_ints(x + b * 32, 127.f, q);
+        const __m256i bytes = ints_to_bytes(q);
+        if (b < grouped) q4_x_scatter(xq, b, 1, bytes);
+        else _mm256_storeu_si256((__m256i *)(xq + b * 32), bytes);
+        xsum[b] = dx[b] * (float)isum256(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
+    }
+}
+
+/* x rounded to int16 per block of 32 (as q16_blocks) as 32 int16 words a block, in order: what vpmaddwd takes
+ * against Q8_0's integers widened to int16 (rows_q8_0_int16_avx2). */
+static void x16_words(const float *x, int64_t blocks, int16_t *xw, float *dx) {
+    for (int64_t b = 0; b < blocks; b++) {
+        __m256i q[4];
+        dx[b] = x_block_ints(x + b * 32, 32639.f, q);
+        _mm256_storeu_si256((__m256i *)(xw + b * 32), _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xD8));
+        _mm256_storeu_si256((__m256i *)(xw + b * 32 + 16), _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xD8));
+    }
+}
+
+/* Q8_0 rows on int16 x (the integer modes on AVX2): a block's 32 int8 weights widened to int16 and multiplied with
+ * vpmaddwd (pair sums at most 2 * 128 * 32639: exact), its eight lanes of sums converted once and scaled by d dx;
+ * four rows at a time over the same x, the rows ahead streamed into L2 (group_stream). Where the float32 loop
+ * widens every weight to float32, about half the instructions. */
+static void rows_q8_0_int16_avx2(int split, const uint8_t *w, const int16_t *xw, const float *dx, float *y,
+                                 int64_t r0, int64_t r1, int64_t cols, int acc) {
+    const int64_t blocks = cols / 32, row_bytes = blocks * 34, q_at = split ? 2 * blocks : 2, q_step = split ? 32 : 34,
+                  d_step = split ? 2 : 34;
+    Stream st = group_stream(w, r0, r1, row_bytes);
+    for (int64_t r = r0; r < r1; r += 4) {
+        const int64_t n = r1 - r < 4 ? r1 - r : 4; /* a short last group repeats its last row, not stored */
+        __m256 a[4];
+        const uint8_t *rowp[4];
+        for (int j = 0; j < 4; j++) {
+            rowp[j] = w + (r + (j < n ? j : n - 1)) * row_bytes;
+            a[j] = _mm256_setzero_ps();
+        }
+        for (int64_t bi = 0; bi < blocks; bi++) {
+            const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xw + bi * 32)),
+                          x1 = _mm256_loadu_si256((const __m256i *)(xw + bi * 32 + 16));
+            const float dxb = dx[bi];
+            group_stream_to(&st, w, r, row_bytes, bi + 1, blocks);
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) {
+                const uint8_t *b = rowp[j] + q_at + bi * q_step, *ds = rowp[j] + bi * d_step;
+                const __m256i t = _mm256_add_epi32(
+                    _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)b)), x0),
+                    _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 16))), x1));
+                a[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(f16_load(ds) * dxb), a[j]);
+            }
+        }
+        for (int j = 0; j < n; j++) store(y, r + j, hsum256(a[j]), acc);
+    }
+}
+
+static void rows_q4_int8_avx2(int64_t type, int split, const uint8_t *w, const int8_t *xq, const float *dx,
+                              const float *xsum, float *y, int64_t r0, int64_t r1, int64_t cols, int acc) {
+    const int64_t size = gguf_block_bytes(type), blocks = cols / 32, row_bytes = blocks * size;
+    const int with_min = type == 3;
+    const int64_t q_at = split ? blocks * split_scale_bytes(type) : (with_min ? 4 : 2),
+                  q_step = split ? size - split_scale_bytes(type) : size, d_step = split ? 2 : size,
+                  m_at = split ? 2 * blocks : 2;
+    const __m128i nib = _mm_set1_epi8(0x0F);
+    const __m256i nib32 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    Stream st = group_stream(w, r0, r1, row_bytes);
+    for (int64_t r = r0; r < r1; r += 4) {
+        const int64_t n = r1 - r < 4 ? r1 - r : 4; /* a short last group repeats its last row, not stored */
+        __m256 a[4];
+        float extra[4] = {0.f, 0.f, 0.f, 0.f};
+        const uint8_t *rowp[4];
+        for (int j = 0; j < 4; j++) {
+            rowp[j] = w + (r + (j < n ? j : n - 1)) * row_bytes;
+            a[j] = _mm256_setzero_ps();
+        }
+        const int64_t grouped = split ? blocks / Q4_GROUP * Q4_GROUP : 0;
+        __m256 ev[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (int64_t c = 0; c < grouped; c += Q4_GROUP) /* whole groups of interleaved blocks, eight a ymm */
+            for (int hv = 0; hv < 2; hv++) {
+                group_stream_to(&st, w, r, row_bytes, c + 8 * hv + 8, blocks);
+                __m256i t[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
+                for (int s = 0; s < 4; s++) {
+                    const int8_t *xg = xq + q4_x_at(c, 4 * s, 1) + 32 * hv;
+                    const __m256i xl = _mm256_loadu_si256((const __m256i *)xg), xh = _mm256_loadu_si256((const __m256i *)(xg + 64));
+#pragma GCC unroll 4
+                    for (int j = 0; j < 4; j++) {
+                        const uint8_t *b = rowp[j] + q_at + c * 16 + 64 * s + 32 * hv;
+                        const __m256i v = _mm256_loadu_si256((const __m256i *)b);
+                        const __m256i lo = _mm256_and_si256(v, nib32), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib32);
+                        t[j] = _mm256_add_epi16(t[j], _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh)));
+                    }
+                }
+                const __m256 dxv = _mm256_loadu_ps(dx + c + 8 * hv), xs = _mm256_loadu_ps(xsum + c + 8 * hv);
+#pragma GCC unroll 4
+                for (int j = 0; j < 4; j++) {
+                    const __m256 d = f16x8(rowp[j] + 2 * (c + 8 * hv));
+                    const __m256 m = with_min ? f16x8(rowp[j] + m_at + 2 * (c + 8 * hv)) : _mm256_mul_ps(d, _mm256_set1_ps(-8.f));
+                    ev[j] = _mm256_fmadd_ps(m, xs, ev[j]);
+                    a[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(t[j], ones)), _mm256_mul_ps(d, dxv), a[j]);
+                }
+            }
+        for (int j = 0; j < 4; j++) extra[j] = hsum256(ev[j]);
+        for (int64_t bi = grouped; bi < blocks; bi++) {
+            const __m256i xb = _mm256_loadu_si256((const __m256i *)(xq + bi * 32));
+            const float dxb = dx[bi], xs = xsum[bi];
+            group_stream_to(&st, w, r, row_bytes, bi + 1, blocks);
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) {
+                const uint8_t *b = rowp[j] + q_at + bi * q_step, *ds = rowp[j] + bi * d_step;
+                const __m128i v = _mm_loadu_si128((const __m128i *)b);
+                const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), nib), _mm_and_si128(v, nib));
+                const __m256i t = _mm256_madd_epi16(_mm256_maddubs_epi16(q, xb), ones);
                 const float dv = f16_load(ds);
                 extra[j] += (with_min ? f16_load(ds + m_at) : -8.f * dv) * xs;
                 a[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(dv * dxb), a[j]);
@@ -1403,7 +1568,7 @@ static void rows_q8_0(int split, const uint8_t *w, const float *x, float *y, int
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 /* The same on AVX2, 8 lanes (the default model's head 1.6 -> 1.0 ms with the stream into L2 in place of per-row
- * prefetches into L1; the Q4 loop there is bound by its instructions and keeps its per-row prefetch). */
+ * prefetches into L1): float32 x; the integer modes take rows_q8_0_int16_avx2. */
 static void rows_q8_0(int split, const uint8_t *w, const float *x, float *y, int64_t r0, int64_t r1, int64_t cols,
                       int acc) {
     const int64_t blocks = cols / 32, row_bytes = blocks * 34, q_at = split ? 2 * blocks : 2, q_step = split ? 32 : 34,
@@ -2488,8 +2653,10 @@ static void rows_gguf(int64_t type, int split, const uint8_t *w, const float *x,
  * int16 per block with exact integer products (rows_q4_int16, AVX-512 VNNI). Q4_K follows (rows_q4k_int8,
  * rows_q4k_bf16, rows_q4k_int16); Q5_K and Q6_K take int16 x in mode 3 (rows_q5k_int16, rows_q6k_int16) and two
  * bf16 terms in modes 1 and 2 where the build has them (rows_q5k_bf16, rows_q6k_bf16); the k-quants in mode 0
- * float32 x (rows_k_blocks); Q8_0 float32 x in every mode. An AVX2 build has mode 3 for Q4_0 / Q4_1 and the
- * k-quants (rows_q4_int16_avx2, rows_q4k_int16_avx2, rows_q5k_int16_avx2, rows_q6k_int16_avx2). The default is 3 where the build has AVX-512 VNNI or is
+ * float32 x (rows_k_blocks); Q8_0 float32 x in every mode with AVX-512. An AVX2 build has mode 3 for Q4_0 / Q4_1
+ * and the k-quants (rows_q4_int16_avx2, rows_q4k_int16_avx2, rows_q5k_int16_avx2, rows_q6k_int16_avx2), mode 1 for
+ * Q4_0 / Q4_1 (rows_q4_int8_avx2; the k-quants take int16 x there), and Q8_0 on int16 x in both
+ * (rows_q8_0_int16_avx2). The default is 3 where the build has AVX-512 VNNI or is
  * the AVX2 build, else 2 where it has BF16; DSV41_GGUF_X (engine/kernels/library.py) or gguf_blocks.x_mode changes
  * it. */
 #define X_FLOAT32 0
@@ -2511,7 +2678,7 @@ int dsv41_gguf_x_modes(void) {
     modes |= (1 << X_INT8) | (1 << X_INT16);
 #endif
 #if defined(DSV41_Q4_INT16_AVX2)
-    modes |= 1 << X_INT16;
+    modes |= (1 << X_INT8) | (1 << X_INT16);
 #endif
 #if defined(DSV41_Q4_BF16)
     modes |= 1 << X_BF16;
@@ -2660,7 +2827,25 @@ int dsv41_mv_gguf(int64_t type, const void *w, const float *x, float *y, int64_t
         if (buf != stack) free(buf);
         return 0;
     }
-    if ((type == 12 || type == 13 || type == 14) && gguf_x_mode == X_INT16) {
+    if ((type == 2 || type == 3) && gguf_x_mode == X_INT8) {
+        if (!(buf = at = x_scratch(stack, 32 * b32 + 8 * b32 + pad))) return -2;
+        int8_t *xq = carve(&at, 32 * b32);
+        float *dx = carve(&at, 4 * b32), *xsum = carve(&at, 4 * b32);
+        q8_blocks(x, (int64_t)b32, xq, dx, xsum, split ? (int64_t)b32 / Q4_GROUP * Q4_GROUP : 0);
+        ON_ROWS(rows_q4_int8_avx2(type, split, wb, xq, dx, xsum, y, r0, r1, cols, acc))
+        if (buf != stack) free(buf);
+        return 0;
+    }
+    if (type == 8 && gguf_x_mode != X_FLOAT32) { /* int8 mode too: the finer x costs the same here */
+        if (!(buf = at = x_scratch(stack, 64 * b32 + 4 * b32 + pad))) return -2;
+        int16_t *xw = carve(&at, 64 * b32);
+        float *dx = carve(&at, 4 * b32);
+        x16_words(x, (int64_t)b32, xw, dx);
+        ON_ROWS(rows_q8_0_int16_avx2(split, wb, xw, dx, y, r0, r1, cols, acc))
+        if (buf != stack) free(buf);
+        return 0;
+    }
+    if ((type == 12 || type == 13 || type == 14) && gguf_x_mode != X_FLOAT32) { /* int8 mode too: the finer x */
         if (!(buf = at = x_scratch(stack, 64 * b32 + 16 * b32 + pad))) return -2;
         int8_t *xq = carve(&at, 64 * b32);
         float *dx = carve(&at, 4 * b32), *xsum = carve(&at, 4 * b32), *xsum16 = carve(&at, 8 * b32);

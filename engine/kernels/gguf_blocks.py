@@ -48,12 +48,13 @@ _HALF_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q5_
 
 def x_modes(library=None) -> tuple[str, ...]:
     """The ways this build's Q4_0 / Q4_1 products can take x: "float32" always; "int8" (x rounded to int8 per block of
-    32, integer dot products: AVX-512 VNNI); "bf16" (x as two bf16 terms, 16 significant bits, bf16 dot products:
-    AVX-512 BF16, rows held split); "int16" (x rounded to int16 per block of 32, exact integer products: AVX-512
-    VNNI, and Q4_0 / Q4_1 on AVX2 builds; the default where it exists, else "bf16" where that does). Q4_K follows
+    32, integer dot products: AVX-512 VNNI, and AVX2 builds); "bf16" (x as two bf16 terms, 16 significant bits, bf16
+    dot products: AVX-512 BF16, rows held split); "int16" (x rounded to int16 per block of 32, exact integer
+    products: AVX-512 VNNI, and AVX2 builds; the default where it exists, else "bf16" where that does). Q4_K follows
     the mode too (int8 or int16 per sub-block of 32); Q5_K and Q6_K take int16 x per sub-block (32, 16) in "int16"
-    and two bf16 terms in "bf16" and "int8" where AVX-512 BF16 is (on AVX2 builds the k-quants take int16 x per
-    32); the k-quants float32 x otherwise; Q8_0 always float32 x."""
+    and two bf16 terms in "bf16" and "int8" where AVX-512 BF16 is; the k-quants float32 x otherwise. On AVX2 builds
+    the k-quants take int16 x per 32 in both integer modes (no int8 k-quant route there), and so does Q8_0 (with
+    AVX-512 Q8_0 always takes float32 x)."""
     lib = library if library is not None else load()
     if lib is None:
         return ()
@@ -73,7 +74,7 @@ def x_mode(mode: str | None = None, library=None) -> str | None:
 
 
 def has_int8_activations(library=None) -> bool:
-    """Whether this build has the int8-x route for Q4 products (AVX-512 VNNI)."""
+    """Whether this build has the int8-x route for Q4 products (AVX-512 VNNI, or an AVX2 build)."""
     return "int8" in x_modes(library)
 
 

@@ -72,8 +72,7 @@ def check_product(name: str, isa: str, rows: int, cols: int) -> None:
     matrix = GGUFMatrix(FORMATS[name][0], torch.from_numpy(data), cols)
     x = torch.randn(cols, generator=torch.Generator().manual_seed(2))
     w = torch.from_numpy(reference(data, FORMATS[name][0], rows, cols)).double()
-    rounded = name in ("Q4_0", "Q4_1", "Q4_K") and gguf_blocks.x_mode(library=library) == "int8"
-    expected = w @ (int8_rounded(x) if rounded else x.double())  # the int8 path: exactly W times its rounded x
+    expected = w @ x_as_taken(name, x, gguf_blocks.x_mode(library=library), library)  # W times x as it is rounded
     got = matrix.matvec(x, library=library)
     scale = (w.abs() @ x.double().abs()).max()
     assert (got.double() - expected).abs().max() <= 1e-5 * scale
@@ -81,12 +80,26 @@ def check_product(name: str, isa: str, rows: int, cols: int) -> None:
     assert torch.allclose(again.double(), 2 * expected, rtol=0, atol=2e-5 * float(scale))
     for mode in gguf_blocks.x_modes(library):  # each way of taking x this build has, held split (as the decoder does)
         split = matrix.as_split(library) if name in ("Q4_0", "Q4_1", "Q8_0") else matrix
+        want = w @ x_as_taken(name, x, mode, library)
         with gguf_blocks.activations(mode, library):
-            got = split.matvec(x, library=library).double()
-        reference_x = int8_rounded(x) if mode == "int8" and name in ("Q4_0", "Q4_1", "Q4_K") else x.double()
-        if mode == "int16" and name in INT16_GROUP:
-            reference_x = int16_rounded(x, INT16_GROUP[name])
-        assert (got - w @ reference_x).abs().max() <= 1e-5 * scale, mode
+            for held in (split, matrix):  # split, and in the file's order
+                got = held.matvec(x, library=library).double()
+                assert (got - want).abs().max() <= 1e-5 * scale, (mode, held.split)
+
+
+def x_as_taken(name: str, x: torch.Tensor, mode: str, library=None) -> torch.Tensor:
+    """x as a `name` product rounds it in `mode` (float64): int8 per 32 for Q4_0 / Q4_1 (and Q4_K with AVX-512
+    VNNI); int16 per sub-block in the int16 mode, and for the k-quants in the AVX2 build's int8 mode (it has no int8
+    k-quant route: they take the finer x), and for Q8_0 in the AVX2 build's integer modes; unrounded otherwise
+    (float32 x, the bf16 terms, Q8_0 with AVX-512)."""
+    avx2 = (library or cpu_kernels.load()).isa == 256
+    if mode == "int8" and (name in ("Q4_0", "Q4_1") or (name == "Q4_K" and not avx2)):
+        return int8_rounded(x)
+    if (mode == "int16" or (mode == "int8" and avx2)) and name in INT16_GROUP:
+        return int16_rounded(x, 32 if avx2 else INT16_GROUP[name])
+    if mode in ("int8", "int16") and avx2 and name == "Q8_0":  # AVX2: Q8_0 on int16 x in the integer modes
+        return int16_rounded(x, 32)
+    return x.double()
 
 
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_1"])
@@ -143,7 +156,13 @@ def test_k_quant_products_hold_on_long_rows_and_every_row_of_a_thread(name, isa)
             assert torch.allclose(again.double(), base.double() + got.double(), rtol=0, atol=1e-6 * float(scale.max()))
         if "bf16" in results:  # the bf16-terms route ran, not the float one
             assert not torch.equal(results["bf16"], results["float32"])
-        if name == "Q4_K" and "int8" in modes:  # x rounded to int8 per 32, as Q4_0 / Q4_1
+        avx2 = (library or cpu_kernels.load()).isa == 256  # the AVX2 build, or a CPU without AVX-512 natively
+        if avx2 and "int8" in modes:  # no int8 k-quant route on AVX2: the int8 mode takes int16 x (the finer)
+            with gguf_blocks.activations("int8", library):
+                on_int8 = matrix.matvec(x, library=library)
+            with gguf_blocks.activations("int16", library):
+                assert torch.equal(on_int8, matrix.matvec(x, library=library))
+        if name == "Q4_K" and "int8" in modes and not avx2:  # x rounded to int8 per 32, as Q4_0 / Q4_1
             with gguf_blocks.activations("int8", library):
                 rounded = matrix.matvec(x, library=library).double()
             assert ((rounded - w @ int8_rounded(x)).abs() <= 2e-6 * scale).all()
@@ -157,11 +176,35 @@ def test_k_quant_products_hold_on_long_rows_and_every_row_of_a_thread(name, isa)
                 again = matrix.matvec(x, base.clone(), accumulate=True, library=library)
             assert torch.allclose(again.double(), base.double() + got.double(), rtol=0,
                                   atol=1e-6 * float(scale.max()))
-            avx2 = (library or cpu_kernels.load()).isa == 256  # the AVX2 build, or a CPU without AVX-512 natively
             rounded = int16_rounded(x, 32 if avx2 else INT16_GROUP[name])  # AVX2: Q6_K too per 32
             assert ((got.double() - w @ rounded).abs() <= 1e-7 * scale).all(), (rows, cols)
             assert (got.double() - w @ x.double()).abs().max() > 4e-8 * float(scale.max())  # it did round x
             assert ((got.double() - w @ x.double()).abs() <= 1e-5 * scale).all()
+
+
+def test_q8_0_in_the_avx2_builds_integer_modes_is_w_times_x_rounded_to_int16():
+    """The AVX2 build multiplies Q8_0 rows (the default model's head) with int16 x in its integer modes: each row
+    within 1e-7 of its sum of |w x| of W times x rounded to int16 per 32 (exact integer products), off the unrounded
+    product (so that route ran), held split or in the file's order, 37 rows (not a whole number of groups of four)
+    and 25 blocks a row; accumulating adds; float32 x still takes x as it is."""
+    avx2 = cpu_kernels.build(("-mno-avx512f",))
+    rows, cols = 37, 800
+    data = blocks_of("Q8_0", rows, cols, seed=11)
+    matrix = GGUFMatrix(FORMATS["Q8_0"][0], torch.from_numpy(data), cols)
+    x = torch.randn(cols, generator=torch.Generator().manual_seed(12)) * torch.rand(cols) * 3
+    w = torch.from_numpy(reference(data, FORMATS["Q8_0"][0], rows, cols)).double()
+    scale = w.abs() @ x.double().abs()
+    for mode in ("int8", "int16"):
+        with gguf_blocks.activations(mode, avx2):
+            for held in (matrix, matrix.as_split(avx2)):
+                got = held.matvec(x, library=avx2).double()
+                assert ((got - w @ int16_rounded(x, 32)).abs() <= 1e-7 * scale).all(), (mode, held.split)
+                assert (got - w @ x.double()).abs().max() > 4e-8 * float(scale.max())
+                base = torch.randn(rows)
+                again = held.matvec(x, base.clone(), accumulate=True, library=avx2).double()
+                assert torch.allclose(again, base.double() + got, rtol=0, atol=1e-6 * float(scale.max()))
+    with gguf_blocks.activations("float32", avx2):
+        assert ((matrix.matvec(x, library=avx2).double() - w @ x.double()).abs() <= 2e-6 * scale).all()
 
 
 def test_the_int16_mode_is_the_default_with_avx512_vnni_and_computes_the_same_on_every_build():
@@ -174,7 +217,7 @@ def test_the_int16_mode_is_the_default_with_avx512_vnni_and_computes_the_same_on
         pytest.skip("this CPU has no AVX-512 VNNI (an AVX2 CPU's int16 route: the test above and the AVX2 build's here)")
     assert gguf_blocks.x_mode() == "int16" or os.environ.get("DSV41_GGUF_X") or os.environ.get("DSV41_GGUF_INT8_X")
     avx2 = cpu_kernels.build(("-mno-avx512f",))
-    assert gguf_blocks.x_modes(avx2) == ("float32", "int16") and gguf_blocks.x_mode(library=avx2) == "int16"
+    assert gguf_blocks.x_modes(avx2) == ("float32", "int8", "int16") and gguf_blocks.x_mode(library=avx2) == "int16"
     for name, cols in (("Q4_0", 800), ("Q4_1", 8224)):  # 8,224 columns: x's bytes past the stack buffer
         data = blocks_of(name, 9, cols, seed=7)
         matrix = GGUFMatrix(FORMATS[name][0], torch.from_numpy(data), cols)
@@ -225,7 +268,7 @@ def test_a_nan_or_infinity_in_x_is_not_a_number_out_in_every_x_mode(name, isa):
 
 
 # the weights a scale of x's int16 rounding covers in the int16 mode: a Q4_0 / Q4_1 block, a Q4_K / Q5_K sub-block, a
-# Q6_K sub-block (Q8_0 keeps float32 x)
+# Q6_K sub-block (Q8_0 keeps float32 x with AVX-512; on AVX2 it takes int16 x per 32)
 INT16_GROUP = {"Q4_0": 32, "Q4_1": 32, "Q4_K": 32, "Q5_K": 32, "Q6_K": 16}
 
 
@@ -254,7 +297,7 @@ def int8_rounded(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_1"])
 def test_q4_products_on_int8_x_stay_within_its_rounding_and_float_x_can_be_kept(name):
     if not gguf_blocks.has_int8_activations():
-        pytest.skip("this CPU has no AVX-512 VNNI: the Q4 products have no int8 x")
+        pytest.skip("this build has no int8 x (AVX-512 without VNNI)")
     rows, cols = 64, 576
     data = blocks_of(name, rows, cols, seed=3)
     matrix = GGUFMatrix(FORMATS[name][0], torch.from_numpy(data), cols)
@@ -301,9 +344,7 @@ def test_the_default_models_own_tensors_dequantise_exactly_and_multiply_right():
         assert np.array_equal(ours.view(np.uint32), expected.view(np.uint32)), tensor.name
         if matrix.cols == 576:
             w = torch.from_numpy(expected).double()
-            rounded = matrix.format != "Q8_0" and gguf_blocks.x_mode() in ("int8", "int16")
-            reference_x = x.double() if not rounded else \
-                int8_rounded(x) if gguf_blocks.x_mode() == "int8" else int16_rounded(x, 32)
+            reference_x = x_as_taken(matrix.format, x, gguf_blocks.x_mode())
             assert (matrix.matvec(x).double() - w @ reference_x).abs().max() <= 1e-5 * (w.abs() @ x.abs().double()).max()
 
 
