@@ -3076,6 +3076,8 @@ static inline float dot(const float *a, const float *b, int64_t n) {
     return s;
 }
 
+#define PREFETCH_ROWS 64 /* KV rows ahead of the attention's reads, asked for into L2 (rows16, rows8) */
+
 #if defined(__AVX512F__)
 /* 16 dot products (one per vector's lanes) as one vector: v[i] lanes summed -> lane i. */
 static inline __m512 sum16(__m512 *v) {
@@ -3096,7 +3098,6 @@ static inline __m512 sum16(__m512 *v) {
  * the loads waited on memory: half of the attention's time at 2k entries). Into L2 rather than L1: whole decode
  * steps of the default model x1.06 at 1k entries and x1.31 at 4k (paired, one process, 2 cores); 32 or 128 rows
  * ahead instead of 64 changed them by less than 3 %. */
-#define PREFETCH_ROWS 64
 static inline __attribute__((always_inline)) const float *rows16(const void *base, int64_t j, int64_t d, int bf16,
                                                                  float *buf) {
     const int64_t esize = bf16 ? 2 : 4;
@@ -3107,6 +3108,33 @@ static inline __attribute__((always_inline)) const float *rows16(const void *bas
     for (int64_t i = 0; i < 16 * d; i += 16)
         _mm512_storeu_ps(buf + i, _mm512_castsi512_ps(_mm512_slli_epi32(
             _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(r + i))), 16)));
+    return buf;
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+/* The AVX2 build's attention, as the AVX-512 one before its register-held value pass: 8 rows at a time widened once
+ * (rows8), 8 logits a query head from one transposing reduction (sum8), the values summed from the widened rows in
+ * two chains. Against a row at a time (a scalar widening, a dot product and its reduction per row and head, no
+ * rows asked for ahead) on an AMD EPYC with AVX2 alone: see docs/design.md ("The decode attention"). */
+static inline __m256 sum8(const __m256 *v) { /* v[i]'s lanes summed -> lane i */
+    const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+static inline float hmax256(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+}
+static inline __attribute__((always_inline)) const float *rows8(const void *base, int64_t j, int64_t d, int bf16,
+                                                                float *buf) {
+    const int64_t esize = bf16 ? 2 : 4;
+    const char *ahead = (const char *)base + (j + PREFETCH_ROWS) * d * esize;
+    for (int64_t i = 0; i < 8 * d * esize; i += 64) _mm_prefetch(ahead + i, _MM_HINT_T1);
+    if (!bf16) return (const float *)base + j * d;
+    const uint16_t *r = (const uint16_t *)base + j * d;
+    for (int64_t i = 0; i < 8 * d; i += 8)
+        _mm256_storeu_ps(buf + i, _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(r + i))), 16)));
     return buf;
 }
 #endif
@@ -3260,6 +3288,27 @@ static inline __attribute__((always_inline)) void attend_item(
                 mx[gg] = top > mx[gg] ? top : mx[gg];
             }
         }
+#elif defined(__AVX2__) && defined(__FMA__)
+    float buf[8 * MAX_HEAD_DIM];
+    if (d % 8 == 0)
+        for (; j + 8 <= j1; j += 8) { /* 8 logits a query head, one transposing reduction (sum8) */
+            const float *kf = rows8(K, j, d, bf16, buf);
+            const __m256 bias = lc ? _mm256_loadu_ps(lc + j) : _mm256_setzero_ps();
+            for (int64_t gg = 0; gg < G; gg++) {
+                const float *qh = q + (g * G + gg) * d;
+                __m256 acc[8];
+                for (int e = 0; e < 8; e++) {
+                    const float *kr = kf + e * d;
+                    __m256 a = _mm256_mul_ps(_mm256_loadu_ps(qh), _mm256_loadu_ps(kr));
+                    for (int64_t u = 8; u < d; u += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qh + u), _mm256_loadu_ps(kr + u), a);
+                    acc[e] = a;
+                }
+                const __m256 l = _mm256_fmadd_ps(sum8(acc), _mm256_set1_ps(scaling), bias);
+                _mm256_storeu_ps(probs + (g * G + gg) * S + j, l);
+                const float top = hmax256(l);
+                mx[gg] = top > mx[gg] ? top : mx[gg];
+            }
+        }
 #endif
     for (; j < j1; j++) { /* the rest one row at a time, still once for the whole group */
         float row[MAX_HEAD_DIM];
@@ -3328,6 +3377,31 @@ static inline __attribute__((always_inline)) void attend_item(
                     }
                 }
                 for (int64_t u = 0; u < dv; u++) _mm512_storeu_ps(out + 16 * u, _mm512_add_ps(a0[u], a1[u]));
+            }
+        }
+#elif defined(__AVX2__) && defined(__FMA__)
+    if (d % 32 == 0)
+        for (; j + 8 <= j1; j += 8) { /* 8 value rows, then every query head's weighted sum of them, 32 columns at a time */
+            const float *vf = rows8(V, j, d, bf16, buf);
+            for (int64_t gg = 0; gg < G; gg++) {
+                const int64_t hq = g * G + gg;
+                const float *p = probs + hq * S + j;
+                float *out = partial + (hq * chunks + ch) * d;
+                for (int64_t c = 0; c < d; c += 32) {
+                    __m256 a0[4], a1[4]; /* two chains per vector */
+                    for (int u = 0; u < 4; u++) {
+                        a0[u] = _mm256_loadu_ps(out + c + 8 * u);
+                        a1[u] = _mm256_setzero_ps();
+                    }
+                    for (int e = 0; e < 8; e += 2) {
+                        const __m256 p0 = _mm256_set1_ps(p[e]), p1 = _mm256_set1_ps(p[e + 1]);
+                        for (int u = 0; u < 4; u++) {
+                            a0[u] = _mm256_fmadd_ps(p0, _mm256_loadu_ps(vf + e * d + c + 8 * u), a0[u]);
+                            a1[u] = _mm256_fmadd_ps(p1, _mm256_loadu_ps(vf + (e + 1) * d + c + 8 * u), a1[u]);
+                        }
+                    }
+                    for (int u = 0; u < 4; u++) _mm256_storeu_ps(out + c + 8 * u, _mm256_add_ps(a0[u], a1[u]));
+                }
             }
         }
 #endif

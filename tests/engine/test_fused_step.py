@@ -459,18 +459,20 @@ def test_the_read_ceiling_reads_every_byte_of_the_steps_matrices_once(tiny_model
 
 
 @needs_kernels
+@pytest.mark.parametrize("isa", ["native", "avx2"])
 @pytest.mark.parametrize("kv", ["bf16", "float32"])
 @pytest.mark.parametrize("length", [5, 100, 1100])
 @pytest.mark.parametrize("heads, kv_heads, d", [(9, 3, 64), (8, 1, 64), (4, 4, 64), (10, 2, 128), (6, 2, 96)])
-def test_the_steps_attention_equals_a_float64_reference(kv, length, heads, kv_heads, d):
+def test_the_steps_attention_equals_a_float64_reference(kv, length, heads, kv_heads, d, isa):
     """The fused step's attention (dsv41_step_attention: the same code, alone) over bf16 or float32 entries: its
     output and its score update against softmax(q K^T / sqrt(d)) V in float64 over the same stored values. bf16 keys
     of head size 64 are multiplied as stored, by q in two bf16 terms (16 significant bits): within 2e-5 of the
     output's largest value, where q rounded to one bf16 term is ~1e-2 off. The groups cover each way the value pass
-    takes query heads (1, 3, 4 + 4 at head size 64; 2 + 2 + 1 at 128; the general loop at 96)."""
+    takes query heads (1, 3, 4 + 4 at head size 64; 2 + 2 + 1 at 128; the general loop at 96), on this CPU's build
+    and on the AVX2 build (8 rows at a time, the values 32 columns at a time, a short item's last rows one by one)."""
     from engine.kernels.fused import _StepCache, _StepModel
 
-    lib = cpu_kernels.load().lib
+    lib = (cpu_kernels.build(("-mno-avx512f",)) if isa == "avx2" else cpu_kernels.load()).lib
     capacity = length + 7
     g = torch.Generator().manual_seed(length)
     dtype = torch.bfloat16 if kv == "bf16" else torch.float32
