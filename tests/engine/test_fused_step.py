@@ -460,11 +460,12 @@ def test_the_read_ceiling_reads_every_byte_of_the_steps_matrices_once(tiny_model
 
 @needs_kernels
 @pytest.mark.parametrize("isa", ["native", "avx2"])
-@pytest.mark.parametrize("kv", ["bf16", "float32"])
+@pytest.mark.parametrize("kv", ["bf16", "float32", "bf16 merged"])
 @pytest.mark.parametrize("length", [5, 100, 1100])
 @pytest.mark.parametrize("heads, kv_heads, d", [(9, 3, 64), (8, 1, 64), (4, 4, 64), (10, 2, 128), (6, 2, 96)])
 def test_the_steps_attention_equals_a_float64_reference(kv, length, heads, kv_heads, d, isa):
-    """The fused step's attention (dsv41_step_attention: the same code, alone) over bf16 or float32 entries: its
+    """The fused step's attention (dsv41_step_attention: the same code, alone) over bf16 or float32 entries (and bf16
+    entries standing for merged tokens, their log counts added to the logits): its
     output and its score update against softmax(q K^T / sqrt(d)) V in float64 over the same stored values. bf16 keys
     of head size 64 are multiplied as stored, by q in two bf16 terms (16 significant bits): within 2e-5 of the
     output's largest value, where q rounded to one bf16 term is ~1e-2 off. The groups cover each way the value pass
@@ -475,7 +476,7 @@ def test_the_steps_attention_equals_a_float64_reference(kv, length, heads, kv_he
     lib = (cpu_kernels.build(("-mno-avx512f",)) if isa == "avx2" else cpu_kernels.load()).lib
     capacity = length + 7
     g = torch.Generator().manual_seed(length)
-    dtype = torch.bfloat16 if kv == "bf16" else torch.float32
+    dtype = torch.bfloat16 if kv.startswith("bf16") else torch.float32
     keys = (torch.randn(kv_heads, capacity, d, generator=g) * 2).to(dtype)
     values = torch.randn(kv_heads, capacity, d, generator=g).to(dtype)
     q = torch.randn(heads, d, generator=g) * 2
@@ -483,24 +484,28 @@ def test_the_steps_attention_equals_a_float64_reference(kv, length, heads, kv_he
     scores = torch.rand(kv_heads, capacity, generator=g)
     before = scores.clone()
     scaling = d ** -0.5
+    # merged entries: each entry's log count (log of the tokens it stands for) added to its logits
+    log_counts = torch.log(torch.randint(1, 9, (kv_heads, capacity), generator=g).float()) if "merged" in kv else None
     model = _StepModel(hidden=heads * d, heads=heads, kv_heads=kv_heads, head_dim=d, inter=1, vocab=1, layers=1,
-                       kv_bf16=int(kv == "bf16"), eps=1e-6, scaling=scaling)
+                       kv_bf16=int(dtype == torch.bfloat16), eps=1e-6, scaling=scaling)
     cache = _StepCache(keys=keys.data_ptr(), values=values.data_ptr(), positions=positions.data_ptr(),
-                       scores=scores.data_ptr(), log_counts=None, length=length, capacity=capacity, by_callback=0)
+                       scores=scores.data_ptr(), log_counts=None if log_counts is None else log_counts.data_ptr(),
+                       length=length, capacity=capacity, by_callback=0)
     chunks = max(4, -(-length // 256))
     work = torch.empty(heads * length + 2 * heads * chunks + heads * chunks * d)
     out = torch.empty(heads, d)
     assert lib.dsv41_step_attention(ctypes.byref(model), ctypes.byref(cache), q.data_ptr(), out.data_ptr(),
                                     work.data_ptr(), work.numel(), 1, 0.9, 2) == 0
     k, v = keys[:, :length].double(), values[:, :length].double()
-    probs = torch.softmax(q.double().view(kv_heads, heads // kv_heads, d) @ k.transpose(1, 2) * scaling, dim=-1)
+    bias = 0 if log_counts is None else log_counts[:, None, :length].double()
+    probs = torch.softmax(q.double().view(kv_heads, heads // kv_heads, d) @ k.transpose(1, 2) * scaling + bias, dim=-1)
     want = (probs @ v).reshape(heads, d)
     assert (out.double() - want).abs().max() <= 2e-5 * want.abs().max()
     want_scores = 0.9 * before[:, :length].double() + probs.sum(dim=1)
     assert (scores[:, :length].double() - want_scores).abs().max() <= 2e-5 * want_scores.abs().max()
     assert torch.equal(scores[:, length:], before[:, length:])
     coarse = q.to(torch.bfloat16).double().view(kv_heads, heads // kv_heads, d)  # one bf16 term: what is avoided
-    off = (torch.softmax(coarse @ k.transpose(1, 2) * scaling, dim=-1) @ v).reshape(heads, d) - want
+    off = (torch.softmax(coarse @ k.transpose(1, 2) * scaling + bias, dim=-1) @ v).reshape(heads, d) - want
     assert off.abs().max() > 1e-3 * want.abs().max()
 
 

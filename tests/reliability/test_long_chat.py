@@ -3,7 +3,10 @@
 Sixty rhyme turns in one session at ratio 0.2 (2,000 tokens seen, about 400 entries kept), then eleven simple
 questions, each asked of a fork of the chat. Token by token, the question-aware compaction kept scattered
 high-score tokens of the repeated turns and 3 of the 11 answers went wrong; kept in whole spans, the chat
-answers all that a fresh chat answers (docs/design.md, "Compaction").
+answers what a fresh chat answers but for the odd greedy flip (docs/design.md, "Compaction"). How odd: the same chat
+on five builds that differ only in float rounding (x as int16, float32 or int8 in the products, two summation
+orders in the AVX2 attention; AMD EPYC, AVX2, 2026-12-07) missed 0, 0, 1, 1 and 2 of the 11 ("How many hours are in
+a day?" in three of them), so up to two misses pass and three fail.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ def test_sixty_turns_at_ratio_0_2_answer_what_a_fresh_chat_answers(default_model
     graded = [(final, fresh) for final, fresh in zip(run["final"], run["fresh"], strict=True) if fresh["correct"]]
     assert len(graded) >= 10  # the questions are ones the default model knows
     wrong = [(final["question"], final["answer"]) for final, _ in graded if not final["correct"]]
-    assert len(wrong) <= 1, wrong
+    assert len(wrong) <= 2, wrong
     rss = [point["rss_mib"] for point in run["curve"]]
     assert max(rss[10:]) - rss[10] < 64  # memory stays flat as the chat grows (MiB)
 
