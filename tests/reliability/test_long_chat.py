@@ -5,8 +5,8 @@ questions, each asked of a fork of the chat. Token by token, the question-aware 
 high-score tokens of the repeated turns and 3 of the 11 answers went wrong; kept in whole spans, the chat
 answers what a fresh chat answers but for the odd greedy flip (docs/design.md, "Compaction"). How odd: the same chat
 on five builds that differ only in float rounding (x as int16, float32 or int8 in the products, two summation
-orders in the AVX2 attention; AMD EPYC, AVX2, 2026-12-07) missed 0, 0, 1, 1 and 2 of the 11 ("How many hours are in
-a day?" in three of them), so up to two misses pass and three fail.
+orders in the AVX2 attention; AMD EPYC, AVX2, 2026-12-07) missed 0, 0, 1, 1 and 2 of the 10-11 questions the fresh
+chat got right ("How many hours are in a day?" in three of them), so up to two misses pass and three fail.
 """
 
 from __future__ import annotations
