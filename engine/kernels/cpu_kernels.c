@@ -1279,72 +1279,6 @@ static inline __m256 f16x8(const uint8_t *p) {
 #endif
 }
 
-static void rows_q4_int16_avx2(int64_t type, int split, const uint8_t *w, const int8_t *xq, const float *dx,
-                               const float *xsum, float *y, int64_t r0, int64_t r1, int64_t cols, int acc) {
-    const int64_t size = gguf_block_bytes(type), blocks = cols / 32, row_bytes = blocks * size;
-    const int with_min = type == 3;
-    const int64_t q_at = split ? blocks * split_scale_bytes(type) : (with_min ? 4 : 2),
-                  q_step = split ? size - split_scale_bytes(type) : size, d_step = split ? 2 : size,
-                  m_at = split ? 2 * blocks : 2;
-    const __m128i nib = _mm_set1_epi8(0x0F);
-    const __m256i nib32 = _mm256_set1_epi8(0x0F);
-    Stream st = group_stream(w, r0, r1, row_bytes);
-    for (int64_t r = r0; r < r1; r += 4) {
-        const int64_t n = r1 - r < 4 ? r1 - r : 4; /* a short last group repeats its last row, not stored */
-        __m256 a[4];
-        float extra[4] = {0.f, 0.f, 0.f, 0.f};
-        const uint8_t *rowp[4];
-        for (int j = 0; j < 4; j++) {
-            rowp[j] = w + (r + (j < n ? j : n - 1)) * row_bytes;
-            a[j] = _mm256_setzero_ps();
-        }
-        const int64_t grouped = split ? blocks / Q4_GROUP * Q4_GROUP : 0;
-        __m256 ev[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-        for (int64_t c = 0; c < grouped; c += Q4_GROUP) /* whole groups of interleaved blocks, eight a ymm */
-            for (int hv = 0; hv < 2; hv++) {
-                group_stream_to(&st, w, r, row_bytes, c + 8 * hv + 8, blocks);
-                __m256i t[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
-                for (int s = 0; s < 4; s++) {
-                    const int8_t *xg = xq + q4_x_at(c, 4 * s, 2) + 32 * hv;
-                    const __m256i lh = _mm256_loadu_si256((const __m256i *)xg), hh = _mm256_loadu_si256((const __m256i *)(xg + 64)),
-                                  ll = _mm256_loadu_si256((const __m256i *)(xg + 128)), hl = _mm256_loadu_si256((const __m256i *)(xg + 192));
-#pragma GCC unroll 4
-                    for (int j = 0; j < 4; j++) {
-                        const uint8_t *b = rowp[j] + q_at + c * 16 + 64 * s + 32 * hv;
-                        const __m256i v = _mm256_loadu_si256((const __m256i *)b);
-                        const __m256i lo = _mm256_and_si256(v, nib32), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib32);
-                        t[j] = _mm256_add_epi32(t[j], _mm256_add_epi32(x16_dot_avx2(lo, lh, ll), x16_dot_avx2(hi, hh, hl)));
-                    }
-                }
-                const __m256 dxv = _mm256_loadu_ps(dx + c + 8 * hv), xs = _mm256_loadu_ps(xsum + c + 8 * hv);
-#pragma GCC unroll 4
-                for (int j = 0; j < 4; j++) {
-                    const __m256 d = f16x8(rowp[j] + 2 * (c + 8 * hv));
-                    const __m256 m = with_min ? f16x8(rowp[j] + m_at + 2 * (c + 8 * hv)) : _mm256_mul_ps(d, _mm256_set1_ps(-8.f));
-                    ev[j] = _mm256_fmadd_ps(m, xs, ev[j]);
-                    a[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t[j]), _mm256_mul_ps(d, dxv), a[j]);
-                }
-            }
-        for (int j = 0; j < 4; j++) extra[j] = hsum256(ev[j]);
-        for (int64_t bi = grouped; bi < blocks; bi++) {
-            const __m256i xh = _mm256_loadu_si256((const __m256i *)(xq + bi * 64)),
-                          xl = _mm256_loadu_si256((const __m256i *)(xq + bi * 64 + 32));
-            const float dxb = dx[bi], xs = xsum[bi];
-            group_stream_to(&st, w, r, row_bytes, bi + 1, blocks);
-#pragma GCC unroll 4
-            for (int j = 0; j < 4; j++) {
-                const uint8_t *b = rowp[j] + q_at + bi * q_step, *ds = rowp[j] + bi * d_step;
-                const __m128i v = _mm_loadu_si128((const __m128i *)b);
-                const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), nib), _mm_and_si128(v, nib));
-                const __m256i t = x16_dot_avx2(q, xh, xl);
-                const float dv = f16_load(ds);
-                extra[j] += (with_min ? f16_load(ds + m_at) : -8.f * dv) * xs;
-                a[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(dv * dxb), a[j]);
-            }
-        }
-        for (int j = 0; j < n; j++) store(y, r + j, hsum256(a[j]) + extra[j], acc);
-    }
-}
 
 /* The int8 mode's Q4 product on AVX2 (what llama.cpp's AVX2 Q4 x Q8 product does): x rounded to int8 per block of 32
  * (scale max |x| / 127, NaN where a value is not finite), one vpmaddubsw of the nibbles against it (pair sums at
@@ -1409,8 +1343,13 @@ static void rows_q8_0_int16_avx2(int split, const uint8_t *w, const int16_t *xw,
     }
 }
 
-static void rows_q4_int8_avx2(int64_t type, int split, const uint8_t *w, const int8_t *xq, const float *dx,
-                              const float *xsum, float *y, int64_t r0, int64_t r1, int64_t cols, int acc) {
+/* The Q4 loop of both integer modes: x as int16 (planes 2: its high and low bytes, exact integer sums of four weights
+ * a lane in int32) or as int8 (planes 1: one vpmaddubsw per 32 weights, a group's four chunks summed in int16 and
+ * widened once). `planes` is a constant where this is inlined. */
+static inline __attribute__((always_inline)) void rows_q4_int_avx2(const int planes, int64_t type, int split,
+                                                                   const uint8_t *w, const int8_t *xq,
+                                                                   const float *dx, const float *xsum, float *y,
+                                                                   int64_t r0, int64_t r1, int64_t cols, int acc) {
     const int64_t size = gguf_block_bytes(type), blocks = cols / 32, row_bytes = blocks * size;
     const int with_min = type == 3;
     const int64_t q_at = split ? blocks * split_scale_bytes(type) : (with_min ? 4 : 2),
@@ -1435,14 +1374,20 @@ static void rows_q4_int8_avx2(int64_t type, int split, const uint8_t *w, const i
                 group_stream_to(&st, w, r, row_bytes, c + 8 * hv + 8, blocks);
                 __m256i t[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
                 for (int s = 0; s < 4; s++) {
-                    const int8_t *xg = xq + q4_x_at(c, 4 * s, 1) + 32 * hv;
-                    const __m256i xl = _mm256_loadu_si256((const __m256i *)xg), xh = _mm256_loadu_si256((const __m256i *)(xg + 64));
+                    /* x against the chunk's low nibbles at xg, its high ones 64 after; int16 x's low bytes 128 after */
+                    const int8_t *xg = xq + q4_x_at(c, 4 * s, planes) + 32 * hv;
+                    const __m256i lh = _mm256_loadu_si256((const __m256i *)xg), hh = _mm256_loadu_si256((const __m256i *)(xg + 64));
+                    const __m256i ll = planes == 2 ? _mm256_loadu_si256((const __m256i *)(xg + 128)) : lh,
+                                  hl = planes == 2 ? _mm256_loadu_si256((const __m256i *)(xg + 192)) : hh;
 #pragma GCC unroll 4
                     for (int j = 0; j < 4; j++) {
                         const uint8_t *b = rowp[j] + q_at + c * 16 + 64 * s + 32 * hv;
                         const __m256i v = _mm256_loadu_si256((const __m256i *)b);
                         const __m256i lo = _mm256_and_si256(v, nib32), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib32);
-                        t[j] = _mm256_add_epi16(t[j], _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh)));
+                        if (planes == 2)
+                            t[j] = _mm256_add_epi32(t[j], _mm256_add_epi32(x16_dot_avx2(lo, lh, ll), x16_dot_avx2(hi, hh, hl)));
+                        else
+                            t[j] = _mm256_add_epi16(t[j], _mm256_add_epi16(_mm256_maddubs_epi16(lo, lh), _mm256_maddubs_epi16(hi, hh)));
                     }
                 }
                 const __m256 dxv = _mm256_loadu_ps(dx + c + 8 * hv), xs = _mm256_loadu_ps(xsum + c + 8 * hv);
@@ -1450,13 +1395,16 @@ static void rows_q4_int8_avx2(int64_t type, int split, const uint8_t *w, const i
                 for (int j = 0; j < 4; j++) {
                     const __m256 d = f16x8(rowp[j] + 2 * (c + 8 * hv));
                     const __m256 m = with_min ? f16x8(rowp[j] + m_at + 2 * (c + 8 * hv)) : _mm256_mul_ps(d, _mm256_set1_ps(-8.f));
+                    const __m256i sums = planes == 2 ? t[j] : _mm256_madd_epi16(t[j], ones);
                     ev[j] = _mm256_fmadd_ps(m, xs, ev[j]);
-                    a[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(t[j], ones)), _mm256_mul_ps(d, dxv), a[j]);
+                    a[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d, dxv), a[j]);
                 }
             }
         for (int j = 0; j < 4; j++) extra[j] = hsum256(ev[j]);
-        for (int64_t bi = grouped; bi < blocks; bi++) {
-            const __m256i xb = _mm256_loadu_si256((const __m256i *)(xq + bi * 32));
+        for (int64_t bi = grouped; bi < blocks; bi++) { /* int16 x: h at xb, l 32 after; int8 x: 32 bytes at xb */
+            const int8_t *xb = xq + bi * 32 * planes;
+            const __m256i xh = _mm256_loadu_si256((const __m256i *)xb),
+                          xl = planes == 2 ? _mm256_loadu_si256((const __m256i *)(xb + 32)) : xh;
             const float dxb = dx[bi], xs = xsum[bi];
             group_stream_to(&st, w, r, row_bytes, bi + 1, blocks);
 #pragma GCC unroll 4
@@ -1464,7 +1412,7 @@ static void rows_q4_int8_avx2(int64_t type, int split, const uint8_t *w, const i
                 const uint8_t *b = rowp[j] + q_at + bi * q_step, *ds = rowp[j] + bi * d_step;
                 const __m128i v = _mm_loadu_si128((const __m128i *)b);
                 const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), nib), _mm_and_si128(v, nib));
-                const __m256i t = _mm256_madd_epi16(_mm256_maddubs_epi16(q, xb), ones);
+                const __m256i t = planes == 2 ? x16_dot_avx2(q, xh, xl) : _mm256_madd_epi16(_mm256_maddubs_epi16(q, xh), ones);
                 const float dv = f16_load(ds);
                 extra[j] += (with_min ? f16_load(ds + m_at) : -8.f * dv) * xs;
                 a[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(dv * dxb), a[j]);
@@ -1472,6 +1420,14 @@ static void rows_q4_int8_avx2(int64_t type, int split, const uint8_t *w, const i
         }
         for (int j = 0; j < n; j++) store(y, r + j, hsum256(a[j]) + extra[j], acc);
     }
+}
+static void rows_q4_int16_avx2(int64_t type, int split, const uint8_t *w, const int8_t *xq, const float *dx,
+                               const float *xsum, float *y, int64_t r0, int64_t r1, int64_t cols, int acc) {
+    rows_q4_int_avx2(2, type, split, w, xq, dx, xsum, y, r0, r1, cols, acc);
+}
+static void rows_q4_int8_avx2(int64_t type, int split, const uint8_t *w, const int8_t *xq, const float *dx,
+                              const float *xsum, float *y, int64_t r0, int64_t r1, int64_t cols, int acc) {
+    rows_q4_int_avx2(1, type, split, w, xq, dx, xsum, y, r0, r1, cols, acc);
 }
 #endif
 
