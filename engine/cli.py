@@ -115,6 +115,29 @@ def _load(args):
     return model
 
 
+def _ctrl_c_sets(cancel):
+    """While a reply streams, Ctrl-C sets `cancel` from a handler of our own on the main thread. A handler that
+    raises KeyboardInterrupt can lose it: Python runs a signal's handler at its next step, which may be inside an
+    object's finalizer run by the garbage collector, and an exception there is printed and dropped; a handler that
+    sets an event has done its work wherever it ran. Elsewhere (another thread, a handler set from C) nothing
+    changes: the loop's `except KeyboardInterrupt` stops the reply."""
+    import contextlib
+    import signal
+
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def installed():
+        previous = signal.signal(signal.SIGINT, lambda signum, frame: cancel.set())
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+    return installed()
+
+
 def _stream(session, prompt, documents, args, cancel) -> object:
     """Print a turn as it streams; Ctrl-C stops it. Returns the Done event."""
     from .events import Done, ErrorEvent, PrefillProgress, TokenText
@@ -132,29 +155,35 @@ def _stream(session, prompt, documents, args, cancel) -> object:
     engine_thread().submit(work)  # the thread that loaded the model
     done = None
     reading = False  # a "[reading …]" line is open on stderr: it ends before the reply's text starts
-    while True:
-        try:
-            event = events.get()
-        except KeyboardInterrupt:
-            cancel.set()
-            continue
-        if event is None:
-            break
-        if isinstance(event, BaseException):
-            raise event
-        if reading and not isinstance(event, PrefillProgress):
-            print(file=sys.stderr, flush=True)
-            reading = False
-        if isinstance(event, TokenText):
-            sys.stdout.write(event.text)
-            sys.stdout.flush()
-        elif isinstance(event, PrefillProgress) and event.total > 2048:
-            print(f"\r[reading {event.done}/{event.total} tokens]", end="", file=sys.stderr, flush=True)
-            reading = True
-        elif isinstance(event, ErrorEvent):
-            print(f"\n[{event.kind}] {event.message}", file=sys.stderr)
-        elif isinstance(event, Done):
-            done = event
+    with _ctrl_c_sets(cancel):
+        while True:
+            try:
+                # A timeout, not a wait without end: a SIGINT that lands as the wait starts to block leaves the
+                # wait blocked (its handler runs at the next Python step), so the reply would stop only at its
+                # next event. Polling takes that step within a quarter of a second.
+                event = events.get(timeout=0.25)
+            except queue.Empty:
+                continue
+            except KeyboardInterrupt:  # off the main thread, or a handler of our own could not be set
+                cancel.set()
+                continue
+            if event is None:
+                break
+            if isinstance(event, BaseException):
+                raise event
+            if reading and not isinstance(event, PrefillProgress):
+                print(file=sys.stderr, flush=True)
+                reading = False
+            if isinstance(event, TokenText):
+                sys.stdout.write(event.text)
+                sys.stdout.flush()
+            elif isinstance(event, PrefillProgress) and event.total > 2048:
+                print(f"\r[reading {event.done}/{event.total} tokens]", end="", file=sys.stderr, flush=True)
+                reading = True
+            elif isinstance(event, ErrorEvent):
+                print(f"\n[{event.kind}] {event.message}", file=sys.stderr)
+            elif isinstance(event, Done):
+                done = event
     print()
     return done
 

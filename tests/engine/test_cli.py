@@ -1,5 +1,7 @@
 """python -m engine: generate, memory, doctor (in-process, against the real default model)."""
 
+import signal
+
 import pytest
 
 from engine.cli import main
@@ -193,7 +195,18 @@ def _fake_chat(monkeypatch, lines: list, prompts: list | None = None):
                 time.sleep(0.2)
                 signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
                 assert cancel.wait(10), "Ctrl-C during the reply did not stop it"
-            if prompt in ("stop", "ctrl-c"):
+            if prompt == "ctrl-c in a finalizer":
+                # Python runs a signal's handler at its next step, which can be inside a finalizer the garbage
+                # collector runs; an exception raised there (KeyboardInterrupt) is printed and dropped.
+                handler = signal.getsignal(signal.SIGINT)
+
+                class Dying:
+                    def __del__(self):
+                        handler(signal.SIGINT, None)
+
+                Dying()
+                assert cancel.wait(1), "Ctrl-C handled inside a finalizer did not stop the reply"
+            if prompt in ("stop", "ctrl-c", "ctrl-c in a finalizer"):
                 yield Done("cancelled", "")
                 return
             self.messages = self.messages + [{"role": "user", "content": prompt},
@@ -330,11 +343,13 @@ def test_pin_alone_help_and_a_mistyped_command_are_not_sent_to_the_model(monkeyp
 
 def test_ctrl_c_at_the_prompt_drops_the_line_and_during_a_reply_stops_it(monkeypatch, capsys):
     prompts: list = []
-    sent = _fake_chat(monkeypatch, [KeyboardInterrupt, "hello", "ctrl-c", KeyboardInterrupt, "again"], prompts)
+    sent = _fake_chat(monkeypatch, [KeyboardInterrupt, "hello", "ctrl-c", KeyboardInterrupt, "again",
+                                    "ctrl-c in a finalizer", "after"], prompts)
     err = capsys.readouterr().err
-    assert prompts == ["hello", "ctrl-c", "again"] and len(sent) == 3  # the chat went on after each
+    assert prompts == ["hello", "ctrl-c", "again", "ctrl-c in a finalizer", "after"] and len(sent) == 5
     assert err.count("(Ctrl-D or /quit to quit)") == 2
-    assert "(the message was not kept: type it again to send it)" in err  # the stopped reply
+    assert err.count("(the message was not kept: type it again to send it)") == 2  # the stopped replies
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Ctrl-C at the prompt is as it was
 
 
 def test_the_reading_progress_line_ends_before_the_reply(monkeypatch, capsys):
