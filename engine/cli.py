@@ -16,7 +16,7 @@ from .cli_documents import names as _names
 from .cli_documents import pin as _pin
 from .config import KNOBS, KNOBS_LIST, USER_DEFAULTS, DSV41Config
 from .errors import ConfigError, ContextOverflowError, EngineError
-from .threads import EngineThread
+from .threads import EngineThread, ctrl_c_sets
 
 _ENGINE: EngineThread | None = None
 
@@ -115,29 +115,6 @@ def _load(args):
     return model
 
 
-def _ctrl_c_sets(cancel):
-    """While a reply streams, Ctrl-C sets `cancel` from a handler of our own on the main thread. A handler that
-    raises KeyboardInterrupt can lose it: Python runs a signal's handler at its next step, which may be inside an
-    object's finalizer run by the garbage collector, and an exception there is printed and dropped; a handler that
-    sets an event has done its work wherever it ran. Elsewhere (another thread, a handler set from C) nothing
-    changes: the loop's `except KeyboardInterrupt` stops the reply."""
-    import contextlib
-    import signal
-
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
-        return contextlib.nullcontext()
-
-    @contextlib.contextmanager
-    def installed():
-        previous = signal.signal(signal.SIGINT, lambda signum, frame: cancel.set())
-        try:
-            yield
-        finally:
-            signal.signal(signal.SIGINT, previous)
-
-    return installed()
-
-
 def _stream(session, prompt, documents, args, cancel) -> object:
     """Print a turn as it streams; Ctrl-C stops it. Returns the Done event."""
     from .events import Done, ErrorEvent, PrefillProgress, TokenText
@@ -155,7 +132,7 @@ def _stream(session, prompt, documents, args, cancel) -> object:
     engine_thread().submit(work)  # the thread that loaded the model
     done = None
     reading = False  # a "[reading …]" line is open on stderr: it ends before the reply's text starts
-    with _ctrl_c_sets(cancel):
+    with ctrl_c_sets(cancel):
         while True:
             try:
                 # A timeout, not a wait without end: a SIGINT that lands as the wait starts to block leaves the

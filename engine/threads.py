@@ -10,7 +10,9 @@ The app's worker thread loads and runs its model itself; the CLI and the server 
 
 from __future__ import annotations
 
+import contextlib
 import queue
+import signal
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -118,3 +120,20 @@ def decode_threads() -> DecodeThreads | None:
 
         _DECODE_THREADS = DecodeThreads(torch.get_num_threads())
     return _DECODE_THREADS if _DECODE_THREADS.full > 1 else None
+
+
+@contextlib.contextmanager
+def ctrl_c_sets(event: threading.Event):
+    """Within it, Ctrl-C sets `event` from a handler of our own on the main thread. The default handler raises
+    KeyboardInterrupt, which can be lost: Python runs a signal's handler at its next step, which may be inside an
+    object's finalizer run by the garbage collector, and an exception there is printed and dropped; a handler that
+    sets an event has done its work wherever it ran. Off the main thread, or where the handler was set from C,
+    nothing changes (the caller's `except KeyboardInterrupt` is the way then)."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: event.set())
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
