@@ -24,7 +24,7 @@ from pathlib import Path
 from .errors import ModelLoadError
 from .gguf_index import GGUF_MAGIC, read_header
 from .hf_load import _quiet_transformers, check_finite
-from .models.adapter import SUPPORTED_ARCHITECTURES
+from .models.adapter import SUPPORTED_ARCHITECTURES, gguf_header_read_once
 from .paths import user_cache_dir
 
 
@@ -103,7 +103,7 @@ def convert_gguf(path: Path, *, progress=None, weights: bool = True) -> Path:
 
         expected = max(2.0, path.stat().st_size / CONVERT_BYTES_PER_S)
         model = None
-        with _quiet_transformers():
+        with _quiet_transformers(), gguf_header_read_once():
             if progress:
                 progress(f"{step}: reading the tokenizer…", 0.02)
             with _ticking(progress, f"{step}: reading the tokenizer", 0.02, 0.05 if weights else 0.9, 10.0):

@@ -18,6 +18,7 @@ as bf16 / int8 (pack_weights) or as a GGUF file's blocks (hold_gguf; reading the
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 from dataclasses import dataclass
 
@@ -129,6 +130,55 @@ def install(model, *, fast: bool = True, pack: bool = True, pack_rounding: bool 
         decoder.static = static_step.StaticDecodeStep(weights, graphs=graphs)
     _RUNTIMES[model] = Runtime(compute, decoder, packed)
     set_prefill_bf16(model, prefill_bf16)
+
+
+_GGUF_READ_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def gguf_header_read_once():
+    """While a GGUF is converted, transformers reads the file's whole header (every metadata field, the vocabulary
+    included, through gguf's GGUFReader) once, not twice. For architectures its fast metadata reader does not cover
+    (llama among them), AutoTokenizer reads the whole header to learn the config and AutoConfig reads it again:
+    about 10 s each for the default model's 49k-token vocabulary on a 2-core AMD EPYC, more for larger vocabularies.
+    Here a second read of the same file (size and time unchanged) without tensors returns a copy of the first's
+    result. Conversions hold a lock, so two never patch at once; a transformers whose reader takes other arguments
+    is left as it is."""
+    import copy
+    import inspect
+    import os
+
+    try:
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+        real = gguf_utils.load_gguf_checkpoint
+        names = list(inspect.signature(real).parameters)
+    except (ImportError, AttributeError, TypeError, ValueError):
+        yield
+        return
+    if names[:2] != ["gguf_checkpoint_path", "return_tensors"]:
+        yield
+        return
+    results: dict = {}
+
+    def once(gguf_checkpoint_path, return_tensors=False, *args, **kwargs):
+        if return_tensors or args or any(v is not None for v in kwargs.values()):
+            return real(gguf_checkpoint_path, return_tensors, *args, **kwargs)
+        try:
+            info = os.stat(gguf_checkpoint_path)
+            key = (os.path.realpath(gguf_checkpoint_path), info.st_size, info.st_mtime_ns)
+        except (OSError, TypeError):
+            return real(gguf_checkpoint_path, return_tensors, *args, **kwargs)
+        if key not in results:
+            results[key] = real(gguf_checkpoint_path, False)
+        return copy.deepcopy(results[key])
+
+    with _GGUF_READ_LOCK:
+        gguf_utils.load_gguf_checkpoint = once
+        try:
+            yield
+        finally:
+            gguf_utils.load_gguf_checkpoint = real
 
 
 @contextlib.contextmanager

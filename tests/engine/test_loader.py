@@ -1,5 +1,6 @@
 """Model sources and their errors; INT8 / INT4 weights on the CPU."""
 
+import functools
 import json
 import shutil
 from pathlib import Path
@@ -33,7 +34,22 @@ def test_on_the_cpu_a_gguf_is_converted_without_its_weights(tmp_path, monkeypatc
     GGUF: engine.models.gguf_load); a float32 copy of the weights is written when a load needs one (bitsandbytes,
     a GPU), into the same folder."""
     monkeypatch.setenv("DSV41_CACHE_DIR", str(tmp_path / "cache"))
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    reads = []
+    real = gguf_utils.load_gguf_checkpoint
+
+    @functools.wraps(real)
+    def counted(path, *args, **kwargs):
+        reads.append(str(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(gguf_utils, "load_gguf_checkpoint", counted)
     folder = resolve_source("default", weights=False).path
+    # transformers reads the whole header for the config in AutoTokenizer and again in AutoConfig (llama is not
+    # among the architectures its fast metadata reader covers): once is enough (engine.models.adapter)
+    assert len(reads) == 1, reads
+    assert gguf_utils.load_gguf_checkpoint is counted  # put back as it was
     names = {p.name for p in folder.iterdir()}
     assert {"config.json", "tokenizer.json", "generation_config.json", ".complete"} <= names
     assert not any(name.endswith(".safetensors") for name in names)
