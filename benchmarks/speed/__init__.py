@@ -243,7 +243,8 @@ def section_warmup(ctx) -> dict:
     for _ in range(reps):
         for mode in ("cold", "warm"):
             cmd = [sys.executable, "-m", "benchmarks.speed.warm", mode, "--model", ctx.args.model,
-                   "--device", ctx.device, "--dtype", str(ctx.engine.dtype).replace("torch.", "")]
+                   "--device", ctx.device, "--dtype", str(ctx.engine.dtype).replace("torch.", ""),
+                   "--tokens", "256" if ctx.quick else "1000"]
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
             if done.returncode != 0:
                 raise RuntimeError(f"warmup probe failed: {done.stderr[-2000:]}")
@@ -252,6 +253,7 @@ def section_warmup(ctx) -> dict:
     cold = core.median([r["ttft_s"] for r in runs["cold"]])
     warm = core.median([r["ttft_s"] for r in runs["warm"]])
     return {"cold_ttft_s": cold, "warm_ttft_s": warm, "warm_over_cold": warm / cold, "runs": runs,
+            "prompt_tokens": runs["cold"][0].get("prompt_tokens"),
             "warmup_s": core.median([r.get("warmup_s") for r in runs["warm"]])}
 
 

@@ -176,8 +176,9 @@ def markdown(payload: dict) -> str:
         lines += [s["scaling"].get("note", ""), ""]
     if "warmup" in s:
         w = s["warmup"]
+        at = f" at {w['prompt_tokens']:,} prompt tokens" if w.get("prompt_tokens") else ""
         lines += ["### Warmup", "", f"Cold TTFT {w['cold_ttft_s'] * 1000:.0f} ms, warm TTFT {w['warm_ttft_s'] * 1000:.0f} ms "
-                  f"(×{w['warm_over_cold']:.2f}); warmup() itself took {(w.get('warmup_s') or 0):.2f} s", ""]
+                  f"(×{w['warm_over_cold']:.2f}){at}; warmup() itself took {(w.get('warmup_s') or 0):.2f} s", ""]
     if "quant" in s:
         lines += ["### Quantized weights", "",
                   "| weights | footprint (MiB) | decode ours (tok/s) | decode transformers (tok/s) | ratio | TTFT ours (ms) | % of bandwidth bound (ours) | % (transformers) | kernel ceiling |",
