@@ -46,6 +46,7 @@ def _versions() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    import engine  # noqa: F401 - before torch: what it sets up must precede torch (engine/__init__.py)
     print("DS-V4.1 Chat self-test", flush=True)
     print(f"  system:   {_versions()}", flush=True)
     try:

@@ -17,6 +17,11 @@ if os.environ.get("DSV41_CPU_WAIT", "spin").lower() == "passive":
 elif "OMP_WAIT_POLICY" not in os.environ:
     os.environ.setdefault("GOMP_SPINCOUNT", "30000")
 
+# MKL's CPU-specific code on AMD CPUs (must happen before torch loads as well): engine/mkl_dispatch.py
+from . import mkl_dispatch as _mkl_dispatch  # noqa: E402
+
+_mkl_dispatch.apply()
+
 from .config import DSV41Config, GenerationSettings  # noqa: E402
 from .errors import BusyError, ConfigError, ContextOverflowError, EngineError, ModelLoadError  # noqa: E402
 from .events import Done, ErrorEvent, PrefillProgress, TokenText, TurnStats  # noqa: E402

@@ -7,6 +7,7 @@ import tempfile
 
 import pytest
 
+import engine  # noqa: F401 - first, before torch, as in the app and the CLI (engine/__init__.py, mkl_dispatch)
 from tests.engine.conftest import tiny_model
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")

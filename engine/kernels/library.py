@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from ..mkl_dispatch import c_compiler
 from ..paths import user_cache_dir
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
@@ -46,13 +47,6 @@ class KernelLibrary:
     def isa_name(self) -> str:
         """The instruction set the kernels were built for, as doctor, the CLI and the model panel name it."""
         return {512: "AVX-512", 256: "AVX2"}.get(self.isa, f"ISA {self.isa}")
-
-
-def _compiler() -> str | None:
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if name and shutil.which(name):
-            return shutil.which(name)
-    return None
 
 
 def _openmp_libraries() -> set[str]:
@@ -120,7 +114,7 @@ def build(extra_flags: tuple[str, ...] = ()) -> KernelLibrary:
         raise KernelsUnavailable(f"built on Linux only (this is {sys.platform})")
     if torch.backends.openmp.is_available() is False:
         raise KernelsUnavailable("torch is built without OpenMP")
-    compiler = _compiler()
+    compiler = c_compiler()
     if compiler is None:
         raise KernelsUnavailable("no C compiler found (install gcc to enable the bf16 CPU kernels)")
     source = SOURCE.read_bytes()
