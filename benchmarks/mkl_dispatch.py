@@ -152,7 +152,7 @@ def _plot(p: dict, folder: Path, name: str) -> None:
         ax.scatter([i] * len(values), values, alpha=0.7)
         ax.hlines(statistics.median(values), i - 0.2, i + 0.2, color="black")
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
-    ax.set_xticks(range(len(keys)), [k.replace("ttft_", "TTFT ") .replace("chunk_products", "chunk products")
+    ax.set_xticks(range(len(keys)), [k.replace("ttft_", "TTFT ").replace("chunk_products", "chunk products")
                                      for k in keys])
     ax.set_ylabel("generic / CPU-specific time")
     ax.set_title(f"MKL on {p['machine'].get('cpu', 'this CPU')}: per pair of processes")

@@ -155,9 +155,8 @@ def _mkl_check() -> Check:
     """MKL's code path for the prefill's float32 products (engine.mkl_dispatch: AMD CPUs)."""
     from . import mkl_dispatch
 
-    line = mkl_dispatch.status()
-    slow = line.startswith("torch was loaded") or line.startswith("could not") or line.startswith("no C compiler")
-    return Check("MKL (prefill products)", "warn" if slow else "info", line,
+    slow = mkl_dispatch.missed()
+    return Check("MKL (prefill products)", "warn" if slow else "info", mkl_dispatch.status(),
                  "Import the engine before torch, and install a C compiler (gcc): MKL then runs its AVX2 / AVX-512 "
                  "code on AMD CPUs (prefill 1.1-1.3x faster)" if slow else "")
 

@@ -51,7 +51,7 @@ def cpu_vendor(cpuinfo: str | None = None) -> str | None:
 
 
 def reason_not_to_apply(cpuinfo: str | None = None) -> str | None:
-    """Why the library is not loaded here (None: it should be)."""
+    """Why the library is not for this machine or this run (None: it is; apply() may still miss it)."""
     if os.environ.get("DSV41_MKL_INTEL_PATHS", "1").strip() == "0":
         return "turned off (DSV41_MKL_INTEL_PATHS=0)"
     if sys.platform != "linux" or platform.machine().lower() not in ("x86_64", "amd64"):
@@ -59,8 +59,6 @@ def reason_not_to_apply(cpuinfo: str | None = None) -> str | None:
     vendor = cpu_vendor(cpuinfo)
     if vendor != "AuthenticAMD":
         return f"not an AMD CPU ({vendor or 'vendor unknown'}): MKL chooses its own code paths"
-    if "torch" in sys.modules:
-        return "torch was loaded before the engine: MKL keeps its generic code paths in this process"
     return None
 
 
@@ -86,11 +84,13 @@ def apply() -> None:
     """Load the library where it applies (once per process; see the module's docstring); never raises."""
     if "applied" in _state:
         return
-    _state["applied"] = False
+    _state.update(applied=False, missed=False)
     reason = reason_not_to_apply()
-    if reason is None:
+    if reason is None:  # it is for this machine: what follows can only miss it
         compiler = c_compiler()
-        if compiler is None:
+        if "torch" in sys.modules:
+            reason = "torch was loaded before the engine: MKL keeps its generic code paths in this process"
+        elif compiler is None:
             reason = "no C compiler to build it with"
         else:
             try:
@@ -98,7 +98,14 @@ def apply() -> None:
                 _state["applied"] = True
             except (OSError, subprocess.SubprocessError) as exc:
                 reason = f"could not be built or loaded ({exc})"[:300]
+        _state["missed"] = reason is not None
     _state["reason"] = reason
+
+
+def missed() -> bool:
+    """True where MKL should have been given its CPU-specific code and was not (torch first, no compiler, a failed
+    build): what doctor warns about."""
+    return bool(_state.get("missed"))
 
 
 def code_path() -> int | None:

@@ -31,11 +31,23 @@ def test_it_applies_to_amd_cpus_only_before_torch_and_can_be_turned_off(monkeypa
     monkeypatch.setenv("DSV41_MKL_INTEL_PATHS", "0")
     assert "turned off" in mkl_dispatch.reason_not_to_apply(AMD)
     monkeypatch.setenv("DSV41_MKL_INTEL_PATHS", "1")
-    monkeypatch.setitem(sys.modules, "torch", object())
-    assert "torch was loaded before the engine" in mkl_dispatch.reason_not_to_apply(AMD)
-    monkeypatch.delitem(sys.modules, "torch")
     monkeypatch.setattr(mkl_dispatch.platform, "machine", lambda: "aarch64")
     assert "not Linux on x86-64" in mkl_dispatch.reason_not_to_apply(AMD)
+
+
+def test_where_it_applies_torch_loaded_first_is_missed_and_an_intel_cpu_is_not(monkeypatch):
+    monkeypatch.setattr(mkl_dispatch.sys, "platform", "linux")
+    monkeypatch.setattr(mkl_dispatch.platform, "machine", lambda: "x86_64")
+    monkeypatch.delenv("DSV41_MKL_INTEL_PATHS", raising=False)
+    monkeypatch.setitem(sys.modules, "torch", sys.modules.get("torch", object()))
+    monkeypatch.setattr(mkl_dispatch, "cpu_vendor", lambda cpuinfo=None: "AuthenticAMD")
+    monkeypatch.setattr(mkl_dispatch, "_state", {})
+    mkl_dispatch.apply()
+    assert mkl_dispatch.missed() and "torch was loaded before the engine" in mkl_dispatch.status()
+    monkeypatch.setattr(mkl_dispatch, "cpu_vendor", lambda cpuinfo=None: "GenuineIntel")
+    monkeypatch.setattr(mkl_dispatch, "_state", {})
+    mkl_dispatch.apply()
+    assert not mkl_dispatch.missed() and "not an AMD CPU" in mkl_dispatch.status()
 
 
 def _code_path(env: dict, torch_first: bool = False) -> tuple[str, str]:
