@@ -11,15 +11,19 @@ find it at once. ``from gguf import ...`` below is the gguf package (an absolute
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import json
 import math
+import os
 import re
 import shutil
 import struct
 import threading
 import time
 from pathlib import Path
+
+import psutil
 
 from .errors import ModelLoadError
 from .gguf_index import GGUF_MAGIC, read_header
@@ -95,8 +99,7 @@ def convert_gguf(path: Path, *, progress=None, weights: bool = True) -> Path:
     if progress:
         progress(f"{step}…", 0.0)
     started = time.perf_counter()
-    tmp = target.with_name(target.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = _partial_folder(target)
     try:
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
@@ -136,8 +139,7 @@ def convert_gguf(path: Path, *, progress=None, weights: bool = True) -> Path:
                                                            "quantized": gguf_is_quantized(path),
                                                            "weights": weights}))
         (tmp / ".complete").write_text("ok")
-        shutil.rmtree(target, ignore_errors=True)
-        tmp.rename(target)
+        _publish(tmp, target, weights)
     except ModelLoadError:
         raise
     except OSError as exc:
@@ -158,6 +160,36 @@ def convert_gguf(path: Path, *, progress=None, weights: bool = True) -> Path:
     if progress:
         progress("Model converted" if weights else "Model settings read", 1.0)
     return target
+
+
+def _partial_folder(target: Path) -> Path:
+    """A folder of this conversion's own beside `target` (named by process and thread: another process converting
+    the same file at once, a second app or `python -m engine serve` on a first start, writes its own), after
+    removing those whose process has gone (a conversion killed part-way) and an earlier one of this thread's."""
+    own = target.with_name(f"{target.name}.partial-{os.getpid()}-{threading.get_ident()}")
+    for stale in target.parent.glob(glob.escape(target.name) + ".partial*"):
+        pid = stale.name.rsplit(".partial", 1)[1].lstrip("-").split("-")[0]
+        if stale == own or not pid.isdigit() or (int(pid) != os.getpid() and not psutil.pid_exists(int(pid))):
+            shutil.rmtree(stale, ignore_errors=True)
+    return own
+
+
+def _publish(tmp: Path, target: Path, weights: bool) -> None:
+    """Move the finished conversion `tmp` to `target`, unless a conversion of the same file running beside this one
+    published what this call needs first (then that one stays: a process may be loading from it, and ours is removed
+    by the caller); a settings-only folder where weights are wanted is replaced."""
+    for _ in range(3):
+        if (target / ".complete").is_file() and (not weights or (target / "model.safetensors").is_file()):
+            return
+        shutil.rmtree(target, ignore_errors=True)
+        try:
+            tmp.rename(target)
+            return
+        except OSError:
+            if not target.exists():
+                raise
+            # another conversion renamed its folder in between: look at what it holds
+    raise OSError(f"{target} kept changing while this conversion tried to save it")
 
 
 FLOAT_GGUF_TYPES = {"F32", "F16", "BF16", "F64"}

@@ -2,6 +2,7 @@
 
 import functools
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -59,6 +60,40 @@ def test_on_the_cpu_a_gguf_is_converted_without_its_weights(tmp_path, monkeypatc
     model, tokenizer, blocks = load_gguf(folder, default_gguf_path(), dtype=__import__("torch").float32, hold=True)
     assert tokenizer.chat_template and model.config.num_hidden_layers == 30
     assert len(blocks.matrices) == 30 * 7 + 1  # every decoder matrix and the tied embedding kept as blocks
+
+
+def test_a_conversion_beside_another_of_the_same_file_keeps_the_one_published_first(tmp_path, monkeypatch):
+    """Two processes converting the same GGUF at once (a second app or `python -m engine serve` on a first start,
+    test workers on a fresh cache): each writes a folder of its own, and the one finishing second keeps the folder
+    the first published (a process may be loading from it). Leftovers of a conversion whose process has gone are
+    removed; a live one's are not."""
+    import psutil
+    import transformers
+
+    from engine.gguf import _gguf_key, convert_gguf
+
+    real = resolve_source("default", weights=False).path  # the session's conversion: its tokenizer and config
+    gguf = default_gguf_path()
+    monkeypatch.setenv("DSV41_CACHE_DIR", str(tmp_path / "cache"))
+    target = tmp_path / "cache" / "models" / _gguf_key(gguf)
+    dead = next(pid for pid in range(4_000_000, 4_100_000) if not psutil.pid_exists(pid))
+    left = target.with_name(f"{target.name}.partial-{dead}-7")
+    writing = target.with_name(f"{target.name}.partial-{os.getppid()}-7")  # a live process's, mid-write
+    left.mkdir(parents=True)
+    tokenizer, config = transformers.AutoTokenizer.from_pretrained, transformers.AutoConfig.from_pretrained
+
+    def tokenizer_while_the_other_publishes(*args, **kwargs):
+        assert not left.exists() and writing.is_dir()
+        shutil.copytree(real, target)  # the other conversion finishes first
+        (target / "theirs").write_text("")
+        return tokenizer(str(real))
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", tokenizer_while_the_other_publishes)
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", lambda *a, **k: config(str(real)))
+    writing.mkdir()
+    assert convert_gguf(gguf, weights=False) == target
+    assert (target / "theirs").is_file() and (target / ".complete").is_file()
+    assert sorted(p.name for p in target.parent.iterdir()) == sorted([target.name, writing.name])
 
 
 def test_the_default_conversion_knows_its_gguf_was_quantized(default_model, tmp_path):
