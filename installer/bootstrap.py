@@ -30,6 +30,7 @@ Environment:
     DSV41_FLASH_ATTN_BUILD=1 allow building flash-attn from source when no prebuilt wheel fits
                              (off by default: the app uses PyTorch SDPA attention then)
     DSV41_FLASH_ATTN_TIMEOUT seconds to allow that build (default 1200)
+    DSV41_TEST_WORKERS=N     ``test`` runs pytest in N processes (default: one per core, at most 4; 1: one)
 """
 
 from __future__ import annotations
@@ -195,7 +196,10 @@ def main(argv: list | None = None) -> int:
     if not common.has_display(env):
         env["QT_QPA_PLATFORM"] = "offscreen"
         common.say("No display: running the tests with QT_QPA_PLATFORM=offscreen.")
-    rc = commands.launch([py, "-m", "pytest"] + rest, cwd=repo, env=env, ctrl_c_is_theirs=True)
+    workers = commands.test_worker_args(rest, py, env)
+    if workers:
+        common.say(f"Running the tests in {workers[1]} processes (DSV41_TEST_WORKERS=1 runs them in one).")
+    rc = commands.launch([py, "-m", "pytest"] + workers + rest, cwd=repo, env=env, ctrl_c_is_theirs=True)
     if rc == 5:
         common.say("pytest collected no tests (exit 5): the test suite is empty or the arguments select "
                    "nothing. Treating this as a failure.")

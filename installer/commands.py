@@ -40,6 +40,34 @@ def launch(cmd: list, cwd: Path | None = None, env: dict | None = None, ctrl_c_i
                 return 130
 
 
+MAX_TEST_WORKERS = 4
+"""`bootstrap.py test` runs pytest in up to this many processes (pytest-xdist, a dev tool), one per core, each test
+file whole in one of them, the files with the slowest tests first (tests/conftest.py). Each loads the default model
+and its threads share the cores (OMP_NUM_THREADS, tests/conftest.py)."""
+_SERIAL_OPTIONS = ("-n", "--numprocesses", "--dist", "--pdb", "--trace", "-s")
+
+
+def test_worker_args(rest: list, py: Path, env: dict, cpus: int | None = None) -> list:
+    """pytest's arguments that spread the suite over the machine's cores: none where the arguments already decide
+    (-n, --dist, -p no:xdist, or a debugger or uncaptured output, which want one process), DSV41_TEST_WORKERS=1
+    asks for one process, the machine has one core, or pytest-xdist is not in the environment."""
+    wanted = env.get("DSV41_TEST_WORKERS", "").strip()
+    if cpus is None:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    workers = int(wanted) if wanted.isdigit() else min(cpus, MAX_TEST_WORKERS)
+    if workers < 2 or any(str(a).split("=")[0] in _SERIAL_OPTIONS or str(a).startswith("-n") or "no:xdist" in str(a)
+                          for a in rest):
+        return []
+    try:
+        has_xdist = subprocess.run([str(py), "-c", "import xdist"], env=env, capture_output=True,
+                                   timeout=60).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        has_xdist = False
+    if not has_xdist:
+        return []
+    return ["-n", str(workers), "--dist", "loadfile", "--no-loadscope-reorder"]
+
+
 # ------------------------------------------------------------------------ the first-run window
 
 

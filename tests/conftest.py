@@ -7,7 +7,13 @@ import tempfile
 
 import pytest
 
-import engine  # noqa: F401 - first, before torch, as in the app and the CLI (engine/__init__.py, mkl_dispatch)
+if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:
+    # one of several test processes (`bootstrap.py test`, installer/commands.py test_worker_args): the cores are
+    # shared between them, so each torch (and each test's subprocesses) takes its share of the threads, not all
+    _CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    os.environ["OMP_NUM_THREADS"] = str(max(1, _CPUS // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+
+import engine  # noqa: E402, F401 - first, before torch, as in the app and the CLI (engine/__init__.py, mkl_dispatch)
 from tests.engine.conftest import tiny_model
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
@@ -32,6 +38,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(skip_gpu)
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # each file runs whole in one process, in this order (--dist loadfile --no-loadscope-reorder): the files
+        # with slow tests first, so the processes end together instead of one finishing a 4-minute test alone
+        slow = {item.path for item in items if "slow" in item.keywords}
+        items.sort(key=lambda item: item.path not in slow)
 
 
 @pytest.fixture(scope="session")
