@@ -196,7 +196,7 @@ def main(argv: list | None = None) -> int:
     if not common.has_display(env):
         env["QT_QPA_PLATFORM"] = "offscreen"
         common.say("No display: running the tests with QT_QPA_PLATFORM=offscreen.")
-    workers = commands.test_worker_args(rest, py, env)
+    workers = commands.worker_args_for_tests(rest, py, env)
     if workers:
         common.say(f"Running the tests in {workers[1]} processes (DSV41_TEST_WORKERS=1 runs them in one).")
     rc = commands.launch([py, "-m", "pytest"] + workers + rest, cwd=repo, env=env, ctrl_c_is_theirs=True)

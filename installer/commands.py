@@ -42,12 +42,12 @@ def launch(cmd: list, cwd: Path | None = None, env: dict | None = None, ctrl_c_i
 
 MAX_TEST_WORKERS = 4
 """`bootstrap.py test` runs pytest in up to this many processes (pytest-xdist, a dev tool), one per core, each test
-file whole in one of them, the files with the slowest tests first (tests/conftest.py). Each loads the default model
+file whole in one of them, the files holding tests marked slow first (tests/conftest.py). Each loads the default model
 and its threads share the cores (OMP_NUM_THREADS, tests/conftest.py)."""
 _SERIAL_OPTIONS = ("-n", "--numprocesses", "--dist", "--pdb", "--trace", "-s")
 
 
-def test_worker_args(rest: list, py: Path, env: dict, cpus: int | None = None) -> list:
+def worker_args_for_tests(rest: list, py: Path, env: dict, cpus: int | None = None) -> list:
     """pytest's arguments that spread the suite over the machine's cores: none where the arguments already decide
     (-n, --dist, -p no:xdist, or a debugger or uncaptured output, which want one process), DSV41_TEST_WORKERS=1
     asks for one process, the machine has one core, or pytest-xdist is not in the environment."""

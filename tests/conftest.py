@@ -8,7 +8,7 @@ import tempfile
 import pytest
 
 if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:
-    # one of several test processes (`bootstrap.py test`, installer/commands.py test_worker_args): the cores are
+    # one of several test processes (`bootstrap.py test`, installer/commands.py worker_args_for_tests): the cores are
     # shared between them, so each torch (and each test's subprocesses) takes its share of the threads, not all
     _CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     os.environ["OMP_NUM_THREADS"] = str(max(1, _CPUS // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))

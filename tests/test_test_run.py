@@ -28,15 +28,15 @@ def test_the_suite_runs_in_one_process_per_core_where_it_can(monkeypatch):
 
     xdist = ["--dist", "loadfile", "--no-loadscope-reorder"]
     py = Path(sys.executable)  # the dev environment: pytest-xdist is there
-    assert commands.test_worker_args([], py, {}, cpus=2) == ["-n", "2"] + xdist
-    assert commands.test_worker_args(["-k", "chat", "tests/app"], py, {}, cpus=16) == ["-n", "4"] + xdist
-    assert commands.test_worker_args([], py, {"DSV41_TEST_WORKERS": "3"}, cpus=2) == ["-n", "3"] + xdist
-    assert commands.test_worker_args([], py, {}, cpus=1) == []
-    assert commands.test_worker_args([], py, {"DSV41_TEST_WORKERS": "1"}, cpus=8) == []
+    assert commands.worker_args_for_tests([], py, {}, cpus=2) == ["-n", "2"] + xdist
+    assert commands.worker_args_for_tests(["-k", "chat", "tests/app"], py, {}, cpus=16) == ["-n", "4"] + xdist
+    assert commands.worker_args_for_tests([], py, {"DSV41_TEST_WORKERS": "3"}, cpus=2) == ["-n", "3"] + xdist
+    assert commands.worker_args_for_tests([], py, {}, cpus=1) == []
+    assert commands.worker_args_for_tests([], py, {"DSV41_TEST_WORKERS": "1"}, cpus=8) == []
     for decided in (["-n", "1"], ["-n0"], ["--numprocesses=2"], ["--dist", "load"], ["-p", "no:xdist"], ["--pdb"],
                     ["-s"]):
-        assert commands.test_worker_args(decided, py, {}, cpus=8) == [], decided
-    assert commands.test_worker_args([], Path("/nonexistent/python"), {}, cpus=8) == []  # no pytest-xdist there
+        assert commands.worker_args_for_tests(decided, py, {}, cpus=8) == [], decided
+    assert commands.worker_args_for_tests([], Path("/nonexistent/python"), {}, cpus=8) == []  # no pytest-xdist there
 
 
 def test_in_a_test_process_beside_others_torch_takes_its_share_of_the_cores():

@@ -576,6 +576,20 @@ def test_test_command_maps_no_tests_to_failure(tmp_path, monkeypatch, capsys):
     assert bs.main(["test"]) == 1
 
 
+def test_test_command_runs_pytest_in_the_processes_the_machine_allows(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("DSV41_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(torch_choice, "detect_nvidia", lambda: None)
+    monkeypatch.setattr(setup_runner, "ensure_setup", lambda ctx, force=False: 0)
+    asked, launched = [], []
+    spread = ["-n", "2", "--dist", "loadfile", "--no-loadscope-reorder"]
+    monkeypatch.setattr(commands, "worker_args_for_tests", lambda rest, py, env: asked.append(list(rest)) or spread)
+    monkeypatch.setattr(commands, "launch", lambda cmd, cwd=None, env=None, **_kw: launched.append(cmd) or 0)
+    assert bs.main(["test", "-k", "chat"]) == 0
+    assert asked == [["-k", "chat"]]
+    assert [str(a) for a in launched[0][1:]] == ["-m", "pytest"] + spread + ["-k", "chat"]
+    assert "Running the tests in 2 processes (DSV41_TEST_WORKERS=1 runs them in one)." in capsys.readouterr().out
+
+
 def test_setup_failure_exit_code_and_unknown_command(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("DSV41_HOME", str(tmp_path / "home"))
     monkeypatch.setattr(torch_choice, "detect_nvidia", lambda: None)
