@@ -1343,9 +1343,11 @@ static void rows_q8_0_int16_avx2(int split, const uint8_t *w, const int16_t *xw,
     }
 }
 
-/* The Q4 loop of both integer modes: x as int16 (planes 2: its high and low bytes, exact integer sums of four weights
- * a lane in int32) or as int8 (planes 1: one vpmaddubsw per 32 weights, a group's four chunks summed in int16 and
- * widened once). `planes` is a constant where this is inlined. */
+/* The Q4 loop of both integer modes: x as int16 (planes 2: its high and low bytes) or as int8 (planes 1: one
+ * vpmaddubsw per 32 weights). In a whole group a lane's pair sums over the group's four chunks are added in int16 (16
+ * products of a nibble and a byte: at most 16 * 15 * 128 = 30,720, no overflow) and widened once a group, the high
+ * bytes' by vpmaddwd with 256 and the low bytes' with 1: the same exact integer sums as x16_dot_avx2 per chunk, with a
+ * third fewer instructions. `planes` is a constant where this is inlined. */
 static inline __attribute__((always_inline)) void rows_q4_int_avx2(const int planes, int64_t type, int split,
                                                                    const uint8_t *w, const int8_t *xq,
                                                                    const float *dx, const float *xsum, float *y,
@@ -1373,6 +1375,7 @@ static inline __attribute__((always_inline)) void rows_q4_int_avx2(const int pla
             for (int hv = 0; hv < 2; hv++) {
                 group_stream_to(&st, w, r, row_bytes, c + 8 * hv + 8, blocks);
                 __m256i t[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
+                __m256i tl[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
                 for (int s = 0; s < 4; s++) {
                     /* x against the chunk's low nibbles at xg, its high ones 64 after; int16 x's low bytes 128 after */
                     const int8_t *xg = xq + q4_x_at(c, 4 * s, planes) + 32 * hv;
@@ -1384,10 +1387,9 @@ static inline __attribute__((always_inline)) void rows_q4_int_avx2(const int pla
                         const uint8_t *b = rowp[j] + q_at + c * 16 + 64 * s + 32 * hv;
                         const __m256i v = _mm256_loadu_si256((const __m256i *)b);
                         const __m256i lo = _mm256_and_si256(v, nib32), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib32);
+                        t[j] = _mm256_add_epi16(t[j], _mm256_add_epi16(_mm256_maddubs_epi16(lo, lh), _mm256_maddubs_epi16(hi, hh)));
                         if (planes == 2)
-                            t[j] = _mm256_add_epi32(t[j], _mm256_add_epi32(x16_dot_avx2(lo, lh, ll), x16_dot_avx2(hi, hh, hl)));
-                        else
-                            t[j] = _mm256_add_epi16(t[j], _mm256_add_epi16(_mm256_maddubs_epi16(lo, lh), _mm256_maddubs_epi16(hi, hh)));
+                            tl[j] = _mm256_add_epi16(tl[j], _mm256_add_epi16(_mm256_maddubs_epi16(lo, ll), _mm256_maddubs_epi16(hi, hl)));
                     }
                 }
                 const __m256 dxv = _mm256_loadu_ps(dx + c + 8 * hv), xs = _mm256_loadu_ps(xsum + c + 8 * hv);
@@ -1395,7 +1397,9 @@ static inline __attribute__((always_inline)) void rows_q4_int_avx2(const int pla
                 for (int j = 0; j < 4; j++) {
                     const __m256 d = f16x8(rowp[j] + 2 * (c + 8 * hv));
                     const __m256 m = with_min ? f16x8(rowp[j] + m_at + 2 * (c + 8 * hv)) : _mm256_mul_ps(d, _mm256_set1_ps(-8.f));
-                    const __m256i sums = planes == 2 ? t[j] : _mm256_madd_epi16(t[j], ones);
+                    const __m256i sums = planes == 2 ? _mm256_add_epi32(_mm256_madd_epi16(t[j], _mm256_set1_epi16(256)),
+                                                                        _mm256_madd_epi16(tl[j], ones))
+                                                     : _mm256_madd_epi16(t[j], ones);
                     ev[j] = _mm256_fmadd_ps(m, xs, ev[j]);
                     a[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d, dxv), a[j]);
                 }

@@ -603,3 +603,32 @@ def test_the_read_order_probe_reads_every_byte_of_the_rows_once_either_way(type_
     for threads in (1, 2):
         assert [library.lib.dsv41_q4_read_pattern(type_id, data.data_ptr(), rows, blocks, pattern, threads)
                 for pattern in (0, 1)] == [expected, expected]
+
+
+@pytest.mark.parametrize("isa", ["native", "avx2"])
+def test_the_integer_q4_sums_at_their_largest_do_not_overflow(isa):
+    """Every nibble 15 and every x at its block's largest magnitude (int16 x: high and low bytes 127 / -127, int8
+    x: 127 / -127): the AVX2 loops add a group's pair sums in int16 before widening them (16 * 15 * 127 there), so
+    an overflow would show here as a wrong sign or a wrapped sum."""
+    if isa == "native" and cpu_kernels.load().isa != 256:
+        pytest.skip("the native build is not the AVX2 one here (the avx2 case builds it)")
+    library = cpu_kernels.build(("-mno-avx512f",)) if isa == "avx2" else None
+    rows, cols = 8, 576  # the default model's rows: a split row's group of 16 blocks, then two
+    for name in ("Q4_0", "Q4_1"):
+        type_id, _, size = FORMATS[name]
+        data = np.full((rows, cols // 32, size), 0xFF, dtype=np.uint8)  # every nibble 15
+        scales = np.full((rows, cols // 32), 0.01, dtype=np.float16).view(np.uint8).reshape(rows, cols // 32, 2)
+        data[:, :, 0:2] = scales
+        if name == "Q4_1":
+            data[:, :, 2:4] = np.zeros((rows, cols // 32), dtype=np.float16).view(np.uint8).reshape(rows, -1, 2)
+        data = data.reshape(rows, -1)
+        w = torch.from_numpy(reference(data, type_id, rows, cols)).double()
+        x = torch.full((cols,), 3.0)
+        for sign in (1.0, -1.0):  # every block at +max, then at -max
+            for mode in [m for m in gguf_blocks.x_modes(library) if m in ("int8", "int16")]:
+                want = w @ x_as_taken(name, sign * x, mode, library)
+                matrix = GGUFMatrix(type_id, torch.from_numpy(data), cols)
+                with gguf_blocks.activations(mode, library):
+                    for held in (matrix.as_split(library), matrix):
+                        got = held.matvec(sign * x, library=library).double()
+                        assert torch.allclose(got, want, rtol=1e-6, atol=0), (name, mode, sign, held.split)
