@@ -168,8 +168,8 @@ def _partial_folder(target: Path) -> Path:
     removing those whose process has gone (a conversion killed part-way) and an earlier one of this thread's."""
     own = target.with_name(f"{target.name}.partial-{os.getpid()}-{threading.get_ident()}")
     for stale in target.parent.glob(glob.escape(target.name) + ".partial*"):
-        pid = stale.name.rsplit(".partial", 1)[1].lstrip("-").split("-")[0]
-        if stale == own or not pid.isdigit() or (int(pid) != os.getpid() and not psutil.pid_exists(int(pid))):
+        pid = re.fullmatch(re.escape(target.name) + r"\.partial-(\d+)-\d+", stale.name)  # None: another layout
+        if stale == own or pid is None or (int(pid[1]) != os.getpid() and not psutil.pid_exists(int(pid[1]))):
             shutil.rmtree(stale, ignore_errors=True)
     return own
 

@@ -87,10 +87,9 @@ def apply() -> None:
     _state.update(applied=False, missed=False)
     reason = reason_not_to_apply()
     if reason is None:  # it is for this machine: what follows can only miss it
-        compiler = c_compiler()
         if "torch" in sys.modules:
             reason = "torch was loaded before the engine: MKL keeps its generic code paths in this process"
-        elif compiler is None:
+        elif (compiler := c_compiler()) is None:
             reason = "no C compiler to build it with"
         else:
             try:

@@ -52,9 +52,7 @@ def worker_args_for_tests(rest: list, py: Path, env: dict, cpus: int | None = No
     (-n, --dist, -p no:xdist, or a debugger or uncaptured output, which want one process), DSV41_TEST_WORKERS=1
     asks for one process, the machine has one core, or pytest-xdist is not in the environment."""
     wanted = env.get("DSV41_TEST_WORKERS", "").strip()
-    if cpus is None:
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    workers = int(wanted) if wanted.isdigit() else min(cpus, MAX_TEST_WORKERS)
+    workers = int(wanted) if wanted.isdigit() else min(common.usable_cpus() if cpus is None else cpus, MAX_TEST_WORKERS)
     if workers < 2 or any(str(a).split("=")[0] in _SERIAL_OPTIONS or str(a).startswith("-n") or "no:xdist" in str(a)
                           for a in rest):
         return []

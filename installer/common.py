@@ -42,6 +42,11 @@ MODEL_VERSION = "0.1.2"
 # --------------------------------------------------------------------------------------- output
 
 
+def usable_cpus() -> int:
+    """The cores this process may run on (its affinity where the platform tells it, else the machine's count)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def say(msg: str = "") -> None:
     print(msg, flush=True)
 

@@ -10,8 +10,9 @@ import pytest
 if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:
     # one of several test processes (`bootstrap.py test`, installer/commands.py worker_args_for_tests): the cores are
     # shared between them, so each torch (and each test's subprocesses) takes its share of the threads, not all
-    _CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    os.environ["OMP_NUM_THREADS"] = str(max(1, _CPUS // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+    from installer.common import usable_cpus
+
+    os.environ["OMP_NUM_THREADS"] = str(max(1, usable_cpus() // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 
 import engine  # noqa: E402, F401 - first, before torch, as in the app and the CLI (engine/__init__.py, mkl_dispatch)
 from tests.engine.conftest import tiny_model

@@ -40,7 +40,9 @@ def test_the_suite_runs_in_one_process_per_core_where_it_can(monkeypatch):
 
 
 def test_in_a_test_process_beside_others_torch_takes_its_share_of_the_cores():
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    from installer.common import usable_cpus
+
+    cpus = usable_cpus()
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     env.update(PYTEST_XDIST_WORKER="gw1", PYTEST_XDIST_WORKER_COUNT="2")
     done = subprocess.run([sys.executable, "-c", "import tests.conftest, torch; print(torch.get_num_threads())"],
