@@ -462,7 +462,8 @@ def test_the_read_ceiling_reads_every_byte_of_the_steps_matrices_once(tiny_model
 @pytest.mark.parametrize("isa", ["native", "avx2"])
 @pytest.mark.parametrize("kv", ["bf16", "float32", "bf16 merged"])
 @pytest.mark.parametrize("length", [5, 100, 1100])
-@pytest.mark.parametrize("heads, kv_heads, d", [(9, 3, 64), (8, 1, 64), (4, 4, 64), (10, 2, 128), (6, 2, 96)])
+@pytest.mark.parametrize("heads, kv_heads, d", [(9, 3, 64), (8, 1, 64), (4, 4, 64), (10, 2, 128), (6, 2, 96),
+                                                (4, 2, 40)])
 def test_the_steps_attention_equals_a_float64_reference(kv, length, heads, kv_heads, d, isa):
     """The fused step's attention (dsv41_step_attention: the same code, alone) over bf16 or float32 entries (and bf16
     entries standing for merged tokens, their log counts added to the logits): its
@@ -470,7 +471,8 @@ def test_the_steps_attention_equals_a_float64_reference(kv, length, heads, kv_he
     of head size 64 are multiplied as stored, by q in two bf16 terms (16 significant bits): within 2e-5 of the
     output's largest value, where q rounded to one bf16 term is ~1e-2 off. The groups cover each way the value pass
     takes query heads (1, 3, 4 + 4 at head size 64; 2 + 2 + 1 at 128; the general loop at 96), on this CPU's build
-    and on the AVX2 build (8 rows at a time, the values 32 columns at a time, a short item's last rows one by one)."""
+    and on the AVX2 build (logits 8 rows and up to 4 heads at a time, the values up to 3 heads and 32 columns at a
+    time, then 8 at head sizes 40 and 96, a short item's last logits one row at a time)."""
     from engine.kernels.fused import _StepCache, _StepModel
 
     lib = (cpu_kernels.build(("-mno-avx512f",)) if isa == "avx2" else cpu_kernels.load()).lib
