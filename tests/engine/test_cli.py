@@ -342,6 +342,7 @@ def test_pin_alone_help_and_a_mistyped_command_are_not_sent_to_the_model(monkeyp
 
 
 def test_ctrl_c_at_the_prompt_drops_the_line_and_during_a_reply_stops_it(monkeypatch, capsys):
+    before = signal.getsignal(signal.SIGINT)  # Python's default, or SIG_IGN where the shell started the run ignoring it
     prompts: list = []
     sent = _fake_chat(monkeypatch, [KeyboardInterrupt, "hello", "ctrl-c", KeyboardInterrupt, "again",
                                     "ctrl-c in a finalizer", "after"], prompts)
@@ -349,7 +350,7 @@ def test_ctrl_c_at_the_prompt_drops_the_line_and_during_a_reply_stops_it(monkeyp
     assert prompts == ["hello", "ctrl-c", "again", "ctrl-c in a finalizer", "after"] and len(sent) == 5
     assert err.count("(Ctrl-D or /quit to quit)") == 2
     assert err.count("(the message was not kept: type it again to send it)") == 2  # the stopped replies
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Ctrl-C at the prompt is as it was
+    assert signal.getsignal(signal.SIGINT) is before  # Ctrl-C at the prompt is as it was
 
 
 def test_the_reading_progress_line_ends_before_the_reply(monkeypatch, capsys):
