@@ -1378,7 +1378,7 @@ static inline __attribute__((always_inline)) void rows_q4_int_avx2(const int pla
          * int16 sums added chunk by chunk: without it GCC kept every product apart on the stack and added them at
          * the end. A row's product and its minimum term go into one float sum. Single-threaded, the 576-column
          * Q4_1 rows of the default model ×1.11-1.16 faster on a first-generation AMD EPYC than four rows at a
-         * time. */
+         * time (a one-off harness; docs/design.md). */
         const int pass = planes == 2 ? 2 : 4;
         for (int64_t c = 0; c < grouped; c += Q4_GROUP) /* whole groups of interleaved blocks, eight a ymm */
             for (int hv = 0; hv < 2; hv++) {
@@ -3085,8 +3085,8 @@ static inline __attribute__((always_inline)) const float *rows16(const void *bas
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 /* The AVX2 build's attention: 8 logits a query head from one transposing reduction (sum8) of per-row partial sums,
- * the values summed into sums held in registers; each KV row widened in registers where it is used (below). A row's
- * rows PREFETCH_ROWS ahead are asked for into L2, as rows16 does. */
+ * the values summed into sums held in registers; each KV row widened in registers where it is used (below), the
+ * rows PREFETCH_ROWS ahead asked for into L2 as rows16 does. */
 static inline __m256 sum8(const __m256 *v) { /* v[i]'s lanes summed -> lane i */
     const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
     const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
@@ -3106,7 +3106,7 @@ static inline __m256 kv8(const void *base, int64_t at, int bf16) { /* the 8 floa
                 : _mm256_loadu_ps((const float *)base + at);
 }
 /* The logits of rows [j, j + 8) against GN query heads (head i's q at qh + i d): per row and head a vector of
- * partial sums (the same products and order as over rows8's buffer), then one sum8 per head; the logit times
+ * partial sums (8 columns a multiply-add, in the row's order), then one sum8 per head; the logit times
  * `scaling` plus the bias at pr + i S + j (head i's row of probs), and each head's largest into mx[i]. */
 static inline __attribute__((always_inline)) void logits_rows8(const int GN, const float *qh, const void *K,
                                                                int bf16, int64_t j, int64_t d, float scaling,

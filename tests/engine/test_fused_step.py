@@ -471,8 +471,9 @@ def test_the_steps_attention_equals_a_float64_reference(kv, length, heads, kv_he
     of head size 64 are multiplied as stored, by q in two bf16 terms (16 significant bits): within 2e-5 of the
     output's largest value, where q rounded to one bf16 term is ~1e-2 off. The groups cover each way the value pass
     takes query heads (1, 3, 4 + 4 at head size 64; 2 + 2 + 1 at 128; the general loop at 96), on this CPU's build
-    and on the AVX2 build (logits 8 rows and up to 4 heads at a time, the values up to 3 heads and 32 columns at a
-    time, then 8 at head sizes 40 and 96, a short item's last logits one row at a time)."""
+    and on the AVX2 build (logits 8 rows and up to 4 heads at a time: 1, 2, 3, 4 + 4, 4 + 1; the values up to 3
+    heads and 32 columns at a time, the last 8 columns apart at head size 40; a short item's last logits one row at
+    a time)."""
     from engine.kernels.fused import _StepCache, _StepModel
 
     lib = (cpu_kernels.build(("-mno-avx512f",)) if isa == "avx2" else cpu_kernels.load()).lib
