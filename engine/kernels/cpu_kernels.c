@@ -76,8 +76,9 @@ static inline void stream_to(Stream *st, const char *target) {
  * both within the noise). */
 #define GROUPS_AHEAD 8
 static inline Stream group_stream(const uint8_t *w, int64_t r0, int64_t r1, int64_t row_bytes, int64_t blocks) {
-    Stream st = {(const char *)w + (r0 + 4 * GROUPS_AHEAD) * row_bytes, (const char *)(w + r1 * row_bytes),
+    Stream st = {(const char *)w + r0 * row_bytes, (const char *)(w + r1 * row_bytes),
                  (4 * row_bytes << 16) / blocks};
+    stream_to(&st, (const char *)w + (r0 + 4 * GROUPS_AHEAD) * row_bytes);
     return st;
 }
 /* The stream advanced to where the group of rows at r has read `done` of its blocks (by a fixed-point step: no
@@ -2681,11 +2682,33 @@ static inline void *carve(char **at, size_t bytes) {
     return p;
 }
 /* `call` on this thread's share of the rows (r0, r1), on `threads` threads */
+/* The rows the decode step multiplies next (mv sets them; empty outside the step): each thread that has done its
+ * rows of a GGUF product asks for the first rows of its share of the next product into L2 (NEXT_ROWS: as far as
+ * group_stream runs ahead), so that the next product does not begin on loads that wait on memory
+ * while the threads meet, the vector for the next product is made, the norm and the attention run. */
+#define NEXT_ROWS 32
+typedef struct {
+    const char *data;
+    int64_t rows, row_bytes;
+} NextRows;
+static NextRows next_rows;
+
+static inline void prefetch_next_rows(void) {
+    const NextRows n = next_rows;
+    if (!n.data) return;
+    int64_t r0, r1;
+    thread_rows(n.rows, &r0, &r1);
+    if (r1 - r0 > NEXT_ROWS) r1 = r0 + NEXT_ROWS;
+    for (const char *at = n.data + r0 * n.row_bytes, *end = n.data + r1 * n.row_bytes; at < end; at += 64)
+        __builtin_prefetch(at, 0, 2);
+}
+
 #define ON_ROWS(call)                                   \
     _Pragma("omp parallel num_threads(threads)") {      \
         int64_t r0, r1;                                 \
         thread_rows(rows, &r0, &r1);                    \
         call;                                           \
+        prefetch_next_rows();                           \
     }
 
 int dsv41_mv_gguf(int64_t type, const void *w, const float *x, float *y, int64_t rows, int64_t cols, int acc,
@@ -2955,14 +2978,22 @@ static inline const float *kv_row(const void *base, int64_t j, int64_t d, int bf
 
 /* y = M x (+ y when acc), part by part: each part's rows are the next rows of y. Returns 0, or the first part's
  * failure (-2: no memory for a wide row's scratch; the parts after it are not multiplied). */
-static int mv(const Mat *m, const float *x, float *y, int64_t cols, int acc, int threads) {
+static int64_t part_bytes(const MatPart *p, int64_t cols);
+static int mv(const Mat *m, const float *x, float *y, int64_t cols, int acc, int threads, const Mat *next,
+              int64_t next_cols) {
     for (int64_t i = 0; i < m->parts; i++) {
         const MatPart *p = m->part + i;
+        const MatPart *after = i + 1 < m->parts ? p + 1 : next ? next->part : NULL;
+        const int64_t after_cols = i + 1 < m->parts ? cols : next_cols;
+        next_rows.data = after && after->rows ? (const char *)after->data : NULL;
+        next_rows.rows = after ? after->rows : 0;
+        next_rows.row_bytes = after && after->rows ? part_bytes(after, after_cols) / after->rows : 0;
         int status = 0;
         if (p->format == MAT_INT8) dsv41_mv_int8((const int8_t *)p->data, p->scale, x, y, p->rows, cols, acc, threads);
         else if (p->format == MAT_F32) dsv41_mv_f32((const float *)p->data, x, y, p->rows, cols, acc, threads);
         else if (p->format == MAT_GGUF) status = dsv41_mv_gguf(p->gguf_type, p->data, x, y, p->rows, cols, acc, threads);
         else status = dsv41_mv_bf16((const uint16_t *)p->data, x, y, p->rows, cols, acc, threads);
+        next_rows.data = NULL;
         if (status != 0) return status;
         y += p->rows;
     }
@@ -3561,7 +3592,7 @@ int dsv41_decode_step(const StepModel *m, const StepLayer *layers, StepCache *ca
         const StepLayer *L = layers + l;
         StepCache *c = caches + l;
         rms_norm(x, L->input_norm, hbuf, D, m->eps);
-        if (mv(&L->qkv, hbuf, qkv, D, 0, threads) != 0) return -4;
+        if (mv(&L->qkv, hbuf, qkv, D, 0, threads, &L->o, H * d) != 0) return -4;
         if (L->qkv_bias)
             for (int64_t i = 0; i < (H + 2 * h) * d; i++) qkv[i] += L->qkv_bias[i];
         for (int64_t hd = 0; hd < H + h; hd++) {
@@ -3592,16 +3623,17 @@ int dsv41_decode_step(const StepModel *m, const StepLayer *layers, StepCache *ca
             view.length = n + 1;
             attend(m, &view, qkv, attn, probs, stats, partial, score, decay, threads);
         }
-        if (mv(&L->o, attn, x, H * d, 1, threads) != 0) return -4;
+        if (mv(&L->o, attn, x, H * d, 1, threads, &L->gate_up, D) != 0) return -4;
         if (L->o_bias)
             for (int64_t i = 0; i < D; i++) x[i] += L->o_bias[i];
         rms_norm(x, L->post_norm, hbuf, D, m->eps);
-        if (mv(&L->gate_up, hbuf, gu, D, 0, threads) != 0) return -4;
+        if (mv(&L->gate_up, hbuf, gu, D, 0, threads, &L->down, I) != 0) return -4;
         silu_mul(gu, gu + I, act, I);
-        if (mv(&L->down, act, x, I, 1, threads) != 0) return -4;
+        if (mv(&L->down, act, x, I, 1, threads, l + 1 < m->layers ? &layers[l + 1].qkv : &m->lm_head, D) != 0)
+            return -4;
     }
     rms_norm(x, m->final_norm, hbuf, D, m->eps);
-    if (mv(&m->lm_head, hbuf, logits, D, 0, threads) != 0) return -4;
+    if (mv(&m->lm_head, hbuf, logits, D, 0, threads, NULL, 0) != 0) return -4;
     if (m->lm_head_bias)
         for (int64_t i = 0; i < m->vocab; i++) logits[i] += m->lm_head_bias[i];
     return 0;
@@ -3617,12 +3649,13 @@ int dsv41_step_matrices(const StepModel *m, const StepLayer *layers, float *logi
           *act = gu + 2 * I;
     for (int64_t l = 0; l < m->layers; l++) {
         const StepLayer *L = layers + l;
-        if (mv(&L->qkv, hbuf, qkv, D, 0, threads) != 0) return -4;
-        if (mv(&L->o, attn, x, H * d, 1, threads) != 0) return -4;
-        if (mv(&L->gate_up, hbuf, gu, D, 0, threads) != 0) return -4;
-        if (mv(&L->down, act, x, I, 1, threads) != 0) return -4;
+        if (mv(&L->qkv, hbuf, qkv, D, 0, threads, &L->o, H * d) != 0) return -4;
+        if (mv(&L->o, attn, x, H * d, 1, threads, &L->gate_up, D) != 0) return -4;
+        if (mv(&L->gate_up, hbuf, gu, D, 0, threads, &L->down, I) != 0) return -4;
+        if (mv(&L->down, act, x, I, 1, threads, l + 1 < m->layers ? &layers[l + 1].qkv : &m->lm_head, D) != 0)
+            return -4;
     }
-    if (mv(&m->lm_head, hbuf, logits, D, 0, threads) != 0) return -4;
+    if (mv(&m->lm_head, hbuf, logits, D, 0, threads, NULL, 0) != 0) return -4;
     return 0;
 }
 
