@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels import GGUFWeight, KernelMatrix, PackedMatrix, bf16_exact, load, quantize_rows_int8
+from ..kernels import GGUFWeight, KernelMatrix, PackedMatrix, bf16_exact, huge_pages, load, quantize_rows_int8
 from ..kernels.packed import bf16_products_fast
 from . import static_step
 from .decoder import Decoder, DecoderWeights, LayerWeights
@@ -125,6 +125,9 @@ def install(model, *, fast: bool = True, pack: bool = True, pack_rounding: bool 
         if weights is not None and pack else None
     if held:
         packed = held + (f", others as {packed}" if packed else "")
+    if weights is not None and weights.final_norm.device.type == "cpu" and huge_pages.enabled():
+        # before the fused step takes the matrices' addresses (the model's parameters that share them follow)
+        huge_pages.move_to_huge_pages(huge_pages.weight_tensors(weights), also=[*model.parameters(), *model.buffers()])
     decoder = Decoder(weights) if weights is not None else None
     if decoder is not None and weights.final_norm.device.type == "cuda" and static_step.supports(weights):
         decoder.static = static_step.StaticDecodeStep(weights, graphs=graphs)
