@@ -11,8 +11,11 @@ weights (dsv41_step_read) right after each, for that long (thousands of rounds):
 the quarters of rounds whose reads were fastest and slowest, where whole turns are too noisy to tell a few percent
 (on a VM whose bandwidth swings within seconds, the products' time depends on the minute).
 
+`--steps` adds the two builds' decode steps taking turns token by token within the same turns (each C call timed):
+the machine's drift between turns cancels, where whole turns' ratios range ±10 %.
+
 Usage: python -m benchmarks.kernels_ab --rev 7fe8efd [--contexts 128,1024,4096] [--rounds 6] [--new-tokens 64]
-       [--products 60] [--model default|PATH.gguf] [--folder kernels-ab]   (--contexts "" with --products: the
+       [--products 60] [--steps] [--model default|PATH.gguf] [--folder kernels-ab]   (--contexts "" with --products: the
        products alone)
 Writes results/<folder>/<folder>.json and .md.
 """
@@ -30,6 +33,7 @@ import torch
 
 from .common import machine, write_results
 from .gguf_llamacpp import ROOT, THREADS, prompts
+from .huge_pages import Alternating
 
 
 def build_at(rev: str):
@@ -106,6 +110,9 @@ def main(argv=None) -> int:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--products", type=float, default=0.0,
                         help="seconds of the products alone, each build with a read after it (see above)")
+    parser.add_argument("--steps", action="store_true",
+                        help="also the two builds' decode steps taking turns token by token within each turn (each C "
+                             "call timed; benchmarks.huge_pages.Alternating): finer than whole turns")
     parser.add_argument("--model", default="default", help="the model (a .gguf path: its products; default: ours)")
     parser.add_argument("--folder", default="kernels-ab")
     args = parser.parse_args(argv)
@@ -138,6 +145,17 @@ def main(argv=None) -> int:
         rows.append({"prompt_tokens": len(ids), "runs": runs, "ratio_median": statistics.median(ratios),
                      "ratio_min": min(ratios), "ratio_max": max(ratios),
                      "medians": {name: statistics.median(v) for name, v in runs.items()}})
+        if args.steps:
+            alternating = Alternating(steps)
+            decoder.fused = alternating
+            try:
+                for _ in range(args.rounds):
+                    engine_turn(model, ids, question, args.new_tokens)
+            finally:
+                decoder.fused = steps["this tree"]
+            pairs = list(zip(alternating.seconds[rev], alternating.seconds["this tree"], strict=False))
+            rows[-1]["steps"] = {"pairs": len(pairs), "ratio_median": statistics.median(a / b for a, b in pairs),
+                                 "ms": {name: 1e3 * statistics.median(v) for name, v in alternating.seconds.items()}}
     m = machine()
     name = "default model" if args.model == "default" else Path(args.model).name
     lines = [f"Decode tok/s, {name} (GGUF blocks, dense), {m['cpu']}, {THREADS} threads, {args.new_tokens} new "
@@ -149,6 +167,15 @@ def main(argv=None) -> int:
     for r in rows:
         lines.append(f"| {r['prompt_tokens']:,} | {r['medians'][rev]:.1f} | {r['medians']['this tree']:.1f} | "
                      f"×{r['ratio_median']:.2f} (×{r['ratio_min']:.2f}–{r['ratio_max']:.2f}) |")
+    if args.steps and rows:
+        lines += ["", "The two builds' decode steps taking turns token by token in the same turns (the C call "
+                  "timed, attention included):", "",
+                  f"| prompt tokens | steps paired | {rev} | this tree | {rev} / this tree, median of pairs |",
+                  "|---|---|---|---|---|"]
+        for r in rows:
+            st = r["steps"]
+            lines.append(f"| {r['prompt_tokens']:,} | {st['pairs']} | {st['ms'][rev]:.3f} ms | "
+                         f"{st['ms']['this tree']:.3f} ms | ×{st['ratio_median']:.3f} |")
     products = products_summary(products_rounds(steps, args.products), "this tree", rev) if args.products else {}
     if products:
         lines += ["", f"The step's products alone, both builds each round with a read of the weights after each, "
