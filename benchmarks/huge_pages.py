@@ -26,15 +26,6 @@ from .common import machine, write_results
 from .gguf_llamacpp import THREADS, prompts
 
 
-def thp_setting() -> str:
-    """The system's transparent huge page setting ("always", "madvise" or "never"; "" where unknown)."""
-    try:
-        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
-    except OSError:
-        return ""
-    return text[text.index("[") + 1:text.index("]")] if "[" in text else ""
-
-
 def smaps_huge_kb() -> int:
     """This process's AnonHugePages (kB)."""
     with open("/proc/self/smaps_rollup") as f:
@@ -112,7 +103,7 @@ def main(argv=None) -> int:
 
     from .speed.core import engine_turn
 
-    if not huge_pages.enabled() or thp_setting() != "madvise":
+    if not huge_pages.enabled() or huge_pages.system_setting() != "madvise":
         raise SystemExit("needs Linux with transparent huge pages set to madvise (where ordinary memory gets 4 KiB "
                          "pages) and DSV41_HUGE_PAGES not 0")
     torch.set_num_threads(THREADS)

@@ -84,6 +84,7 @@ def run_checks() -> list[Check]:
     if not cuda_avail:
         checks.append(_cpu_kernels_check())
         checks.append(_mkl_check())
+        checks.append(_huge_pages_check())
     checks.append(_ram_check())
     checks.append(_default_model_check())
     return checks
@@ -159,6 +160,14 @@ def _mkl_check() -> Check:
     return Check("MKL (prefill products)", "warn" if slow else "info", mkl_dispatch.status(),
                  "Import the engine before torch, and install a C compiler (gcc): MKL then runs its AVX2 / AVX-512 "
                  "code on AMD CPUs (prefill 1.1-1.3x faster)" if slow else "")
+
+
+def _huge_pages_check() -> Check:
+    """Whether the CPU decode step's weights sit on huge pages (engine.kernels.huge_pages)."""
+    from .kernels import huge_pages
+
+    problem, found, fix = huge_pages.status()
+    return Check("Huge pages (weights)", "warn" if problem else "info", found, fix)
 
 
 def _gpu_checks(torch, cuda_avail: bool) -> list[Check]:

@@ -29,6 +29,33 @@ ALIGN = 64  # each storage's start: a cache line
 MOST = 1 << 30
 
 
+SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+def system_setting() -> str:
+    """The system's transparent huge pages: "always", "madvise" or "never" ("" where it cannot be read)."""
+    try:
+        with open(SETTING) as f:
+            text = f.read()
+    except OSError:
+        return ""
+    return text[text.index("[") + 1:text.index("]")] if "[" in text and "]" in text else ""
+
+
+def status() -> tuple[bool, str, str]:
+    """(a problem?, what holds here, the fix) for `python -m engine doctor`."""
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        return False, "not on this system (Linux only)", ""
+    if not enabled():
+        return False, "off (DSV41_HUGE_PAGES=0)", ""
+    setting = system_setting()
+    if setting == "never":
+        return True, "transparent huge pages are off on this system (never): the weights stay on 4 KiB pages", (
+            f"echo madvise | sudo tee {SETTING}  (decode steps 1.03-1.05x faster on an AMD EPYC; until reboot)")
+    return False, f"the weights (up to {MOST >> 30} GiB) are moved onto them at load (transparent huge pages: " \
+                  f"{setting or 'setting unknown'})", ""
+
+
 def enabled() -> bool:
     """Whether weights are moved: Linux with madvise(MADV_HUGEPAGE), unless DSV41_HUGE_PAGES=0."""
     return hasattr(mmap, "MADV_HUGEPAGE") and os.environ.get("DSV41_HUGE_PAGES", "1") != "0"

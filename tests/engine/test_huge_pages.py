@@ -79,3 +79,26 @@ def test_the_default_models_weights_sit_on_huge_pages_held_once(default_model):
     arena = tensors[0].untyped_storage().data_ptr()
     shared = [p for p in hf.parameters() if p.dtype == torch.uint8]  # the GGUF bytes as the model's parameters
     assert shared and all(p.untyped_storage().data_ptr() == arena for p in shared)
+
+
+def test_doctor_says_whether_the_weights_get_huge_pages_and_how_to_turn_them_on(monkeypatch):
+    from engine import doctor
+
+    monkeypatch.setattr(huge_pages, "system_setting", lambda: "never")
+    monkeypatch.setattr(huge_pages, "enabled", lambda: True)
+    check = doctor._huge_pages_check()
+    if not hasattr(huge_pages.mmap, "MADV_HUGEPAGE"):
+        assert check.status == "info" and "Linux only" in check.found
+        return
+    assert check.status == "warn" and "never" in check.found
+    assert "echo madvise | sudo tee /sys/kernel/mm/transparent_hugepage/enabled" in check.fix
+    monkeypatch.setattr(huge_pages, "system_setting", lambda: "madvise")
+    check = doctor._huge_pages_check()
+    assert check.status == "info" and "moved onto them at load" in check.found and not check.fix
+    monkeypatch.setattr(huge_pages, "enabled", lambda: False)
+    assert "DSV41_HUGE_PAGES=0" in doctor._huge_pages_check().found
+
+
+@linux
+def test_the_system_setting_is_read_from_the_kernel():
+    assert huge_pages.system_setting() in ("always", "madvise", "never", "")
