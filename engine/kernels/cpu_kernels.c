@@ -75,6 +75,8 @@ static inline void stream_to(Stream *st, const char *target) {
  * x: x1.58 over a prefetch into L1 per row, ~2,000 paired rounds; 4 groups ahead x1.04 / x1.00 against 8, 12 x0.97,
  * both within the noise). */
 #define GROUPS_AHEAD 8
+/* A thread's stream over its rows r0 .. r1, their first GROUPS_AHEAD groups asked for at once (else the loop's first
+ * groups wait on memory, load by load: the step's products ×1.04 faster with them asked for, docs/design.md) */
 static inline Stream group_stream(const uint8_t *w, int64_t r0, int64_t r1, int64_t row_bytes, int64_t blocks) {
     Stream st = {(const char *)w + r0 * row_bytes, (const char *)(w + r1 * row_bytes),
                  (4 * row_bytes << 16) / blocks};
@@ -2681,11 +2683,12 @@ static inline void *carve(char **at, size_t bytes) {
     *at += (bytes + 63) & ~(size_t)63;
     return p;
 }
-/* `call` on this thread's share of the rows (r0, r1), on `threads` threads */
 /* The rows the decode step multiplies next (mv sets them; empty outside the step): each thread that has done its
  * rows of a GGUF product asks for the first rows of its share of the next product into L2 (NEXT_ROWS: as far as
- * group_stream runs ahead), so that the next product does not begin on loads that wait on memory
- * while the threads meet, the vector for the next product is made, the norm and the attention run. */
+ * group_stream runs ahead), so that the next product does not begin on loads that wait on memory; they arrive while
+ * the threads meet, the vector for the next product is made, the norm and the attention run. A hint only: a step
+ * run at the same time in another thread (one process, two models) may see the other's, and prefetch other bytes.
+ * Paired against none (docs/design.md, "Where a product begins"): the step's products ×1.026. */
 #define NEXT_ROWS 32
 typedef struct {
     const char *data;
@@ -2703,6 +2706,7 @@ static inline void prefetch_next_rows(void) {
         __builtin_prefetch(at, 0, 2);
 }
 
+/* `call` on this thread's share of the rows (r0, r1), on `threads` threads */
 #define ON_ROWS(call)                                   \
     _Pragma("omp parallel num_threads(threads)") {      \
         int64_t r0, r1;                                 \
