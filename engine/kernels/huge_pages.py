@@ -65,7 +65,10 @@ def huge_buffer(nbytes: int) -> torch.Tensor:
     """uint8 [nbytes], zeros, starting on a 2 MiB boundary of an anonymous mapping that asks for huge pages (the
     mapping lives as long as a tensor made from it)."""
     mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    mapping.madvise(mmap.MADV_HUGEPAGE)  # before the first write: the pages are faulted in as huge ones
+    try:
+        mapping.madvise(mmap.MADV_HUGEPAGE)  # before the first write: the pages are faulted in as huge ones
+    except OSError:  # a kernel without transparent huge pages: ordinary pages, as PyTorch's
+        pass
     whole = torch.frombuffer(mapping, dtype=torch.uint8)
     start = -whole.data_ptr() % HUGE_PAGE
     return whole[start:start + nbytes]
@@ -114,7 +117,10 @@ def move_to_huge_pages(tensors: list[torch.Tensor], also: list[torch.Tensor] = (
         total += -(-s.nbytes() // ALIGN) * ALIGN
     if total > MOST:
         return 0
-    arena = huge_buffer(total)
+    try:
+        arena = huge_buffer(total)
+    except (OSError, MemoryError):  # no address space or memory for a second copy: the weights stay where they are
+        return 0
     for key in list(storages):
         s, users = storages.pop(key)  # (the old storage is freed as soon as its last tensor is pointed away)
         at, n = offsets[key], s.nbytes()

@@ -102,3 +102,14 @@ def test_doctor_says_whether_the_weights_get_huge_pages_and_how_to_turn_them_on(
 @linux
 def test_the_system_setting_is_read_from_the_kernel():
     assert huge_pages.system_setting() in ("always", "madvise", "never", "")
+
+
+def test_no_memory_for_the_copy_leaves_the_weights_where_they_are(monkeypatch):
+    def refuse(nbytes):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(huge_pages, "huge_buffer", refuse)
+    t = torch.arange(10.0)
+    ptr = t.data_ptr()
+    assert huge_pages.move_to_huge_pages([t]) == 0
+    assert t.data_ptr() == ptr and torch.equal(t, torch.arange(10.0))
