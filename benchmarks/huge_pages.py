@@ -79,6 +79,21 @@ class Alternating:
         return getattr(self.steps[self.names[0]], attr)
 
 
+def alternate(model, decoder, steps: dict, ids: list[int], question: int, rounds: int, new_tokens: int) -> dict:
+    """`rounds` decode turns with the fused steps of `steps` taking turns token by token (Alternating): each C call's
+    seconds by name. decoder.fused is put back as it was."""
+    from .speed.core import engine_turn
+
+    before, alternating = decoder.fused, Alternating(steps)
+    decoder.fused = alternating
+    try:
+        for _ in range(rounds):
+            engine_turn(model, ids, question, new_tokens)
+    finally:
+        decoder.fused = before
+    return alternating.seconds
+
+
 def timed_calls(step) -> dict:
     lib, model = step._lib, step._model
     work = torch.full((lib.dsv41_step_work_floats(ctypes.byref(model), 1),), 0.01)
@@ -133,19 +148,12 @@ def main(argv=None) -> int:
     for context in (int(c) for c in args.contexts.split(",") if c):
         ids, question = prompts(context)
         engine_turn(model, ids[:32], 16, 8)
-        alternating = Alternating(steps)
-        decoder.fused = alternating
-        try:
-            for _ in range(args.rounds):
-                engine_turn(model, ids, question, args.new_tokens)
-        finally:
-            decoder.fused = steps["huge"]
-        pairs = list(zip(alternating.seconds["huge"], alternating.seconds["4k"], strict=False))  # (an odd count: one unpaired)
-        ratios = [small / huge for huge, small in pairs]
+        seconds = alternate(model, decoder, steps, ids, question, args.rounds, args.new_tokens)
+        pairs = list(zip(seconds["huge"], seconds["4k"], strict=False))  # (an odd count: one unpaired)
         rows.append({"prompt_tokens": len(ids), "steps": len(pairs),
-                     "huge_ms": 1e3 * statistics.median(alternating.seconds["huge"]),
-                     "small_ms": 1e3 * statistics.median(alternating.seconds["4k"]),
-                     "ratio_median": statistics.median(ratios)})
+                     "huge_ms": 1e3 * statistics.median(seconds["huge"]),
+                     "small_ms": 1e3 * statistics.median(seconds["4k"]),
+                     "ratio_median": statistics.median(small / huge for huge, small in pairs)})
     m = machine()
     lines = [f"Default model (GGUF blocks), {m['cpu']}, {THREADS} threads: the weights on huge pages (as loaded; "
              f"{huge_kb / 1024:.0f} MiB of AnonHugePages) against copies on 4 KiB pages, in one process", "",

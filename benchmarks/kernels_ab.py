@@ -33,7 +33,7 @@ import torch
 
 from .common import machine, write_results
 from .gguf_llamacpp import ROOT, THREADS, prompts
-from .huge_pages import Alternating
+from .huge_pages import alternate
 
 
 def build_at(rev: str):
@@ -112,7 +112,7 @@ def main(argv=None) -> int:
                         help="seconds of the products alone, each build with a read after it (see above)")
     parser.add_argument("--steps", action="store_true",
                         help="also the two builds' decode steps taking turns token by token within each turn (each C "
-                             "call timed; benchmarks.huge_pages.Alternating): finer than whole turns")
+                             "call timed; benchmarks.huge_pages.alternate): finer than whole turns")
     parser.add_argument("--model", default="default", help="the model (a .gguf path: its products; default: ours)")
     parser.add_argument("--folder", default="kernels-ab")
     args = parser.parse_args(argv)
@@ -146,16 +146,10 @@ def main(argv=None) -> int:
                      "ratio_min": min(ratios), "ratio_max": max(ratios),
                      "medians": {name: statistics.median(v) for name, v in runs.items()}})
         if args.steps:
-            alternating = Alternating(steps)
-            decoder.fused = alternating
-            try:
-                for _ in range(args.rounds):
-                    engine_turn(model, ids, question, args.new_tokens)
-            finally:
-                decoder.fused = steps["this tree"]
-            pairs = list(zip(alternating.seconds[rev], alternating.seconds["this tree"], strict=False))
+            seconds = alternate(model, decoder, steps, ids, question, args.rounds, args.new_tokens)
+            pairs = list(zip(seconds[rev], seconds["this tree"], strict=False))
             rows[-1]["steps"] = {"pairs": len(pairs), "ratio_median": statistics.median(a / b for a, b in pairs),
-                                 "ms": {name: 1e3 * statistics.median(v) for name, v in alternating.seconds.items()}}
+                                 "ms": {name: 1e3 * statistics.median(v) for name, v in seconds.items()}}
     m = machine()
     name = "default model" if args.model == "default" else Path(args.model).name
     lines = [f"Decode tok/s, {name} (GGUF blocks, dense), {m['cpu']}, {THREADS} threads, {args.new_tokens} new "

@@ -2989,9 +2989,9 @@ static int mv(const Mat *m, const float *x, float *y, int64_t cols, int acc, int
         const MatPart *p = m->part + i;
         const MatPart *after = i + 1 < m->parts ? p + 1 : next ? next->part : NULL;
         const int64_t after_cols = i + 1 < m->parts ? cols : next_cols;
-        next_rows.data = after && after->rows ? (const char *)after->data : NULL;
-        next_rows.rows = after ? after->rows : 0;
-        next_rows.row_bytes = after && after->rows ? part_bytes(after, after_cols) / after->rows : 0;
+        next_rows = after && after->rows
+            ? (NextRows){(const char *)after->data, after->rows, part_bytes(after, after_cols) / after->rows}
+            : (NextRows){NULL, 0, 0};
         int status = 0;
         if (p->format == MAT_INT8) dsv41_mv_int8((const int8_t *)p->data, p->scale, x, y, p->rows, cols, acc, threads);
         else if (p->format == MAT_F32) dsv41_mv_f32((const float *)p->data, x, y, p->rows, cols, acc, threads);
