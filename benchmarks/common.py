@@ -25,6 +25,27 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_facts() -> dict:
+    """The CPU's family and model numbers and the widest vector instructions it has: "AMD EPYC" alone names Zen 1
+    to Zen 4, whose vector units differ by 2x (family 23 = Zen 1/2, 25 = Zen 3/4; Zen 4 adds AVX-512)."""
+    facts: dict = {}
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("cpu family", "model") and key not in facts:
+                    facts[key] = int(value.strip())
+                elif key == "flags":
+                    flags = set(value.split())
+                    facts["isa"] = [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16",
+                                                "amx_tile") if f in flags]
+                    break
+    except (OSError, ValueError):
+        pass
+    return {"cpu_family": facts.get("cpu family"), "cpu_model": facts.get("model"), "isa": facts.get("isa", [])}
+
+
 def machine(device: torch.device | None = None) -> dict:
     """What a results file says about where it was measured; `device` defaults to the GPU when one is visible."""
     import transformers
@@ -33,7 +54,7 @@ def machine(device: torch.device | None = None) -> dict:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return {
         "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-        "cpu": cpu_name(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        "cpu": cpu_name(), **cpu_facts(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
         "ram_gb": round(psutil.virtual_memory().total / 2**30, 1),
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "platform": platform.platform(),

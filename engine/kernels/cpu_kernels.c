@@ -1229,6 +1229,16 @@ static inline int32_t isum256(__m256i v) {
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
     return _mm_cvtsi128_si32(s);
 }
+/* The end of the Q4 blocks after the whole groups (from `grouped`) that the AVX2 integer loops take two at a time */
+static inline int64_t q4_paired_end(int64_t blocks, int64_t grouped) { return grouped + (blocks - grouped) / 2 * 2; }
+/* Block b's x bytes (weights 0-31 in order; one plane) where a pair of blocks from `from` takes them: the pair's
+ * first 32 bytes its two blocks' weights 0-15 (the first block's, then the second's), the next 32 their weights 16-31,
+ * as the pair's low and high nibbles hold the weights; int16 x's low-byte plane `plane_at` after */
+static inline void xq_pair_store(int8_t *xq, int64_t b, int64_t from, int planes, int64_t plane_at, __m256i bytes) {
+    int8_t *at = xq + (b - (b - from) % 2) * 32 * planes + plane_at + 16 * ((b - from) % 2);
+    _mm_storeu_si128((__m128i *)at, _mm256_castsi256_si128(bytes));
+    _mm_storeu_si128((__m128i *)(at + 32), _mm256_extracti128_si256(bytes, 1));
+}
 /* 32 bytes of block b's x (weights 0-31 in order) where q4_x_at puts them in a whole interleaved group: four bytes
  * at a time */
 static inline void q4_x_scatter(int8_t *xq, int64_t b, int planes, __m256i bytes) {
@@ -1238,7 +1248,7 @@ static inline void q4_x_scatter(int8_t *xq, int64_t b, int planes, __m256i bytes
 }
 
 static void q16_blocks(const float *x, int64_t blocks, int8_t *xq, float *dx, float *xsum, float *xsum16,
-                       int64_t grouped) {
+                       int64_t grouped, int64_t paired) {
     const __m256i b128 = _mm256_set1_epi32(128);
     for (int64_t b = 0; b < blocks; b++) {
         __m256i q[4], h[4], l[4];
@@ -1251,6 +1261,9 @@ static void q16_blocks(const float *x, int64_t blocks, int8_t *xq, float *dx, fl
         if (b < grouped) { /* a whole group of interleaved Q4 integers: q4_x_at, the low bytes 128 after the high */
             q4_x_scatter(xq, b, 2, hb);
             q4_x_scatter(xq + 128, b, 2, lb);
+        } else if (b < paired) { /* blocks two at a time (rows_q4_int_avx2): h planes, then l 64 after */
+            xq_pair_store(xq, b, grouped, 2, 0, hb);
+            xq_pair_store(xq, b, grouped, 2, 64, lb);
         } else {
             _mm256_storeu_si256((__m256i *)(xq + b * 64), hb);
             _mm256_storeu_si256((__m256i *)(xq + b * 64 + 32), lb);
@@ -1292,12 +1305,14 @@ static inline __m256 f16x8(const uint8_t *p) {
  * their four chunks' pair sums in int16 (8 * 2 * 15 * 127 = 30,480: no overflow) and widen them once per eight
  * blocks, a block in its own lane; x laid out by q4_x_at with one plane (the first `grouped` blocks), the rest 32
  * bytes a block in the weights' order. */
-static void q8_blocks(const float *x, int64_t blocks, int8_t *xq, float *dx, float *xsum, int64_t grouped) {
+static void q8_blocks(const float *x, int64_t blocks, int8_t *xq, float *dx, float *xsum, int64_t grouped,
+                      int64_t paired) {
     for (int64_t b = 0; b < blocks; b++) {
         __m256i q[4];
         dx[b] = x_block_ints(x + b * 32, 127.f, q);
         const __m256i bytes = ints_to_bytes(q);
         if (b < grouped) q4_x_scatter(xq, b, 1, bytes);
+        else if (b < paired) xq_pair_store(xq, b, grouped, 1, 0, bytes);
         else _mm256_storeu_si256((__m256i *)(xq + b * 32), bytes);
         xsum[b] = dx[b] * (float)isum256(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
     }
@@ -1349,11 +1364,28 @@ static void rows_q8_0_int16_avx2(int split, const uint8_t *w, const int16_t *xw,
     }
 }
 
+/* Two neighbouring blocks' fp16 numbers (4 bytes as read) as eight floats, each block's in four lanes: lanes 0-3 the
+ * first's, 4-7 the second's (the lanes a pair's integer sums land in) */
+static inline __m256 f16_pair(uint32_t two) {
+#if defined(__F16C__)
+    const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128((int)two));
+#else
+    const __m128 f = _mm_set_ps(0.f, 0.f, f16_to_f32((uint16_t)(two >> 16)), f16_to_f32((uint16_t)two));
+#endif
+    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(f), _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0));
+}
+
 /* The Q4 loop of both integer modes: x as int16 (planes 2: its high and low bytes) or as int8 (planes 1: one
- * vpmaddubsw per 32 weights). In a whole group a lane's pair sums over the group's four chunks are added in int16 (16
- * products of a nibble and a byte: at most 16 * 15 * 128 = 30,720, no overflow) and widened once a group, the high
- * bytes' by vpmaddwd with 256 and the low bytes' with 1: the same exact integer sums as x16_dot_avx2 per chunk, with a
- * third fewer instructions. `planes` is a constant where this is inlined. */
+ * vpmaddubsw per 32 weights). A group of four rows goes `pass` rows at a time, each pass over its rows' whole length
+ * (its float sums stay in registers). In a whole group a lane's pair sums over the group's four chunks are added in
+ * int16 (16 products of a nibble and a byte: at most 16 * 15 * 128 = 30,720, no overflow) and widened once a group,
+ * the high bytes' by vpmaddwd with 256 and the low bytes' with 1: the same exact integer sums as x16_dot_avx2 per
+ * chunk, with a third fewer instructions. The blocks after the whole groups (the default model's 576-column rows:
+ * two) go two at a time: the pair's 32 bytes of integers in one ymm (in the split layout they are side by side;
+ * in the file's, two loads), its low nibbles the two blocks' weights 0-15 and its high ones 16-31, against x laid
+ * out to match (xq_pair_store), the pair's sums in lanes 0-3 and 4-7, scaled by the two blocks' d dx and with
+ * their minimum terms in one multiply-add each; a last odd block alone. `planes` is a constant where this is
+ * inlined. */
 static inline __attribute__((always_inline)) void rows_q4_int_avx2(const int planes, int64_t type, int split,
                                                                    const uint8_t *w, const int8_t *xq,
                                                                    const float *dx, const float *xsum, float *y,
@@ -1364,30 +1396,25 @@ static inline __attribute__((always_inline)) void rows_q4_int_avx2(const int pla
                   q_step = split ? size - split_scale_bytes(type) : size, d_step = split ? 2 : size,
                   m_at = split ? 2 * blocks : 2;
     const __m128i nib = _mm_set1_epi8(0x0F);
-    const __m256i nib32 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const __m256i nib32 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), w256 = _mm256_set1_epi16(256);
+    const int64_t grouped = split ? blocks / Q4_GROUP * Q4_GROUP : 0, paired = q4_paired_end(blocks, grouped);
+    /* int16 x: two rows a pass (four rows' int16 sums, the x vectors and the float sums do not fit in the 16 ymm
+     * registers: they spilled to the stack); int8 x: four. The empty asm after a chunk keeps each row's int16 sums
+     * added chunk by chunk: without it GCC kept every product apart on the stack and added them at the end. */
+    const int pass = planes == 2 ? 2 : 4;
     Stream st = group_stream(w, r0, r1, row_bytes, blocks);
     for (int64_t r = r0; r < r1; r += 4) {
         const int64_t n = r1 - r < 4 ? r1 - r : 4; /* a short last group repeats its last row, not stored */
-        __m256 a[4];
-        float extra[4] = {0.f, 0.f, 0.f, 0.f};
         const uint8_t *rowp[4];
-        for (int j = 0; j < 4; j++) {
-            rowp[j] = w + (r + (j < n ? j : n - 1)) * row_bytes;
-            a[j] = _mm256_setzero_ps();
-        }
-        const int64_t grouped = split ? blocks / Q4_GROUP * Q4_GROUP : 0;
-        /* int16 x: two rows at a time (four rows' int16 sums, the x vectors and the float sums do not fit in the 16
-         * ymm registers: they spilled to the stack); int8 x: four. The empty asm after a chunk keeps each row's
-         * int16 sums added chunk by chunk: without it GCC kept every product apart on the stack and added them at
-         * the end. A row's product and its minimum term go into one float sum. Single-threaded, the 576-column
-         * Q4_1 rows of the default model ×1.11-1.16 faster on a first-generation AMD EPYC than four rows at a
-         * time (a one-off harness; docs/design.md). */
-        const int pass = planes == 2 ? 2 : 4;
-        for (int64_t c = 0; c < grouped; c += Q4_GROUP) /* whole groups of interleaved blocks, eight a ymm */
-            for (int hv = 0; hv < 2; hv++) {
-                group_stream_to(&st, w, r, row_bytes, c + 8 * hv + 8);
-                const __m256 dxv = _mm256_loadu_ps(dx + c + 8 * hv), xs = _mm256_loadu_ps(xsum + c + 8 * hv);
-                for (int j0 = 0; j0 < 4; j0 += pass) {
+        for (int j = 0; j < 4; j++) rowp[j] = w + (r + (j < n ? j : n - 1)) * row_bytes;
+        for (int j0 = 0; j0 < n; j0 += pass) {
+            __m256 a[4];
+            float extra[4] = {0.f, 0.f, 0.f, 0.f};
+            for (int j = 0; j < pass; j++) a[j] = _mm256_setzero_ps();
+            for (int64_t c = 0; c < grouped; c += Q4_GROUP) /* whole groups of interleaved blocks, eight a ymm */
+                for (int hv = 0; hv < 2; hv++) {
+                    group_stream_to(&st, w, r, row_bytes, c + 8 * hv + 8);
+                    const __m256 dxv = _mm256_loadu_ps(dx + c + 8 * hv), xs = _mm256_loadu_ps(xsum + c + 8 * hv);
                     __m256i t[4], tl[4];
                     for (int j = 0; j < pass; j++) t[j] = tl[j] = _mm256_setzero_si256();
                     for (int s = 0; s < 4; s++) {
@@ -1414,31 +1441,60 @@ static inline __attribute__((always_inline)) void rows_q4_int_avx2(const int pla
                         const uint8_t *row = rowp[j0 + j];
                         const __m256 d = f16x8(row + 2 * (c + 8 * hv));
                         const __m256 m = with_min ? f16x8(row + m_at + 2 * (c + 8 * hv)) : _mm256_mul_ps(d, _mm256_set1_ps(-8.f));
-                        const __m256i sums = planes == 2 ? _mm256_add_epi32(_mm256_madd_epi16(t[j], _mm256_set1_epi16(256)),
+                        const __m256i sums = planes == 2 ? _mm256_add_epi32(_mm256_madd_epi16(t[j], w256),
                                                                             _mm256_madd_epi16(tl[j], ones))
                                                          : _mm256_madd_epi16(t[j], ones);
-                        a[j0 + j] = _mm256_fmadd_ps(m, xs, _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d, dxv), a[j0 + j]));
+                        a[j] = _mm256_fmadd_ps(m, xs, _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d, dxv), a[j]));
                     }
                 }
-            }
-        for (int64_t bi = grouped; bi < blocks; bi++) { /* int16 x: h at xb, l 32 after; int8 x: 32 bytes at xb */
-            const int8_t *xb = xq + bi * 32 * planes;
-            const __m256i xh = _mm256_loadu_si256((const __m256i *)xb),
-                          xl = planes == 2 ? _mm256_loadu_si256((const __m256i *)(xb + 32)) : xh;
-            const float dxb = dx[bi], xs = xsum[bi];
-            group_stream_to(&st, w, r, row_bytes, bi + 1);
+            for (int64_t bi = grouped; bi < paired; bi += 2) { /* two blocks a ymm: x as xq_pair_store lays it out */
+                const int8_t *xb = xq + bi * 32 * planes;
+                const __m256i xh0 = _mm256_loadu_si256((const __m256i *)xb),
+                              xh1 = _mm256_loadu_si256((const __m256i *)(xb + 32));
+                const __m256i xl0 = planes == 2 ? _mm256_loadu_si256((const __m256i *)(xb + 64)) : xh0,
+                              xl1 = planes == 2 ? _mm256_loadu_si256((const __m256i *)(xb + 96)) : xh1;
+                const __m256 dx2 = _mm256_set_m128(_mm_set1_ps(dx[bi + 1]), _mm_set1_ps(dx[bi])),
+                             xs2 = _mm256_set_ps(0.f, 0.f, 0.f, xsum[bi + 1], 0.f, 0.f, 0.f, xsum[bi]);
+                group_stream_to(&st, w, r, row_bytes, bi + 2);
 #pragma GCC unroll 4
-            for (int j = 0; j < 4; j++) {
-                const uint8_t *b = rowp[j] + q_at + bi * q_step, *ds = rowp[j] + bi * d_step;
-                const __m128i v = _mm_loadu_si128((const __m128i *)b);
-                const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), nib), _mm_and_si128(v, nib));
-                const __m256i t = planes == 2 ? x16_dot_avx2(q, xh, xl) : _mm256_madd_epi16(_mm256_maddubs_epi16(q, xh), ones);
-                const float dv = f16_load(ds);
-                extra[j] += (with_min ? f16_load(ds + m_at) : -8.f * dv) * xs;
-                a[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(dv * dxb), a[j]);
+                for (int j = 0; j < pass; j++) {
+                    const uint8_t *row = rowp[j0 + j], *b = row + q_at + bi * q_step, *ds = row + bi * d_step;
+                    const __m256i v = split ? _mm256_loadu_si256((const __m256i *)b)
+                                            : _mm256_loadu2_m128i((const __m128i *)(b + q_step), (const __m128i *)b);
+                    const __m256i lo = _mm256_and_si256(v, nib32), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib32);
+                    const __m256i th = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xh0), _mm256_maddubs_epi16(hi, xh1));
+                    const __m256i sums = planes == 2
+                        ? _mm256_add_epi32(_mm256_madd_epi16(th, w256),
+                                           _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, xl0),
+                                                                              _mm256_maddubs_epi16(hi, xl1)), ones))
+                        : _mm256_madd_epi16(th, ones);
+                    const __m256 d2 = f16_pair(split ? (uint32_t)i32_at(ds)
+                                                     : (uint32_t)u16_at(ds) | (uint32_t)u16_at(ds + d_step) << 16);
+                    const __m256 m2 = !with_min ? _mm256_mul_ps(d2, _mm256_set1_ps(-8.f))
+                                      : f16_pair(split ? (uint32_t)i32_at(ds + m_at)
+                                                       : (uint32_t)u16_at(ds + m_at) | (uint32_t)u16_at(ds + d_step + m_at) << 16);
+                    a[j] = _mm256_fmadd_ps(m2, xs2, _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d2, dx2), a[j]));
+                }
             }
+            for (int64_t bi = paired; bi < blocks; bi++) { /* int16 x: h at xb, l 32 after; int8 x: 32 bytes at xb */
+                const int8_t *xb = xq + bi * 32 * planes;
+                const __m256i xh = _mm256_loadu_si256((const __m256i *)xb),
+                              xl = planes == 2 ? _mm256_loadu_si256((const __m256i *)(xb + 32)) : xh;
+                const float dxb = dx[bi], xs = xsum[bi];
+                group_stream_to(&st, w, r, row_bytes, bi + 1);
+#pragma GCC unroll 4
+                for (int j = 0; j < pass; j++) {
+                    const uint8_t *b = rowp[j0 + j] + q_at + bi * q_step, *ds = rowp[j0 + j] + bi * d_step;
+                    const __m128i v = _mm_loadu_si128((const __m128i *)b);
+                    const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), nib), _mm_and_si128(v, nib));
+                    const __m256i t = planes == 2 ? x16_dot_avx2(q, xh, xl) : _mm256_madd_epi16(_mm256_maddubs_epi16(q, xh), ones);
+                    const float dv = f16_load(ds);
+                    extra[j] += (with_min ? f16_load(ds + m_at) : -8.f * dv) * xs;
+                    a[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(dv * dxb), a[j]);
+                }
+            }
+            for (int j = 0; j < pass && j0 + j < n; j++) store(y, r + j0 + j, hsum256(a[j]) + extra[j], acc);
         }
-        for (int j = 0; j < n; j++) store(y, r + j, hsum256(a[j]) + extra[j], acc);
     }
 }
 static void rows_q4_int16_avx2(int64_t type, int split, const uint8_t *w, const int8_t *xq, const float *dx,
@@ -2822,7 +2878,8 @@ int dsv41_mv_gguf(int64_t type, const void *w, const float *x, float *y, int64_t
         if (!(buf = at = x_scratch(stack, 64 * b32 + 8 * b32 + pad))) return -2;
         int8_t *xq = carve(&at, 64 * b32);
         float *dx = carve(&at, 4 * b32), *xsum = carve(&at, 4 * b32);
-        q16_blocks(x, (int64_t)b32, xq, dx, xsum, NULL, split ? (int64_t)b32 / Q4_GROUP * Q4_GROUP : 0);
+        const int64_t grouped = split ? (int64_t)b32 / Q4_GROUP * Q4_GROUP : 0;
+        q16_blocks(x, (int64_t)b32, xq, dx, xsum, NULL, grouped, q4_paired_end((int64_t)b32, grouped));
         ON_ROWS(rows_q4_int16_avx2(type, split, wb, xq, dx, xsum, y, r0, r1, cols, acc))
         if (buf != stack) free(buf);
         return 0;
@@ -2831,7 +2888,8 @@ int dsv41_mv_gguf(int64_t type, const void *w, const float *x, float *y, int64_t
         if (!(buf = at = x_scratch(stack, 32 * b32 + 8 * b32 + pad))) return -2;
         int8_t *xq = carve(&at, 32 * b32);
         float *dx = carve(&at, 4 * b32), *xsum = carve(&at, 4 * b32);
-        q8_blocks(x, (int64_t)b32, xq, dx, xsum, split ? (int64_t)b32 / Q4_GROUP * Q4_GROUP : 0);
+        const int64_t grouped = split ? (int64_t)b32 / Q4_GROUP * Q4_GROUP : 0;
+        q8_blocks(x, (int64_t)b32, xq, dx, xsum, grouped, q4_paired_end((int64_t)b32, grouped));
         ON_ROWS(rows_q4_int8_avx2(type, split, wb, xq, dx, xsum, y, r0, r1, cols, acc))
         if (buf != stack) free(buf);
         return 0;
@@ -2849,7 +2907,7 @@ int dsv41_mv_gguf(int64_t type, const void *w, const float *x, float *y, int64_t
         if (!(buf = at = x_scratch(stack, 64 * b32 + 16 * b32 + pad))) return -2;
         int8_t *xq = carve(&at, 64 * b32);
         float *dx = carve(&at, 4 * b32), *xsum = carve(&at, 4 * b32), *xsum16 = carve(&at, 8 * b32);
-        q16_blocks(x, (int64_t)b32, xq, dx, xsum, type == 14 ? xsum16 : NULL, 0);
+        q16_blocks(x, (int64_t)b32, xq, dx, xsum, type == 14 ? xsum16 : NULL, 0, 0);
         if (type == 12) ON_ROWS(rows_q4k_int16_avx2(wb, xq, dx, xsum, y, r0, r1, cols, acc))
         else if (type == 13) ON_ROWS(rows_q5k_int16_avx2(wb, xq, dx, xsum, y, r0, r1, cols, acc))
         else ON_ROWS(rows_q6k_int16_avx2(wb, xq, dx, xsum16, y, r0, r1, cols, acc))
