@@ -5,7 +5,7 @@ import torch
 
 from engine import ConfigError, GenerationSettings
 from engine.detokenizer import IncrementalDetokenizer
-from engine.generate import _chunk_bounds, _cut_at_stop, _held_back
+from engine.generate import RecentIds, _chunk_bounds, _cut_at_stop, _held_back
 from engine.sampling import apply_repetition_penalty, logits_to_probs, next_token, sample, sample_tensor
 
 
@@ -44,6 +44,29 @@ def test_repetition_penalty_lowers_seen_tokens():
     logits = torch.tensor([2.0, -2.0, 1.0])
     out = apply_repetition_penalty(logits, torch.tensor([0, 1]), 2.0)
     assert out.tolist() == [1.0, -4.0, 1.0]
+
+
+@pytest.mark.parametrize("in_place", ["numpy", "tensor"])
+def test_the_penalty_window_holds_the_last_tokens_whatever_their_order(in_place):
+    """RecentIds: the prompt's last `window` ids, then each new token in place of the oldest; its `ids` are always
+    the multiset of the last `window` tokens (the order is the ring's), and what the penalty does with them is
+    what it does with those tokens in order. "tensor": the write a GPU's ring takes (no numpy view)."""
+    window = 5
+    recent = RecentIds([9, 8, 7], window, torch.device("cpu"))
+    if in_place == "tensor":
+        recent._host = None
+    history = [9, 8, 7]
+    assert sorted(recent.ids.tolist()) == sorted(history)
+    for n, token in enumerate([3, 3, 1, 4, 0, 2, 6]):
+        recent.push(token, torch.tensor([token]) if n % 2 else None)
+        history.append(token)
+        assert sorted(recent.ids.tolist()) == sorted(history[-window:])
+    logits = torch.randn(10, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(apply_repetition_penalty(logits, recent.ids, 1.5),
+                       apply_repetition_penalty(logits, torch.tensor(history[-window:]), 1.5))
+    long_prompt = RecentIds(list(range(20)), window, torch.device("cpu"))
+    assert sorted(long_prompt.ids.tolist()) == list(range(15, 20)) and long_prompt.ids.numel() == window
+    assert RecentIds([], window, torch.device("cpu")).ids.numel() == 0
 
 
 def test_seeded_sampling_is_reproducible():

@@ -54,6 +54,45 @@ def test_the_kernel_draws_the_torch_distribution(isa, vocab, k, temperature, top
         assert checked > 300
 
 
+def _ties_by_id(logits, seen, penalty, k, temperature, top_p, u):
+    """_inverse_cdf with the k best ordered by value, then by the lower id (a stable sort, not torch.topk)."""
+    values = apply_repetition_penalty(logits, seen, penalty).double()
+    order = sorted(range(len(values)), key=lambda i: (-float(values[i]), i))[:k]
+    top = values[order]
+    probs = torch.softmax(top / temperature, 0)
+    keep = int(((probs.cumsum(0) - probs) <= top_p).sum())
+    edges = probs[:keep].cumsum(0) / probs[:keep].sum()
+    at = min(int(torch.searchsorted(edges, torch.tensor([u], dtype=torch.float64), right=True)), keep - 1)
+    return order[at], float((edges - u).abs().min())
+
+
+@pytest.mark.parametrize("isa", ["native", "avx2"])
+@pytest.mark.parametrize("order", ["ascending", "few levels"])
+def test_the_kernel_keeps_the_right_candidates_when_every_value_enters_or_many_are_equal(isa, order):
+    """The pass keeps a buffer of candidates above the running k + s-th best and cuts it back when full: logits in
+    ascending order make every value enter (the buffer cut back ~vocab / K times), logits of a few distinct values
+    make the cut split long runs of equal values: the torch distribution where the values differ; where they tie,
+    the kernel's own order (of equal values the lower id first; torch.topk's order among ties is its own)."""
+    library = _library(isa)
+    g = torch.Generator().manual_seed(11)
+    vocab, k = 5000, 20
+    if order == "ascending":
+        logits = torch.sort(torch.randn(vocab, generator=g) * 3).values
+    else:
+        logits = torch.randint(0, 6, (vocab,), generator=g).float()
+    seen = torch.cat((torch.randint(0, vocab, (40,), generator=g), logits.topk(8).indices))
+    for penalty in (1.0, 1.3):
+        checked = 0
+        for u in torch.linspace(0, 1, 201, dtype=torch.float64)[:-1].tolist():
+            want, margin = (_inverse_cdf if order == "ascending" else _ties_by_id)(logits, seen, penalty, k, 0.8,
+                                                                                    0.95, u)
+            if margin < 1e-5:
+                continue
+            assert sample_head(logits, seen, penalty, k, 0.8, 0.95, u, library=library) == want, (penalty, u)
+            checked += 1
+        assert checked > 150
+
+
 @pytest.mark.parametrize("isa", ["native", "avx2"])
 def test_the_kernel_leaves_undecided_logits_to_torch_and_refuses_bad_arguments(isa):
     library = _library(isa)
