@@ -377,7 +377,9 @@ print(before, peak(), model.info.weight_storage)
 @pytest.mark.model
 def test_the_default_model_loads_without_a_float_copy_of_its_weights(default_model):
     """Straight from the GGUF, the load adds less to the process's peak memory than one float32 copy of the weights
-    would (measured: +265 MB, the tokenizer and the 97 MB of blocks; loading the float32 conversion added 1.3 GB)."""
+    would (538 MB; measured: +312 MB, the tokenizer, torch's and transformers' first allocations and the 97 MB of
+    blocks, +350 MB with their move onto huge pages, which holds part of them twice for a moment; loading the float32
+    conversion added 1.3 GB). The bound is that copy itself: a load that made one would add it to all the rest."""
     import math
     import os
     import subprocess
@@ -397,7 +399,7 @@ def test_the_default_model_loads_without_a_float_copy_of_its_weights(default_mod
     before, after = int(out[0]), int(out[1])
     float32_bytes = 4 * sum(math.prod(e.shape) for e in tensor_index(default_gguf()).values())
     assert out[2:] == ["GGUF", "Q4_1", "+", "Q8_0"]
-    assert after - before < 0.75 * float32_bytes, (after - before) / 2**20
+    assert after - before < float32_bytes, (after - before) / 2**20
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
