@@ -3198,33 +3198,10 @@ static inline __m256 kv8(const void *base, int64_t at, int bf16) { /* the 8 floa
                       _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + at))), 16))
                 : _mm256_loadu_ps((const float *)base + at);
 }
-/* The logits of rows [j, j + 8) against GN query heads (head i's q at qh + i d): per row and head a vector of
- * partial sums (8 columns a multiply-add, in the row's order), then one sum8 per head; the logit times
- * `scaling` plus the bias at pr + i S + j (head i's row of probs), and each head's largest into mx[i]. */
-static inline __attribute__((always_inline)) void logits_rows8(const int GN, const float *qh, const void *K,
-                                                               int bf16, int64_t j, int64_t d, float scaling,
-                                                               __m256 bias, float *pr, int64_t S, float *mx) {
-    __m256 part[4][8];
-    for (int e = 0; e < 8; e++) {
-        __m256 a[4];
-        for (int i = 0; i < GN; i++) a[i] = _mm256_setzero_ps();
-        for (int64_t u = 0; u < d; u += 8) {
-            const __m256 k = kv8(K, (j + e) * d + u, bf16);
-            for (int i = 0; i < GN; i++) a[i] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i * d + u), k, a[i]);
-        }
-        for (int i = 0; i < GN; i++) part[i][e] = a[i];
-    }
-    for (int i = 0; i < GN; i++) {
-        const __m256 l = _mm256_fmadd_ps(sum8(part[i]), _mm256_set1_ps(scaling), bias);
-        _mm256_storeu_ps(pr + i * S + j, l);
-        const float top = hmax256(l);
-        mx[i] = top > mx[i] ? top : mx[i];
-    }
-}
 /* 16 bf16 numbers (a row's columns c .. c + 15) as float32 in two vectors from one load, no shuffle: the even
  * columns (each 32-bit lane's low half shifted up) and the odd ones (its high half, the low one masked off). Where
  * kv8 widens 8 with a vpmovzxwd (a shuffle) and a shift, this takes one shift and one and for 8. The keys' logits
- * use it (logits_rows8_bf16: the attention alone x1.06-1.08 in the caches, x1.02-1.03 from memory at 1k entries,
+ * use it (logits_rows8 with EO: the attention alone x1.06-1.08 in the caches, x1.02-1.03 from memory at 1k entries,
  * paired in one process on an AMD EPYC with AVX2 alone); for the values it was slower (x0.92-0.95), their sums
  * then needing more registers than there are. */
 static inline void bf16x16(const uint16_t *p, __m256 *even, __m256 *odd) {
@@ -3232,22 +3209,32 @@ static inline void bf16x16(const uint16_t *p, __m256 *even, __m256 *odd) {
     *even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
     *odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xFFFF0000u)));
 }
-/* logits_rows8 on bf16 keys as bf16x16 widens them, d a multiple of 16; qt: the GN heads' q with each 16 columns as
- * their 8 even, then their 8 odd (qt_even_odd) */
-static inline __attribute__((always_inline)) void logits_rows8_bf16(const int GN, const float *qt, const uint16_t *K,
-                                                                    int64_t j, int64_t d, float scaling, __m256 bias,
-                                                                    float *pr, int64_t S, float *mx) {
+/* The logits of rows [j, j + 8) against GN query heads (head i's q at qh + i d): per row and head a vector of
+ * partial sums (a multiply-add per 8 columns), then one sum8 per head; the logit times `scaling` plus the bias at
+ * pr + i S + j (head i's row of probs), and each head's largest into mx[i]. EO (bf16 keys, d a multiple of 16):
+ * the keys widened by bf16x16, q given with each 16 columns as their 8 even, then their 8 odd (qt_even_odd); else
+ * 8 columns at a time in the row's order (kv8). GN and EO are constants where this is inlined. */
+static inline __attribute__((always_inline)) void logits_rows8(const int GN, const int EO, const float *qh,
+                                                               const void *K, int bf16, int64_t j, int64_t d,
+                                                               float scaling, __m256 bias, float *pr, int64_t S,
+                                                               float *mx) {
     __m256 part[4][8];
     for (int e = 0; e < 8; e++) {
         __m256 a[4];
         for (int i = 0; i < GN; i++) a[i] = _mm256_setzero_ps();
-        for (int64_t u = 0; u < d; u += 16) {
-            __m256 ke, ko;
-            bf16x16(K + (j + e) * d + u, &ke, &ko);
-            for (int i = 0; i < GN; i++)
-                a[i] = _mm256_fmadd_ps(_mm256_loadu_ps(qt + i * d + u + 8), ko,
-                                       _mm256_fmadd_ps(_mm256_loadu_ps(qt + i * d + u), ke, a[i]));
-        }
+        if (EO)
+            for (int64_t u = 0; u < d; u += 16) {
+                __m256 ke, ko;
+                bf16x16((const uint16_t *)K + (j + e) * d + u, &ke, &ko);
+                for (int i = 0; i < GN; i++)
+                    a[i] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i * d + u + 8), ko,
+                                           _mm256_fmadd_ps(_mm256_loadu_ps(qh + i * d + u), ke, a[i]));
+            }
+        else
+            for (int64_t u = 0; u < d; u += 8) {
+                const __m256 k = kv8(K, (j + e) * d + u, bf16);
+                for (int i = 0; i < GN; i++) a[i] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i * d + u), k, a[i]);
+            }
         for (int i = 0; i < GN; i++) part[i][e] = a[i];
     }
     for (int i = 0; i < GN; i++) {
@@ -3257,7 +3244,31 @@ static inline __attribute__((always_inline)) void logits_rows8_bf16(const int GN
         mx[i] = top > mx[i] ? top : mx[i];
     }
 }
-/* n heads' q (head i at q + i d) as logits_rows8_bf16 takes them: each 16 columns' even ones, then their odd ones */
+/* The logits of a work item's rows from j, 8 at a time while 8 remain (returns where it stopped), for its G query
+ * heads (q at qg, head i at qg + i d; with EO as qt_even_odd lays it out), up to four heads a pass, the rows
+ * PREFETCH_ROWS ahead asked for into L2. EO is a constant where this is inlined. */
+static inline __attribute__((always_inline)) int64_t logits_item(const int EO, const float *qg, const void *K,
+                                                                 int bf16, const float *lc, int64_t G, int64_t j,
+                                                                 int64_t j1, int64_t d, float scaling, float *pr,
+                                                                 int64_t S, float *mx) {
+    const int64_t esize = bf16 ? 2 : 4;
+    for (; j + 8 <= j1; j += 8) {
+        const char *ahead = (const char *)K + (j + PREFETCH_ROWS) * d * esize;
+        for (int64_t i = 0; i < 8 * d * esize; i += 64) _mm_prefetch(ahead + i, _MM_HINT_T1);
+        const __m256 bias = lc ? _mm256_loadu_ps(lc + j) : _mm256_setzero_ps();
+        for (int64_t g0 = 0; g0 < G; g0 += 4) {
+            const int64_t n = G - g0 < 4 ? G - g0 : 4;
+            const float *qh = qg + g0 * d;
+            float *ph = pr + g0 * S;
+            if (n == 4) logits_rows8(4, EO, qh, K, bf16, j, d, scaling, bias, ph, S, mx + g0);
+            else if (n == 3) logits_rows8(3, EO, qh, K, bf16, j, d, scaling, bias, ph, S, mx + g0);
+            else if (n == 2) logits_rows8(2, EO, qh, K, bf16, j, d, scaling, bias, ph, S, mx + g0);
+            else logits_rows8(1, EO, qh, K, bf16, j, d, scaling, bias, ph, S, mx + g0);
+        }
+    }
+    return j;
+}
+/* n heads' q (head i at q + i d) as logits_rows8 takes them with EO: each 16 columns' even ones, then their odd ones */
 static inline void qt_even_odd(const float *q, int64_t n, int64_t d, float *qt) {
     for (int64_t i = 0; i < n * d; i += 16)
         for (int k = 0; k < 8; k++) qt[i + k] = q[i + 2 * k], qt[i + 8 + k] = q[i + 2 * k + 1];
@@ -3458,40 +3469,12 @@ static inline __attribute__((always_inline)) void attend_item(
         }
 #elif defined(__AVX2__) && defined(__FMA__)
     _Alignas(32) float qt[4096]; /* the group's q reordered (16 KiB of stack: groups of up to 4,096 numbers) */
-    if (bf16 && d % 16 == 0 && G * d <= 4096) {
+    if (bf16 && d % 16 == 0 && G * d <= 4096) { /* bf16 keys widened 16 at a time (bf16x16) */
         qt_even_odd(q + g * G * d, G, d, qt);
-        for (; j + 8 <= j1; j += 8) { /* as below, on bf16 keys widened by bf16x16 */
-            const char *ahead = (const char *)K + (j + PREFETCH_ROWS) * d * 2;
-            for (int64_t i = 0; i < 8 * d * 2; i += 64) _mm_prefetch(ahead + i, _MM_HINT_T1);
-            const __m256 bias = lc ? _mm256_loadu_ps(lc + j) : _mm256_setzero_ps();
-            for (int64_t g0 = 0; g0 < G; g0 += 4) {
-                const float *qh = qt + g0 * d;
-                float *pr = probs + (g * G + g0) * S;
-                const int64_t n = G - g0 < 4 ? G - g0 : 4;
-                const uint16_t *Kb = (const uint16_t *)K;
-                if (n == 4) logits_rows8_bf16(4, qh, Kb, j, d, scaling, bias, pr, S, mx + g0);
-                else if (n == 3) logits_rows8_bf16(3, qh, Kb, j, d, scaling, bias, pr, S, mx + g0);
-                else if (n == 2) logits_rows8_bf16(2, qh, Kb, j, d, scaling, bias, pr, S, mx + g0);
-                else logits_rows8_bf16(1, qh, Kb, j, d, scaling, bias, pr, S, mx + g0);
-            }
-        }
+        j = logits_item(1, qt, K, bf16, lc, G, j, j1, d, scaling, probs + g * G * S, S, mx);
+    } else if (d % 8 == 0) { /* 8 logits a query head from rows widened in registers */
+        j = logits_item(0, q + g * G * d, K, bf16, lc, G, j, j1, d, scaling, probs + g * G * S, S, mx);
     }
-    if (d % 8 == 0)
-        for (; j + 8 <= j1; j += 8) { /* 8 logits a query head from rows widened in registers, up to 4 heads a pass */
-            const int64_t esize = bf16 ? 2 : 4;
-            const char *ahead = (const char *)K + (j + PREFETCH_ROWS) * d * esize;
-            for (int64_t i = 0; i < 8 * d * esize; i += 64) _mm_prefetch(ahead + i, _MM_HINT_T1);
-            const __m256 bias = lc ? _mm256_loadu_ps(lc + j) : _mm256_setzero_ps();
-            for (int64_t g0 = 0; g0 < G; g0 += 4) {
-                const float *qh = q + (g * G + g0) * d;
-                float *pr = probs + (g * G + g0) * S;
-                const int64_t n = G - g0 < 4 ? G - g0 : 4;
-                if (n == 4) logits_rows8(4, qh, K, bf16, j, d, scaling, bias, pr, S, mx + g0);
-                else if (n == 3) logits_rows8(3, qh, K, bf16, j, d, scaling, bias, pr, S, mx + g0);
-                else if (n == 2) logits_rows8(2, qh, K, bf16, j, d, scaling, bias, pr, S, mx + g0);
-                else logits_rows8(1, qh, K, bf16, j, d, scaling, bias, pr, S, mx + g0);
-            }
-        }
 #endif
     for (; j < j1; j++) { /* the rest one row at a time, still once for the whole group */
         float row[MAX_HEAD_DIM];
