@@ -14,28 +14,18 @@ import torch
 RESULTS = Path(__file__).resolve().parent.parent / "results"
 
 
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def cpu_facts() -> dict:
-    """The CPU's family and model numbers and the widest vector instructions it has: "AMD EPYC" alone names Zen 1
-    to Zen 4, whose vector units differ by 2x (family 23 = Zen 1/2, 25 = Zen 3/4; Zen 4 adds AVX-512)."""
+    """The CPU's name, its family and model numbers and the widest vector instructions it has, from /proc/cpuinfo's
+    first processor: "AMD EPYC" alone names Zen 1 to Zen 4, whose vector units differ by 2x (family 23 = Zen 1/2,
+    25 = Zen 3/4; Zen 4 adds AVX-512)."""
     facts: dict = {}
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as fh:
             for line in fh:
                 key, _, value = line.partition(":")
                 key = key.strip()
-                if key in ("cpu family", "model") and key not in facts:
-                    facts[key] = int(value.strip())
+                if key in ("model name", "cpu family", "model") and key not in facts:
+                    facts[key] = value.strip() if key == "model name" else int(value.strip())
                 elif key == "flags":
                     flags = set(value.split())
                     facts["isa"] = [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16",
@@ -43,7 +33,8 @@ def cpu_facts() -> dict:
                     break
     except (OSError, ValueError):
         pass
-    return {"cpu_family": facts.get("cpu family"), "cpu_model": facts.get("model"), "isa": facts.get("isa", [])}
+    return {"cpu": facts.get("model name") or platform.processor() or platform.machine(),
+            "cpu_family": facts.get("cpu family"), "cpu_model": facts.get("model"), "isa": facts.get("isa", [])}
 
 
 def machine(device: torch.device | None = None) -> dict:
@@ -54,7 +45,7 @@ def machine(device: torch.device | None = None) -> dict:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return {
         "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-        "cpu": cpu_name(), **cpu_facts(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        **cpu_facts(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
         "ram_gb": round(psutil.virtual_memory().total / 2**30, 1),
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "platform": platform.platform(),
